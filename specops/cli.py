@@ -1,0 +1,95 @@
+"""The ``specops`` command line: a thin click tree.
+
+Each command lives in the module that owns its feature and is imported only when
+invoked, so ``specops policy ...`` never imports torch. Options may also be given
+as environment variables with the ``SPECOPS_`` prefix (``SPECOPS_REDIS`` for
+``--redis``, ...).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+# group path -> {command name -> "module:attribute"}; the attribute is a click command.
+COMMANDS: dict[tuple[str, ...], dict[str, str]] = {
+    (): {
+        "demo": "specops.demo:demo_command",
+        "simulate": "specops.controller.cli:simulate_command",
+    },
+    ("train",): {
+        "tiny": "specops.train.cli:train_tiny_command",
+        "draft": "specops.train.cli:train_draft_command",
+        "heads": "specops.train.cli_heads:train_heads_command",
+    },
+    ("bench",): {
+        "decode": "specops.bench.cli:bench_decode_command",
+        "kernels": "specops.kernels.bench:bench_kernels_command",
+    },
+    ("policy",): {
+        "validate": "specops.policies.cli:validate_command",
+        "diff": "specops.policies.cli:diff_command",
+        "rollout": "specops.policies.cli:rollout_command",
+        "promote": "specops.policies.cli:promote_command",
+        "abort": "specops.policies.cli:abort_command",
+        "rollback": "specops.policies.cli:rollback_command",
+        "status": "specops.policies.cli:status_command",
+        "history": "specops.policies.cli:history_command",
+    },
+    ("controller",): {
+        "run": "specops.controller.cli:run_command",
+    },
+    ("alerts",): {
+        "render": "specops.alerts.cli:render_command",
+    },
+}
+
+GROUP_HELP = {
+    ("train",): "Train the bundled models, distil drafts, train Medusa heads.",
+    ("bench",): "Benchmarks: decoding methods vs peers, kernels.",
+    ("policy",): "Validate and roll out YAML speculation policies.",
+    ("controller",): "The adaptive control loop (sidecar).",
+    ("alerts",): "Render alert rules for Prometheus and Grafana.",
+}
+
+
+class LazyGroup(click.Group):
+    """A click group whose sub-commands are imported on first use."""
+
+    def __init__(self, *args, path: tuple[str, ...] = (), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.path = path
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        names = set(COMMANDS.get(self.path, {}))
+        names |= {p[len(self.path)] for p in COMMANDS if len(p) == len(self.path) + 1 and p[: len(self.path)] == self.path}
+        return sorted(names)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        sub = self.path + (name,)
+        if sub in COMMANDS:
+            return LazyGroup(name=name, path=sub, help=GROUP_HELP.get(sub))
+        target = COMMANDS.get(self.path, {}).get(name)
+        if target is None:
+            return None
+        module_name, attr = target.split(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name and (exc.name == module_name or module_name.startswith(exc.name + ".")):
+                raise click.ClickException(f"command '{name}' is not available in this install ({module_name} missing)") from None
+            raise click.ClickException(
+                f"command '{name}' needs the Python package '{exc.name}'; install specops[runtime] (after torch)"
+            ) from None
+        return getattr(module, attr)
+
+
+@click.group(cls=LazyGroup, context_settings={"auto_envvar_prefix": "SPECOPS", "help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="specops")
+def main() -> None:
+    """specops: fast and safe speculative decoding."""
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

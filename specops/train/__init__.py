@@ -1,0 +1,1 @@
+"""specops.train."""

@@ -1,0 +1,29 @@
+"""Shared fixtures: a real Redis server per test session, a fresh client per test."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.services import start_redis
+
+
+@pytest.fixture(scope="session")
+def redis_service(tmp_path_factory):
+    svc = start_redis(tmp_path_factory.mktemp("redis"))
+    yield svc
+    svc.stop()
+
+
+@pytest.fixture
+def redis_client(redis_service):
+    import redis
+
+    client = redis.Redis(host="127.0.0.1", port=redis_service.port, decode_responses=False)
+    client.flushall()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def redis_url(redis_service) -> str:
+    return f"redis://127.0.0.1:{redis_service.port}/0"
