@@ -78,11 +78,20 @@ class LazyGroup(click.Group):
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
             if exc.name and (exc.name == module_name or module_name.startswith(exc.name + ".")):
-                raise click.ClickException(f"command '{name}' is not available in this install ({module_name} missing)") from None
-            raise click.ClickException(
-                f"command '{name}' needs the Python package '{exc.name}'; install specops[runtime] (after torch)"
-            ) from None
+                reason = f"not available in this install ({module_name} missing)"
+            else:
+                reason = f"needs the Python package '{exc.name}': install specops[runtime] (after torch)"
+            return _unavailable(name, reason)
         return getattr(module, attr)
+
+
+def _unavailable(name: str, reason: str) -> click.Command:
+    """A command that only explains why it cannot run (keeps ``--help`` working)."""
+
+    def fail() -> None:
+        raise click.ClickException(f"command '{name}' is {reason}" if reason.startswith("not") else f"command '{name}' {reason}")
+
+    return click.Command(name, callback=fail, help=f"[unavailable: {reason}]")
 
 
 @click.group(cls=LazyGroup, context_settings={"auto_envvar_prefix": "SPECOPS", "help_option_names": ["-h", "--help"]})
