@@ -1,0 +1,362 @@
+"""The policy schema: typed, validated objects built from a YAML policy.
+
+A policy says, per request class, how to speculate (method, γ, Medusa heads, tree
+size), which bounds the adaptive controller may move those knobs within, when to
+alert, and how a new policy is rolled out (canary steps with analysis).
+
+Unknown fields are rejected everywhere (typos must not be silently ignored).
+Checks that involve several fields (``min <= initial <= max``, references between
+classes, alerts and the rollout analysis) run after the per-field checks; the
+loader reports all of them with file, line and field path (see ``loader.py``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
+
+Method = Literal["draft", "medusa", "ngram", "off"]
+AdaptationMode = Literal["fixed", "goodput", "bandit"]
+AlertMetric = Literal["acceptance_rate", "speedup", "head_accuracy", "tokens_per_s", "p99_token_latency_s"]
+AlertOp = Literal["<", "<=", ">", ">="]
+AlertAction = Literal["fallback", "rollback", "notify"]
+Severity = Literal["critical", "warning", "info"]
+
+# Metrics that are ratios in [0, 1]; their thresholds must be too.
+RATIO_METRICS = frozenset({"acceptance_rate", "head_accuracy"})
+
+# Context key under which Policy's cross-reference checks append (loc, message)
+# instead of raising, so the loader can report them with precise paths and lines.
+ISSUES_CONTEXT_KEY = "specops_issues"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, use_attribute_docstrings=True)
+
+
+class IntRange(_Model):
+    """An integer knob: where it starts and the bounds the controller may move it within."""
+
+    initial: int = Field(ge=0, le=1024)
+    """Value used until the controller has measured enough to adapt."""
+    min: int = Field(ge=0, le=1024)
+    """Lowest value the controller may choose."""
+    max: int = Field(ge=0, le=1024)
+    """Highest value the controller may choose."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> IntRange:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) must be <= max ({self.max})")
+        if not self.min <= self.initial <= self.max:
+            raise ValueError(f"initial ({self.initial}) must lie within min..max ({self.min}..{self.max})")
+        return self
+
+    def clamp(self, value: int) -> int:
+        """``value`` limited to ``[min, max]``."""
+        return max(self.min, min(self.max, value))
+
+
+class FloatRange(_Model):
+    """A closed interval of floats."""
+
+    min: float = Field(ge=0.0, allow_inf_nan=False)
+    """Lower bound (inclusive)."""
+    max: float = Field(ge=0.0, allow_inf_nan=False)
+    """Upper bound (inclusive)."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> FloatRange:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) must be <= max ({self.max})")
+        return self
+
+    def contains(self, value: float) -> bool:
+        return self.min <= value <= self.max
+
+
+class MatchRule(_Model):
+    """One way a request can belong to a class; all conditions given in a rule must hold.
+
+    A class matches when any of its rules matches. Give at least one condition.
+    """
+
+    prefix: str | None = Field(default=None, min_length=1)
+    """The prompt starts with this text."""
+    regex: str | None = Field(default=None, min_length=1)
+    """Python regular expression searched anywhere in the prompt."""
+    label: dict[str, str] | None = Field(default=None, min_length=1)
+    """Request labels / headers that must all be present with these exact values."""
+    min_prompt_tokens: int | None = Field(default=None, ge=0)
+    """The prompt has at least this many tokens."""
+    max_prompt_tokens: int | None = Field(default=None, ge=0)
+    """The prompt has at most this many tokens."""
+
+    @field_validator("regex")
+    @classmethod
+    def _compiles(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise ValueError(f"invalid regular expression: {exc}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _has_condition(self) -> MatchRule:
+        given = [f for f in ("prefix", "regex", "label", "min_prompt_tokens", "max_prompt_tokens") if getattr(self, f) is not None]
+        if not given:
+            raise ValueError("a match rule needs at least one of prefix, regex, label, min_prompt_tokens, max_prompt_tokens")
+        if (self.min_prompt_tokens is not None and self.max_prompt_tokens is not None
+                and self.min_prompt_tokens > self.max_prompt_tokens):
+            raise ValueError(f"min_prompt_tokens ({self.min_prompt_tokens}) must be <= max_prompt_tokens ({self.max_prompt_tokens})")
+        return self
+
+    def matches(self, prompt: str, labels: dict[str, str], prompt_tokens: int) -> bool:
+        if self.prefix is not None and not prompt.startswith(self.prefix):
+            return False
+        if self.regex is not None and re.search(self.regex, prompt) is None:
+            return False
+        if self.label is not None and any(labels.get(k) != v for k, v in self.label.items()):
+            return False
+        if self.min_prompt_tokens is not None and prompt_tokens < self.min_prompt_tokens:
+            return False
+        if self.max_prompt_tokens is not None and prompt_tokens > self.max_prompt_tokens:
+            return False
+        return True
+
+
+class Adaptation(_Model):
+    """How the controller adapts a class's knobs, and how hard it is held back from flapping."""
+
+    mode: AdaptationMode = "goodput"
+    """``fixed``: keep the initial values; ``goodput``: pick the setting with the highest
+    expected tokens/s from measured acceptance and costs; ``bandit``: UCB over the allowed settings."""
+    dead_band: float = Field(default=0.05, ge=0.0, le=1.0, allow_inf_nan=False)
+    """Relative improvement (0.05 = 5%) a new setting must promise before the controller switches."""
+    cooldown_s: float = Field(default=60.0, ge=0.0, allow_inf_nan=False)
+    """Minimum seconds between two changes of this class's settings."""
+    max_step: int = Field(default=2, ge=1, le=64)
+    """Largest change of γ (or heads, or tree size) in one tick."""
+    probe_fraction: float = Field(default=0.05, ge=0.0, le=1.0, allow_inf_nan=False)
+    """Share of the class's traffic that keeps speculating while the class is fallen back,
+    so the controller can see when speculation pays again."""
+
+
+class RequestClass(_Model):
+    """A kind of request (code completion, chat, creative writing...) and how to decode it."""
+
+    name: str = Field(pattern=NAME_PATTERN)
+    """Class name: lowercase letters, digits, ``_ . -``; used as a metric label and Redis key."""
+    match: list[MatchRule] = Field(default_factory=list)
+    """Rules that put a request in this class (checked in class order; first match wins).
+    Empty: only requests that fall through to the default class."""
+    method: Method = "draft"
+    """Speculation method: ``draft`` model, ``medusa`` heads, ``ngram`` prompt lookup, or ``off``."""
+    gamma: IntRange = IntRange(initial=4, min=1, max=8)
+    """Speculation length γ (draft and n-gram methods); min must be at least 1."""
+    medusa_heads: IntRange = IntRange(initial=3, min=1, max=4)
+    """Number of Medusa heads used (medusa method); min must be at least 1."""
+    tree_size: IntRange = IntRange(initial=16, min=4, max=64)
+    """Nodes in the Medusa candidate tree (medusa method); min must be at least 1."""
+    temperature: FloatRange = FloatRange(min=0.0, max=2.0)
+    """Sampling temperatures this class speculates for; requests outside decode plainly."""
+    deadline_s: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    """Decode deadline in seconds; past it the request continues with plain decoding. None: no deadline."""
+    adaptation: Adaptation = Adaptation()
+    """How the controller adapts this class's knobs."""
+
+    @field_validator("gamma", "medusa_heads", "tree_size")
+    @classmethod
+    def _at_least_one(cls, value: IntRange, info: ValidationInfo) -> IntRange:
+        if value.min < 1:
+            raise ValueError(f"min must be at least 1 for {info.field_name} (use method: off to disable speculation)")
+        return value
+
+    def speculates_at(self, temperature: float) -> bool:
+        """Whether a request at ``temperature`` uses this class's speculation method."""
+        return self.method != "off" and self.temperature.contains(temperature)
+
+
+class AlertRule(_Model):
+    """An alert: a metric compared with a threshold for long enough, with enough samples."""
+
+    name: str = Field(pattern=NAME_PATTERN)
+    """Rule name (unique); used in alert labels and in ``rollout.analysis.rules``."""
+    metric: AlertMetric
+    """Derived metric watched (definitions in ``specops.telemetry.contract``)."""
+    op: AlertOp
+    """Comparison that makes the alert condition true: ``metric op threshold``."""
+    threshold: float = Field(allow_inf_nan=False)
+    """Threshold; ratios (acceptance_rate, head_accuracy) lie in [0, 1], others are >= 0."""
+    for_s: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    """How long (seconds) the condition must hold before the alert fires."""
+    min_samples: int = Field(default=0, ge=0)
+    """Drafted tokens needed in the window; with fewer the result is inconclusive."""
+    action: AlertAction = "notify"
+    """What the controller does when it fires: ``fallback`` the class to plain decoding,
+    ``rollback`` the policy to the last good revision, or only ``notify``."""
+    severity: Severity = "warning"
+    """Alert severity label."""
+    classes: list[str] | None = None
+    """Classes the rule watches; omit (null) for all classes."""
+
+    @field_validator("threshold")
+    @classmethod
+    def _threshold_in_range(cls, value: float, info: ValidationInfo) -> float:
+        metric = info.data.get("metric")
+        if metric in RATIO_METRICS and not 0.0 <= value <= 1.0:
+            raise ValueError(f"{metric} is a ratio: threshold must lie in [0, 1], got {value}")
+        if metric is not None and metric not in RATIO_METRICS and value < 0:
+            raise ValueError(f"threshold for {metric} must be >= 0, got {value}")
+        return value
+
+    def holds(self, value: float) -> bool:
+        """Whether ``value`` satisfies the alert condition (``value op threshold``)."""
+        if self.op == "<":
+            return value < self.threshold
+        if self.op == "<=":
+            return value <= self.threshold
+        if self.op == ">":
+            return value > self.threshold
+        return value >= self.threshold
+
+    def applies_to(self, request_class: str) -> bool:
+        return self.classes is None or request_class in self.classes
+
+
+class RolloutStep(_Model):
+    """One canary step: send ``weight`` percent of traffic to the new revision, then wait."""
+
+    weight: int = Field(ge=0, le=100)
+    """Percent of traffic on the canary revision during this step."""
+    pause_s: float | None = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    """Seconds to stay at this step before advancing; null pauses until ``specops policy promote``."""
+    analysis: bool = True
+    """Run the rollout analysis during this step (a failure rolls back automatically)."""
+
+
+class Analysis(_Model):
+    """Canary analysis, run every ``interval_s`` during steps that ask for it (as in Argo Rollouts)."""
+
+    interval_s: float = Field(default=30.0, gt=0.0, allow_inf_nan=False)
+    """Seconds between two analysis runs."""
+    window_s: float = Field(default=300.0, gt=0.0, allow_inf_nan=False)
+    """Metrics window each run looks at."""
+    failure_limit: int = Field(default=0, ge=0)
+    """Failed runs tolerated; one more marks the rollout degraded and rolls it back."""
+    inconclusive_limit: int = Field(default=0, ge=0)
+    """Inconclusive runs tolerated; one more pauses the rollout for a human."""
+    consecutive_error_limit: int = Field(default=4, ge=0)
+    """Consecutive errors (metric source down) tolerated before the run counts as failed."""
+    rules: list[str] = Field(default_factory=list)
+    """Alert rule names evaluated by the analysis; empty: all alert rules."""
+
+
+class Rollout(_Model):
+    """How a new revision of this policy replaces the current one."""
+
+    steps: list[RolloutStep] = Field(default_factory=lambda: [RolloutStep(weight=100)], min_length=1)
+    """Canary steps, weights strictly increasing and at most 100. After the last step the
+    canary becomes the stable revision (100%)."""
+    analysis: Analysis = Analysis()
+    """Analysis settings shared by all steps."""
+
+    @field_validator("steps")
+    @classmethod
+    def _increasing(cls, steps: list[RolloutStep]) -> list[RolloutStep]:
+        for i in range(1, len(steps)):
+            if steps[i].weight <= steps[i - 1].weight:
+                raise ValueError(
+                    f"weights must increase from step to step: steps[{i}].weight ({steps[i].weight}) "
+                    f"<= steps[{i - 1}].weight ({steps[i - 1].weight})")
+        return steps
+
+
+class Policy(_Model):
+    """A versioned speculation policy for a fleet."""
+
+    version: str = Field(min_length=1, max_length=200)
+    """Version label of this policy (free text, e.g. ``2024-06-01.1``); numbers are accepted as text."""
+    description: str = ""
+    """What this policy is for."""
+    default_class: str
+    """Class used for requests that match no class's rules; must be one of ``classes``."""
+    classes: list[RequestClass] = Field(min_length=1)
+    """Request classes, in match order."""
+    alerts: list[AlertRule] = Field(default_factory=list)
+    """Alert rules."""
+    rollout: Rollout = Rollout()
+    """Canary rollout of this policy."""
+
+    @field_validator("version", mode="before")
+    @classmethod
+    def _version_text(cls, value: Any) -> Any:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        return value
+
+    @model_validator(mode="after")
+    def _references(self, info: ValidationInfo) -> Policy:
+        issues = cross_reference_issues(self)
+        if not issues:
+            return self
+        sink = info.context.get(ISSUES_CONTEXT_KEY) if isinstance(info.context, dict) else None
+        if isinstance(sink, list):
+            sink.extend(issues)
+            return self
+        raise ValueError("; ".join(f"{'.'.join(map(str, loc))}: {msg}" for loc, msg in issues))
+
+    def get_class(self, name: str) -> RequestClass:
+        for c in self.classes:
+            if c.name == name:
+                return c
+        raise KeyError(f"no request class named {name!r} in policy {self.version!r}")
+
+    @property
+    def class_names(self) -> list[str]:
+        return [c.name for c in self.classes]
+
+    def classify(self, prompt: str, labels: dict[str, str] | None = None, prompt_tokens: int = 0) -> RequestClass:
+        """The first class (in order) with a matching rule, else the default class."""
+        labels = labels or {}
+        for c in self.classes:
+            if any(rule.matches(prompt, labels, prompt_tokens) for rule in c.match):
+                return c
+        return self.get_class(self.default_class)
+
+    def analysis_rules(self) -> list[AlertRule]:
+        """Alert rules the rollout analysis evaluates."""
+        wanted = self.rollout.analysis.rules
+        return [a for a in self.alerts if not wanted or a.name in wanted]
+
+
+def cross_reference_issues(policy: Policy) -> list[tuple[tuple[str | int, ...], str]]:
+    """Problems that involve more than one part of the policy, as (location, message)."""
+    issues: list[tuple[tuple[str | int, ...], str]] = []
+    names = policy.class_names
+    known_classes = ", ".join(dict.fromkeys(names))
+    seen: set[str] = set()
+    for i, name in enumerate(names):
+        if name in seen:
+            issues.append((("classes", i, "name"), f"duplicate class name {name!r}"))
+        seen.add(name)
+    if policy.default_class not in seen:
+        issues.append((("default_class",), f"unknown class {policy.default_class!r} (classes: {known_classes})"))
+    alert_names: set[str] = set()
+    for i, alert in enumerate(policy.alerts):
+        if alert.name in alert_names:
+            issues.append((("alerts", i, "name"), f"duplicate alert name {alert.name!r}"))
+        alert_names.add(alert.name)
+        for j, cls_name in enumerate(alert.classes or []):
+            if cls_name not in seen:
+                issues.append((("alerts", i, "classes", j), f"unknown class {cls_name!r} (classes: {known_classes})"))
+    for i, rule in enumerate(policy.rollout.analysis.rules):
+        if rule not in alert_names:
+            known = ", ".join(sorted(alert_names)) or "none defined"
+            issues.append((("rollout", "analysis", "rules", i), f"unknown alert rule {rule!r} (alerts: {known})"))
+    return issues
