@@ -1,0 +1,80 @@
+import time
+
+import pytest
+
+from specops.telemetry.redis_metrics import RedisPublisher, RedisWindowReader
+from tests.telemetry.helpers import make_record
+
+
+class FakeClock:
+    def __init__(self, t: float = 1_000_000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_round_trip_sums_pods_and_buckets(redis_client):
+    clock = FakeClock()
+    a = RedisPublisher(redis_client, "pod-a", bucket_s=10, ttl_s=60, clock=clock)
+    b = RedisPublisher(redis_client, "pod-b", bucket_s=10, ttl_s=60, clock=clock)
+    reader = RedisWindowReader(redis_client, bucket_s=10, clock=clock, ttl_s=60)
+    a.publish(make_record("code"))
+    clock.t += 10
+    b.publish(make_record("code", gamma=2, drafted=8, accepted=3, accepted_per_pos=[2, 1], fallback_reason="deadline"))
+    b.publish(make_record("chat", method="medusa", gamma=0, heads=2, head_predictions=[5, 5], head_correct=[4, 1]))
+
+    w = reader.window("code", 20)
+    assert w.requests == 2 and w.drafted == 24 and w.accepted == 15
+    assert w.accepted_per_pos == [6, 5, 3, 1]
+    assert w.wall_s == pytest.approx(0.8) and w.speedup == pytest.approx(1.5)
+    assert w.gamma == pytest.approx(3.0)
+    assert w.fallbacks == {"deadline": 1}
+    # A 10 s window covers only the current bucket: pod-b's record.
+    assert reader.window("code", 10).requests == 1
+    assert reader.window("code", 20, pod="pod-a").requests == 1
+    assert reader.window("chat", 20).head_accuracy == [0.8, 0.2]
+    assert reader.classes() == ["chat", "code"]
+    assert reader.pods("code") == ["pod-a", "pod-b"]
+    both = reader.windows(["code", "chat", "none"], 20)
+    assert both["code"].accepted == 15 and both["chat"].requests == 1 and both["none"].requests == 0
+
+
+def test_old_buckets_leave_the_window_and_expire(redis_client):
+    clock = FakeClock()
+    pub = RedisPublisher(redis_client, "p", bucket_s=1, ttl_s=1, clock=clock)
+    reader = RedisWindowReader(redis_client, bucket_s=1, clock=clock, ttl_s=1)
+    pub.publish(make_record("code"))
+    assert reader.window("code", 5).requests == 1
+    clock.t += 10
+    assert reader.window("code", 5).requests == 0   # outside the window by time
+    assert reader.classes() == []                     # silent longer than the ttl
+    keys = redis_client.keys("specops:tm:*:code:*")
+    assert keys and all(0 < redis_client.pttl(k) <= 1000 for k in keys)
+    deadline = time.monotonic() + 5
+    while redis_client.keys("specops:tm:*:code:*") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert redis_client.keys("specops:tm:*:code:*") == []   # really expired in Redis
+
+
+def test_controller_tick_read_is_fast_for_a_large_fleet(redis_client):
+    """200 pods x 5 classes publish; one tick reads all 5 classes' 60 s windows in one round trip."""
+    clock = FakeClock()
+    classes = [f"c{i}" for i in range(5)]
+    for p in range(200):
+        pub = RedisPublisher(redis_client, f"pod-{p}", bucket_s=10, ttl_s=600, clock=clock)
+        for name in classes:
+            pub.publish(make_record(name))
+    reader = RedisWindowReader(redis_client, bucket_s=10, clock=clock, ttl_s=600)
+    start = time.perf_counter()
+    windows = reader.windows(reader.classes(), 60)
+    elapsed = time.perf_counter() - start
+    assert all(w.requests == 200 and w.drafted == 3200 for w in windows.values())
+    assert elapsed < 0.05, f"tick read took {elapsed * 1000:.1f} ms"
+
+
+@pytest.mark.parametrize("kwargs", [{"bucket_s": 0}, {"ttl_s": -1}, {"bucket_s": 10, "ttl_s": 5}, {"pod": ""}])
+def test_bad_publisher_settings(redis_client, kwargs):
+    args = {"pod": "p", **kwargs}
+    with pytest.raises(ValueError):
+        RedisPublisher(redis_client, **args)
