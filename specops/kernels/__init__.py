@@ -1,1 +1,13 @@
-"""specops.kernels."""
+"""specops.kernels: tree attention and KV compaction, each a Triton kernel beside a
+plain PyTorch reference (CUDA tensors use Triton, CPU tensors the reference).
+
+- ``tree_attention(q, k, v, tree_mask, scale=None, impl="auto")``: q [B, Hq, T, D],
+  k/v [B, Hkv, L+T, D], tree_mask [T, T] bool -> [B, Hq, T, D].
+- ``kv_compact(k_cache, v_cache, start, keep, impl="auto")``: caches [B, Hkv, Lmax, D],
+  row start+keep[i] -> start+i, in place.
+"""
+
+from specops.kernels.kv_compact import kv_compact, kv_compact_reference
+from specops.kernels.tree_attention import MAX_TREE_NODES, tree_attention, tree_attention_reference
+
+__all__ = ["MAX_TREE_NODES", "kv_compact", "kv_compact_reference", "tree_attention", "tree_attention_reference"]
