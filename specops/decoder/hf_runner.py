@@ -27,22 +27,10 @@ from specops.decoder.runner import (
     check_forward_args,
     check_truncate,
     model_context_limit,
+    sliding_window,
 )
 
 log = logging.getLogger(__name__)
-
-
-def _sliding_window(config) -> int | None:
-    """The attention window of a config whose layers (any of them) use sliding-window attention."""
-    window = getattr(config, "sliding_window", None)
-    if not isinstance(window, int) or window <= 0:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    if getattr(config, "use_sliding_window", True) is False:
-        return None
-    return window
 
 
 class HFRunner:
@@ -72,7 +60,7 @@ class HFRunner:
         first = next(model.parameters())
         self.device = first.device
         self.dtype = first.dtype
-        self._window = _sliding_window(config)
+        self._window = sliding_window(config)
         self._cache_cls = DynamicCache
         self._batch = 1
         self._len = 0

@@ -195,6 +195,19 @@ def model_context_limit(config) -> int | None:
     return None
 
 
+def sliding_window(config) -> int | None:
+    """The attention window of a config whose layers (any of them) use sliding-window attention."""
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or window <= 0:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return window
+
+
 def load_runner(model, *, max_context: int | None = None, impl: str = "auto") -> ModelRunner:
     """Wrap a loaded transformers causal LM in a runner.
 
