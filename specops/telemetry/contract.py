@@ -160,7 +160,8 @@ def promql(name: str, window: str = "5m", match: str = "") -> str:
         raise KeyError(f"unknown derived series {name!r}; known: {', '.join(sorted(PROMQL))}")
     if not window or not (window[0].isdigit() or window.startswith("$")):
         raise ValueError(f"window must be a PromQL duration such as '5m' (or a Grafana variable), got {window!r}")
-    return Template(PROMQL[name]).substitute(window=window, match=match)
+    expr = Template(PROMQL[name]).substitute(window=window, match=match)
+    return expr.replace("{}", "")  # no matchers: plain `name[5m]`
 
 
 def class_matcher(request_class: str) -> str:
