@@ -1,0 +1,400 @@
+"""The public decoding API: `Decoder` and `GenerateOutput`.
+
+```python
+dec = Decoder(target_model, draft=draft_model)             # loaded transformers models (or runners)
+dec = Decoder.from_pretrained("bundled")                     # the shipped tiny pair
+out = dec.generate(prompt_ids, method="draft", gamma=4, max_new_tokens=128)
+out.tokens, out.stats
+```
+
+`Decoder.generate` validates the request, builds a `SamplingConfig`, a seeded
+`torch.Generator` and a γ schedule, and calls one function per method through the
+`METHODS` table (`autoregressive.generate_ar`, `draft.generate_draft`,
+`ngram.generate_ngram`, `medusa_decode.generate_medusa`).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from specops.decoder.errors import (
+    ContextLengthError,
+    InvalidRequestError,
+    MissingComponentError,
+    ModelLoadError,
+    UnknownMethodError,
+    VocabMismatchError,
+)
+from specops.decoder.runner import IMPLS, ModelRunner, load_runner
+from specops.decoder.sampling import SamplingConfig, make_generator
+from specops.decoder.schedule import GammaSchedule, make_schedule
+from specops.decoder.stats import DecodeStats
+
+log = logging.getLogger(__name__)
+
+BUNDLED = "bundled"
+CALIBRATION_TOKENS = 8  # plain steps timed once per Decoder for the speed-up estimate
+
+
+@dataclass
+class GenerateOutput:
+    """The result of one `Decoder.generate` call."""
+
+    tokens: list[int]
+    """New tokens only (the prompt is not repeated)."""
+    stats: DecodeStats
+    """Counters and timings of this request."""
+    text: str | None = None
+    """``tokens`` decoded with the decoder's tokenizer, when it has one."""
+
+
+@dataclass
+class DecodeRequest:
+    """A validated ``generate`` call, handed to a method through the `METHODS` table."""
+
+    prompt_ids: torch.Tensor  # [B, T] long on the target's device
+    sampling: SamplingConfig
+    generator: torch.Generator
+    max_new_tokens: int
+    eos_token_id: int | list[int] | None
+    schedule: GammaSchedule
+    heads: int | None = None
+    tree: Any = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def _run_ar(dec: Decoder, req: DecodeRequest) -> tuple[list[int], DecodeStats]:
+    from specops.decoder.autoregressive import generate_ar
+
+    return generate_ar(
+        dec.target,
+        req.prompt_ids,
+        sampling=req.sampling,
+        generator=req.generator,
+        max_new_tokens=req.max_new_tokens,
+        eos_token_id=req.eos_token_id,
+    )
+
+
+def _run_draft(dec: Decoder, req: DecodeRequest) -> tuple[list[int], DecodeStats]:
+    from specops.decoder.draft import generate_draft
+
+    if dec.draft is None:
+        raise MissingComponentError("method 'draft' needs a draft model: Decoder(target, draft=...)")
+    return generate_draft(
+        dec.target,
+        dec.draft,
+        req.prompt_ids,
+        sampling=req.sampling,
+        generator=req.generator,
+        max_new_tokens=req.max_new_tokens,
+        eos_token_id=req.eos_token_id,
+        schedule=req.schedule,
+    )
+
+
+def _run_ngram(dec: Decoder, req: DecodeRequest) -> tuple[list[int], DecodeStats]:
+    from specops.decoder.ngram import generate_ngram
+
+    return generate_ngram(
+        dec.target,
+        req.prompt_ids,
+        sampling=req.sampling,
+        generator=req.generator,
+        max_new_tokens=req.max_new_tokens,
+        eos_token_id=req.eos_token_id,
+        schedule=req.schedule,
+        **req.options,
+    )
+
+
+# method name -> function(decoder, request) -> (tokens, stats). One entry per method.
+METHODS: dict[str, Callable[[Decoder, DecodeRequest], tuple[list[int], DecodeStats]]] = {
+    "ar": _run_ar,
+    "draft": _run_draft,
+    "ngram": _run_ngram,
+}
+# methods that need a component, and the component's attribute on the Decoder
+REQUIRES: dict[str, str] = {"draft": "draft", "medusa": "medusa"}
+
+
+def _as_runner(model: Any, *, impl: str, max_context: int | None, role: str) -> ModelRunner:
+    """A runner for a transformers model, or the object itself when it already is one."""
+    if isinstance(model, ModelRunner):
+        return model
+    if getattr(model, "config", None) is None:
+        raise TypeError(f"{role} must be a transformers causal LM or a ModelRunner, got {type(model).__name__}")
+    return load_runner(model, max_context=max_context, impl=impl)
+
+
+def _load_model(path: str | Path, *, dtype: torch.dtype, device: str | torch.device, role: str):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    except Exception as exc:  # transformers raises OSError, ValueError, EnvironmentError, ...
+        raise ModelLoadError(f"cannot load the {role} model from {str(path)!r}: {exc}") from exc
+    return model.to(device).eval()
+
+
+def _load_tokenizer(path: str | Path):
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:  # a model folder without tokenizer files is fine
+        log.info("no tokenizer loaded from %s: %s", path, exc)
+        return None
+
+
+class Decoder:
+    """A target model, optionally a draft and Medusa heads, and the decoding methods over them."""
+
+    def __init__(
+        self,
+        target: Any,
+        draft: Any = None,
+        medusa: Any = None,
+        *,
+        fallback: bool = False,
+        impl: str = "auto",
+        max_context: int | None = None,
+        tokenizer: Any = None,
+    ) -> None:
+        """``target`` / ``draft``: loaded transformers causal LMs (or `ModelRunner`s).
+
+        ``fallback=True``: a draft that cannot be used (here: a vocabulary mismatch; in
+        `from_pretrained` also one that fails to load) is dropped with a warning and
+        ``method="draft"`` then runs plain decoding, with the reason in the stats.
+        ``impl``: "auto" | "fast" | "hf" (see `specops.decoder.runner.load_runner`).
+        """
+        if impl not in IMPLS:
+            raise InvalidRequestError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+        self.fallback = bool(fallback)
+        self.target_model = None if isinstance(target, ModelRunner) else target
+        self.target = _as_runner(target, impl=impl, max_context=max_context, role="target")
+        self.draft: ModelRunner | None = None
+        self.draft_error: str | None = None
+        self.medusa = medusa
+        self.tokenizer = tokenizer
+        self.plain_token_s: float | None = None
+        if draft is not None:
+            try:
+                runner = _as_runner(draft, impl=impl, max_context=max_context, role="draft")
+                from specops.decoder.draft import check_vocab
+
+                check_vocab(self.target, runner)
+            except VocabMismatchError as exc:
+                self._drop_draft(exc)
+            else:
+                self.draft = runner
+
+    def _drop_draft(self, error: Exception) -> None:
+        """Raise ``error`` unless ``fallback`` was asked for; then warn and run without a draft."""
+        if not self.fallback:
+            raise error
+        reason = str(error)
+        self.draft_error = reason
+        message = f"draft model unusable, method 'draft' falls back to plain decoding: {reason}"
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        log.warning(message)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        draft: str | Path | None = None,
+        medusa: str | Path | None = None,
+        *,
+        fallback: bool = False,
+        impl: str = "auto",
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        max_context: int | None = None,
+    ) -> Decoder:
+        """Load a target (a folder, a hub id in the local cache, or ``"bundled"``) and optional parts.
+
+        ``"bundled"`` is the tiny pair under ``specops/assets/``; its draft (and Medusa
+        heads, when present) load unless ``draft`` / ``medusa`` name others.
+        """
+        tokenizer_path: str | Path = path
+        auto_medusa = False
+        if str(path) == BUNDLED:
+            from specops.assets import DRAFT_DIR, MEDUSA_DIR, TARGET_DIR, TOKENIZER_DIR
+
+            if not (TARGET_DIR / "config.json").is_file():
+                raise ModelLoadError(f"the bundled models are missing from {TARGET_DIR}; run `specops train tiny`")
+            path, tokenizer_path = TARGET_DIR, TOKENIZER_DIR
+            draft = DRAFT_DIR if draft is None else draft
+            if medusa is None and MEDUSA_DIR.is_dir():
+                medusa, auto_medusa = MEDUSA_DIR, True
+        target_model = _load_model(path, dtype=dtype, device=device, role="target")
+        draft_model = None
+        draft_error: ModelLoadError | None = None
+        if draft is not None:
+            try:
+                draft_model = _load_model(draft, dtype=dtype, device=device, role="draft")
+            except ModelLoadError as exc:
+                if not fallback:
+                    raise
+                draft_error = exc
+        heads = None
+        if medusa is not None:
+            try:
+                heads = _load_medusa(medusa, target_model, dtype=dtype, device=device)
+            except ModelLoadError as exc:
+                if not auto_medusa:
+                    raise
+                log.warning("bundled Medusa heads not loaded: %s", exc)
+        dec = cls(
+            target_model,
+            draft=draft_model,
+            medusa=heads,
+            fallback=fallback,
+            impl=impl,
+            max_context=max_context,
+            tokenizer=_load_tokenizer(tokenizer_path),
+        )
+        if draft_error is not None:
+            dec._drop_draft(draft_error)
+        return dec
+
+    # -- generation ------------------------------------------------------------------
+    def _prompt_tensor(self, prompt_ids: Any) -> torch.Tensor:  # -> [1, T] long
+        if isinstance(prompt_ids, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("a text prompt needs a tokenizer; pass token ids instead")
+            prompt_ids = self.tokenizer.encode(prompt_ids)
+        if isinstance(prompt_ids, torch.Tensor):
+            if prompt_ids.dim() == 2 and prompt_ids.shape[0] == 1:
+                prompt_ids = prompt_ids[0]
+            if prompt_ids.dim() != 1:
+                raise InvalidRequestError(f"prompt_ids must be a 1-D tensor of token ids, got shape {tuple(prompt_ids.shape)}")
+            if prompt_ids.dtype.is_floating_point or prompt_ids.dtype == torch.bool:
+                raise InvalidRequestError(f"prompt_ids must hold integer token ids, got dtype {prompt_ids.dtype}")
+            ids = [int(t) for t in prompt_ids.tolist()]
+        else:
+            try:
+                ids = list(prompt_ids)
+            except TypeError:
+                raise InvalidRequestError(
+                    f"prompt_ids must be a list of ints or a 1-D LongTensor, got {type(prompt_ids).__name__}"
+                ) from None
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int):
+                    raise InvalidRequestError(f"prompt_ids must hold ints, found {t!r}")
+        if not ids:
+            raise InvalidRequestError("prompt is empty: give at least one token id")
+        vocab = self.target.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.target.max_context:
+            raise ContextLengthError(
+                f"prompt of {len(ids)} tokens is longer than the model's context allows "
+                f"({self.target.max_context} positions, at least one of them for the output)"
+            )
+        return torch.tensor([ids], dtype=torch.long, device=self.target.device)  # [1, T]
+
+    def generate(
+        self,
+        prompt_ids: Any,
+        method: str = "ar",
+        gamma: int = 4,
+        schedule: str = "constant",
+        gamma_min: int = 1,
+        gamma_max: int = 8,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        eos_token_id: int | list[int] | None = None,
+        heads: int | None = None,
+        tree: Any = None,
+        **options: Any,
+    ) -> GenerateOutput:
+        """Generate up to ``max_new_tokens`` new tokens after ``prompt_ids``.
+
+        ``prompt_ids``: list of ints or a 1-D LongTensor (or text, with a tokenizer).
+        ``method``: "ar" | "draft" | "ngram" | "medusa". ``gamma`` and ``schedule``
+        ("constant" | "heuristic" | "goodput", bounded by ``gamma_min``..``gamma_max``)
+        set the draft length of speculative methods. ``temperature == 0`` is greedy;
+        otherwise top-k / top-p filter target and draft alike. ``seed`` makes sampling
+        reproducible. Decoding stops after ``eos_token_id`` (kept in the output);
+        None means no early stop. ``heads`` / ``tree``: Medusa only. ``options``:
+        method-specific extras (e.g. ``max_ngram`` for ngram).
+        """
+        if not isinstance(method, str) or method not in METHODS:
+            known = ", ".join(sorted(METHODS))
+            raise UnknownMethodError(f"unknown method {method!r}; choose one of {known}")
+        sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        sched = make_schedule(schedule, gamma, gamma_min, gamma_max)
+        ids = self._prompt_tensor(prompt_ids)
+        generator = make_generator(seed, self.target.device)
+        request = DecodeRequest(
+            prompt_ids=ids,
+            sampling=sampling,
+            generator=generator,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos_token_id,
+            schedule=sched,
+            heads=heads,
+            tree=tree,
+            options=options,
+        )
+        run = METHODS[method]
+        fallback_reason = None
+        component = REQUIRES.get(method)
+        if component is not None and getattr(self, component) is None:
+            if component == "draft" and self.draft_error is not None:
+                fallback_reason = "draft_unavailable"
+                log.info("method 'draft' runs plain decoding: %s", self.draft_error)
+                run = _run_ar
+            else:
+                raise MissingComponentError(
+                    f"method {method!r} needs {component} (Decoder(target, {component}=...) or from_pretrained)"
+                )
+        if run is not _run_ar and self.plain_token_s is None:
+            self._calibrate(ids)
+        tokens, stats = run(self, request)
+        stats.fallback_reason = fallback_reason
+        if stats.method == "ar" and stats.plain_token_s is not None:
+            self.plain_token_s = stats.plain_token_s if self.plain_token_s is None else (
+                0.8 * self.plain_token_s + 0.2 * stats.plain_token_s
+            )
+        if stats.plain_token_s is None:
+            stats.plain_token_s = self.plain_token_s
+        text = self.tokenizer.decode(tokens) if self.tokenizer is not None else None
+        return GenerateOutput(tokens=tokens, stats=stats, text=text)
+
+    def _calibrate(self, prompt: torch.Tensor) -> None:  # prompt: [1, T]
+        """Time a few plain single-token forwards once, for the speed-up estimate."""
+        from specops.decoder.autoregressive import generate_ar
+
+        room = self.target.max_context - prompt.shape[1]
+        _, stats = generate_ar(
+            self.target,
+            prompt,
+            sampling=SamplingConfig(),
+            generator=make_generator(0, self.target.device),
+            max_new_tokens=max(1, min(CALIBRATION_TOKENS, room)),
+        )
+        self.plain_token_s = stats.plain_token_s
+
+
+def _load_medusa(path: str | Path, base, *, dtype: torch.dtype, device: str | torch.device):
+    from specops.decoder.medusa_heads import MedusaHeads
+
+    try:
+        return MedusaHeads.from_pretrained(path, base=base, dtype=dtype, device=device)
+    except Exception as exc:  # a bad artifact must name itself
+        raise ModelLoadError(f"cannot load Medusa heads from {str(path)!r}: {exc}") from exc

@@ -1,0 +1,77 @@
+"""Plain autoregressive decoding with a KV cache: one target forward per new token.
+
+This is the baseline every speculative method must reproduce (token for token when
+greedy, in distribution when sampling) and the fallback when speculation is off.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specops.decoder.runner import ModelRunner
+from specops.decoder.sampling import SamplingConfig, next_token
+from specops.decoder.speculation import device_clock, eos_set, prompt_list
+from specops.decoder.errors import InvalidRequestError
+from specops.decoder.stats import DecodeStats
+
+
+def generate_ar(
+    target: ModelRunner,
+    prompt_ids: torch.Tensor,  # [B, T] long, B == 1
+    *,
+    sampling: SamplingConfig,
+    generator: torch.Generator,
+    max_new_tokens: int,
+    eos_token_id: int | list[int] | None = None,
+    method: str = "ar",
+) -> tuple[list[int], DecodeStats]:
+    """Decode up to ``max_new_tokens`` tokens; stop after an EOS token (which is kept).
+
+    ``method`` names the stats (a fallback from another method reports ``ar``).
+    Also measures the single-token forward time (``stats.plain_token_s``).
+    """
+    prompt = prompt_list(prompt_ids)
+    eos = eos_set(eos_token_id)
+    limit = target.max_context
+    if len(prompt) >= limit:
+        raise InvalidRequestError(
+            f"prompt of {len(prompt)} tokens leaves no room in the model's context of {limit} positions"
+        )
+    budget = min(max_new_tokens, limit - len(prompt))
+    stats = DecodeStats(method=method)
+    device = target.device
+    stats.start()
+    target.reset(1)
+
+    t0 = device_clock(device)
+    ids = torch.tensor([prompt], dtype=torch.long, device=device)  # [1, P]
+    logits = target.forward(ids).logits[:, -1]  # [1, V]
+    tok = next_token(logits, sampling, generator)  # [1]
+    out = [int(tok[0])]
+    dt = device_clock(device) - t0
+    stats.target_forwards += 1
+    stats.verify_s += dt
+    stats.prefill_s += dt
+    stats.record_emitted(1)
+
+    step_s = 0.0
+    while len(out) < budget and out[-1] not in eos:
+        t0 = device_clock(device)
+        logits = target.forward(tok[:, None].to(device)).logits[:, -1]  # [1, V]
+        tok = next_token(logits, sampling, generator)  # [1]
+        out.append(int(tok[0]))
+        dt = device_clock(device) - t0
+        step_s += dt
+        stats.steps += 1
+        stats.target_forwards += 1
+        stats.verify_s += dt
+        stats.record_emitted(1)
+
+    if stats.steps:
+        stats.plain_token_s = step_s / stats.steps
+    if out[-1] in eos:
+        reason = "eos"
+    else:
+        reason = "context" if budget < max_new_tokens else "max_new_tokens"
+    stats.finish(reason)
+    return out, stats

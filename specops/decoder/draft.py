@@ -1,0 +1,121 @@
+"""Draft-model speculative decoding (Leviathan et al. 2023; Chen et al. 2023).
+
+Each step: the draft model proposes γ tokens autoregressively, the target verifies all
+of them in one forward pass over only the new positions (`speculation.TargetVerifier`),
+and both KV caches are cut back to the accepted prefix. Nothing of the prefix is ever
+recomputed:
+
+* the target cache always holds the sequence minus its last (pending) token;
+* the draft cache holds a prefix of the sequence; before drafting, the draft runs
+  every token it has not seen yet. That is the pending token alone, or, after a
+  fully accepted block, ``[d_G, bonus]`` (``d_G`` was sampled but never fed back).
+
+The draft's distributions ``q`` are filtered exactly like the target's ``p``
+(`specops.decoder.sampling`), which makes the output distribution the filtered
+target distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specops.decoder.errors import InvalidRequestError, VocabMismatchError
+from specops.decoder.runner import ModelRunner
+from specops.decoder.sampling import SamplingConfig, probabilities, sample
+from specops.decoder.schedule import ConstantSchedule, GammaSchedule
+from specops.decoder.speculation import TargetVerifier, device_clock, prompt_list
+from specops.decoder.stats import DecodeStats
+
+
+def check_vocab(target: ModelRunner, draft: ModelRunner) -> None:
+    """Raise `VocabMismatchError` unless draft and target share the vocabulary size."""
+    if target.vocab_size != draft.vocab_size:
+        raise VocabMismatchError(
+            f"draft vocabulary ({draft.vocab_size} tokens) differs from the target's "
+            f"({target.vocab_size} tokens); the draft must use the target's tokenizer"
+        )
+
+
+def _draft_block(
+    draft: ModelRunner,
+    tokens: list[int],
+    gamma: int,
+    sampling: SamplingConfig,
+    generator: torch.Generator,
+    sample_device: torch.device,
+) -> tuple[list[int], torch.Tensor | None]:  # drafted tokens, q: [1, G, V] (sampling only)
+    """Propose ``gamma`` tokens after ``tokens``, feeding the draft only what its cache lacks."""
+    unseen = tokens[draft.cache_len :]  # 1 or 2 tokens
+    ids = torch.tensor([unseen], dtype=torch.long, device=draft.device)  # [1, U]
+    drafted: list[int] = []
+    q_rows: list[torch.Tensor] = []
+    for _ in range(gamma):
+        logits = draft.forward(ids).logits[:, -1]  # [1, V]
+        if sampling.greedy:
+            tok = torch.argmax(logits, dim=-1)  # [1]
+        else:
+            q = probabilities(logits.to(sample_device), sampling)  # [1, V]
+            tok = sample(q, generator)  # [1]
+            q_rows.append(q)
+        drafted.append(int(tok[0]))
+        ids = tok[:, None].to(draft.device)  # [1, 1]
+    q_block = torch.stack(q_rows, dim=1) if q_rows else None  # [1, G, V]
+    return drafted, q_block
+
+
+def generate_draft(
+    target: ModelRunner,
+    draft: ModelRunner,
+    prompt_ids: torch.Tensor,  # [B, T] long, B == 1
+    *,
+    sampling: SamplingConfig,
+    generator: torch.Generator,
+    max_new_tokens: int,
+    eos_token_id: int | list[int] | None = None,
+    schedule: GammaSchedule | None = None,
+) -> tuple[list[int], DecodeStats]:
+    """Speculative decoding with a draft model; γ per step comes from ``schedule`` (default 4)."""
+    check_vocab(target, draft)
+    if max_new_tokens < 1:
+        raise InvalidRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    schedule = schedule if schedule is not None else ConstantSchedule(4)
+    prompt = prompt_list(prompt_ids)
+    stats = DecodeStats(method="draft")
+    stats.start()
+    v = TargetVerifier(
+        target,
+        prompt,
+        sampling=sampling,
+        generator=generator,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos_token_id,
+        stats=stats,
+        context_limit=draft.max_context,
+    )
+    v.prefill()
+    draft.reset(1)
+    if len(prompt) > 1:
+        t0 = device_clock(draft.device)
+        draft.forward(torch.tensor([prompt[:-1]], dtype=torch.long, device=draft.device))  # [1, P-1]
+        dt = device_clock(draft.device) - t0
+        stats.draft_forwards += 1
+        stats.draft_s += dt
+        stats.prefill_s += dt
+
+    while not v.done:
+        gamma = min(schedule.next_gamma(), v.max_draft())
+        t0 = device_clock(draft.device)
+        drafted, q = _draft_block(draft, v.tokens, gamma, sampling, generator, target.device)
+        draft_s = device_clock(draft.device) - t0
+        stats.draft_s += draft_s
+        stats.draft_forwards += gamma
+        verify_before = stats.verify_s
+        result = v.verify(drafted, q)
+        if not v.done:
+            # keep the draft's entries for [.., pending, d_1 .. d_n]; d_G (never fed) is
+            # re-fed with the bonus token next step when everything was accepted
+            draft.truncate(min(draft.cache_len, len(v.tokens) - 1))
+        schedule.update(gamma, result.raw_accepted, draft_s, stats.verify_s - verify_before)
+
+    stats.finish(v.stop_reason())
+    return v.output, stats

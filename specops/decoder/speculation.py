@@ -1,0 +1,176 @@
+"""The target side of one speculative decoding request: prefill, verify a block, roll back.
+
+Both drafters that propose a linear block of tokens (a draft model, `draft.py`; n-gram
+lookup, `ngram.py`) share this bookkeeping, so they differ only in how they draft.
+
+Cache invariant: the target's KV cache holds every token of the sequence except the
+last one, the *pending* token. A verification step runs one target forward over
+``[pending, d_1 .. d_G]`` (G + 1 positions, nothing of the prefix recomputed), which
+gives the target distributions for ``d_1 .. d_G`` and for the token after ``d_G``.
+After ``n`` tokens are accepted and a recovered/bonus token ``x`` follows, the cache is
+cut back to ``[prefix, pending, d_1 .. d_n]`` and ``x`` becomes the new pending token.
+
+Edge cases are exact by construction:
+
+* everything accepted: nothing is rolled back, ``x`` is the bonus token;
+* rejection at the last position: the cache drops only ``d_G``;
+* EOS inside the accepted block (or as ``x``): tokens after the first EOS are dropped
+  and decoding stops;
+* ``max_new_tokens``: a step never drafts more than ``remaining - 1`` tokens, so the
+  budget can land anywhere inside a block and the output still ends exactly there;
+* the context window: the same clamp keeps ``prompt + output <= max_context``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specops.decoder.errors import InvalidRequestError
+from specops.decoder.runner import ModelRunner
+from specops.decoder.sampling import SamplingConfig, probabilities
+from specops.decoder.stats import DecodeStats
+from specops.decoder.verify import verify_greedy, verify_sampling
+
+
+def device_clock(device: torch.device) -> float:
+    """``time.perf_counter()`` after the device's queued work has finished."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def prompt_list(prompt_ids: torch.Tensor) -> list[int]:  # prompt_ids: [B, T] long, B == 1
+    """The single sequence of a [1, T] prompt as Python ints."""
+    if prompt_ids.dim() != 2 or prompt_ids.shape[1] == 0:
+        raise InvalidRequestError(f"prompt_ids must be a non-empty [B, T] tensor, got shape {tuple(prompt_ids.shape)}")
+    if prompt_ids.shape[0] != 1:
+        raise InvalidRequestError(f"batch size {prompt_ids.shape[0]} is not supported yet; decode one sequence (B = 1)")
+    return [int(t) for t in prompt_ids[0].tolist()]
+
+
+def eos_set(eos_token_id: int | list[int] | tuple[int, ...] | None) -> frozenset[int]:
+    """EOS ids as a set (empty = never stop early)."""
+    if eos_token_id is None:
+        return frozenset()
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise InvalidRequestError(f"eos_token_id must be a non-negative int or a list of them, got {eos_token_id!r}")
+    return frozenset(ids)
+
+
+@dataclass
+class StepResult:
+    """What one verification step produced."""
+
+    drafted: int  # drafted tokens counted (after an EOS cut)
+    accepted: int  # accepted tokens counted (after an EOS cut)
+    emitted: list[int]  # tokens appended to the output
+    raw_accepted: int  # verifier's accepted count before any cut (for γ schedules)
+
+
+class TargetVerifier:
+    """Holds the sequence and the target runner of one request and verifies drafted blocks."""
+
+    def __init__(
+        self,
+        target: ModelRunner,
+        prompt: list[int],
+        *,
+        sampling: SamplingConfig,
+        generator: torch.Generator,
+        max_new_tokens: int,
+        eos_token_id: int | list[int] | None,
+        stats: DecodeStats,
+        context_limit: int | None = None,
+    ) -> None:
+        self.target = target
+        self.sampling = sampling
+        self.generator = generator
+        self.stats = stats
+        self.eos = eos_set(eos_token_id)
+        self.tokens: list[int] = list(prompt)  # the whole sequence: prompt + output
+        self.prompt_len = len(prompt)
+        self.output: list[int] = []
+        limit = target.max_context if context_limit is None else min(target.max_context, context_limit)
+        if self.prompt_len >= limit:
+            raise InvalidRequestError(
+                f"prompt of {self.prompt_len} tokens leaves no room in the model's context of {limit} positions"
+            )
+        self.budget = min(max_new_tokens, limit - self.prompt_len)
+        self.context_bound = self.budget < max_new_tokens
+        self.stopped_by_eos = False
+        self.device = target.device
+
+    # -- state -----------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self.stopped_by_eos or len(self.output) >= self.budget
+
+    @property
+    def remaining(self) -> int:
+        return self.budget - len(self.output)
+
+    def max_draft(self) -> int:
+        """The most tokens the next block may draft (budget and context clamp)."""
+        return max(self.remaining - 1, 0)
+
+    def stop_reason(self) -> str:
+        if self.stopped_by_eos:
+            return "eos"
+        return "context" if self.context_bound else "max_new_tokens"
+
+    # -- steps -----------------------------------------------------------------------
+    def prefill(self) -> None:
+        """Run the prompt except its last token through the target (nothing when it is 1 token)."""
+        self.target.reset(1)
+        if self.prompt_len > 1:
+            t0 = device_clock(self.device)
+            ids = torch.tensor([self.tokens[:-1]], dtype=torch.long, device=self.device)  # [1, P-1]
+            self.target.forward(ids)
+            dt = device_clock(self.device) - t0
+            self.stats.target_forwards += 1
+            self.stats.verify_s += dt
+            self.stats.prefill_s += dt
+
+    def verify(
+        self,
+        drafted: list[int],
+        draft_probs: torch.Tensor | None = None,  # [1, G, V] filtered draft distributions; None = deterministic drafter
+    ) -> StepResult:
+        """Verify ``drafted`` (G >= 0 tokens) in one target forward and advance the sequence."""
+        g = len(drafted)
+        if g > self.max_draft():
+            raise ValueError(f"block of {g} drafted tokens exceeds the {self.max_draft()} the budget allows")
+        t0 = device_clock(self.device)
+        block = torch.tensor([[self.tokens[-1], *drafted]], dtype=torch.long, device=self.device)  # [1, G+1]
+        logits = self.target.forward(block).logits  # [1, G+1, V]
+        draft_t = block[:, 1:]  # [1, G]
+        if self.sampling.greedy:
+            result = verify_greedy(draft_t, logits)
+        else:
+            p = probabilities(logits, self.sampling)  # [1, G+1, V]
+            q = None if draft_probs is None else draft_probs.to(p.device)
+            result = verify_sampling(draft_t, p, q, self.generator)
+        n = int(result.accepted[0])
+        new = [*drafted[:n], int(result.next_tokens[0])]
+        counted_drafted, counted_accepted = g, n
+        for k, tok in enumerate(new):
+            if tok in self.eos:
+                new = new[: k + 1]
+                self.stopped_by_eos = True
+                if k < n:  # EOS was an accepted draft token: the rest of the block is void
+                    counted_drafted, counted_accepted = k + 1, k + 1
+                break
+        self.tokens.extend(new)
+        self.output.extend(new)
+        if not self.stopped_by_eos:
+            self.target.truncate(len(self.tokens) - 1)  # keep [.., pending, d_1 .. d_n]
+        self.stats.verify_s += device_clock(self.device) - t0
+        self.stats.target_forwards += 1
+        self.stats.record_step(counted_drafted, counted_accepted)
+        self.stats.record_emitted(len(new))
+        return StepResult(drafted=counted_drafted, accepted=counted_accepted, emitted=new, raw_accepted=n)
