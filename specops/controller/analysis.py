@@ -1,0 +1,115 @@
+"""Canary analysis for a rollout step, with Argo Rollouts' outcomes and limits.
+
+One *run* evaluates the policy's analysis rules (``rollout.analysis.rules``; empty =
+all alert rules) on the canary's metric window of every class the rule watches:
+
+* **Failed** — some rule's condition holds on some class (the canary is bad);
+* **Error** — no rule failed, but the metric source could not be read for a class;
+* **Inconclusive** — nothing failed or errored, but no rule could be evaluated on
+  any class (no traffic, too few samples);
+* **Successful** — at least one evaluation, all of them passing.
+
+The runs of the current rollout are tallied as Argo Rollouts does: more than
+``failure_limit`` failed runs → the rollout is degraded and rolled back to the last
+good revision; more than ``inconclusive_limit`` inconclusive runs → the rollout
+pauses for a human; more than ``consecutive_error_limit`` errors in a row → counts as
+a failed run (the source stayed down). A single error never fails a rollout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from specops.controller.fallback import INCONCLUSIVE, OK, VIOLATED, judge, rule_applies
+from specops.controller.sources import Reading
+
+SUCCESSFUL = "successful"
+FAILED = "failed"
+INCONCLUSIVE_RUN = "inconclusive"
+ERROR = "error"
+OUTCOMES = (SUCCESSFUL, FAILED, INCONCLUSIVE_RUN, ERROR)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """The outcome of one analysis run and the evaluations behind it."""
+
+    outcome: str
+    message: str
+    evaluations: list[dict] = field(default_factory=list)
+
+
+def run_analysis(rules: list[Any], readings: dict[str, Reading]) -> RunResult:
+    """Evaluate ``rules`` on the canary ``readings`` (class -> Reading)."""
+    evaluations: list[dict] = []
+    failed: list[str] = []
+    errors: list[str] = []
+    ok = 0
+    for request_class, reading in sorted(readings.items()):
+        applicable = [r for r in rules if rule_applies(r, request_class)]
+        if not applicable:
+            continue
+        if reading.stats is None and reading.error:
+            errors.append(f"{request_class}: {reading.error}")
+            evaluations.append({"class": request_class, "outcome": ERROR, "reason": reading.error})
+            continue
+        for rule in applicable:
+            outcome = judge(rule, request_class, reading.stats)
+            evaluations.append(outcome.as_dict())
+            if outcome.outcome == VIOLATED:
+                failed.append(f"{rule.name} on {request_class}: {outcome.reason}")
+            elif outcome.outcome == OK:
+                ok += 1
+            else:
+                assert outcome.outcome == INCONCLUSIVE  # judge returns exactly these three
+    if failed:
+        return RunResult(FAILED, "; ".join(failed), evaluations)
+    if errors:
+        return RunResult(ERROR, "; ".join(errors), evaluations)
+    if ok == 0:
+        return RunResult(INCONCLUSIVE_RUN, "no rule could be evaluated (too little canary traffic)", evaluations)
+    return RunResult(SUCCESSFUL, f"{ok} evaluations passed", evaluations)
+
+
+@dataclass(frozen=True)
+class Tally:
+    successful: int = 0
+    failed: int = 0
+    inconclusive: int = 0
+    errors: int = 0
+    consecutive_errors: int = 0
+
+
+def tally(runs: list[dict]) -> Tally:
+    """Count the outcomes of the runs recorded so far (oldest first)."""
+    counts = dict.fromkeys(OUTCOMES, 0)
+    consecutive = 0
+    for run in runs:
+        outcome = run.get("outcome")
+        if outcome not in counts:
+            raise ValueError(f"unknown analysis outcome {outcome!r} in rollout state")
+        counts[outcome] += 1
+        consecutive = consecutive + 1 if outcome == ERROR else 0
+    return Tally(counts[SUCCESSFUL], counts[FAILED], counts[INCONCLUSIVE_RUN], counts[ERROR], consecutive)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the rollout must do after a run: ``continue``, ``rollback`` or ``pause``."""
+
+    action: str
+    reason: str
+
+
+def verdict(t: Tally, analysis: Any) -> Verdict:
+    """Apply the analysis limits (an :class:`~specops.policies.Analysis`) to a tally."""
+    failed = t.failed + (1 if t.consecutive_errors > analysis.consecutive_error_limit else 0)
+    if failed > analysis.failure_limit:
+        why = (f"{t.consecutive_errors} consecutive errors > limit {analysis.consecutive_error_limit}"
+               if t.failed <= analysis.failure_limit else f"{t.failed} failed runs > limit {analysis.failure_limit}")
+        return Verdict("rollback", why)
+    if t.inconclusive > analysis.inconclusive_limit:
+        return Verdict("pause", f"{t.inconclusive} inconclusive runs > limit {analysis.inconclusive_limit}")
+    return Verdict("continue", f"{t.successful} successful, {t.failed} failed, {t.inconclusive} inconclusive, "
+                               f"{t.errors} errors")

@@ -1,0 +1,119 @@
+"""The controller's side of a canary rollout: run the analysis, act on its verdict.
+
+The state machine itself (steps, weights, promote/abort/fail/pause/rollback) is
+``specops.policies.rollout``; this module decides *when* to call it:
+
+* every ``analysis.interval_s`` during a progressing step with ``analysis: true``,
+  evaluate the canary's windows (:func:`~specops.controller.analysis.run_analysis`)
+  and record the run;
+* tally the runs and apply the limits: Failed beyond ``failure_limit`` →
+  :func:`~specops.policies.rollout.fail` (traffic back on the stable revision, phase
+  degraded); Inconclusive beyond ``inconclusive_limit`` → ``pause``;
+* otherwise advance to the next step once its pause is over (``advance_if_due``);
+* a firing alert with action ``rollback`` fails an active canary at once, or — with
+  no canary — rolls the policy back to the previously current revision.
+
+Canary traffic must be measurable apart from stable traffic: runtimes serving the
+canary revision publish their telemetry under :func:`canary_namespace` and the
+controller reads it through ``canary_source``. Without one the analysis is
+Inconclusive (never a pass).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from specops.controller.analysis import run_analysis, tally, verdict
+from specops.controller.sources import MetricSource, Reading, read_many
+from specops.policies import rollout as machine
+from specops.policies.errors import ConflictError, StateError
+
+log = logging.getLogger(__name__)
+
+
+def canary_namespace(namespace: str = "specops") -> str:
+    """Telemetry namespace for traffic served by the canary revision."""
+    return f"{namespace}:canary"
+
+
+class RolloutDriver:
+    """Drives the rollout state machine from controller ticks."""
+
+    def __init__(self, store, canary_source: MetricSource | None, clock: Callable[[], float], metrics) -> None:
+        self.store = store
+        self.canary_source = canary_source
+        self.clock = clock
+        self.metrics = metrics
+
+    def _decision(self, kind: str, reason: str, **inputs: Any):
+        from specops.controller.controller import Decision  # local: controller imports this module
+
+        return Decision(None, kind, reason, inputs=inputs)
+
+    def tick(self, stable_policy: Any, epoch: int | None, rollback_alerts: list) -> list:
+        state = self.store.rollout_state()
+        if rollback_alerts:
+            rules = sorted({o.rule for o in rollback_alerts})
+            return self.rollback_now(stable_policy, epoch, f"alert {', '.join(rules)} firing", state=state)
+        if state is None or state.phase != "progressing":
+            return []
+        canary = self.store.get_revision(state.revision).policy
+        analysis = canary.rollout.analysis
+        step = canary.rollout.steps[state.step_index]
+        decisions = []
+        now = self.clock()
+        if step.analysis:
+            runs_here = [r for r in state.analysis_runs if r.get("step_index") == state.step_index]
+            last = max((r.get("at", 0.0) for r in runs_here), default=None)
+            if last is None or now - last >= analysis.interval_s:
+                readings = self._canary_readings(canary.class_names, analysis.window_s)
+                result = run_analysis(canary.analysis_rules(), readings)
+                self.metrics.analysis_runs.labels(result.outcome).inc()
+                run = {"outcome": result.outcome, "message": result.message[:500], "evaluations": result.evaluations}
+                try:
+                    state = machine.record_analysis(self.store, run, epoch=epoch)
+                except ConflictError as exc:
+                    log.info("rollout changed while analysing (%s); next tick retries", exc)
+                    return decisions
+                decisions.append(self._decision("rollout.analysis", f"{result.outcome}: {result.message}",
+                                                revision=state.revision, step_index=state.step_index))
+                v = verdict(tally(state.analysis_runs), analysis)
+                if v.action == "rollback":
+                    machine.fail(self.store, reason=f"analysis: {v.reason}", epoch=epoch)
+                    self.metrics.rollbacks.labels("analysis").inc()
+                    decisions.append(self._decision("rollout.rollback", v.reason, revision=state.revision,
+                                                    stable_revision=state.stable_revision))
+                    return decisions
+                if v.action == "pause":
+                    machine.pause(self.store, reason=f"analysis: {v.reason}", epoch=epoch)
+                    decisions.append(self._decision("rollout.pause", v.reason, revision=state.revision))
+                    return decisions
+        advanced = machine.advance_if_due(self.store, epoch=epoch)
+        if advanced is not None:
+            decisions.append(self._decision("rollout.step", advanced.message, revision=advanced.revision,
+                                            step_index=advanced.step_index, weight=advanced.weight))
+        return decisions
+
+    def _canary_readings(self, classes: list[str], window_s: float) -> dict[str, Reading]:
+        if self.canary_source is None:
+            return {c: Reading(None) for c in classes}
+        return read_many(self.canary_source, classes, window_s)
+
+    def rollback_now(self, stable_policy: Any, epoch: int | None, reason: str, *, state=None) -> list:
+        """Fail an active canary, or roll back to the previously current revision."""
+        state = state if state is not None else self.store.rollout_state()
+        try:
+            if state is not None and state.active:
+                machine.fail(self.store, reason=reason, epoch=epoch)
+                self.metrics.rollbacks.labels("alert").inc()
+                return [self._decision("rollout.rollback", reason, revision=state.revision,
+                                       stable_revision=state.stable_revision)]
+            new = machine.rollback(self.store, epoch=epoch, actor="controller", reason=reason)
+        except StateError as exc:
+            log.warning("rollback requested (%s) but impossible: %s", reason, exc)
+            self.store.append_audit({"kind": "rollback.skipped", "reason": reason, "why": str(exc)}, epoch=epoch)
+            return [self._decision("rollout.rollback_skipped", f"{reason}: {exc}")]
+        self.metrics.rollbacks.labels("alert").inc()
+        return [self._decision("rollout.rollback", reason, to_revision=new.revision)]
