@@ -42,6 +42,9 @@ Derived series (`PROMQL`, all grouped ``by (class)``; head accuracy ``by (class,
     p99_token_latency_s  histogram_quantile(0.99, ...)
     fallback_rate        sum(rate(fallbacks_total))  (fallbacks per second)
     drafted_tokens       sum(increase(drafted_tokens_total))  (the min-sample volume)
+    requests             sum(increase(requests_total))
+    accepted_by_position_rate  sum by (class, position) (rate(accepted_tokens_by_position_total))
+    gamma, medusa_heads  avg by (class) of the gauges (no window)
 """
 
 from __future__ import annotations
@@ -141,6 +144,9 @@ PROMQL: dict[str, str] = {
     "fallback_rate": f"sum by (class) ({_rate(FALLBACKS.name)})",
     "drafted_tokens": f"sum by (class) (increase({DRAFTED_TOKENS.name}{{$match}}[$window]))",
     "requests": f"sum by (class) (increase({REQUESTS.name}{{$match}}[$window]))",
+    "accepted_by_position_rate": f"sum by (class, position) ({_rate(ACCEPTED_BY_POSITION.name)})",
+    "gamma": f"avg by (class) ({GAMMA.name}{{$match}})",
+    "medusa_heads": f"avg by (class) ({MEDUSA_HEADS.name}{{$match}})",
 }
 
 # Which series a policy alert rule's ``metric`` may name (policies.AlertRule.metric).
