@@ -1,0 +1,210 @@
+"""Medusa decoding: heads propose a tree, one target forward verifies all of it.
+
+One step (Cai et al. 2024, arXiv 2401.10774, with SpecInfer-style lossless sampling):
+
+1. The *root* is the token the target chose last (not yet in the KV cache); the
+   target's hidden state at the node before it feeds the K heads, whose top-k
+   tokens fill the tree's nodes (`specops.decoder.tree`).
+2. The flattened tree ``[root, candidates...]`` goes through ONE target forward on
+   top of the cached prefix, with the tree attention mask (each node sees the prefix,
+   its ancestors and itself) and position ids ``prefix_len + depth``.
+3. `specops.decoder.tree_verify` walks the tree: the longest path the target agrees
+   with (greedy), or recursive rejection sampling over siblings (exact sampling), and
+   one recovered/bonus token after it, which becomes the next root.
+4. ``runner.compact(prefix_len, path)`` keeps only the accepted path's KV entries.
+
+Each step therefore emits ``accepted + 1`` tokens for one target forward. The tree
+is the same at every step (chosen once per request, from the heads' measured
+accuracy and the runner's measured verify cost when no tree is given), cut down near
+the end of the token budget or the context window.
+
+Stats: ``drafted`` counts tree *depth* positions speculated per step (like γ for a
+linear draft), ``accepted`` the accepted path length after the root; per-head
+accuracy compares each head's top-1 guess with the token that was finally emitted at
+its position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+from torch import Tensor
+
+from specops.decoder.errors import InvalidRequestError
+from specops.decoder.runner import ModelRunner
+from specops.decoder.sampling import SamplingConfig, next_token, probabilities
+from specops.decoder.speculation import device_clock, eos_set, prompt_list
+from specops.decoder.stats import DecodeStats
+from specops.decoder.tree import TreeBuffers, TreeError, TreeSpec, build_buffers, resolve_tree
+from specops.decoder.tree_verify import (
+    TreeVerification,
+    TypicalAcceptance,
+    verify_tree_greedy,
+    verify_tree_sampling,
+    verify_tree_typical,
+)
+
+
+class HeadsLike(Protocol):
+    """What decoding needs from Medusa heads (`specops.decoder.medusa_heads.MedusaHeads`)."""
+
+    num_heads: int
+
+    def __call__(self, hidden: Tensor, num_heads: int | None = None) -> Tensor:  # [E] -> [K, V]
+        ...
+
+
+class MedusaState:
+    """Sequence, runner and tree of one Medusa request."""
+
+    def __init__(self, target: ModelRunner, heads: HeadsLike, spec: TreeSpec, num_heads: int) -> None:
+        self.target = target
+        self.heads = heads
+        self.num_heads = num_heads
+        self.spec = spec
+        self._buffers: dict[TreeSpec, TreeBuffers] = {}
+        self.head_guesses: list[tuple[int, int, int]] = []  # (output index, head 0-based, top-1 token)
+
+    def buffers(self, spec: TreeSpec) -> TreeBuffers:
+        if spec not in self._buffers:
+            self._buffers[spec] = build_buffers(spec, self.target.device)
+        return self._buffers[spec]
+
+    def propose(self, hidden: Tensor, spec: TreeSpec, root: int, root_index: int) -> tuple[Tensor, TreeBuffers]:
+        """Tree tokens [N] from the heads' top-k at ``hidden`` [E]; logs each head's top-1 guess."""
+        buffers = self.buffers(spec)
+        with torch.inference_mode():
+            head_logits = self.heads(hidden, self.num_heads)  # [K, V]
+            top = torch.topk(head_logits, buffers.top_k, dim=-1).indices  # [K, top_k]
+        for k, tok in enumerate(top[:, 0].tolist()):
+            self.head_guesses.append((root_index + 1 + k, k, tok))
+        cands = top[: max(spec.depth, 1)].reshape(-1)  # [D * top_k]
+        root_t = torch.tensor([root], dtype=torch.long, device=top.device)
+        return torch.cat([root_t, cands[buffers.candidate_index.to(top.device)]]), buffers  # [N]
+
+    def head_accuracy(self, output: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Per head: guesses whose position was emitted, and how many were right."""
+        predictions, correct = [0] * self.num_heads, [0] * self.num_heads
+        for index, k, tok in self.head_guesses:
+            if index < len(output):
+                predictions[k] += 1
+                correct[k] += int(output[index] == tok)
+        return predictions, correct
+
+
+def generate_medusa(
+    target: ModelRunner,
+    prompt_ids: Tensor,  # [B, T] long, B == 1
+    *,
+    heads: HeadsLike,
+    sampling: SamplingConfig,
+    generator: torch.Generator,
+    max_new_tokens: int,
+    eos_token_id: int | list[int] | None = None,
+    num_heads: int | None = None,
+    tree: str | TreeSpec | Sequence[Sequence[int]] | None = None,
+    typical: TypicalAcceptance | None = None,
+) -> tuple[list[int], DecodeStats]:
+    """Decode up to ``max_new_tokens`` tokens with Medusa tree speculation.
+
+    ``num_heads``: heads to use (<= the heads' K; default all). ``tree``: a preset name,
+    an explicit list of rank paths, a `TreeSpec`, or None for the "small" preset (the
+    `Decoder` passes the cost-chosen sparse tree). ``typical``: LOSSY typical
+    acceptance instead of exact rejection sampling (only with temperature > 0).
+    """
+    prompt = prompt_list(prompt_ids)
+    eos = eos_set(eos_token_id)
+    k = heads.num_heads if num_heads is None else num_heads
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= heads.num_heads:
+        raise InvalidRequestError(f"heads must be in 1..{heads.num_heads} (the Medusa heads loaded), got {num_heads!r}")
+    try:
+        spec = resolve_tree(tree, k)
+    except TreeError as exc:
+        raise InvalidRequestError(str(exc)) from None
+    if typical is not None and sampling.greedy:
+        raise InvalidRequestError("typical acceptance applies to sampling (temperature > 0); greedy is exact already")
+    limit = target.max_context
+    if len(prompt) >= limit:
+        raise InvalidRequestError(
+            f"prompt of {len(prompt)} tokens leaves no room in the model's context of {limit} positions"
+        )
+    budget = min(max_new_tokens, limit - len(prompt))
+    state = MedusaState(target, heads, spec, k)
+    stats = DecodeStats(method="medusa", heads=k)
+    device = target.device
+    stats.start()
+    target.reset(1)
+
+    t0 = device_clock(device)
+    ids = torch.tensor([prompt], dtype=torch.long, device=device)  # [1, P]
+    out = target.forward(ids, need_hidden=True)
+    root = int(next_token(out.logits[0, -1], sampling, generator))
+    hidden = out.hidden[0, -1]  # [E]
+    dt = device_clock(device) - t0
+    stats.target_forwards += 1
+    stats.verify_s += dt
+    stats.prefill_s += dt
+    output = [root]
+    stats.record_emitted(1)
+
+    while len(output) < budget and output[-1] not in eos:
+        remaining = budget - len(output)
+        room = limit - target.cache_len  # >= remaining + 1 by the budget clamp
+        step_spec = spec.limit(max_depth=remaining - 1, max_nodes=room)
+        t0 = device_clock(device)
+        tree_tokens, buffers = state.propose(hidden, step_spec, root, len(output) - 1)  # [N]
+        t1 = device_clock(device)
+        stats.draft_s += t1 - t0
+        step = _verify_step(target, tree_tokens, buffers, sampling, generator, typical)
+        path = step.verification.path
+        new = tree_tokens[path[1:]].tolist() + [step.verification.next_token]
+        drafted, accepted = step_spec.depth, len(path) - 1
+        for i, tok in enumerate(new):
+            if tok in eos:
+                new = new[: i + 1]
+                if i < accepted:  # EOS was an accepted candidate: the deeper positions are void
+                    drafted = accepted = i + 1
+                break
+        hidden = step.hidden
+        root = new[-1]
+        output.extend(new)
+        stats.verify_s += device_clock(device) - t1
+        stats.target_forwards += 1
+        stats.record_step(drafted, accepted)
+        stats.record_emitted(len(new))
+
+    stats.head_predictions, stats.head_correct = state.head_accuracy(output)
+    if output[-1] in eos:
+        reason = "eos"
+    else:
+        reason = "context" if budget < max_new_tokens else "max_new_tokens"
+    stats.finish(reason)
+    return output, stats
+
+
+@dataclass
+class _Verified:
+    verification: TreeVerification
+    hidden: Tensor  # [E] target hidden state at the last accepted node
+
+
+def _verify_step(target: ModelRunner, tree_tokens: Tensor, buffers: TreeBuffers, sampling: SamplingConfig,
+                 generator: torch.Generator, typical: TypicalAcceptance | None) -> _Verified:
+    """One target forward over the tree, the walk, and KV compaction of the accepted path."""
+    start = target.cache_len
+    positions = (start + buffers.depth)[None]  # [1, N]
+    out = target.forward(tree_tokens[None], position_ids=positions, tree_mask=buffers.attn_mask, need_hidden=True)
+    logits = out.logits[0]  # [N, V]
+    if sampling.greedy:
+        verification = verify_tree_greedy(tree_tokens, logits, buffers)
+    else:
+        probs = probabilities(logits, sampling)  # [N, V]
+        if typical is None:
+            verification = verify_tree_sampling(tree_tokens, probs, buffers, generator)
+        else:
+            verification = verify_tree_typical(tree_tokens, probs, buffers, generator, typical)
+    path = verification.path
+    target.compact(start, torch.tensor(path, dtype=torch.long, device=target.device))
+    return _Verified(verification=verification, hidden=out.hidden[0, path[-1]])

@@ -1,0 +1,273 @@
+"""Medusa heads: K light heads that guess the tokens after the next one.
+
+Medusa (Cai et al. 2024, arXiv 2401.10774) reads the target's last hidden state
+``h_t`` (after the final norm) and predicts, with head ``k`` (1-based), the token
+``k`` positions beyond the next one: the LM head gives ``x_{t+1}``, head 1 gives
+``x_{t+2}``, ..., head K gives ``x_{t+K+1}``. Each head is
+
+    z = h + SiLU(W_k h + b_k)          (a residual block; ``num_layers`` of them)
+    logits_k = U_k z                   (a linear map to the vocabulary)
+
+``W_k`` starts at zero, so an untrained block is the identity, and ``U_k`` starts as a
+copy of the target's LM head, so an untrained head predicts what the LM head does.
+
+With ``shared_lm_head=True`` every head reuses the target's LM head instead of its
+own ``U_k`` (as Hydra/EAGLE do): the artifact then holds only the residual blocks,
+and all K heads share one ``[K, E] x [E, V]`` matmul, which reads the vocabulary
+matrix once instead of K times. Such heads must be bound to their base model
+(``from_pretrained(path, base=target)`` or :meth:`MedusaHeads.bind`) before use.
+
+On disk a heads artifact is a directory with ``medusa_config.json`` (the
+:class:`MedusaConfig`, naming the base model and its fingerprint) and
+``medusa_heads.safetensors`` (fp16 by default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+logger = logging.getLogger(__name__)
+
+CONFIG_NAME = "medusa_config.json"
+WEIGHTS_NAME = "medusa_heads.safetensors"
+FORMAT_VERSION = 1
+
+
+class MedusaError(ValueError):
+    """Bad Medusa heads input: wrong shapes, a missing artifact, a mismatched base model."""
+
+
+@dataclass(frozen=True)
+class MedusaConfig:
+    """What a heads artifact is and which model it belongs to."""
+
+    num_heads: int
+    """K: number of heads; head k predicts the token k positions beyond the next one."""
+    hidden_size: int
+    """E: the base model's hidden size (input width of every head)."""
+    vocab_size: int
+    """V: the base model's vocabulary (output width of every head)."""
+    num_layers: int = 1
+    """Residual SiLU blocks per head."""
+    shared_lm_head: bool = False
+    """True: heads reuse the base model's LM head (not stored in the artifact)."""
+    lm_head_bias: bool = False
+    """Whether the per-head vocabulary projections have a bias (copied from the LM head)."""
+    base_model: str = ""
+    """Name or path of the base model the heads were made for."""
+    base_model_hash: str = ""
+    """:func:`model_fingerprint` of the base model."""
+    head_topk_accuracy: list[list[float]] = field(default_factory=list)
+    """Measured accuracy [K][k]: probability that head k's rank-r token is the true one
+    (held-out data, filled in by training); used to build sparse trees."""
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "hidden_size", "vocab_size", "num_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise MedusaError(f"MedusaConfig.{name} must be a positive int, got {value!r}")
+        if self.head_topk_accuracy and len(self.head_topk_accuracy) != self.num_heads:
+            raise MedusaError(
+                f"MedusaConfig.head_topk_accuracy has {len(self.head_topk_accuracy)} rows, expected num_heads={self.num_heads}"
+            )
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str = "<config>") -> MedusaConfig:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise MedusaError(f"{source}: not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise MedusaError(f"{source}: expected a JSON object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise MedusaError(f"{source}: unknown fields {unknown}")
+        if data.get("format_version", FORMAT_VERSION) > FORMAT_VERSION:
+            raise MedusaError(f"{source}: format_version {data['format_version']} is newer than this specops ({FORMAT_VERSION})")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise MedusaError(f"{source}: {exc}") from None
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """A cheap identity for a base model: sha256 over its config and LM-head weight.
+
+    Hashing every weight of a multi-GB model would take seconds at each load; the
+    config plus the vocabulary projection identifies a checkpoint well enough to
+    warn when heads are used on a model they were not trained for.
+    """
+    digest = hashlib.sha256()
+    config = getattr(model, "config", None)
+    if config is not None:
+        data = config.to_dict()
+        for volatile in ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_attn_implementation",
+                         "_attn_implementation_autoset", "use_cache"):
+            data.pop(volatile, None)
+        digest.update(json.dumps(data, sort_keys=True, default=str).encode())
+    weight = _lm_head(model).weight.detach()  # [V, E]
+    digest.update(weight.to(torch.float32).cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+def _lm_head(model: nn.Module) -> nn.Linear:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, nn.Linear):
+        raise MedusaError(f"{type(model).__name__} has no nn.Linear output embedding (LM head) to build Medusa heads from")
+    return head
+
+
+class ResidualBlock(nn.Module):
+    """``x + SiLU(W x + b)`` with ``W`` zero-initialised, so it starts as the identity."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+        self.act = nn.SiLU()
+
+    def forward(self, x: Tensor) -> Tensor:  # [..., E] -> [..., E]
+        return x + self.act(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """K Medusa heads over a base model's last hidden state (see the module docstring)."""
+
+    def __init__(self, config: MedusaConfig):
+        super().__init__()
+        self.config = config
+        e, v = config.hidden_size, config.vocab_size
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*[ResidualBlock(e) for _ in range(config.num_layers)]) for _ in range(config.num_heads)
+        )
+        self._shared: nn.Linear | None = None
+        if config.shared_lm_head:
+            self.lm_heads = None
+        else:
+            self.lm_heads = nn.ModuleList(nn.Linear(e, v, bias=config.lm_head_bias) for _ in range(config.num_heads))
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_model(cls, target: nn.Module, num_heads: int, *, num_layers: int = 1,
+                   shared_lm_head: bool = False) -> MedusaHeads:
+        """Untrained heads for a transformers causal LM: blocks at identity, LM head copied."""
+        if not isinstance(num_heads, int) or num_heads < 1:
+            raise MedusaError(f"num_heads must be a positive int, got {num_heads!r}")
+        head = _lm_head(target)
+        vocab, hidden = head.weight.shape
+        config = MedusaConfig(
+            num_heads=num_heads, hidden_size=hidden, vocab_size=vocab, num_layers=num_layers,
+            shared_lm_head=shared_lm_head, lm_head_bias=head.bias is not None,
+            base_model=str(getattr(getattr(target, "config", None), "_name_or_path", "") or type(target).__name__),
+            base_model_hash=model_fingerprint(target),
+        )
+        heads = cls(config)
+        if shared_lm_head:
+            heads.bind(target)
+        else:
+            with torch.no_grad():
+                for lm in heads.lm_heads:
+                    lm.weight.copy_(head.weight)
+                    if head.bias is not None:
+                        lm.bias.copy_(head.bias)
+        return heads.to(device=head.weight.device, dtype=head.weight.dtype)
+
+    def bind(self, target: nn.Module) -> MedusaHeads:
+        """Check the heads fit ``target``; shared-LM-head heads start using its LM head."""
+        head = _lm_head(target)
+        vocab, hidden = head.weight.shape
+        if (vocab, hidden) != (self.config.vocab_size, self.config.hidden_size):
+            raise MedusaError(
+                f"heads expect hidden={self.config.hidden_size}, vocab={self.config.vocab_size}; "
+                f"the base model has hidden={hidden}, vocab={vocab}"
+            )
+        if self.config.base_model_hash and self.config.base_model_hash != model_fingerprint(target):
+            logger.warning("Medusa heads were trained for base model %r (hash %s), not this one: output stays exact, "
+                           "acceptance may be poor", self.config.base_model, self.config.base_model_hash)
+        if self.config.shared_lm_head:
+            # A plain attribute, not a submodule: the base model's weights are not ours to save or train.
+            object.__setattr__(self, "_shared", head)
+        return self
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, base: nn.Module | None = None,
+                        dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> MedusaHeads:
+        """Load heads saved by :meth:`save_pretrained`; ``base`` is bound when given."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        config_path, weights_path = path / CONFIG_NAME, path / WEIGHTS_NAME
+        if not config_path.is_file() or not weights_path.is_file():
+            raise MedusaError(f"{path} is not a Medusa heads directory (needs {CONFIG_NAME} and {WEIGHTS_NAME})")
+        config = MedusaConfig.from_json(config_path.read_text(), source=str(config_path))
+        heads = cls(config)
+        state = load_file(str(weights_path))
+        expected = set(heads.state_dict())
+        if set(state) != expected:
+            missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+            raise MedusaError(f"{weights_path}: tensors do not match the config (missing {missing}, unexpected {extra})")
+        for name, tensor in heads.state_dict().items():
+            if state[name].shape != tensor.shape:
+                raise MedusaError(f"{weights_path}: {name} has shape {tuple(state[name].shape)}, expected {tuple(tensor.shape)}")
+        heads.load_state_dict({k: t.to(torch.float32) for k, t in state.items()})
+        heads = heads.to(device=device, dtype=dtype)
+        if base is not None:
+            heads.bind(base)
+        return heads
+
+    def save_pretrained(self, path: str | Path, *, dtype: torch.dtype = torch.float16) -> Path:
+        """Write ``medusa_config.json`` + ``medusa_heads.safetensors`` (``dtype``) into ``path``."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {k: t.detach().to("cpu", dtype).contiguous() for k, t in self.state_dict().items()}
+        save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt", "specops": "medusa"})
+        (path / CONFIG_NAME).write_text(self.config.to_json() + "\n")
+        return path
+
+    def with_accuracy(self, accuracy: list[list[float]]) -> None:
+        """Record measured per-head top-k accuracy [K][k] in the config."""
+        self.config = dataclasses.replace(self.config, head_topk_accuracy=[[float(a) for a in row] for row in accuracy])
+
+    # ------------------------------------------------------------------ compute
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads
+
+    def features(self, hidden: Tensor, num_heads: int | None = None) -> Tensor:
+        """Residual-block outputs. hidden: [..., E] -> [K, ..., E]."""
+        k = self._check(hidden, num_heads)
+        hidden = hidden.to(self.blocks[0][0].linear.weight.dtype)
+        return torch.stack([self.blocks[i](hidden) for i in range(k)])
+
+    def forward(self, hidden: Tensor, num_heads: int | None = None) -> Tensor:
+        """Head logits. hidden: [..., E] -> [K, ..., V] (head i predicts x_{t+i+2})."""
+        z = self.features(hidden, num_heads)  # [K, ..., E]
+        if self.config.shared_lm_head:
+            if self._shared is None:
+                raise MedusaError("these heads share the base model's LM head: bind(target) them first")
+            return self._shared(z.to(self._shared.weight.dtype))  # [K, ..., V] one matmul for all heads
+        return torch.stack([self.lm_heads[i](z[i]) for i in range(z.shape[0])])
+
+    def _check(self, hidden: Tensor, num_heads: int | None) -> int:
+        if hidden.shape[-1] != self.config.hidden_size:
+            raise MedusaError(f"hidden state width {hidden.shape[-1]} != heads' hidden_size {self.config.hidden_size}")
+        k = self.config.num_heads if num_heads is None else num_heads
+        if not 1 <= k <= self.config.num_heads:
+            raise MedusaError(f"heads={k} out of range: these Medusa heads have 1..{self.config.num_heads}")
+        return k
