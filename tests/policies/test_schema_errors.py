@@ -1,0 +1,246 @@
+"""Every field's bad value yields one error line naming the file, the line and the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from specops.policies import PolicyError, load_policy
+from specops.policies.loader import format_path
+
+# A valid policy with every field on its own line, so each can be broken alone.
+TEMPLATE = """\
+version: "v1"
+description: test policy
+default_class: chat
+classes:
+  - name: code
+    match:
+      - prefix: "def "
+        regex: "import"
+        label:
+          task: code
+        min_prompt_tokens: 1
+        max_prompt_tokens: 100
+    method: draft
+    gamma:
+      initial: 4
+      min: 1
+      max: 8
+    medusa_heads:
+      initial: 2
+      min: 1
+      max: 4
+    tree_size:
+      initial: 8
+      min: 2
+      max: 16
+    temperature:
+      min: 0.0
+      max: 1.0
+    deadline_s: 10
+    adaptation:
+      mode: goodput
+      dead_band: 0.05
+      cooldown_s: 30
+      max_step: 2
+      probe_fraction: 0.05
+  - name: chat
+alerts:
+  - name: low
+    metric: acceptance_rate
+    op: "<"
+    threshold: 0.5
+    for_s: 60
+    min_samples: 10
+    action: fallback
+    severity: warning
+    classes:
+      - code
+rollout:
+  steps:
+    - weight: 10
+      pause_s: 60
+      analysis: true
+    - weight: 100
+  analysis:
+    interval_s: 30
+    window_s: 120
+    failure_limit: 0
+    inconclusive_limit: 1
+    consecutive_error_limit: 4
+    rules:
+      - low
+"""
+
+
+def test_template_is_valid():
+    policy = load_policy(TEMPLATE)
+    assert policy.get_class("code").gamma.max == 8
+    assert policy.alerts[0].classes == ["code"]
+
+
+def _replace(line_text: str, new_text: str) -> tuple[str, int]:
+    """TEMPLATE with the unique line ``line_text`` replaced; returns (text, 1-based line)."""
+    lines = TEMPLATE.splitlines()
+    hits = [i for i, ln in enumerate(lines) if ln == line_text]
+    assert len(hits) == 1, f"template line not unique: {line_text!r}"
+    lines[hits[0]] = new_text
+    return "\n".join(lines) + "\n", hits[0] + 1
+
+
+# (template line, replacement, expected path, fragment of the message)
+CASES = [
+    ('version: "v1"', "version: [1]", "version", "valid string"),
+    ('version: "v1"', 'version: ""', "version", "at least 1 character"),
+    ("description: test policy", "description: {a: 1}", "description", "valid string"),
+    ("default_class: chat", "default_class: nope", "default_class", "unknown class 'nope'"),
+    ("default_class: chat", "default_class: 5", "default_class", "valid string"),
+    ("  - name: code", "  - name: Code!", "classes[0].name", "pattern"),
+    ("  - name: chat", "  - name: code", "classes[1].name", "duplicate class name"),
+    ('      - prefix: "def "', '      - prefix: ""', "classes[0].match[0].prefix", "at least 1 character"),
+    ('        regex: "import"', '        regex: "(unclosed"', "classes[0].match[0].regex", "invalid regular expression"),
+    ("          task: code", "          task: 3", "classes[0].match[0].label.task", "valid string"),
+    ("        min_prompt_tokens: 1", "        min_prompt_tokens: -1", "classes[0].match[0].min_prompt_tokens", "greater than or equal to 0"),
+    ("        max_prompt_tokens: 100", "        max_prompt_tokens: x", "classes[0].match[0].max_prompt_tokens", "valid integer"),
+    ("        max_prompt_tokens: 100", "        max_prompt_tokens: 0", "classes[0].match[0]", "min_prompt_tokens (1) must be <= max_prompt_tokens (0)"),
+    ("    method: draft", "    method: drafty", "classes[0].method", "'draft', 'medusa', 'ngram' or 'off'"),
+    ("      initial: 4", "      initial: 9", "classes[0].gamma", "initial (9) must lie within min..max (1..8)"),
+    ("      initial: 4", "      initial: 4.5", "classes[0].gamma.initial", "valid integer"),
+    ("      max: 8", "      max: 0", "classes[0].gamma", "min (1) must be <= max (0)"),
+    ("      max: 4", "      max: 2000", "classes[0].medusa_heads.max", "less than or equal to 1024"),
+    ("      initial: 2", "      initial: 0", "classes[0].medusa_heads", "initial (0) must lie within"),
+    ("      min: 2", "      min: 0", "classes[0].tree_size", "min must be at least 1 for tree_size"),
+    ("      max: 16", "      max: true", "classes[0].tree_size.max", "valid integer"),
+    ("      min: 0.0", "      min: -0.5", "classes[0].temperature.min", "greater than or equal to 0"),
+    ("      max: 1.0", "      max: .nan", "classes[0].temperature.max", "finite number"),
+    ("    deadline_s: 10", "    deadline_s: 0", "classes[0].deadline_s", "greater than 0"),
+    ("      mode: goodput", "      mode: greedy", "classes[0].adaptation.mode", "'fixed', 'goodput' or 'bandit'"),
+    ("      dead_band: 0.05", "      dead_band: 2", "classes[0].adaptation.dead_band", "less than or equal to 1"),
+    ("      cooldown_s: 30", "      cooldown_s: -1", "classes[0].adaptation.cooldown_s", "greater than or equal to 0"),
+    ("      max_step: 2", "      max_step: 0", "classes[0].adaptation.max_step", "greater than or equal to 1"),
+    ("      probe_fraction: 0.05", "      probe_fraction: 1.5", "classes[0].adaptation.probe_fraction", "less than or equal to 1"),
+    ("  - name: low", "  - name: ''", "alerts[0].name", "pattern"),
+    ("    metric: acceptance_rate", "    metric: accuracy", "alerts[0].metric", "'acceptance_rate', 'speedup'"),
+    ('    op: "<"', '    op: "=="', "alerts[0].op", "'<', '<=', '>' or '>='"),
+    ("    threshold: 0.5", "    threshold: 1.5", "alerts[0].threshold", "ratio: threshold must lie in [0, 1]"),
+    ("    for_s: 60", "    for_s: -5", "alerts[0].for_s", "greater than or equal to 0"),
+    ("    min_samples: 10", "    min_samples: many", "alerts[0].min_samples", "valid integer"),
+    ("    action: fallback", "    action: panic", "alerts[0].action", "'fallback', 'rollback' or 'notify'"),
+    ("    severity: warning", "    severity: high", "alerts[0].severity", "'critical', 'warning' or 'info'"),
+    ("      - code", "      - nosuch", "alerts[0].classes[0]", "unknown class 'nosuch'"),
+    ("    - weight: 10", "    - weight: 101", "rollout.steps[0].weight", "less than or equal to 100"),
+    ("    - weight: 100", "    - weight: 5", "rollout.steps", "weights must increase"),
+    ("      pause_s: 60", "      pause_s: -1", "rollout.steps[0].pause_s", "greater than or equal to 0"),
+    ("      analysis: true", "      analysis: maybe", "rollout.steps[0].analysis", "valid boolean"),
+    ("    interval_s: 30", "    interval_s: 0", "rollout.analysis.interval_s", "greater than 0"),
+    ("    window_s: 120", "    window_s: -3", "rollout.analysis.window_s", "greater than 0"),
+    ("    failure_limit: 0", "    failure_limit: -1", "rollout.analysis.failure_limit", "greater than or equal to 0"),
+    ("    inconclusive_limit: 1", "    inconclusive_limit: 1.5", "rollout.analysis.inconclusive_limit", "valid integer"),
+    ("    consecutive_error_limit: 4", "    consecutive_error_limit: -2", "rollout.analysis.consecutive_error_limit", "greater than or equal to 0"),
+    ("      - low", "      - nosuch", "rollout.analysis.rules[0]", "unknown alert rule 'nosuch'"),
+    ("description: test policy", "descripton: test policy", "descripton", "unknown field"),
+    ("    method: draft", "    methd: draft", "classes[0].methd", "unknown field"),
+    ("      mode: goodput", "      mood: goodput", "classes[0].adaptation.mood", "unknown field"),
+]
+
+
+@pytest.mark.parametrize("old,new,path,fragment", CASES, ids=[f"{c[2]}:{c[1].strip()}" for c in CASES])
+def test_bad_field_reports_its_line(old, new, path, fragment):
+    text, line = _replace(old, new)
+    with pytest.raises(PolicyError) as info:
+        load_policy(text, filename="p.yaml")
+    rendered = [str(e) for e in info.value.errors]
+    wanted = [e for e in info.value.errors if e.path == path]
+    assert wanted, f"no error for {path}; got {rendered}"
+    issue = wanted[0]
+    assert fragment in issue.message, rendered
+    # Errors on a whole sub-object (cross-field checks) point at its key; others at the field itself.
+    key_line = _line_of_key(text, path, line)
+    assert issue.line == key_line, rendered
+    assert str(issue).startswith(f"p.yaml:{key_line}: {path}: ")
+
+
+def _line_of_key(text: str, path: str, changed_line: int) -> int:
+    """The changed line, or for an error on a parent object the line that opens it."""
+    parents = {
+        "classes[0].gamma": "    gamma:", "classes[0].medusa_heads": "    medusa_heads:",
+        "classes[0].tree_size": "    tree_size:", "classes[0].match[0]": '      - prefix: "def "',
+        "rollout.steps": "  steps:",
+    }
+    if path in parents:
+        return text.splitlines().index(parents[path]) + 1
+    return changed_line
+
+
+def test_missing_required_field_points_at_parent():
+    text, _ = _replace("    metric: acceptance_rate", "    # metric removed")
+    with pytest.raises(PolicyError) as info:
+        load_policy(text, filename="p.yaml")
+    (issue,) = [e for e in info.value.errors if e.path == "alerts[0].metric"]
+    assert issue.message == "required field is missing"
+    assert issue.line == TEMPLATE.splitlines().index("  - name: low") + 1
+
+
+def test_all_errors_are_collected_not_just_the_first():
+    text = TEMPLATE.replace("    method: draft", "    method: x").replace("    severity: warning", "    severity: y")
+    text = text.replace("    - weight: 10", "    - weight: -1")
+    with pytest.raises(PolicyError) as info:
+        load_policy(text)
+    paths = {e.path for e in info.value.errors}
+    assert {"classes[0].method", "alerts[0].severity", "rollout.steps[0].weight"} <= paths
+    assert [e.line for e in info.value.errors] == sorted(e.line for e in info.value.errors)
+
+
+@pytest.mark.parametrize("text,line,fragment", [
+    ("version: 1\nclasses: [\n", 3, "YAML syntax"),
+    ("version: 1\nversion: 2\n", 2, "duplicate key 'version'"),
+    ("- 1\n- 2\n", 1, "must be a mapping"),
+    ("", 1, "empty document"),
+    ("a: &x [*x]\n", 1, "nests too deeply"),
+    ("base: &b {name: x}\nclasses:\n  - <<: *b\n", 3, "merge keys"),
+    ("? [1, 2]\n: 3\n", 1, "plain text"),
+])
+def test_document_level_errors(text, line, fragment):
+    with pytest.raises(PolicyError) as info:
+        load_policy(text, filename="d.yaml")
+    first = info.value.errors[0]
+    assert fragment in first.message and first.line == line, str(info.value)
+
+
+def test_file_source_and_unreadable_file(tmp_path):
+    good = tmp_path / "good.yaml"
+    good.write_text(TEMPLATE)
+    assert load_policy(good).version == "v1"
+    assert load_policy(str(good)).version == "v1"
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"\xff\xfe\x00bad")
+    with pytest.raises(PolicyError, match="not UTF-8"):
+        load_policy(binary)
+
+
+def test_numeric_version_is_text_and_format_path():
+    p = load_policy("version: 2.1\ndefault_class: a\nclasses: [{name: a}]\n")
+    assert p.version == "2.1"
+    assert format_path(("classes", 0, "gamma", "max")) == "classes[0].gamma.max"
+    assert format_path(()) == "<root>"
+
+
+def test_classify_first_match_wins_and_default():
+    p = load_policy(TEMPLATE.replace("        max_prompt_tokens: 100\n",
+                                     "        max_prompt_tokens: 100\n      - label: {team: ml}\n"))
+    code = p.get_class("code")
+    # rule 0 needs prefix AND regex AND label AND 1..100 tokens
+    assert p.classify("def f(): import os", {"task": "code"}, 10) is code
+    assert p.classify("def f(): import os", {"task": "code"}, 101).name == "chat"
+    assert p.classify("def f(): pass", {"task": "code"}, 10).name == "chat"
+    assert p.classify("hello", {"team": "ml"}, 5) is code   # rule 1
+    assert p.classify("hello", {}, 5).name == "chat"
+    assert code.speculates_at(0.7) and not code.speculates_at(1.5)
+
+
+def test_policy_built_in_python_still_checks_references():
+    from pydantic import ValidationError
+
+    from specops.policies import Policy, RequestClass
+    with pytest.raises(ValidationError, match="unknown class 'b'"):
+        Policy(version="1", default_class="b", classes=[RequestClass(name="a")])
