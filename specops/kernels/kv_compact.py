@@ -162,16 +162,24 @@ def kv_compact(
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         if x.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last (head) dimension, got strides {x.stride()}")
+    if k_cache.is_cuda:
+        with torch.cuda.device(k_cache.device):  # Triton launches on the current device's stream
+            _launch(k_cache, v_cache, start, keep, len(offsets))
+    else:
+        _launch(k_cache, v_cache, start, keep, len(offsets))
+
+
+def _launch(k_cache, v_cache, start, keep, n_keep):
     batch, heads_kv, _, head_dim = k_cache.shape
     keep_dev = keep.to(device=k_cache.device, dtype=torch.int64).contiguous()  # [n]
     block_d = min(128, max(16, 1 << (head_dim - 1).bit_length()))
-    block_r = min(64, max(16, 1 << (len(offsets) - 1).bit_length()))
+    block_r = min(64, max(16, 1 << (n_keep - 1).bit_length()))
     grid = (batch * heads_kv, -(-head_dim // block_d))
     _kv_compact_kernel[grid](
         k_cache, v_cache, keep_dev,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        heads_kv, start, len(offsets),
+        heads_kv, start, n_keep,
         HEAD_DIM=head_dim,
         BLOCK_R=block_r,
         BLOCK_D=block_d,

@@ -377,11 +377,17 @@ def _tree_attention_triton(q, k, v, tree_mask, scale, num_splits):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last (head) dimension, got strides {x.stride()}")
+    if q.is_cuda:
+        with torch.cuda.device(q.device):  # Triton launches on the current device's stream
+            return _launch(q, k, v, tree_mask, scale, num_splits, _sm_count(torch.cuda.current_device()))
+    return _launch(q, k, v, tree_mask, scale, num_splits, 4)  # interpreter: a nominal 4-SM device
+
+
+def _launch(q, k, v, tree_mask, scale, num_splits, sm_count):
     batch, heads_q, nodes, head_dim = q.shape
     heads_kv = k.shape[1]
     group = heads_q // heads_kv
     prefix = k.shape[2] - nodes
-    sm_count = _sm_count(q.device.index or 0) if q.is_cuda else 4
     plan = plan_launch(batch, heads_kv, group, nodes, prefix, head_dim, sm_count=sm_count, num_splits=num_splits)
 
     mask_u8 = tree_mask.contiguous().view(torch.uint8)  # [T, T], zero-copy reinterpretation of bool
