@@ -90,3 +90,13 @@ def test_promql_rejects_unknown_names_and_bad_windows():
     with pytest.raises(ValueError, match="window"):
         contract.promql("speedup", window="five minutes")
     assert contract.class_matcher('a"b') == 'class="a\\"b"'
+
+
+def test_docs_mirror_the_contract():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "telemetry.md").read_text()
+    for m in contract.METRICS:
+        assert f"`{m.name}`" in doc, m.name
+    for name in contract.PROMQL:
+        assert f"| `{name}` | `{contract.promql(name, '5m')}` |" in doc, name
