@@ -7,10 +7,11 @@ loaded transformers model (no copy of its modelling code) and runs them with ~15
 layer:
 
 - q/k/v are one matmul (fused [Wq; Wk; Wv], with Qwen2's q/k/v bias) and gate/up another;
-  the fused tensors become the storage of the model's own parameters, so memory is not
-  doubled;
-- rotary embeddings use precomputed cos/sin tables and a signed permutation matmul for
-  `rotate_half`, applied to the q, k (and, with cos = 1 / sin = 0, the v) heads in one go;
+  every weight is stored input-major [in, out] (faster batch-1 matmuls on CPU). The runner
+  snapshots the weights when it is built: rebuild it after changing the model's weights;
+- rotary embeddings use precomputed cos/sin tables; `rotate_half` is a roll with the sign
+  folded into the sin table, applied to the q and k heads in one go (v heads get cos 1 and
+  sin 0, which leaves them exactly unchanged);
 - keys/values go into a preallocated `KVCache`; rollback moves a length pointer and a tree
   path is compacted with one gather;
 - attention is `F.scaled_dot_product_attention` (grouped-query attention natively): no mask
@@ -32,6 +33,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specops.decoder.kv_cache import KVCache
+from specops.kernels import MAX_TREE_NODES
+from specops.kernels import tree_attention as kernel_tree_attention
 from specops.decoder.runner import (
     FAST_MODEL_TYPES,
     RunnerOutput,
@@ -48,73 +51,67 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_CONTEXT = 4096  # preallocated positions when neither the caller nor a smaller model limit says otherwise
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+TREE_ATTENTION_IMPLS = ("auto", "sdpa", "kernel")
 
 
 def tree_attention(
     q: Tensor,  # [B, Hq, T, D]
     k: Tensor,  # [B, Hkv, L + T, D]
     v: Tensor,  # [B, Hkv, L + T, D]
-    mask: Tensor,  # [T, L + T] bool: query i may see key j
+    mask: Tensor,  # [T, L + T] bool: query i may see key j (the prefix, then tree_mask)
+    tree_mask: Tensor,  # [T, T] bool
     scale: float,
+    impl: str,
 ) -> Tensor:  # [B, Hq, T, D]
-    """Attention of T tree nodes over the cached prefix and the tree (the one call site to
-    switch to the Triton kernel `specops.kernels.tree_attention`)."""
+    """Attention of T tree nodes over the cached prefix and the tree: the Triton kernel
+    `specops.kernels.tree_attention` on CUDA ("auto") or when asked for ("kernel"; on CPU that
+    runs the kernel module's PyTorch reference), otherwise SDPA with the explicit mask."""
+    use_kernel = impl == "kernel" or (impl == "auto" and q.is_cuda and q.shape[2] <= MAX_TREE_NODES)
+    if use_kernel:
+        return kernel_tree_attention(q, k, v, tree_mask, scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class _Layer:
-    """One decoder layer's weights, fused for the compact forward."""
+    """One decoder layer's weights, fused and stored input-major ([in, out], contiguous):
+    a batch-1 CPU matmul against that layout is markedly faster than `F.linear`'s [out, in]."""
 
-    __slots__ = ("ln1", "wqkv", "bqkv", "wo_t", "bo", "ln2", "wgu", "bgu", "wd_t", "bd", "act")
+    __slots__ = ("ln1", "wqkv", "bqkv", "wo", "bo", "ln2", "wgu", "bgu", "wd", "bd", "act")
 
-    def __init__(self, layer, share_weights: bool) -> None:
+    def __init__(self, layer) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.ln1 = layer.input_layernorm.weight.detach()  # [E]
         self.ln2 = layer.post_attention_layernorm.weight.detach()  # [E]
-        self.wqkv, self.bqkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], share_weights)  # [(Hq+2Hkv)*D, E]
-        self.wgu, self.bgu = _fuse([mlp.gate_proj, mlp.up_proj], share_weights)  # [2I, E]
-        self.wo_t = attn.o_proj.weight.detach().t()  # [Hq*D, E]
-        self.bo = None if attn.o_proj.bias is None else attn.o_proj.bias.detach()
-        self.wd_t = mlp.down_proj.weight.detach().t()  # [I, E]
-        self.bd = None if mlp.down_proj.bias is None else mlp.down_proj.bias.detach()
-        self.act = F.silu if mlp.act_fn.__class__.__name__ == "SiLUActivation" else mlp.act_fn
+        self.wqkv, self.bqkv = _fuse_t([attn.q_proj, attn.k_proj, attn.v_proj])  # [E, (Hq+2Hkv)*D]
+        self.wgu, self.bgu = _fuse_t([mlp.gate_proj, mlp.up_proj])  # [E, 2I]
+        self.wo, self.bo = _fuse_t([attn.o_proj])  # [Hq*D, E]
+        self.wd, self.bd = _fuse_t([mlp.down_proj])  # [I, E]
+        self.act = F.silu if type(mlp.act_fn).__name__ == "SiLUActivation" else mlp.act_fn
 
 
-def _fuse(linears, share_weights: bool) -> tuple[Tensor, Tensor | None]:
-    """Concatenate nn.Linear weights along the output dim; optionally make the fused tensor
-    the storage of the original parameters so the model's memory is not doubled."""
+def _fuse_t(linears) -> tuple[Tensor, Tensor | None]:
+    """Concatenate nn.Linear weights along the output dim, transposed to [in, sum(out)]
+    contiguous (a copy: the runner snapshots the weights when it is built)."""
     with torch.no_grad():
-        weight = torch.cat([m.weight.detach() for m in linears], dim=0)  # [sum(out), E]
-        has_bias = any(m.bias is not None for m in linears)
-        bias = None
-        if has_bias:
-            parts = [m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.weight.shape[0]) for m in linears]
-            bias = torch.cat(parts)  # [sum(out)]
-        if share_weights:
-            offset = 0
-            for m in linears:
-                rows = m.weight.shape[0]
-                m.weight.data = weight[offset : offset + rows]
-                if m.bias is not None:
-                    m.bias.data = bias[offset : offset + rows]
-                offset += rows
-    return weight, bias
+        weight = torch.cat([m.weight.detach() for m in linears], dim=0).t().contiguous()  # [in, sum(out)]
+        if all(m.bias is None for m in linears):
+            return weight, None
+        parts = [m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.weight.shape[0]) for m in linears]
+        return weight, torch.cat(parts)  # [sum(out)]
 
 
-def _rotate_half_matrix(head_dim: int, dtype: torch.dtype, device: torch.device) -> Tensor:  # [D, D]
-    """P with x @ P == rotate_half(x) == cat(-x[D/2:], x[:D/2]) (exact: entries are 0 and ±1)."""
-    half = head_dim // 2
-    p = torch.zeros(head_dim, head_dim, dtype=dtype, device=device)
-    idx = torch.arange(half, device=device)
-    p[idx + half, idx] = -1.0
-    p[idx, idx + half] = 1.0
-    return p
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # [N, in] @ [in, out] -> [N, out]
+    return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
 
 
 class FastLlamaRunner:
     """Compact Llama/Mistral/Qwen2 forward with a preallocated KV cache (`ModelRunner`)."""
 
-    def __init__(self, model, *, max_context: int | None = None, share_weights: bool = True) -> None:
+    def __init__(self, model, *, max_context: int | None = None, tree_attention: str = "auto") -> None:
+        """`tree_attention`: "auto" (Triton kernel on CUDA, SDPA elsewhere), "sdpa" or "kernel"."""
+        if tree_attention not in TREE_ATTENTION_IMPLS:
+            raise ValueError(f"tree_attention must be one of {', '.join(TREE_ATTENTION_IMPLS)}, got {tree_attention!r}")
+        self.tree_attention = tree_attention
         config = model.config
         model_type = getattr(config, "model_type", None)
         if model_type not in FAST_MODEL_TYPES:
@@ -148,10 +145,9 @@ class FastLlamaRunner:
         self.eps = float(config.rms_norm_eps)
 
         self.embed = emb
-        self.layers = [_Layer(layer, share_weights) for layer in base.layers[: config.num_hidden_layers]]
+        self.layers = [_Layer(layer) for layer in base.layers[: config.num_hidden_layers]]
         self.norm = base.norm.weight.detach()  # [E]
-        self.lm_head = model.lm_head.weight.detach()  # [V, E]
-        self.lm_bias = None if getattr(model.lm_head, "bias", None) is None else model.lm_head.bias.detach()
+        self.lm_head, self.lm_bias = _fuse_t([model.lm_head])  # [E, V]
 
         # rotary tables for every position: [S, D] each, in the model dtype (as transformers casts them)
         inv_freq = rotary.original_inv_freq.detach().to(device=self.device, dtype=torch.float32)  # [D/2]
@@ -160,8 +156,10 @@ class FastLlamaRunner:
         angles = torch.cat([freqs, freqs], dim=-1)  # [S, D]
         scaling = float(getattr(rotary, "attention_scaling", 1.0))
         self._cos = (angles.cos() * scaling).to(self.dtype)  # [S, D]
-        self._sin = (angles.sin() * scaling).to(self.dtype)  # [S, D]
-        self._rot = _rotate_half_matrix(self.head_dim, self.dtype, self.device)  # [D, D]
+        sin = (angles.sin() * scaling).to(self.dtype)  # [S, D]
+        # rotate_half(x) * sin == roll(x, D/2) * signed_sin with the first half of sin negated (exact)
+        half = self.head_dim // 2
+        self._sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)  # [S, D]
         # v heads pass through the rotary step unchanged (cos 1, sin 0: exact)
         self._v_ones = torch.ones(1, self.n_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
         self._v_zeros = torch.zeros(1, self.n_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
@@ -234,7 +232,8 @@ class FastLlamaRunner:
         )
         with torch.inference_mode():
             hidden = self._forward(input_ids.to(self.device), args.position_ids, args.tree_mask)  # [B, T, E]
-            logits = F.linear(hidden, self.lm_head, self.lm_bias)  # [B, T, V]
+            b, t, e = hidden.shape
+            logits = _linear(hidden.view(b * t, e), self.lm_head, self.lm_bias).view(b, t, -1)  # [B, T, V]
             if logits.dtype != torch.float32:
                 logits = logits.float()
         return RunnerOutput(logits=logits, hidden=hidden if need_hidden else None)
@@ -280,24 +279,24 @@ class FastLlamaRunner:
         cos, sin = self._rotary(b, t, position_ids)  # [B|1, T, Hq+2Hkv, D]
         mask, causal = self._mask(t, tree_mask)  # [T, L+T] | None
         gqa = hq != hkv
+        half = d // 2
         x = F.embedding(input_ids, self.embed).view(b * t, e)  # [B*T, E]
         for i, layer in enumerate(self.layers):
             h = F.rms_norm(x, (e,), layer.ln1, eps)  # [B*T, E]
-            qkv = F.linear(h, layer.wqkv, layer.bqkv).view(b, t, hq + 2 * hkv, d)  # [B, T, Hq+2Hkv, D]
-            qkv = torch.addcmul(qkv * cos, torch.matmul(qkv, self._rot), sin)  # rotary on q, k
+            qkv = _linear(h, layer.wqkv, layer.bqkv).view(b, t, hq + 2 * hkv, d)  # [B, T, Hq+2Hkv, D]
+            qkv = torch.addcmul(qkv * cos, qkv.roll(half, -1), sin)  # rotary on q and k; v passes unchanged
             q = qkv[:, :, :hq].transpose(1, 2)  # [B, Hq, T, D]
             kv = qkv[:, :, hq:].view(b, t, 2, hkv, d).permute(2, 0, 3, 1, 4)  # [2, B, Hkv, T, D]
             k, v = cache.write(i, kv)  # [B, Hkv, L+T, D] each
             if tree_mask is not None:
-                o = tree_attention(q, k, v, mask, scale)  # [B, Hq, T, D]
+                o = tree_attention(q, k, v, mask, tree_mask, scale, self.tree_attention)  # [B, Hq, T, D]
             else:
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
             o = o.transpose(1, 2).reshape(b * t, hq * d)  # [B*T, Hq*D]
-            x = torch.addmm(x, o, layer.wo_t) if layer.bo is None else x + F.linear(o, layer.wo_t.t(), layer.bo)
+            x = x + _linear(o, layer.wo, layer.bo)  # [B*T, E]
             h = F.rms_norm(x, (e,), layer.ln2, eps)  # [B*T, E]
-            gate, up = F.linear(h, layer.wgu, layer.bgu).chunk(2, dim=-1)  # [B*T, I] each
-            act = layer.act(gate) * up  # [B*T, I]
-            x = torch.addmm(x, act, layer.wd_t) if layer.bd is None else x + F.linear(act, layer.wd_t.t(), layer.bd)
+            gate, up = _linear(h, layer.wgu, layer.bgu).chunk(2, dim=-1)  # [B*T, I] each
+            x = x + _linear(layer.act(gate) * up, layer.wd, layer.bd)  # [B*T, E]
         cache.advance(t)
         x = F.rms_norm(x, (e,), self.norm, eps)  # [B*T, E]
         return x.view(b, t, e)  # [B, T, E]

@@ -41,6 +41,7 @@ class KVCache:
         self.length = 0
         self.batch = 0
         self.data = torch.empty(0, dtype=dtype, device=device)  # [NL, 2, B, Hkv, S, D]
+        self.per_layer: list[Tensor] = []  # NL x [2, B, Hkv, S, D] views into data
         self.keys: list[Tensor] = []  # NL x [B, Hkv, S, D] views into data
         self.values: list[Tensor] = []  # NL x [B, Hkv, S, D] views into data
         self.reset(batch)
@@ -52,6 +53,7 @@ class KVCache:
         if batch != self.batch:
             shape = (self.layers, 2, batch, self.kv_heads, self.max_len, self.head_dim)
             self.data = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.per_layer = [self.data[i] for i in range(self.layers)]
             self.keys = [self.data[i, 0] for i in range(self.layers)]
             self.values = [self.data[i, 1] for i in range(self.layers)]
             self.batch = batch
@@ -60,9 +62,10 @@ class KVCache:
     def write(self, layer: int, kv: Tensor) -> tuple[Tensor, Tensor]:  # kv: [2, B, Hkv, T, D]
         """Store T new entries of one layer after the filled ones; return its keys and values
         including them, each [B, Hkv, length + T, D]. Does not move the length pointer."""
-        end = self.length + kv.shape[-2]
-        self.data[layer, :, :, :, self.length : end].copy_(kv)
-        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+        start = self.length
+        new = kv.shape[-2]
+        self.per_layer[layer].narrow(3, start, new).copy_(kv)
+        return self.keys[layer].narrow(2, 0, start + new), self.values[layer].narrow(2, 0, start + new)
 
     def advance(self, count: int) -> None:
         """Mark `count` more entries as filled (after every layer wrote them)."""
