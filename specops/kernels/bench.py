@@ -20,6 +20,7 @@ import json
 import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import click
 
@@ -48,6 +49,7 @@ class KernelBenchConfig:
     head_dim: int = 128
     dtype: str = "bfloat16"  # float16 | bfloat16 | float32
     impls: tuple[str, ...] = IMPL_NAMES
+    copy_bytes: int = COPY_BYTES  # buffer size of the bandwidth-reference copy
 
     def validate(self) -> None:
         if not self.nodes or any(t < 1 or t > 256 for t in self.nodes):
@@ -60,6 +62,8 @@ class KernelBenchConfig:
             raise ValueError(f"heads_q ({self.heads_q}) must be a multiple of heads_kv ({self.heads_kv})")
         if self.dtype not in ("float16", "bfloat16", "float32"):
             raise ValueError(f"dtype must be float16, bfloat16 or float32, got {self.dtype}")
+        if self.copy_bytes < 1:
+            raise ValueError(f"copy_bytes must be >= 1, got {self.copy_bytes}")
         unknown = set(self.impls) - set(IMPL_NAMES)
         if unknown or not self.impls:
             raise ValueError(f"impls must be a non-empty subset of {IMPL_NAMES}, got {self.impls}")
@@ -153,34 +157,48 @@ def _chain_and_branches_mask(nodes: int, device):
     return mask.to(device)
 
 
-def measure_copy_gbps(device, nbytes: int = COPY_BYTES) -> float:
+Timer = Callable[[Callable[[], object]], float]  # fn -> median milliseconds per call
+
+
+def cuda_median_ms(fn: Callable[[], object]) -> float:
+    """Median CUDA-event time of ``fn`` (Triton's do_bench: warm-up, L2 flushed per rep)."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=10, rep=100, return_mode="median")
+
+
+def measure_copy_gbps(device, nbytes: int, timer: Timer) -> float:
     """Device-to-device copy bandwidth: (read + write bytes) / median time."""
     import torch
-    from triton.testing import do_bench
 
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    ms = timer(lambda: dst.copy_(src))
     del src, dst
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
-def run_kernel_bench(config: KernelBenchConfig) -> KernelBenchReport:
-    """Run the grid on the current CUDA device; raises RuntimeError without CUDA."""
+def run_kernel_bench(config: KernelBenchConfig, *, device=None, timer: Timer | None = None) -> KernelBenchReport:
+    """Run the grid. ``device`` defaults to CUDA (RuntimeError without one); ``timer``
+    to CUDA-event timing. Tests pass a CPU device and a wall-clock timer, with the
+    Triton path running in the interpreter."""
     import torch
     import torch.nn.functional as F
-    from triton.testing import do_bench
 
     from specops.kernels.tree_attention import tree_attention
 
     config.validate()
-    if not torch.cuda.is_available():
-        raise RuntimeError("specops bench kernels needs a CUDA GPU")
-    device = torch.device("cuda")
+    if device is None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("specops bench kernels needs a CUDA GPU")
+        device = torch.device("cuda")
+    device = torch.device(device)
+    timer = timer or cuda_median_ms
     dtype = getattr(torch, config.dtype)
     elem = torch.empty((), dtype=dtype).element_size()
-    report = KernelBenchReport(device=torch.cuda.get_device_name(device), dtype=config.dtype,
-                               copy_gbps=measure_copy_gbps(device), config=config)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+    report = KernelBenchReport(device=name, dtype=config.dtype,
+                               copy_gbps=measure_copy_gbps(device, config.copy_bytes, timer), config=config)
     log.info("device copy bandwidth: %.0f GB/s", report.copy_gbps)
     gen = torch.Generator(device=device).manual_seed(0)
     b, hq, hkv, d = config.batch, config.heads_q, config.heads_kv, config.head_dim
@@ -201,7 +219,7 @@ def run_kernel_bench(config: KernelBenchConfig) -> KernelBenchReport:
             errors: dict[str, float] = {}
             for impl in config.impls:
                 errors[impl] = (calls[impl]().float() - expected).abs().max().item()
-                times[impl] = do_bench(calls[impl], warmup=10, rep=100, return_mode="median")
+                times[impl] = timer(calls[impl])
             nbytes = attention_bytes(b, hq, hkv, nodes, prefix, d, elem)
             for impl in config.impls:
                 gbps = nbytes / (times[impl] * 1e-3) / 1e9
