@@ -17,6 +17,7 @@ from specops.decoder.errors import (
     UnknownMethodError,
     VocabMismatchError,
 )
+from specops.decoder.medusa_heads import MedusaHeads
 from specops.decoder.sampling import SamplingConfig
 from specops.decoder.stats import DecodeStats
 
@@ -27,6 +28,7 @@ __all__ = [
     "DecoderError",
     "GenerateOutput",
     "InvalidRequestError",
+    "MedusaHeads",
     "MissingComponentError",
     "ModelLoadError",
     "SamplingConfig",

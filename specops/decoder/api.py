@@ -114,11 +114,29 @@ def _run_ngram(dec: Decoder, req: DecodeRequest) -> tuple[list[int], DecodeStats
     )
 
 
+def _run_medusa(dec: Decoder, req: DecodeRequest) -> tuple[list[int], DecodeStats]:
+    from specops.decoder.medusa_decode import generate_medusa
+
+    return generate_medusa(
+        dec.target,
+        req.prompt_ids,
+        heads=dec.medusa,
+        sampling=req.sampling,
+        generator=req.generator,
+        max_new_tokens=req.max_new_tokens,
+        eos_token_id=req.eos_token_id,
+        num_heads=req.heads,
+        tree=req.tree,
+        **req.options,
+    )
+
+
 # method name -> function(decoder, request) -> (tokens, stats). One entry per method.
 METHODS: dict[str, Callable[[Decoder, DecodeRequest], tuple[list[int], DecodeStats]]] = {
     "ar": _run_ar,
     "draft": _run_draft,
     "ngram": _run_ngram,
+    "medusa": _run_medusa,
 }
 # methods that need a component, and the component's attribute on the Decoder
 REQUIRES: dict[str, str] = {"draft": "draft", "medusa": "medusa"}

@@ -26,6 +26,9 @@ its position.
 
 from __future__ import annotations
 
+import logging
+import statistics
+import weakref
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -37,7 +40,8 @@ from specops.decoder.runner import ModelRunner
 from specops.decoder.sampling import SamplingConfig, next_token, probabilities
 from specops.decoder.speculation import device_clock, eos_set, prompt_list
 from specops.decoder.stats import DecodeStats
-from specops.decoder.tree import TreeBuffers, TreeError, TreeSpec, build_buffers, resolve_tree
+from specops.decoder.tree import TreeBuffers, TreeError, TreeSpec, build_buffers, preset, resolve_tree
+from specops.decoder.tree_size import DEFAULT_SIZES, TreeChoice, VerifyCostCurve, choose_tree, measure_verify_cost
 from specops.decoder.tree_verify import (
     TreeVerification,
     TypicalAcceptance,
@@ -45,6 +49,8 @@ from specops.decoder.tree_verify import (
     verify_tree_sampling,
     verify_tree_typical,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class HeadsLike(Protocol):
@@ -105,14 +111,14 @@ def generate_medusa(
     eos_token_id: int | list[int] | None = None,
     num_heads: int | None = None,
     tree: str | TreeSpec | Sequence[Sequence[int]] | None = None,
-    typical: TypicalAcceptance | None = None,
+    typical: bool | TypicalAcceptance | None = None,
 ) -> tuple[list[int], DecodeStats]:
     """Decode up to ``max_new_tokens`` tokens with Medusa tree speculation.
 
     ``num_heads``: heads to use (<= the heads' K; default all). ``tree``: a preset name,
-    an explicit list of rank paths, a `TreeSpec`, or None for the "small" preset (the
-    `Decoder` passes the cost-chosen sparse tree). ``typical``: LOSSY typical
-    acceptance instead of exact rejection sampling (only with temperature > 0).
+    an explicit list of rank paths, a `TreeSpec`, or None / "auto" for `plan_tree` (sized
+    from the runner's measured verify cost). ``typical``: LOSSY typical acceptance
+    instead of exact rejection sampling (only with temperature > 0).
     """
     prompt = prompt_list(prompt_ids)
     eos = eos_set(eos_token_id)
@@ -120,9 +126,13 @@ def generate_medusa(
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= heads.num_heads:
         raise InvalidRequestError(f"heads must be in 1..{heads.num_heads} (the Medusa heads loaded), got {num_heads!r}")
     try:
-        spec = resolve_tree(tree, k)
+        spec = plan_tree(target, heads, k) if tree is None or tree == "auto" else resolve_tree(tree, k)
     except TreeError as exc:
         raise InvalidRequestError(str(exc)) from None
+    if typical is True:
+        typical = TypicalAcceptance()
+    elif typical is False:
+        typical = None
     if typical is not None and sampling.greedy:
         raise InvalidRequestError("typical acceptance applies to sampling (temperature > 0); greedy is exact already")
     limit = target.max_context
@@ -208,3 +218,50 @@ def _verify_step(target: ModelRunner, tree_tokens: Tensor, buffers: TreeBuffers,
     path = verification.path
     target.compact(start, torch.tensor(path, dtype=torch.long, device=target.device))
     return _Verified(verification=verification, hidden=out.hidden[0, path[-1]])
+
+
+# -- tree size from the runner's measured verify cost ----------------------------------
+_COST_CURVES: "weakref.WeakKeyDictionary[object, VerifyCostCurve]" = weakref.WeakKeyDictionary()
+_PLANS: "weakref.WeakKeyDictionary[object, dict[tuple[int, int], TreeChoice]]" = weakref.WeakKeyDictionary()
+
+
+def verify_cost_curve(target: ModelRunner) -> VerifyCostCurve:
+    """The runner's verify-cost curve, measured on first use and kept for the runner's lifetime."""
+    curve = _COST_CURVES.get(target)
+    if curve is None:
+        curve = measure_verify_cost(target, sizes=[s for s in DEFAULT_SIZES if s < target.max_context // 2] or [1])
+        _COST_CURVES[target] = curve
+    return curve
+
+
+def heads_overhead_s(heads: HeadsLike, target: ModelRunner, num_heads: int, repeats: int = 5) -> float:
+    """Median seconds of one proposal: the heads on one hidden state plus their top-k."""
+    hidden_size = getattr(getattr(heads, "config", None), "hidden_size", None)
+    if hidden_size is None:
+        return 0.0
+    hidden = torch.zeros(hidden_size, device=target.device, dtype=target.dtype)  # [E]
+    samples = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            t0 = device_clock(target.device)
+            torch.topk(heads(hidden, num_heads), 4, dim=-1)
+            samples.append(device_clock(target.device) - t0)
+    return statistics.median(samples[1:])
+
+
+def plan_tree(target: ModelRunner, heads: HeadsLike, num_heads: int) -> TreeSpec:
+    """The tree for ``tree=None``: the sparse tree from the heads' measured accuracy whose size
+    maximises expected tokens/s under the runner's measured verify cost; "small" when the
+    heads carry no accuracy table."""
+    accuracy = getattr(getattr(heads, "config", None), "head_topk_accuracy", None)
+    if not accuracy:
+        return preset("small", num_heads)
+    plans = _PLANS.setdefault(heads, {})
+    key = (id(target), num_heads)
+    if key not in plans:
+        plans[key] = choose_tree(accuracy[:num_heads], verify_cost_curve(target),
+                                       overhead_s=heads_overhead_s(heads, target, num_heads))
+        choice = plans[key]
+        logger.info("medusa tree for %d heads: %d nodes, %.2f expected tokens/step, %.0f tokens/s expected",
+                    num_heads, choice.spec.num_nodes, choice.expected_tokens, choice.tokens_per_s)
+    return plans[key].spec
