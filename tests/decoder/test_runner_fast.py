@@ -1,0 +1,105 @@
+"""FastLlamaRunner equals transformers' forward (fp32, atol 1e-4) for Llama, Mistral and
+Qwen2 configs: GQA/MQA, q/k/v biases, a head_dim that differs from hidden/heads, rope_theta
+and linear RoPE scaling, tied embeddings — through prefill, steps, truncate, a random tree
+forward and compaction (the shared scenario in test_runner.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specops.decoder.fast_llama import FastLlamaRunner
+from specops.decoder.runner import UnsupportedModelError
+from tests.decoder.test_runner import VOCAB, build, close, random_tree, reference, run_scenario
+
+CONFIGS = {
+    "llama-gqa-theta": ("llama", dict(rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
+    "llama-bias-headdim-linear-rope-tied": (
+        "llama",
+        dict(
+            hidden_size=48, head_dim=16, num_attention_heads=4, num_key_value_heads=4, attention_bias=True,
+            mlp_bias=True, tie_word_embeddings=True,
+            rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
+        ),
+    ),
+    "mistral-mqa": ("mistral", dict(num_key_value_heads=1, sliding_window=None)),
+    "qwen2-gqa-bias": ("qwen2", dict(num_attention_heads=8, num_key_value_heads=2, hidden_size=64)),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_fast_runner_matches_transformers(name):
+    model_type, overrides = CONFIGS[name]
+    model = build(model_type, seed=11, **overrides)
+    runner = FastLlamaRunner(model)
+    run_scenario(runner, model, seed=13, tree_nodes=8)
+    runner.reset()
+    run_scenario(runner, model, seed=17, tree_nodes=5)  # a reused runner starts clean
+
+
+def test_tied_embeddings_are_exercised():
+    model, = (build("llama", **CONFIGS["llama-bias-headdim-linear-rope-tied"][1]),)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert model.model.layers[0].self_attn.q_proj.bias is not None
+
+
+def test_fast_runner_greedy_equals_transformers_generate():
+    model = build("qwen2", seed=21)
+    runner = FastLlamaRunner(model)
+    prompt = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(2))
+    logits = runner.forward(prompt).logits
+    tokens = []
+    for _ in range(20):
+        tok = logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]
+        tokens.append(int(tok))
+        logits = runner.forward(tok).logits
+    with torch.no_grad():
+        want = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20, do_sample=False,
+                              pad_token_id=0)
+    assert tokens == want[0, 5:].tolist()
+
+
+def test_fast_runner_batch_of_two_with_a_tree():
+    model = build("llama", seed=23)
+    runner = FastLlamaRunner(model)
+    runner.reset(batch_size=2)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (2, 6), generator=gen)
+    out = runner.forward(ids)
+    with torch.no_grad():
+        close(out.logits, model(ids).logits, "batch prefill")
+    parents, tree_mask, depth = random_tree(4, gen)
+    nodes = torch.randint(0, VOCAB, (2, 4), generator=gen)
+    positions = torch.tensor([[6 + d for d in depth]] * 2)
+    out = runner.forward(nodes, position_ids=positions, tree_mask=tree_mask)
+    for b in range(2):
+        for i in range(4):
+            path = [j for j in range(4) if tree_mask[i, j]]
+            want = reference(model, ids[b].tolist() + nodes[b, path].tolist())[-1]
+            close(out.logits[b, i], want, f"batch row {b} tree node {i}")
+
+
+def test_kernel_tree_attention_call_site_matches_sdpa():
+    model = build("qwen2", seed=29, num_attention_heads=8, num_key_value_heads=2, hidden_size=64)
+    gen = torch.Generator().manual_seed(4)
+    prefix = torch.randint(0, VOCAB, (1, 9), generator=gen)
+    _, tree_mask, depth = random_tree(6, gen)
+    nodes = torch.randint(0, VOCAB, (1, 6), generator=gen)
+    positions = torch.tensor([[9 + d for d in depth]])
+    outs = {}
+    for impl in ("sdpa", "kernel"):
+        runner = FastLlamaRunner(model, tree_attention=impl)
+        runner.forward(prefix)
+        outs[impl] = runner.forward(nodes, position_ids=positions, tree_mask=tree_mask).logits
+    close(outs["kernel"], outs["sdpa"], "kernels.tree_attention vs SDPA")
+    with pytest.raises(ValueError, match="tree_attention must be one of"):
+        FastLlamaRunner(model, tree_attention="flash")
+
+
+def test_fast_runner_rejects_what_it_cannot_run_exactly():
+    with pytest.raises(UnsupportedModelError, match="runs llama, mistral, qwen2"):
+        FastLlamaRunner(build("gpt2"))
+    with pytest.raises(UnsupportedModelError, match="depends on the sequence length"):
+        FastLlamaRunner(build("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}))
+    with pytest.raises(UnsupportedModelError, match="sliding-window"):
+        FastLlamaRunner(build("mistral", sliding_window=8), max_context=32)
