@@ -81,7 +81,11 @@ def parse_policy(text: str, filename: str = "<string>") -> Policy:
 
 def _parse_yaml(text: str, filename: str) -> tuple[Any, dict[Loc, int], list[PolicyIssue]]:
     """(data, path -> line map, issues) for one YAML document."""
-    loader = yaml.SafeLoader(text)
+    try:
+        loader = yaml.SafeLoader(text)
+    except yaml.reader.ReaderError as exc:
+        line = text[: max(0, exc.position)].count("\n") + 1
+        return None, {}, [PolicyIssue(filename, line, "<root>", f"character #x{exc.character:04x} is not allowed in YAML")]
     try:
         node = loader.get_single_node()
         if node is None:

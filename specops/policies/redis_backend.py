@@ -106,9 +106,7 @@ def close(client: redis.Redis, *, timeout_s: float = 10.0) -> None:
         client.close()
         return
     try:
-        client.shutdown(save=True)
-    except redis.ConnectionError:
-        pass  # the server closes the connection as it exits
+        _shutdown(client)
     except redis.RedisError as exc:
         log.warning("embedded Redis pid %s refused SHUTDOWN (%s); terminating it", pid, exc)
         _signal(pid, signal.SIGTERM)
@@ -122,6 +120,19 @@ def close(client: redis.Redis, *, timeout_s: float = 10.0) -> None:
             setattr(client, attr, None)
     client.running = False
     client.close()
+
+
+def _shutdown(client: redis.Redis) -> None:
+    """SHUTDOWN SAVE on one raw connection: the client's retry policy would otherwise keep
+    reconnecting (with backoff) to the server that just exited."""
+    conn = client.connection_pool.get_connection()
+    try:
+        conn.send_command("SHUTDOWN", "SAVE")
+        conn.read_response()
+    except (redis.ConnectionError, OSError):
+        pass  # the server closes the connection as it exits
+    finally:
+        conn.disconnect()
 
 
 def _signal(pid: int, sig: int) -> None:

@@ -199,6 +199,7 @@ def test_all_errors_are_collected_not_just_the_first():
     ("a: &x [*x]\n", 1, "nests too deeply"),
     ("base: &b {name: x}\nclasses:\n  - <<: *b\n", 3, "merge keys"),
     ("? [1, 2]\n: 3\n", 1, "plain text"),
+    ("version: 1\nx: \x07\n", 2, "#x0007 is not allowed"),
 ])
 def test_document_level_errors(text, line, fragment):
     with pytest.raises(PolicyError) as info:
