@@ -174,7 +174,7 @@ class BanditState:
     """Discounted UCB1 statistics over knob values for one class."""
 
     discount: float = 0.9
-    exploration: float = 0.5
+    exploration: float = 0.1
     weight: dict[int, float] = field(default_factory=dict)  # discounted pull counts
     reward_sum: dict[int, float] = field(default_factory=dict)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -137,7 +138,7 @@ def simulate_command(pods, n_classes, ticks, seed, redis_url, json_path, plot_pa
         except StoreUnavailableError as exc:
             raise click.ClickException(str(exc)) from None
         try:
-            with click.progressbar(length=ticks, label="simulating", file=click.get_text_stream("stderr")) as bar:
+            with click.progressbar(length=ticks, label="simulating", file=sys.stderr) as bar:
                 namespace = f"sim-{seed}-{pods}x{n_classes}"
                 for key in client.scan_iter(f"{namespace}:*"):  # a re-run starts from an empty namespace
                     client.delete(key)
