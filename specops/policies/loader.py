@@ -8,12 +8,14 @@ existing node on its path, giving ``FILE:LINE: path.to.field: what is wrong``.
 
 from __future__ import annotations
 
+import difflib
 import os
+import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from specops.policies.errors import PolicyError, PolicyIssue
 from specops.policies.schema import ISSUES_CONTEXT_KEY, Policy
@@ -173,7 +175,10 @@ def _issues_from_pydantic(exc: ValidationError, lines: dict[Loc, int], filename:
     issues: list[PolicyIssue] = []
     for err in exc.errors(include_url=False):
         loc = _clean_loc(err["loc"], lines)
-        issues.append(PolicyIssue(filename, line_of(lines, loc), format_path(loc), _message(err)))
+        message = _message(err)
+        if err["type"] == "extra_forbidden" and loc and isinstance(loc[-1], str):
+            message = _unknown_field_message(loc)
+        issues.append(PolicyIssue(filename, line_of(lines, loc), format_path(loc), message))
     issues.sort(key=lambda i: (i.line, i.path))
     return issues
 
@@ -190,6 +195,33 @@ def _clean_loc(raw: tuple[Any, ...], lines: dict[Loc, int]) -> Loc:
 
 def _is_field_name(part: Any) -> bool:
     return isinstance(part, str) and part.isidentifier() and not part.startswith(("function-", "json-"))
+
+
+def _model_at(loc: Loc) -> type[BaseModel] | None:
+    """The schema model that holds the field at ``loc`` (walking lists and optionals)."""
+    model: Any = Policy
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+            return None
+        model = model.model_fields[part].annotation
+        while typing.get_args(model) and not (isinstance(model, type) and issubclass(model, BaseModel)):
+            inner = [a for a in typing.get_args(model) if isinstance(a, type) and issubclass(a, BaseModel)]
+            if not inner:
+                return None
+            model = inner[0]
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _unknown_field_message(loc: Loc) -> str:
+    model = _model_at(loc)
+    if model is None:
+        return "unknown field"
+    allowed = list(model.model_fields)
+    close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"unknown field ({hint}allowed: {', '.join(allowed)})"
 
 
 def _message(err: dict[str, Any]) -> str:

@@ -139,7 +139,7 @@ CASES = [
     ("    consecutive_error_limit: 4", "    consecutive_error_limit: -2", "rollout.analysis.consecutive_error_limit", "greater than or equal to 0"),
     ("      - low", "      - nosuch", "rollout.analysis.rules[0]", "unknown alert rule 'nosuch'"),
     ("description: test policy", "descripton: test policy", "descripton", "unknown field"),
-    ("    method: draft", "    methd: draft", "classes[0].methd", "unknown field"),
+    ("    method: draft", "    methd: draft", "classes[0].methd", "unknown field (did you mean 'method'?"),
     ("      mode: goodput", "      mood: goodput", "classes[0].adaptation.mood", "unknown field"),
 ]
 
