@@ -93,8 +93,9 @@ def run_command(policy_file, redis_url, state_dir, namespace, prometheus_url, in
         server = ControlServer(receiver, registry, host=host, port=port)
         scheduler = build_scheduler(controller.tick, interval_s)
         stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+        if threading.current_thread() is threading.main_thread():  # signals can only be handled there
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: stop.set())
         server.start()
         scheduler.start()
         click.echo(f"controller running: ticks every {interval_s:g}s, HTTP on {server.url}")
