@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import click
@@ -120,7 +121,7 @@ def validate_command(files: tuple[str, ...]) -> None:
     bad = False
     for path in files:
         try:
-            policy = load_policy(path)
+            policy = load_policy(Path(path), filename=path)
         except PolicyError as exc:
             bad = True
             for issue in exc.errors:
@@ -138,7 +139,7 @@ def validate_command(files: tuple[str, ...]) -> None:
 @_friendly
 def diff_command(file: str, redis_url: str | None, state_dir: str, namespace: str) -> None:
     """Show what FILE changes against the current revision (unified diff, defaults filled in)."""
-    policy = load_policy(file)
+    policy = load_policy(Path(file), filename=file)
     with _opened(redis_url, state_dir, namespace) as store:
         current = store.current_revision()
         old_text, old_label = "", "(no current revision)"
@@ -164,7 +165,7 @@ def diff_command(file: str, redis_url: str | None, state_dir: str, namespace: st
 def rollout_command(file: str, dry_run: bool, window_s: float | None, redis_url: str | None, state_dir: str,
                     namespace: str) -> None:
     """Store FILE as a new revision and start its canary rollout at step 0."""
-    text, _ = read_source(file)
+    text, _ = read_source(Path(file), filename=file)
     policy = load_policy(text, filename=file)
     with _opened(redis_url, state_dir, namespace) as store:
         if dry_run:

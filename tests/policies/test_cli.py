@@ -126,3 +126,11 @@ def test_subprocess_validate_bad_file_exit_code_and_lines(tmp_path):
         f"{bad}:7: alerts[0].op: input should be '<', '<=', '>' or '>=' (got '=')",
     ]
     assert "Traceback" not in proc.stderr
+
+
+def test_missing_file_is_one_clear_line(run, tmp_path):
+    missing = tmp_path / "nope.yaml"
+    for args in (("validate", str(missing)), ("rollout", str(missing)), ("diff", str(missing))):
+        res = run(*args)
+        assert res.exit_code == 1
+        assert res.output.strip() == f"{missing}:0: <root>: cannot read file: No such file or directory"
