@@ -24,6 +24,7 @@ Loc = tuple[str | int, ...]
 
 MAX_POLICY_BYTES = 1_000_000
 MAX_DEPTH = 32
+STR_TAG = "tag:yaml.org,2002:str"
 MAX_NODES = 50_000
 
 
@@ -134,6 +135,10 @@ def _index_node(node: yaml.Node, loc: Loc, lines: dict[Loc, int], issues: list[P
                                           "mapping keys must be plain text"))
                 continue
             key = key_node.value
+            if key_node.tag != STR_TAG and key != "<<":
+                issues.append(PolicyIssue(filename, key_node.start_mark.line + 1, format_path(loc),
+                                          f"mapping key {key!r} must be text (quote it)"))
+                continue
             if key == "<<":
                 issues.append(PolicyIssue(filename, key_node.start_mark.line + 1, format_path(loc),
                                           "YAML merge keys (<<) are not supported in policies"))

@@ -12,6 +12,7 @@ loader reports all of them with file, line and field path (see ``loader.py``).
 
 from __future__ import annotations
 
+import datetime
 import re
 from typing import Any, Literal
 
@@ -298,6 +299,8 @@ class Policy(_Model):
     def _version_text(cls, value: Any) -> Any:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
+        if isinstance(value, (datetime.date, datetime.datetime)):  # unquoted `version: 2024-06-01`
+            return value.isoformat()
         return value
 
     @model_validator(mode="after")

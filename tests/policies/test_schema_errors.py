@@ -200,6 +200,7 @@ def test_all_errors_are_collected_not_just_the_first():
     ("base: &b {name: x}\nclasses:\n  - <<: *b\n", 3, "merge keys"),
     ("? [1, 2]\n: 3\n", 1, "plain text"),
     ("version: 1\nx: \x07\n", 2, "#x0007 is not allowed"),
+    ("version: 1\n5: x\n", 2, "mapping key '5' must be text"),
 ])
 def test_document_level_errors(text, line, fragment):
     with pytest.raises(PolicyError) as info:
@@ -222,6 +223,7 @@ def test_file_source_and_unreadable_file(tmp_path):
 def test_numeric_version_is_text_and_format_path():
     p = load_policy("version: 2.1\ndefault_class: a\nclasses: [{name: a}]\n")
     assert p.version == "2.1"
+    assert load_policy("version: 2024-06-01\ndefault_class: a\nclasses: [{name: a}]\n").version == "2024-06-01"
     assert format_path(("classes", 0, "gamma", "max")) == "classes[0].gamma.max"
     assert format_path(()) == "<root>"
 
