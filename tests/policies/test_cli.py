@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -134,3 +135,17 @@ def test_missing_file_is_one_clear_line(run, tmp_path):
         res = run(*args)
         assert res.exit_code == 1
         assert res.output.strip() == f"{missing}:0: <root>: cannot read file: No such file or directory"
+
+
+def test_embedded_state_dir_persists_between_invocations(tmp_path):
+    runner = CliRunner()
+    env = {"SPECOPS_STATE_DIR": str(tmp_path / "state"), "SPECOPS_REDIS": ""}
+    res = runner.invoke(main, ["policy", "rollout", str(EXAMPLES / "default.yaml")], env=env, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "state" / "specops.rdb").exists()
+    (settings_file,) = tmp_path.glob("state/*.settings")
+    pidfile = Path(json.loads(settings_file.read_text())["pidfile"])
+    assert not pidfile.exists(), "embedded redis-server still running (its pidfile is removed on clean shutdown)"
+    res = runner.invoke(main, ["policy", "history"], env=env, catch_exceptions=False)
+    assert res.exit_code == 0 and "current" in res.output and "2026-11-29.1" in res.output
+    assert not Path(json.loads(settings_file.read_text())["pidfile"]).exists()
