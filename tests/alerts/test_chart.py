@@ -48,7 +48,7 @@ def _docs(*sets: str) -> dict[tuple[str, str], dict]:
 
 
 def test_helm_lint_passes():
-    for sets in ([], ["prometheusRule.enabled=true,serviceMonitor.enabled=true,inferenceExample.enabled=true"]):
+    for sets in ([], ["prometheusRule.enabled=true,serviceMonitor.enabled=true,inferenceExample.enabled=true,redis.url=redis://r:6379/0"]):
         argv = [_helm(), "lint", "--strict", str(CHART)] + [a for s in sets for a in ("--set", s)]
         out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stdout + out.stderr
@@ -71,7 +71,10 @@ def test_default_install_objects():
     container = deploy["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e for e in container["env"]}
     assert env["SPECOPS_WEBHOOK_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "rel-specops", "key": "webhook-token"}
-    assert env["SPECOPS_POLICY"]["value"] == "/etc/specops/policy.yaml"
+    assert "--policy=/etc/specops/policy.yaml" in container["args"]
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in deploy["spec"]["template"]["spec"]["volumes"]}
+    assert volumes[mounts["/etc/specops"]]["configMap"]["name"] == "rel-specops-policy"
     assert container["readinessProbe"]["httpGet"]["path"] == "/healthz"
     assert len(docs[("Secret", "rel-specops")]["stringData"]["webhook-token"]) == 40
 
@@ -117,3 +120,26 @@ def test_committed_rules_match_the_chart_policy():
     policy = load_policy(CHART / "files" / "policy.yaml")
     assert (CHART / "files" / "prometheus-rules.yaml").read_text() == render(policy, "prometheus", RenderOptions()), (
         "regenerate: specops alerts render -o charts/specops/files/prometheus-rules.yaml charts/specops/files/policy.yaml")
+
+
+def test_chart_arguments_are_accepted_by_the_controller_cli(tmp_path):
+    """The args the chart passes to `specops controller run` parse with the real click command."""
+    from specops.controller.cli import run_command
+
+    policy = tmp_path / "policy.yaml"
+    policy.write_text((CHART / "files" / "policy.yaml").read_text())
+    docs = _docs("inferenceExample.enabled=true", "redis.url=redis://r:6379/0", "prometheus.url=http://prom:9090")
+    pods = [docs[("Deployment", "rel-specops-controller")], docs[("Deployment", "rel-specops-inference-example")]]
+    containers = [pods[0]["spec"]["template"]["spec"]["containers"][0], pods[1]["spec"]["template"]["spec"]["containers"][1]]
+    for container in containers:
+        assert container["command"] == ["specops", "controller", "run"]
+        args = [a.replace("/etc/specops/policy.yaml", str(policy)) for a in container["args"]]
+        ctx = run_command.make_context("run", args)
+        assert ctx.params["policy_file"] == str(policy)
+        assert ctx.params["prometheus_url"] == "http://prom:9090"
+        assert ctx.params["listen"].startswith("0.0.0.0:")
+
+
+def test_sidecar_without_shared_redis_is_refused():
+    out = _template("inferenceExample.enabled=true", check=False)
+    assert out.returncode != 0 and "needs a shared Redis" in out.stderr

@@ -50,8 +50,6 @@ app.kubernetes.io/instance: {{ .Release.Name }}
     secretKeyRef:
       name: {{ .Values.webhook.existingSecret | default (include "specops.secretName" .) }}
       key: {{ .Values.webhook.tokenKey }}
-- name: SPECOPS_POLICY
-  value: /etc/specops/policy.yaml
 - name: SPECOPS_POD
   valueFrom:
     fieldRef:
@@ -66,8 +64,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   command: ["specops", "controller", "run"]
   args:
     - --listen=0.0.0.0:{{ .Values.sidecar.port }}
-    - --engine={{ .Values.sidecar.engine }}
-    - --engine-metrics-url={{ .Values.sidecar.engineMetricsUrl }}
+    - --policy=/etc/specops/policy.yaml
+    - --interval={{ .Values.controller.tickSeconds }}
+    {{- with .Values.prometheus.url }}
+    - --prometheus={{ . }}
+    {{- end }}
     {{- range .Values.sidecar.args }}
     - {{ . | quote }}
     {{- end }}
