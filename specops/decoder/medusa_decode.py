@@ -26,6 +26,7 @@ its position.
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import weakref
@@ -70,13 +71,10 @@ class MedusaState:
         self.heads = heads
         self.num_heads = num_heads
         self.spec = spec
-        self._buffers: dict[TreeSpec, TreeBuffers] = {}
         self.head_guesses: list[tuple[int, int, int]] = []  # (output index, head 0-based, top-1 token)
 
     def buffers(self, spec: TreeSpec) -> TreeBuffers:
-        if spec not in self._buffers:
-            self._buffers[spec] = build_buffers(spec, self.target.device)
-        return self._buffers[spec]
+        return _cached_buffers(spec, str(self.target.device))
 
     def propose(self, hidden: Tensor, spec: TreeSpec, root: int, root_index: int) -> tuple[Tensor, TreeBuffers]:
         """Tree tokens [N] from the heads' top-k at ``hidden`` [E]; logs each head's top-1 guess."""
@@ -98,6 +96,12 @@ class MedusaState:
                 predictions[k] += 1
                 correct[k] += int(output[index] == tok)
         return predictions, correct
+
+
+@functools.lru_cache(maxsize=128)
+def _cached_buffers(spec: TreeSpec, device: str) -> TreeBuffers:
+    """Buffers are immutable once built, so requests share them per (topology, device)."""
+    return build_buffers(spec, device)
 
 
 def generate_medusa(

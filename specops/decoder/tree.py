@@ -17,6 +17,7 @@ N tree nodes (root included) · K heads · D = max depth.
 
 from __future__ import annotations
 
+import functools
 import heapq
 from dataclasses import dataclass
 from typing import Sequence
@@ -107,6 +108,7 @@ _PRESET_PATHS: dict[str, tuple[TreePath, ...]] = {
 PRESETS: tuple[str, ...] = tuple(_PRESET_PATHS)
 
 
+@functools.lru_cache(maxsize=64)
 def preset(name: str, num_heads: int) -> TreeSpec:
     """A preset tree restricted to depth <= num_heads."""
     if name not in _PRESET_PATHS:
