@@ -55,7 +55,7 @@ def run_command(policy_file, redis_url, state_dir, namespace, prometheus_url, in
     from specops.controller.sources import CombinedSource, PrometheusSource, RedisWindowSource
     from specops.policies import PolicyError, load_policy
     from specops.policies import rollout as machine
-    from specops.policies.errors import StateError, StoreUnavailableError
+    from specops.policies.errors import ConflictError, StateError, StoreUnavailableError
     from specops.policies.loader import read_source
     from specops.policies.redis_backend import close, connect
     from specops.policies.store import PolicyStore
@@ -75,9 +75,14 @@ def run_command(policy_file, redis_url, state_dir, namespace, prometheus_url, in
             try:
                 text, name = read_source(policy_file)
                 machine.start_rollout(store, load_policy(policy_file), text, actor="controller-bootstrap")
+                click.echo(f"stored {policy_file} as the current policy")
+            except ConflictError:
+                # Another controller bootstrapped at the same moment; its revision stands.
+                if store.current_revision() is None:
+                    raise click.ClickException(f"{policy_file}: concurrent bootstrap left no current revision") from None
+                click.echo("another controller stored the first policy; using it")
             except (PolicyError, StateError) as exc:
                 raise click.ClickException(f"{policy_file}: {exc}") from None
-            click.echo(f"stored {policy_file} as the current policy")
         sources = [RedisWindowSource(RedisWindowReader(client, namespace=namespace))]
         canary = [RedisWindowSource(RedisWindowReader(client, namespace=canary_namespace(namespace)))]
         if prometheus_url:
