@@ -115,7 +115,10 @@ if triton is not None:
         row_ok = (g < GROUP) & (t < n_nodes)
         h_q = h_kv * GROUP + g
         d = tl.arange(0, BLOCK_D)
-        d_ok = d < HEAD_DIM
+        if BLOCK_D == HEAD_DIM:  # no padding: an all-true mask folds away, loads stay vectorised
+            d_ok = tl.full([BLOCK_D], 1, tl.int1)
+        else:
+            d_ok = d < HEAD_DIM
 
         q_ptrs = Q + b * stride_qb + h_q[:, None] * stride_qh + t[:, None] * stride_qt + d[None, :]
         q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
@@ -200,7 +203,10 @@ if triton is not None:
         t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
         t_ok = t < n_nodes
         d = tl.arange(0, BLOCK_D)
-        d_ok = d < HEAD_DIM
+        if BLOCK_D == HEAD_DIM:  # no padding: an all-true mask folds away, loads stay vectorised
+            d_ok = tl.full([BLOCK_D], 1, tl.int1)
+        else:
+            d_ok = d < HEAD_DIM
 
         m_tot = tl.full([BLOCK_T], _NEG_BIG_C, dtype=tl.float32)
         l_tot = tl.zeros([BLOCK_T], dtype=tl.float32)
@@ -262,18 +268,27 @@ def plan_launch(
     head_dim: int,
     *,
     sm_count: int,
+    elem_bytes: int = 2,
     num_splits: int | None = None,
 ) -> TreeAttentionLaunch:
     """Pick block sizes and the number of prefix splits.
 
+    16-bit inputs: up to 128 query rows per program (8 warps, tensor-core dots),
+    64-key steps, 3 pipeline stages for D <= 128 (about 136 KiB of shared memory and
+    no register spills on sm_90 at D=128). float32 inputs use exact (non-tf32) dots,
+    which need far more registers: at most 64 rows, 32-key steps, 2 stages.
     Splits are added until the grid holds about two waves of programs on ``sm_count``
     SMs, but each split keeps >= 4 key blocks, and the partial-state traffic
     (S * G * T rows of D floats per kv head) stays under about half the K/V bytes.
     """
+    fp32 = elem_bytes >= 4
     group_p2 = _next_pow2(group)
     block_d = max(16, _next_pow2(head_dim))
-    block_n = 64 if block_d <= 128 else 32
-    block_m = min(128, max(16, group_p2 * _next_pow2(nodes)))
+    if fp32:
+        block_n = 32 if block_d <= 128 else 16
+    else:
+        block_n = 64 if block_d <= 128 else 32
+    block_m = min(64 if fp32 else 128, max(16, group_p2 * _next_pow2(nodes)))
     block_m = max(block_m, group_p2)
     block_t = block_m // group_p2
     t_blocks = -(-nodes // block_t)
@@ -294,8 +309,24 @@ def plan_launch(
         block_d=block_d,
         num_splits=splits,
         chunk_len=chunk,
-        num_warps=8 if block_m >= 128 else 4,
-        num_stages=3 if block_d <= 128 else 2,
+        num_warps=8 if block_m >= (64 if fp32 else 128) else 4,
+        num_stages=3 if block_d <= 128 and not fp32 else 2,
+    )
+
+
+def split_kernel_constexprs(plan: TreeAttentionLaunch, group: int, head_dim: int, dtype: torch.dtype,
+                            *, upcast: bool, write_final: bool) -> dict:
+    """The compile-time arguments of ``_tree_attn_split_kernel`` for one launch."""
+    return dict(
+        GROUP=group,
+        BLOCK_T=plan.block_t,
+        BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n,
+        BLOCK_D=plan.block_d,
+        HEAD_DIM=head_dim,
+        UPCAST=upcast,
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",  # ignored for 16-bit inputs
+        WRITE_FINAL=write_final,
     )
 
 
@@ -388,7 +419,8 @@ def _launch(q, k, v, tree_mask, scale, num_splits, sm_count):
     heads_kv = k.shape[1]
     group = heads_q // heads_kv
     prefix = k.shape[2] - nodes
-    plan = plan_launch(batch, heads_kv, group, nodes, prefix, head_dim, sm_count=sm_count, num_splits=num_splits)
+    plan = plan_launch(batch, heads_kv, group, nodes, prefix, head_dim, sm_count=sm_count,
+                       elem_bytes=q.element_size(), num_splits=num_splits)
 
     mask_u8 = tree_mask.contiguous().view(torch.uint8)  # [T, T], zero-copy reinterpretation of bool
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [B, Hq, T, D]
@@ -411,15 +443,7 @@ def _launch(q, k, v, tree_mask, scale, num_splits, sm_count):
         out.stride(0), out.stride(1), out.stride(2),
         mask_u8.stride(0),
         heads_kv, prefix, nodes, plan.chunk_len, splits, scale * _LOG2E,
-        GROUP=group,
-        BLOCK_T=plan.block_t,
-        BLOCK_M=plan.block_m,
-        BLOCK_N=plan.block_n,
-        BLOCK_D=plan.block_d,
-        HEAD_DIM=head_dim,
-        UPCAST=upcast,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        WRITE_FINAL=write_final,
+        **split_kernel_constexprs(plan, group, head_dim, q.dtype, upcast=upcast, write_final=write_final),
         num_warps=plan.num_warps,
         num_stages=plan.num_stages,
     )
