@@ -14,9 +14,18 @@ D head dim.
     tree_mask  # [T, T] bool          True where node i may attend node j
     o          # [B, Hq, T, D]        same dtype as q
 
-This file holds, in order: the plain PyTorch reference, the Triton kernels (a
-split-K pass over the prefix, flash-decoding style, writing partial softmax state
-per split, and a reduce pass), and the checked wrapper ``tree_attention``.
+This file holds, in order: the plain PyTorch reference, the Triton kernels and the
+checked wrapper ``tree_attention``. The Triton path is flash-decoding style:
+
+1. split pass, grid (T blocks, S splits, B * Hkv): each program takes one kv head,
+   all G = Hq / Hkv query heads of it for a block of tree nodes (so each K/V tile is
+   loaded once for the whole group and fed to one tensor-core dot), and one slice of
+   the prefix; the last slice also covers the T tree keys under the mask. It writes
+   the partial softmax state (running max m, sum l, unnormalised acc) per split.
+   The tree-block index varies fastest, so programs reading the same K/V slice run
+   side by side and share it through L2.
+2. reduce pass, grid (T blocks, B * Hq): merges the S partial states per row.
+   With S == 1 the split pass writes the normalised output itself.
 
 A query row with no visible key at all (L == 0 and an all-False mask row) has an
 empty softmax; both implementations return zeros for it.
