@@ -1,0 +1,120 @@
+"""MedusaHeads: initialisation, the artifact format, binding to a base model, Decoder integration."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from specops.decoder import Decoder, MedusaHeads
+from specops.decoder.errors import InvalidRequestError, MissingComponentError
+from specops.decoder.medusa_heads import CONFIG_NAME, WEIGHTS_NAME, MedusaError, model_fingerprint
+from tests.decoder.medusa_models import one_thread, tiny_model  # noqa: F401 (fixture)
+
+
+def perturb(heads: MedusaHeads, seed: int = 0) -> MedusaHeads:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+    return heads
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gpt_neox"])
+def test_untrained_heads_equal_the_lm_head(arch):
+    model = tiny_model(arch)
+    heads = MedusaHeads.from_model(model, num_heads=3, num_layers=2)
+    hidden = torch.randn(2, 5, 32)  # [B, T, E]
+    logits = heads(hidden)  # [K, B, T, V]
+    assert logits.shape == (3, 2, 5, 64)
+    want = model.get_output_embeddings()(hidden)  # [B, T, V]
+    for k in range(3):
+        torch.testing.assert_close(logits[k], want)
+    assert heads(hidden, num_heads=2).shape[0] == 2
+    # copies, not views: training a head must not touch the base model
+    assert heads.lm_heads[0].weight.data_ptr() != model.get_output_embeddings().weight.data_ptr()
+
+
+def test_save_load_round_trip(tmp_path):
+    model = tiny_model("llama")
+    heads = perturb(MedusaHeads.from_model(model, num_heads=2))
+    heads.with_accuracy([[0.5, 0.2], [0.3, 0.1]])
+    heads.save_pretrained(tmp_path / "h")
+    assert {p.name for p in (tmp_path / "h").iterdir()} == {CONFIG_NAME, WEIGHTS_NAME}
+    config = json.loads((tmp_path / "h" / CONFIG_NAME).read_text())
+    assert config["base_model_hash"] == model_fingerprint(model)
+    assert config["num_heads"] == 2 and config["head_topk_accuracy"] == [[0.5, 0.2], [0.3, 0.1]]
+    loaded = MedusaHeads.from_pretrained(tmp_path / "h", base=model)
+    hidden = torch.randn(4, 32)
+    rounded = {k: v.half().float() for k, v in heads.state_dict().items()}  # stored as fp16
+    heads.load_state_dict(rounded)
+    torch.testing.assert_close(loaded(hidden), heads(hidden), rtol=0, atol=0)
+    assert loaded.config == heads.config
+
+
+def test_shared_lm_head_artifact_holds_only_blocks(tmp_path):
+    model = tiny_model("gpt2")
+    heads = perturb(MedusaHeads.from_model(model, num_heads=3, shared_lm_head=True))
+    assert all(not k.startswith("lm_heads") for k in heads.state_dict())
+    heads.save_pretrained(tmp_path / "h")
+    unbound = MedusaHeads.from_pretrained(tmp_path / "h")
+    with pytest.raises(MedusaError, match="bind"):
+        unbound(torch.randn(32))
+    bound = MedusaHeads.from_pretrained(tmp_path / "h", base=model)
+    hidden = torch.randn(32)
+    want = torch.stack([model.get_output_embeddings()(heads.blocks[k](hidden)) for k in range(3)])
+    torch.testing.assert_close(bound(hidden), want, atol=1e-2, rtol=1e-2)  # fp16 storage
+
+
+def test_bad_artifacts_and_mismatched_bases(tmp_path, caplog):
+    model = tiny_model("llama")
+    heads = MedusaHeads.from_model(model, num_heads=2)
+    with pytest.raises(MedusaError, match="not a Medusa heads directory"):
+        MedusaHeads.from_pretrained(tmp_path / "missing")
+    heads.save_pretrained(tmp_path / "h")
+    with pytest.raises(MedusaError, match="hidden=32, vocab=64.*hidden=32, vocab=80"):
+        heads.bind(tiny_model("llama", vocab=80))
+    with caplog.at_level(logging.WARNING, logger="specops.decoder.medusa_heads"):
+        MedusaHeads.from_pretrained(tmp_path / "h", base=tiny_model("llama", seed=9))
+    assert "not this one" in caplog.text
+    config = json.loads((tmp_path / "h" / CONFIG_NAME).read_text())
+    (tmp_path / "h" / CONFIG_NAME).write_text(json.dumps({**config, "bogus": 1}))
+    with pytest.raises(MedusaError, match="unknown fields"):
+        MedusaHeads.from_pretrained(tmp_path / "h")
+    (tmp_path / "h" / CONFIG_NAME).write_text(json.dumps({**config, "num_heads": 3}))
+    with pytest.raises(MedusaError, match="missing"):
+        MedusaHeads.from_pretrained(tmp_path / "h")
+    with pytest.raises(MedusaError, match="num_heads must be a positive int"):
+        MedusaHeads.from_model(model, num_heads=0)
+    with pytest.raises(MedusaError, match="width 16"):
+        heads(torch.randn(16))
+    with pytest.raises(MedusaError, match="heads=3 out of range"):
+        heads(torch.randn(32), num_heads=3)
+
+
+def test_decoder_medusa_method(tmp_path, one_thread):
+    model = tiny_model("llama", seed=4)
+    heads = perturb(MedusaHeads.from_model(model, num_heads=3))
+    dec = Decoder(model, medusa=heads)
+    prompt = [5, 9, 2, 7]
+    ar = dec.generate(prompt, method="ar", max_new_tokens=20)
+    for tree in ("chain", "large", [(0,), (1,), (0, 0)], None):
+        out = dec.generate(prompt, method="medusa", max_new_tokens=20, heads=2, tree=tree)
+        assert out.tokens == ar.tokens
+        assert out.stats.method == "medusa" and out.stats.heads == 2
+    record = out.stats.to_record("code")
+    assert record.method == "medusa" and len(record.head_predictions) == 2
+    sampled = dec.generate(prompt, method="medusa", max_new_tokens=8, temperature=1.0, seed=3)
+    again = dec.generate(prompt, method="medusa", max_new_tokens=8, temperature=1.0, seed=3)
+    assert sampled.tokens == again.tokens  # seeded sampling is reproducible
+    with pytest.raises(InvalidRequestError, match="heads must be in 1..3"):
+        dec.generate(prompt, method="medusa", heads=4)
+    with pytest.raises(MissingComponentError):
+        Decoder(model).generate(prompt, method="medusa")
+    # from_pretrained with a heads folder
+    model.save_pretrained(tmp_path / "target")
+    heads.save_pretrained(tmp_path / "heads")
+    loaded = Decoder.from_pretrained(tmp_path / "target", medusa=tmp_path / "heads")
+    assert loaded.generate(prompt, method="medusa", max_new_tokens=20).tokens == ar.tokens
