@@ -78,7 +78,10 @@ if triton is not None:
         b = (pid_bh // heads_kv).to(tl.int64)  # 64-bit offsets: caches can exceed 2**31 elements
         h = (pid_bh % heads_kv).to(tl.int64)
         d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-        d_ok = d < HEAD_DIM
+        if HEAD_DIM % BLOCK_D == 0:  # no padding: an all-true mask folds away, loads stay vectorised
+            d_ok = tl.full([BLOCK_D], 1, tl.int1)
+        else:
+            d_ok = d < HEAD_DIM
         k_base = K + b * stride_kb + h * stride_kh
         v_base = V + b * stride_vb + h * stride_vh
         for r0 in range(0, n_keep, BLOCK_R):
