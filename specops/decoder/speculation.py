@@ -171,6 +171,6 @@ class TargetVerifier:
             self.target.truncate(len(self.tokens) - 1)  # keep [.., pending, d_1 .. d_n]
         self.stats.verify_s += device_clock(self.device) - t0
         self.stats.target_forwards += 1
-        self.stats.record_step(counted_drafted, counted_accepted)
+        self.stats.record_step(counted_drafted, counted_accepted, gamma=g)
         self.stats.record_emitted(len(new))
         return StepResult(drafted=counted_drafted, accepted=counted_accepted, emitted=new, raw_accepted=n)

@@ -60,7 +60,8 @@ class DecodeStats:
     tokens_per_s: float = 0.0
     """new_tokens / wall_s."""
     gamma_trace: list[int] = field(default_factory=list)
-    """Tokens drafted at each step, in order (γ after clamping to budget and context)."""
+    """Tokens drafted at each step, in order (γ after clamping to budget and context;
+    an EOS cut does not shorten it)."""
     token_latencies_s: list[float] = field(default_factory=list)
     """Per emitted token: its step's seconds divided by the tokens that step emitted (the
     first step includes the prefill)."""
@@ -83,12 +84,16 @@ class DecodeStats:
         """Mark the start of decoding (before the prefill)."""
         self._start = self._last_emit = time.perf_counter()
 
-    def record_step(self, drafted: int, accepted: int) -> None:
-        """Count one verification step of ``drafted`` tokens of which ``accepted`` were kept."""
+    def record_step(self, drafted: int, accepted: int, gamma: int | None = None) -> None:
+        """Count one verification step of ``drafted`` tokens of which ``accepted`` were kept.
+
+        ``gamma`` is the block length actually drafted when an EOS cut made ``drafted``
+        smaller (default: ``drafted``).
+        """
         if not 0 <= accepted <= drafted:
             raise ValueError(f"accepted ({accepted}) must be within 0..drafted ({drafted})")
         self.steps += 1
-        self.gamma_trace.append(drafted)
+        self.gamma_trace.append(drafted if gamma is None else gamma)
         self.drafted += drafted
         self.accepted += accepted
         for counts, n in ((self.drafted_per_pos, drafted), (self.accepted_per_pos, accepted)):
