@@ -33,8 +33,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specops.decoder.kv_cache import KVCache
-from specops.kernels import MAX_TREE_NODES
-from specops.kernels import tree_attention as kernel_tree_attention
 from specops.decoder.runner import (
     FAST_MODEL_TYPES,
     RunnerOutput,
@@ -46,6 +44,8 @@ from specops.decoder.runner import (
     model_context_limit,
     sliding_window,
 )
+from specops.kernels import MAX_TREE_NODES
+from specops.kernels import tree_attention as kernel_tree_attention
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,8 @@ class _Layer:
         self.wgu, self.bgu = _fuse_t([mlp.gate_proj, mlp.up_proj])  # [E, 2I]
         self.wo, self.bo = _fuse_t([attn.o_proj])  # [Hq*D, E]
         self.wd, self.bd = _fuse_t([mlp.down_proj])  # [I, E]
-        self.act = F.silu if type(mlp.act_fn).__name__ == "SiLUActivation" else mlp.act_fn
+        # transformers' SiLU module is plain silu; calling the functional form skips a module call
+        self.act = F.silu if type(mlp.act_fn).__name__ in ("SiLUActivation", "SiLU") else mlp.act_fn
 
 
 def _fuse_t(linears) -> tuple[Tensor, Tensor | None]:
@@ -173,6 +174,8 @@ class FastLlamaRunner:
             dtype=self.dtype,
             device=self.device,
         )
+        log.debug("%r: %d heads / %d kv heads, head_dim %d, rope %s", self, self.n_heads, self.n_kv_heads,
+                  self.head_dim, rope_type)
 
     @staticmethod
     def _context(config, max_context: int | None) -> int:
@@ -238,7 +241,7 @@ class FastLlamaRunner:
                 logits = logits.float()
         return RunnerOutput(logits=logits, hidden=hidden if need_hidden else None)
 
-    def _rotary(self, b: int, t: int, position_ids: Tensor | None) -> tuple[Tensor, Tensor]:
+    def _rotary(self, t: int, position_ids: Tensor | None) -> tuple[Tensor, Tensor]:
         """cos/sin for the q, k and v heads of this forward, each [B or 1, T, Hq + 2Hkv, D]."""
         start = self.cache.length
         if position_ids is None:
@@ -276,7 +279,7 @@ class FastLlamaRunner:
         b, t = input_ids.shape  # [B, T]
         hq, hkv, d, e = self.n_heads, self.n_kv_heads, self.head_dim, self.hidden_size
         cache, eps, scale = self.cache, self.eps, self.scale
-        cos, sin = self._rotary(b, t, position_ids)  # [B|1, T, Hq+2Hkv, D]
+        cos, sin = self._rotary(t, position_ids)  # [B|1, T, Hq+2Hkv, D]
         mask, causal = self._mask(t, tree_mask)  # [T, L+T] | None
         gqa = hq != hkv
         half = d // 2

@@ -14,8 +14,6 @@ model directly.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import Tensor
 
@@ -29,8 +27,6 @@ from specops.decoder.runner import (
     model_context_limit,
     sliding_window,
 )
-
-log = logging.getLogger(__name__)
 
 
 class HFRunner:

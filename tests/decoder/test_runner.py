@@ -245,6 +245,21 @@ def small_runner(request):
     return load_runner(build("llama", seed=2), max_context=16, impl=request.param)
 
 
+def test_compact_edge_cases_keep_the_cache_consistent(small_runner):
+    model = small_runner.model
+    seq = list(range(1, 11))
+    small_runner.forward(torch.tensor([seq]))
+    small_runner.compact(10, torch.tensor([], dtype=torch.long))  # nothing after the end: no-op
+    assert small_runner.cache_len == 10
+    small_runner.compact(7, torch.tensor([0, 1, 2]))  # identity path: nothing moves
+    assert small_runner.cache_len == 10
+    small_runner.compact(6, torch.tensor([], dtype=torch.long))  # keep nothing after 6
+    assert small_runner.cache_len == 6
+    out = small_runner.forward(torch.tensor([[20, 21]]))
+    seq = seq[:6] + [20, 21]
+    close(out.logits[0], reference(model, seq)[-2:], "after compacting to nothing")
+
+
 def test_forward_beyond_max_context_is_rejected(small_runner):
     small_runner.forward(torch.zeros(1, 10, dtype=torch.long))
     with pytest.raises(ValueError, match="exceeds max_context 16"):

@@ -103,3 +103,20 @@ def test_fast_runner_rejects_what_it_cannot_run_exactly():
         FastLlamaRunner(build("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}))
     with pytest.raises(UnsupportedModelError, match="sliding-window"):
         FastLlamaRunner(build("mistral", sliding_window=8), max_context=32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_models_run_and_return_float32_logits(dtype):
+    """Half precision rounds differently from transformers' op order, so only closeness at
+    the dtype's resolution (and the runner's float32 output) is checked."""
+    model = build("qwen2", seed=31).to(dtype)
+    runner = FastLlamaRunner(model)
+    assert runner.dtype == dtype
+    ids = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(5))
+    first = runner.forward(ids[:, :7]).logits
+    second = runner.forward(ids[:, 7:], need_hidden=True)
+    got = torch.cat([first, second.logits], dim=1)[0]  # [10, V]
+    assert got.dtype == torch.float32 and second.hidden.dtype == dtype
+    want = reference(model, ids[0].tolist())
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() < 0.05 * scale
