@@ -265,7 +265,7 @@ class Decoder:
         heads = None
         if medusa is not None:
             try:
-                heads = _load_medusa(medusa, target_model, dtype=dtype, device=device)
+                heads = _load_medusa(medusa, target_model, device=device)
             except ModelLoadError as exc:
                 if not auto_medusa:
                     raise
@@ -409,10 +409,10 @@ class Decoder:
         self.plain_token_s = stats.plain_token_s
 
 
-def _load_medusa(path: str | Path, base, *, dtype: torch.dtype, device: str | torch.device):
+def _load_medusa(path: str | Path, base, *, device: str | torch.device):
     from specops.decoder.medusa_heads import MedusaHeads
 
-    try:
-        return MedusaHeads.from_pretrained(path, base=base, dtype=dtype, device=device)
+    try:  # heads pick their fastest dtype (they only propose; the output stays exact)
+        return MedusaHeads.from_pretrained(path, base=base, device=device)
     except Exception as exc:  # a bad artifact must name itself
         raise ModelLoadError(f"cannot load Medusa heads from {str(path)!r}: {exc}") from exc

@@ -130,6 +130,18 @@ def _lm_head(model: nn.Module) -> nn.Linear:
     return head
 
 
+def inference_dtype(device: str | torch.device) -> torch.dtype:
+    """The fastest dtype for running heads: bf16 where the CPU has native bf16 matmuls
+    (4x faster than fp32 at batch 1 on AVX512-BF16) or on CUDA, else fp32."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    mkldnn_bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    if device.type == "cpu" and mkldnn_bf16 is not None and mkldnn_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
 class ResidualBlock(nn.Module):
     """``x + SiLU(W x + b)`` with ``W`` zero-initialised, so it starts as the identity."""
 
@@ -199,14 +211,27 @@ class MedusaHeads(nn.Module):
             logger.warning("Medusa heads were trained for base model %r (hash %s), not this one: output stays exact, "
                            "acceptance may be poor", self.config.base_model, self.config.base_model_hash)
         if self.config.shared_lm_head:
-            # A plain attribute, not a submodule: the base model's weights are not ours to save or train.
+            # A plain attribute, not a submodule: the base model's weights are not ours to save or
+            # train. A copy in the heads' own dtype when that differs (bf16 heads, fp32 base).
+            dtype = self.blocks[0][0].linear.weight.dtype
+            if head.weight.dtype != dtype:
+                copy = nn.Linear(hidden, vocab, bias=head.bias is not None, device=head.weight.device, dtype=dtype)
+                with torch.no_grad():
+                    copy.weight.copy_(head.weight)
+                    if head.bias is not None:
+                        copy.bias.copy_(head.bias)
+                head = copy.requires_grad_(False)
             object.__setattr__(self, "_shared", head)
         return self
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, base: nn.Module | None = None,
-                        dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> MedusaHeads:
-        """Load heads saved by :meth:`save_pretrained`; ``base`` is bound when given."""
+                        dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> MedusaHeads:
+        """Load heads saved by :meth:`save_pretrained`; ``base`` is bound when given.
+
+        ``dtype`` None picks :func:`inference_dtype` for ``device``: the heads only propose
+        candidates, so their precision changes speed and acceptance, never the output.
+        """
         from safetensors.torch import load_file
 
         path = Path(path)
@@ -224,7 +249,7 @@ class MedusaHeads(nn.Module):
             if state[name].shape != tensor.shape:
                 raise MedusaError(f"{weights_path}: {name} has shape {tuple(state[name].shape)}, expected {tuple(tensor.shape)}")
         heads.load_state_dict({k: t.to(torch.float32) for k, t in state.items()})
-        heads = heads.to(device=device, dtype=dtype)
+        heads = heads.to(device=device, dtype=dtype or inference_dtype(device))
         if base is not None:
             heads.bind(base)
         return heads

@@ -10,7 +10,7 @@ import torch
 
 from specops.decoder import Decoder, MedusaHeads
 from specops.decoder.errors import InvalidRequestError, MissingComponentError
-from specops.decoder.medusa_heads import CONFIG_NAME, WEIGHTS_NAME, MedusaError, model_fingerprint
+from specops.decoder.medusa_heads import CONFIG_NAME, WEIGHTS_NAME, MedusaError, inference_dtype, model_fingerprint
 from tests.decoder.medusa_models import one_thread, tiny_model  # noqa: F401 (fixture)
 
 
@@ -46,7 +46,9 @@ def test_save_load_round_trip(tmp_path):
     config = json.loads((tmp_path / "h" / CONFIG_NAME).read_text())
     assert config["base_model_hash"] == model_fingerprint(model)
     assert config["num_heads"] == 2 and config["head_topk_accuracy"] == [[0.5, 0.2], [0.3, 0.1]]
-    loaded = MedusaHeads.from_pretrained(tmp_path / "h", base=model)
+    fast = MedusaHeads.from_pretrained(tmp_path / "h", base=model)
+    assert fast.blocks[0][0].linear.weight.dtype == inference_dtype("cpu")
+    loaded = MedusaHeads.from_pretrained(tmp_path / "h", base=model, dtype=torch.float32)
     hidden = torch.randn(4, 32)
     rounded = {k: v.half().float() for k, v in heads.state_dict().items()}  # stored as fp16
     heads.load_state_dict(rounded)
@@ -62,10 +64,13 @@ def test_shared_lm_head_artifact_holds_only_blocks(tmp_path):
     unbound = MedusaHeads.from_pretrained(tmp_path / "h")
     with pytest.raises(MedusaError, match="bind"):
         unbound(torch.randn(32))
-    bound = MedusaHeads.from_pretrained(tmp_path / "h", base=model)
+    bound = MedusaHeads.from_pretrained(tmp_path / "h", base=model, dtype=torch.float32)
     hidden = torch.randn(32)
     want = torch.stack([model.get_output_embeddings()(heads.blocks[k](hidden)) for k in range(3)])
     torch.testing.assert_close(bound(hidden), want, atol=1e-2, rtol=1e-2)  # fp16 storage
+    fast = MedusaHeads.from_pretrained(tmp_path / "h", base=model)  # its own LM-head copy in the heads' dtype
+    assert fast(hidden).dtype == inference_dtype("cpu")
+    torch.testing.assert_close(fast(hidden).float(), want, atol=0.1, rtol=0.05)
 
 
 def test_bad_artifacts_and_mismatched_bases(tmp_path, caplog):
