@@ -78,3 +78,33 @@ def test_speculative_greedy_equals_ar_and_transformers_generate(name, prompts):
     assert totals["draft"][1] > prompts
     if name != "llama-hf+gpt2-draft":  # a perturbed copy agrees with its target most of the time
         assert totals["draft"][0] / totals["draft"][1] > 0.4, totals
+
+
+def _bundled_prompts(tokenizer, rng: random.Random) -> list[list[int]]:
+    """Held-out stdlib code (never trained on) plus random token soup."""
+    prompts: list[list[int]] = []
+    from specops.train.data import code_prompts, split_stdlib
+
+    heldout = split_stdlib().heldout_files
+    if heldout:
+        prompts += [tokenizer.encode(text)[-120:] for text in code_prompts(heldout, count=10, max_chars=400, seed=3)]
+    while len(prompts) < 20:
+        prompts.append([rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(1, 60))])
+    return prompts
+
+
+def test_bundled_pair_is_exact():
+    """The shipped target + draft: draft and ngram == ar == transformers generate."""
+    dec = Decoder.from_pretrained("bundled")
+    assert dec.draft is not None and dec.target_model is not None
+    rng = random.Random("bundled")
+    accepted = drafted = 0
+    for i, prompt in enumerate(_bundled_prompts(dec.tokenizer, rng)):
+        ref = hf_greedy(dec.target_model, prompt, 24)
+        assert dec.generate(prompt, method="ar", max_new_tokens=24).tokens == ref, i
+        for method, gamma, schedule in (("draft", 4, "constant"), ("draft", 3, "goodput"), ("ngram", 4, "heuristic")):
+            out = dec.generate(prompt, method=method, gamma=gamma, schedule=schedule, max_new_tokens=24)
+            assert out.tokens == ref, (i, method, gamma, schedule)
+            if method == "draft":
+                accepted, drafted = accepted + out.stats.accepted, drafted + out.stats.drafted
+    assert accepted / drafted > 0.3  # a distilled draft agrees with its target far above chance
