@@ -15,7 +15,6 @@ where the per-step overhead (running the heads, building the tree) is measured t
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Sequence

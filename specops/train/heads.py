@@ -7,10 +7,11 @@ predict ``x_{t+k+1}``:
 
 * data mode: cross-entropy against the text's own tokens;
 * self-distillation (``self_distill=True``): the sequences are the base model's own
-  greedy continuations of prompts cut from the text, and the target of head ``k`` at
-  ``t`` is the base model's full distribution at ``t+k`` (a soft cross-entropy), so
-  any model can get heads without its original training data and the heads learn
-  exactly what decoding will ask them: the base model's own next-next tokens.
+  greedy continuations of prompts cut from the text, and only the generated part is
+  a target, so head ``k`` at ``t`` learns the base model's own greedy token at
+  ``t+k+1``: exactly what greedy decoding will accept. Any model can get heads this
+  way without its original training data. The frozen base's hidden states for the
+  generated pool are computed once, so a step costs only the heads' forward/backward.
 
 Head ``k``'s loss is weighted by ``head_decay ** (k-1)`` (later heads are harder and
 matter less, since a tree reaches them less often). After training, every head's
@@ -37,6 +38,8 @@ from specops.decoder.medusa_heads import MedusaHeads
 
 logger = logging.getLogger(__name__)
 
+IGNORE = -100  # label of positions that are not training targets
+
 
 @dataclass
 class HeadsTrainConfig:
@@ -49,7 +52,7 @@ class HeadsTrainConfig:
     shared_lm_head: bool = False
     """Reuse the base model's LM head in every head (train only the residual blocks)."""
     self_distill: bool = False
-    """Train on the base model's own greedy continuations with its soft targets."""
+    """Train on the base model's own greedy continuations (no original data needed)."""
     steps: int = 300
     batch_size: int = 8
     seq_len: int = 128
@@ -109,11 +112,11 @@ class HeadsReport:
         }
 
 
-def base_forward(base, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Frozen base pass. ids: [B, T] -> (hidden [B, T, E] after the final norm, logits [B, T, V] fp32)."""
+def base_hidden(base, ids: torch.Tensor) -> torch.Tensor:
+    """Frozen base pass. ids: [B, T] -> hidden [B, T, E] (last hidden state, after the final norm)."""
     with torch.no_grad():
         out = base(input_ids=ids, output_hidden_states=True, use_cache=False, return_dict=True)
-    return out.hidden_states[-1].detach(), out.logits.float().detach()
+    return out.hidden_states[-1].detach()
 
 
 def greedy_continuations(base, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
@@ -132,11 +135,10 @@ def greedy_continuations(base, prompts: torch.Tensor, new_tokens: int) -> torch.
 
 
 def heads_loss(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tensor, decay: float) -> torch.Tensor:
-    """Weighted sum over heads of the cross-entropy of head k at t against position t+k+1.
+    """Weighted sum over heads of the cross-entropy of head k (1-based) at t against token t+k+1.
 
-    hidden: [B, T, E]. targets: [B, T] long (data tokens) or [B, T, V] probabilities
-    (soft targets: row j is the base model's distribution for the token after j, so head
-    k at t uses row t+k).
+    hidden: [B, T, E]. targets: [B, T] long token ids; IGNORE marks positions that are
+    no target (the prompt part of a self-distilled sequence).
     """
     t = hidden.shape[1]
     total = hidden.new_zeros((), dtype=torch.float32)
@@ -146,11 +148,10 @@ def heads_loss(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tensor, 
         if t <= shift:
             continue
         pred = logits[k, :, : t - shift].float()  # [B, T - shift, V]
-        if targets.dim() == 2:
-            loss = F.cross_entropy(pred.reshape(-1, pred.shape[-1]), targets[:, shift:].reshape(-1))
-        else:
-            soft = targets[:, shift - 1 : t - 1]  # [B, T - shift, V]
-            loss = -(soft * F.log_softmax(pred, dim=-1)).sum(-1).mean()
+        labels = targets[:, shift:]  # [B, T - shift]
+        if bool((labels == IGNORE).all()):
+            continue
+        loss = F.cross_entropy(pred.reshape(-1, pred.shape[-1]), labels.reshape(-1), ignore_index=IGNORE)
         total = total + decay**k * loss
     return total
 
@@ -190,10 +191,10 @@ def evaluate_heads(base, heads: MedusaHeads, heldout: torch.Tensor, cfg: HeadsTr
     prompt_len = max(1, min(cfg.distill_prompt_len, cfg.seq_len // 4))
     for i in range(0, min(len(heldout), cfg.eval_batches * cfg.batch_size), cfg.batch_size):
         batch = heldout[i : i + cfg.batch_size]  # [b, T]
-        hidden, _ = base_forward(base, batch)
+        hidden = base_hidden(base, batch)
         text += rank_counts(heads, hidden, batch, cfg.eval_rank_k)
         seq = greedy_continuations(base, batch[:, :prompt_len], cfg.seq_len - prompt_len)  # [b, T]
-        hidden, _ = base_forward(base, seq)
+        hidden = base_hidden(base, seq)
         greedy += rank_counts(heads, hidden, seq, cfg.eval_rank_k, start=prompt_len - 1)
     report = HeadsReport(steps=0, wall_s=0.0)
     _, report.text_top1, report.text_top5 = _accuracies(text)
@@ -209,19 +210,33 @@ def _lr(step: int, cfg: HeadsTrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
-def _distill_pool(base, stream: torch.Tensor, cfg: HeadsTrainConfig, gen: torch.Generator) -> torch.Tensor:
-    """[S, seq_len] greedy continuations of random prompts from the token stream."""
+@dataclass
+class DistillPool:
+    """Greedy continuations of the base model with its hidden states, computed once."""
+
+    tokens: torch.Tensor  # [S, T] long: prompt + greedy continuation
+    labels: torch.Tensor  # [S, T] long: tokens, IGNORE over the prompt
+    hidden: torch.Tensor  # [S, T, E] base hidden states (after the final norm)
+
+
+def distill_pool(base, stream: torch.Tensor, cfg: HeadsTrainConfig, gen: torch.Generator) -> DistillPool:
+    """``cfg.distill_sequences`` greedy continuations of random prompts cut from ``stream`` [N]."""
     high = stream.numel() - cfg.distill_prompt_len
     if high <= 0:
         raise ValueError(f"training text has {stream.numel()} tokens, fewer than distill_prompt_len")
-    pool = []
+    tokens, hidden = [], []
     batches = range(0, cfg.distill_sequences, cfg.batch_size)
     for start in tqdm(batches, desc="self-distill: generating", disable=not cfg.progress):
         n = min(cfg.batch_size, cfg.distill_sequences - start)
         starts = torch.randint(0, high, (n,), generator=gen)  # [n]
         prompts = stream[starts[:, None] + torch.arange(cfg.distill_prompt_len)[None]]  # [n, P]
-        pool.append(greedy_continuations(base, prompts, cfg.seq_len - cfg.distill_prompt_len))
-    return torch.cat(pool)
+        seq = greedy_continuations(base, prompts, cfg.seq_len - cfg.distill_prompt_len)  # [n, T]
+        tokens.append(seq)
+        hidden.append(base_hidden(base, seq))
+    all_tokens = torch.cat(tokens)
+    labels = all_tokens.clone()
+    labels[:, : cfg.distill_prompt_len] = IGNORE
+    return DistillPool(tokens=all_tokens, labels=labels, hidden=torch.cat(hidden))
 
 
 def train_heads(base, heads: MedusaHeads, stream: torch.Tensor, heldout: torch.Tensor,
@@ -241,7 +256,7 @@ def train_heads(base, heads: MedusaHeads, stream: torch.Tensor, heldout: torch.T
         p.requires_grad_(False)
     gen = torch.Generator().manual_seed(cfg.seed)
     start_time = time.perf_counter()
-    pool = _distill_pool(base, stream, cfg, gen) if cfg.self_distill else None
+    pool = distill_pool(base, stream, cfg, gen) if cfg.self_distill else None
     params = [p for p in heads.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     heads.train()
@@ -249,12 +264,12 @@ def train_heads(base, heads: MedusaHeads, stream: torch.Tensor, heldout: torch.T
     bar = tqdm(range(cfg.steps), desc="medusa heads", disable=not cfg.progress)
     for step in bar:
         if pool is not None:
-            batch = pool[torch.randint(0, pool.shape[0], (cfg.batch_size,), generator=gen)]  # [B, T]
+            idx = torch.randint(0, pool.tokens.shape[0], (cfg.batch_size,), generator=gen)  # [B]
+            hidden, targets = pool.hidden[idx], pool.labels[idx]  # [B, T, E], [B, T]
         else:
             starts = torch.randint(0, stream.numel() - cfg.seq_len, (cfg.batch_size,), generator=gen)
-            batch = stream[starts[:, None] + torch.arange(cfg.seq_len)[None]]  # [B, T]
-        hidden, base_logits = base_forward(base, batch)
-        targets = torch.softmax(base_logits, dim=-1) if pool is not None else batch
+            targets = stream[starts[:, None] + torch.arange(cfg.seq_len)[None]]  # [B, T]
+            hidden = base_hidden(base, targets)
         for group in optimizer.param_groups:
             group["lr"] = _lr(step, cfg)
         loss = heads_loss(heads, hidden, targets, cfg.head_decay)

@@ -9,7 +9,7 @@ import torch
 from click.testing import CliRunner
 
 from specops.decoder.medusa_heads import MedusaHeads
-from specops.train.heads import HeadsTrainConfig, evaluate_heads, heads_loss, rank_counts, train_heads
+from specops.train.heads import IGNORE, HeadsTrainConfig, evaluate_heads, heads_loss, rank_counts, train_heads
 from tests.decoder.medusa_models import one_thread, tiny_model  # noqa: F401 (fixture)
 
 
@@ -37,9 +37,11 @@ def test_loss_targets_are_k_plus_one_beyond_the_next_token():
     right = heads_loss(OracleHeads(tokens, 3, 16), hidden, tokens, decay=0.8)
     wrong = heads_loss(OracleHeads(tokens, 3, 16, offset=-1), hidden, tokens, decay=0.8)
     assert float(right) < 1e-6 < 10.0 < float(wrong)
-    # soft targets: row j is the distribution of token j+1
-    soft = torch.nn.functional.one_hot(torch.roll(tokens, -1, dims=1), 16).float()  # [1, T, V]
-    assert float(heads_loss(OracleHeads(tokens, 3, 16), hidden, soft, decay=0.8)) < 1e-6
+    # ignored positions do not count: only wrong labels there, still zero loss
+    masked = torch.where(torch.arange(20) < 10, torch.full_like(tokens, IGNORE), tokens)
+    shifted = OracleHeads(torch.where(torch.arange(20) < 10, (tokens + 1) % 16, tokens), 3, 16)
+    assert float(heads_loss(shifted, hidden, masked, decay=0.8)) < 1e-6
+    assert float(heads_loss(shifted, hidden, tokens, decay=0.8)) > 10.0
     counts = rank_counts(OracleHeads(tokens, 3, 16), hidden, tokens, rank_k=2)
     assert counts[:, 0].tolist() == [18, 17, 16] and counts[:, 1:].sum() == 0
 
