@@ -28,6 +28,9 @@ from specops.decoder.runner import (
     sliding_window,
 )
 
+# transformers attention implementations that add a custom 4-D float mask to the scores
+MASKABLE_ATTENTION = ("eager", "sdpa")
+
 
 class HFRunner:
     """A transformers causal LM plus a `DynamicCache`, behind the `ModelRunner` interface."""
@@ -93,6 +96,12 @@ class HFRunner:
         )
         mask = None
         if args.tree_mask is not None:
+            attn = getattr(self.config, "_attn_implementation", None)
+            if attn not in MASKABLE_ATTENTION:
+                raise UnsupportedModelError(
+                    f"tree forwards need an attention implementation that applies a 4-D mask "
+                    f"({', '.join(MASKABLE_ATTENTION)}); this model uses {attn!r}"
+                )
             if self._window is not None and self._len + args.new > self._window:
                 raise UnsupportedModelError(
                     f"tree forward past the sliding window ({self._len + args.new} > {self._window} positions) "

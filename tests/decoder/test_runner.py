@@ -168,6 +168,14 @@ def test_hf_runner_matches_transformers(model_type):
     run_scenario(runner, model, seed=5)
 
 
+@pytest.mark.parametrize("model_type", ["gpt2", "llama"])
+def test_hf_runner_tree_mask_with_eager_attention(model_type):
+    """Eager attention adds the 4-D mask to the scores itself (SDPA is the default above)."""
+    model = build(model_type, seed=8)
+    model.set_attn_implementation("eager")
+    run_scenario(HFRunner(model), model, seed=9, tree_nodes=5)
+
+
 def test_hf_runner_sliding_window_model_decodes_past_the_window():
     model = build("mistral", seed=4, sliding_window=6)
     runner = HFRunner(model)
