@@ -105,6 +105,16 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # [N, in
     return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
 
 
+def _residual(
+    x: Tensor,  # [N, E] residual stream
+    inp: Tensor,  # [N, in]
+    weight: Tensor,  # [in, E]
+    bias: Tensor | None,  # [E]
+) -> Tensor:  # [N, E]: x + inp @ weight (+ bias), the add fused into the matmul
+    out = torch.addmm(x, inp, weight)
+    return out if bias is None else out.add_(bias)
+
+
 class FastLlamaRunner:
     """Compact Llama/Mistral/Qwen2 forward with a preallocated KV cache (`ModelRunner`)."""
 
@@ -296,10 +306,10 @@ class FastLlamaRunner:
             else:
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
             o = o.transpose(1, 2).reshape(b * t, hq * d)  # [B*T, Hq*D]
-            x = x + _linear(o, layer.wo, layer.bo)  # [B*T, E]
+            x = _residual(x, o, layer.wo, layer.bo)  # [B*T, E]
             h = F.rms_norm(x, (e,), layer.ln2, eps)  # [B*T, E]
             gate, up = _linear(h, layer.wgu, layer.bgu).chunk(2, dim=-1)  # [B*T, I] each
-            x = x + _linear(layer.act(gate) * up, layer.wd, layer.bd)  # [B*T, E]
+            x = _residual(x, layer.act(gate) * up, layer.wd, layer.bd)  # [B*T, E]
         cache.advance(t)
         x = F.rms_norm(x, (e,), self.norm, eps)  # [B*T, E]
         return x.view(b, t, e)  # [B, T, E]
