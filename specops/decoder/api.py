@@ -66,6 +66,7 @@ class DecodeRequest:
     schedule: GammaSchedule
     heads: int | None = None
     tree: Any = None
+    deadline_s: float | None = None
     options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -96,6 +97,7 @@ def _run_draft(dec: Decoder, req: DecodeRequest) -> tuple[list[int], DecodeStats
         max_new_tokens=req.max_new_tokens,
         eos_token_id=req.eos_token_id,
         schedule=req.schedule,
+        deadline_s=req.deadline_s,
     )
 
 
@@ -110,6 +112,7 @@ def _run_ngram(dec: Decoder, req: DecodeRequest) -> tuple[list[int], DecodeStats
         max_new_tokens=req.max_new_tokens,
         eos_token_id=req.eos_token_id,
         schedule=req.schedule,
+        deadline_s=req.deadline_s,
         **req.options,
     )
 
@@ -140,6 +143,11 @@ METHODS: dict[str, Callable[[Decoder, DecodeRequest], tuple[list[int], DecodeSta
 }
 # methods that need a component, and the component's attribute on the Decoder
 REQUIRES: dict[str, str] = {"draft": "draft", "medusa": "medusa"}
+# method-specific keyword options `generate(**options)` may pass through
+OPTIONS: dict[str, frozenset[str]] = {
+    "ngram": frozenset({"max_ngram", "min_ngram"}),
+    "medusa": frozenset({"typical"}),
+}
 
 
 def _as_runner(model: Any, *, impl: str, max_context: int | None, role: str) -> ModelRunner:
@@ -336,6 +344,7 @@ class Decoder:
         eos_token_id: int | list[int] | None = None,
         heads: int | None = None,
         tree: Any = None,
+        deadline_s: float | None = None,
         **options: Any,
     ) -> GenerateOutput:
         """Generate up to ``max_new_tokens`` new tokens after ``prompt_ids``.
@@ -346,8 +355,10 @@ class Decoder:
         set the draft length of speculative methods. ``temperature == 0`` is greedy;
         otherwise top-k / top-p filter target and draft alike. ``seed`` makes sampling
         reproducible. Decoding stops after ``eos_token_id`` (kept in the output);
-        None means no early stop. ``heads`` / ``tree``: Medusa only. ``options``:
-        method-specific extras (e.g. ``max_ngram`` for ngram).
+        None means no early stop. ``heads`` / ``tree``: Medusa only. ``deadline_s``:
+        decode deadline; past it a speculative request continues with plain decoding
+        (``stats.fallback_reason == "deadline"``). ``options``: method-specific extras
+        (`OPTIONS`, e.g. ``max_ngram`` for ngram).
         """
         if not isinstance(method, str) or method not in METHODS:
             known = ", ".join(sorted(METHODS))
@@ -356,6 +367,14 @@ class Decoder:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         sched = make_schedule(schedule, gamma, gamma_min, gamma_max)
+        unknown = sorted(set(options) - OPTIONS.get(method, frozenset()))
+        if unknown:
+            allowed = ", ".join(sorted(OPTIONS.get(method, ()))) or "none"
+            raise InvalidRequestError(f"unknown option(s) {', '.join(unknown)} for method {method!r} (allowed: {allowed})")
+        if deadline_s is not None:
+            from specops.decoder.speculation import check_deadline
+
+            check_deadline(deadline_s)
         ids = self._prompt_tensor(prompt_ids)
         generator = make_generator(seed, self.target.device)
         request = DecodeRequest(
@@ -367,6 +386,7 @@ class Decoder:
             schedule=sched,
             heads=heads,
             tree=tree,
+            deadline_s=deadline_s,
             options=options,
         )
         run = METHODS[method]
@@ -384,7 +404,8 @@ class Decoder:
         if run is not _run_ar and self.plain_token_s is None:
             self._calibrate(ids)
         tokens, stats = run(self, request)
-        stats.fallback_reason = fallback_reason
+        if fallback_reason is not None:
+            stats.fallback_reason = fallback_reason
         if stats.method == "ar" and stats.plain_token_s is not None:
             self.plain_token_s = stats.plain_token_s if self.plain_token_s is None else (
                 0.8 * self.plain_token_s + 0.2 * stats.plain_token_s

@@ -73,8 +73,12 @@ def generate_draft(
     max_new_tokens: int,
     eos_token_id: int | list[int] | None = None,
     schedule: GammaSchedule | None = None,
+    deadline_s: float | None = None,
 ) -> tuple[list[int], DecodeStats]:
-    """Speculative decoding with a draft model; γ per step comes from ``schedule`` (default 4)."""
+    """Speculative decoding with a draft model; γ per step comes from ``schedule`` (default 4).
+
+    Past ``deadline_s`` seconds the rest is plain decoding (see `speculation`).
+    """
     check_vocab(target, draft)
     if max_new_tokens < 1:
         raise InvalidRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -91,6 +95,7 @@ def generate_draft(
         eos_token_id=eos_token_id,
         stats=stats,
         context_limit=draft.max_context,
+        deadline_s=deadline_s,
     )
     v.prefill()
     draft.reset(1)
@@ -104,6 +109,9 @@ def generate_draft(
 
     while not v.done:
         gamma = min(schedule.next_gamma(), v.max_draft())
+        if gamma == 0:  # budget's last token or past the deadline: a plain target step
+            v.verify([], None)
+            continue
         t0 = device_clock(draft.device)
         drafted, q = _draft_block(draft, v.tokens, gamma, sampling, generator, target.device)
         draft_s = device_clock(draft.device) - t0

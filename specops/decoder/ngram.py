@@ -78,12 +78,14 @@ def generate_ngram(
     schedule=None,  # GammaSchedule; default constant 4
     max_ngram: int = 3,
     min_ngram: int = 1,
+    deadline_s: float | None = None,
 ):
     """Speculative decoding with prompt-lookup drafts; returns ``(tokens, DecodeStats)``.
 
     The drafter is deterministic, so sampling verification treats its proposal as a
     point mass (``q = one_hot``), which keeps the output distribution the target's.
     A step without a match verifies zero drafted tokens, i.e. one plain target step.
+    Past ``deadline_s`` seconds the rest is plain decoding.
     """
     import time
 
@@ -107,6 +109,7 @@ def generate_ngram(
         max_new_tokens=max_new_tokens,
         eos_token_id=eos_token_id,
         stats=stats,
+        deadline_s=deadline_s,
     )
     v.prefill()
     while not v.done:

@@ -19,6 +19,11 @@ Edge cases are exact by construction:
 * ``max_new_tokens``: a step never drafts more than ``remaining - 1`` tokens, so the
   budget can land anywhere inside a block and the output still ends exactly there;
 * the context window: the same clamp keeps ``prompt + output <= max_context``.
+
+Decode deadline (timeout protection): once ``deadline_s`` seconds have passed since
+the request started, every further step drafts nothing, i.e. decoding continues as
+plain one-token target steps on the same cache, and the stats say
+``fallback_reason == "deadline"``. Worst-case latency is then bounded by plain decoding.
 """
 
 from __future__ import annotations
@@ -62,6 +67,13 @@ def eos_set(eos_token_id: int | list[int] | tuple[int, ...] | None) -> frozenset
     return frozenset(ids)
 
 
+def check_deadline(deadline_s: float) -> float:
+    """Validate a decode deadline in seconds (> 0)."""
+    if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) or not deadline_s > 0:
+        raise InvalidRequestError(f"deadline_s must be a number of seconds > 0 or None, got {deadline_s!r}")
+    return float(deadline_s)
+
+
 @dataclass
 class StepResult:
     """What one verification step produced."""
@@ -86,6 +98,7 @@ class TargetVerifier:
         eos_token_id: int | list[int] | None,
         stats: DecodeStats,
         context_limit: int | None = None,
+        deadline_s: float | None = None,
     ) -> None:
         self.target = target
         self.sampling = sampling
@@ -104,6 +117,7 @@ class TargetVerifier:
         self.context_bound = self.budget < max_new_tokens
         self.stopped_by_eos = False
         self.device = target.device
+        self.deadline = None if deadline_s is None else time.perf_counter() + check_deadline(deadline_s)
 
     # -- state -----------------------------------------------------------------------
     @property
@@ -115,7 +129,10 @@ class TargetVerifier:
         return self.budget - len(self.output)
 
     def max_draft(self) -> int:
-        """The most tokens the next block may draft (budget and context clamp)."""
+        """The most tokens the next block may draft (budget and context clamp; 0 past the deadline)."""
+        if self.deadline is not None and time.perf_counter() > self.deadline:
+            self.stats.fallback_reason = "deadline"
+            return 0
         return max(self.remaining - 1, 0)
 
     def stop_reason(self) -> str:

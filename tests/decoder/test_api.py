@@ -189,3 +189,30 @@ def test_bundled_decoder_generates_text():
     plain = dec.generate(prompt, max_new_tokens=16)
     spec = dec.generate(prompt, method="draft", max_new_tokens=16)
     assert spec.tokens == plain.tokens and isinstance(spec.text, str) and spec.text
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_deadline_turns_speculation_into_plain_decoding_exactly(dec, models, method):
+    ref = hf_greedy(models[0], PROMPT, 10)
+    late = dec.generate(PROMPT, method=method, max_new_tokens=10, deadline_s=1e-9)
+    assert late.tokens == ref
+    assert late.stats.fallback_reason == "deadline" and late.stats.drafted == 0
+    assert late.stats.target_forwards == 1 + 10  # prefill, then one plain step per token
+    on_time = dec.generate(PROMPT, method=method, max_new_tokens=10, deadline_s=3600.0)
+    assert on_time.tokens == ref and on_time.stats.fallback_reason is None
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"deadline_s": 0}, "deadline_s"),
+    ({"deadline_s": -1.0}, "deadline_s"),
+    ({"method": "ngram", "max_ngrams": 4}, "unknown option.*max_ngrams.*allowed: max_ngram, min_ngram"),
+    ({"method": "draft", "max_ngram": 4}, "unknown option.*for method 'draft'"),
+])
+def test_bad_deadline_and_unknown_options(dec, kwargs, needle):
+    with pytest.raises(InvalidRequestError, match=needle):
+        dec.generate(PROMPT, **kwargs)
+
+
+def test_ngram_options_reach_the_drafter(dec, models):
+    out = dec.generate([5, 6, 7, 8, 5, 6, 7], method="ngram", max_new_tokens=6, max_ngram=1, min_ngram=1)
+    assert out.tokens == hf_greedy(models[0], [5, 6, 7, 8, 5, 6, 7], 6)
