@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
+from specops.decoder.errors import InvalidRequestError
 from specops.decoder.runner import ModelRunner
 from specops.decoder.sampling import SamplingConfig, next_token
 from specops.decoder.speculation import device_clock, eos_set, prompt_list
-from specops.decoder.errors import InvalidRequestError
 from specops.decoder.stats import DecodeStats
 
 
@@ -30,6 +30,8 @@ def generate_ar(
     ``method`` names the stats (a fallback from another method reports ``ar``).
     Also measures the single-token forward time (``stats.plain_token_s``).
     """
+    if max_new_tokens < 1:
+        raise InvalidRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     prompt = prompt_list(prompt_ids)
     eos = eos_set(eos_token_id)
     limit = target.max_context

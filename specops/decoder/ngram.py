@@ -13,7 +13,16 @@ scan over the whole context.
 
 from __future__ import annotations
 
+import time
+
+import torch
+
 from specops.decoder.errors import InvalidRequestError
+from specops.decoder.runner import ModelRunner
+from specops.decoder.sampling import SamplingConfig
+from specops.decoder.schedule import ConstantSchedule, GammaSchedule
+from specops.decoder.speculation import TargetVerifier, prompt_list
+from specops.decoder.stats import DecodeStats
 
 
 class NgramIndex:
@@ -68,18 +77,18 @@ def lookup(context: list[int], gamma: int, max_ngram: int = 3, min_ngram: int = 
 
 
 def generate_ngram(
-    target,  # ModelRunner
-    prompt_ids,  # [B, T] long, B == 1
+    target: ModelRunner,
+    prompt_ids: torch.Tensor,  # [B, T] long, B == 1
     *,
-    sampling,  # SamplingConfig
-    generator,  # torch.Generator
+    sampling: SamplingConfig,
+    generator: torch.Generator,
     max_new_tokens: int,
     eos_token_id: int | list[int] | None = None,
-    schedule=None,  # GammaSchedule; default constant 4
+    schedule: GammaSchedule | None = None,
     max_ngram: int = 3,
     min_ngram: int = 1,
     deadline_s: float | None = None,
-):
+) -> tuple[list[int], DecodeStats]:
     """Speculative decoding with prompt-lookup drafts; returns ``(tokens, DecodeStats)``.
 
     The drafter is deterministic, so sampling verification treats its proposal as a
@@ -87,12 +96,6 @@ def generate_ngram(
     A step without a match verifies zero drafted tokens, i.e. one plain target step.
     Past ``deadline_s`` seconds the rest is plain decoding.
     """
-    import time
-
-    from specops.decoder.schedule import ConstantSchedule
-    from specops.decoder.speculation import TargetVerifier, prompt_list
-    from specops.decoder.stats import DecodeStats
-
     if max_new_tokens < 1:
         raise InvalidRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     schedule = schedule if schedule is not None else ConstantSchedule(4)
