@@ -15,7 +15,7 @@ import random
 import pytest
 
 from specops.decoder import Decoder
-from tests.decoder.tiny_models import VOCAB, hf_greedy, perturbed, tiny_gpt2, tiny_llama
+from tests.decoder.tiny_models import VOCAB, hf_greedy, perturbed, tiny_gpt2, tiny_llama, tiny_other
 
 GAMMAS = (1, 2, 3, 4, 6, 8)
 SCHEDULES = ("constant", "heuristic", "goodput")
@@ -78,6 +78,21 @@ def test_speculative_greedy_equals_ar_and_transformers_generate(name, prompts):
     assert totals["draft"][1] > prompts
     if name != "llama-hf+gpt2-draft":  # a perturbed copy agrees with its target most of the time
         assert totals["draft"][0] / totals["draft"][1] > 0.4, totals
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "gpt_neox"])
+def test_more_architectures_are_exact(arch):
+    """Beyond the 1000 prompts above: Qwen2 / Mistral (fast path) and GPT-NeoX (generic path)."""
+    target = tiny_other(arch, seed=40)
+    dec = Decoder(target, draft=perturbed(target, noise=0.05, seed=41))
+    rng = random.Random(f"arch-{arch}")
+    for i in range(30):
+        prompt, n = random_prompt(rng), rng.randint(1, 12)
+        ref = hf_greedy(target, prompt, n)
+        for method in ("ar", "draft", "ngram"):
+            out = dec.generate(prompt, method=method, gamma=GAMMAS[i % len(GAMMAS)],
+                               schedule=SCHEDULES[i % len(SCHEDULES)], max_new_tokens=n)
+            assert out.tokens == ref, (arch, method, prompt, n)
 
 
 def _bundled_prompts(tokenizer, rng: random.Random) -> list[list[int]]:

@@ -82,3 +82,23 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_token_id: int |
             pad_token_id=0,
         )
     return out[0, len(prompt) :].tolist()
+
+
+def tiny_other(arch: str, seed: int = 0, vocab: int = VOCAB, init_range: float = 0.25, max_positions: int = 256):
+    """A tiny Qwen2, Mistral or GPT-NeoX model (more architectures behind the same API)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=max_positions, initializer_range=init_range,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if arch == "qwen2":
+        cfg = transformers.Qwen2Config(intermediate_size=64, num_key_value_heads=2, **common)
+        return transformers.Qwen2ForCausalLM(cfg).eval()
+    if arch == "mistral":
+        cfg = transformers.MistralConfig(intermediate_size=64, num_key_value_heads=2, sliding_window=None, **common)
+        return transformers.MistralForCausalLM(cfg).eval()
+    if arch == "gpt_neox":
+        cfg = transformers.GPTNeoXConfig(intermediate_size=64, **common)
+        return transformers.GPTNeoXForCausalLM(cfg).eval()
+    raise ValueError(f"unknown architecture {arch!r}")
