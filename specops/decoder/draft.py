@@ -108,7 +108,8 @@ def generate_draft(
         stats.prefill_s += dt
 
     while not v.done:
-        gamma = min(schedule.next_gamma(), v.max_draft())
+        stats.gamma = schedule.next_gamma()
+        gamma = min(stats.gamma, v.max_draft())
         if gamma == 0:  # budget's last token or past the deadline: a plain target step
             v.verify([], None)
             continue

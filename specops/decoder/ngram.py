@@ -116,7 +116,8 @@ def generate_ngram(
     )
     v.prefill()
     while not v.done:
-        gamma = min(schedule.next_gamma(), v.max_draft())
+        stats.gamma = schedule.next_gamma()
+        gamma = min(stats.gamma, v.max_draft())
         t0 = time.perf_counter()
         drafted = index.propose(gamma)
         draft_s = time.perf_counter() - t0

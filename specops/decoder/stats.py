@@ -62,6 +62,8 @@ class DecodeStats:
     gamma_trace: list[int] = field(default_factory=list)
     """Tokens drafted at each step, in order (γ after clamping to budget and context;
     an EOS cut does not shorten it)."""
+    gamma: int = 0
+    """γ the schedule chose for the last step, before budget/context clamps (0 for ar)."""
     token_latencies_s: list[float] = field(default_factory=list)
     """Per emitted token: its step's seconds divided by the tokens that step emitted (the
     first step includes the prefill)."""
@@ -146,7 +148,6 @@ class DecodeStats:
         per_token = plain_token_s if plain_token_s is not None else self.plain_token_s
         if per_token is None:
             per_token = self.verify_s / self.target_forwards if self.target_forwards else 0.0
-        gamma = self.gamma_trace[-1] if self.gamma_trace and self.method in ("draft", "ngram") else 0
         return DecodeRecord(
             request_class=request_class,
             method=self.method,
@@ -162,7 +163,7 @@ class DecodeStats:
             token_latencies_s=list(self.token_latencies_s),
             head_predictions=list(self.head_predictions),
             head_correct=list(self.head_correct),
-            gamma=gamma,
+            gamma=self.gamma,
             heads=self.heads,
             fallback_reason=self.fallback_reason,
         )

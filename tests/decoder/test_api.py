@@ -157,7 +157,7 @@ def test_stats_become_a_telemetry_record(dec):
     assert isinstance(rec, DecodeRecord)
     assert (rec.method, rec.request_class, rec.new_tokens) == ("draft", "code", 12)
     assert rec.drafted == out.stats.drafted and rec.accepted == out.stats.accepted
-    assert rec.accepted_per_pos == out.stats.accepted_per_pos and rec.gamma == out.stats.gamma_trace[-1]
+    assert rec.accepted_per_pos == out.stats.accepted_per_pos and rec.gamma == 3 == out.stats.gamma
     assert rec.plain_s_estimate == pytest.approx(12 * out.stats.plain_token_s)
     assert len(rec.token_latencies_s) == 12 and rec.heads == 0
     ar = dec.generate(PROMPT, method="ar", max_new_tokens=4).stats.to_record("chat")

@@ -94,6 +94,7 @@ def test_max_new_tokens_landing_mid_block_is_exact(max_new, trace):
     tokens, stats = run_draft(target, draft, [0], gamma=4, max_new=max_new)
     assert tokens == list(range(1, max_new + 1))
     assert stats.gamma_trace == trace  # γ clamped to remaining - 1, so no token is wasted
+    assert stats.gamma == 4  # the schedule's choice, reported to telemetry
     assert stats.stop_reason == "max_new_tokens"
 
 
