@@ -50,8 +50,13 @@ class GenerateOutput:
     """New tokens only (the prompt is not repeated)."""
     stats: DecodeStats
     """Counters and timings of this request."""
-    text: str | None = None
-    """``tokens`` decoded with the decoder's tokenizer, when it has one."""
+    tokenizer: Any = field(default=None, repr=False, compare=False)
+    """The decoder's tokenizer (None without one); used by `text`."""
+
+    @property
+    def text(self) -> str | None:
+        """``tokens`` decoded with the decoder's tokenizer (decoded on access, not while timing)."""
+        return None if self.tokenizer is None else self.tokenizer.decode(self.tokens)
 
 
 @dataclass
@@ -412,8 +417,7 @@ class Decoder:
             )
         if stats.plain_token_s is None:
             stats.plain_token_s = self.plain_token_s
-        text = self.tokenizer.decode(tokens) if self.tokenizer is not None else None
-        return GenerateOutput(tokens=tokens, stats=stats, text=text)
+        return GenerateOutput(tokens=tokens, stats=stats, tokenizer=self.tokenizer)
 
     def _calibrate(self, prompt: torch.Tensor) -> None:  # prompt: [1, T]
         """Time a few plain single-token forwards once, for the speed-up estimate."""
