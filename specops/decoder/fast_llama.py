@@ -6,9 +6,10 @@ concatenates every layer's keys and values each step. This runner reads the weig
 loaded transformers model (no copy of its modelling code) and runs them with ~15 ops per
 layer:
 
-- q/k/v are one matmul (fused [Wq; Wk; Wv], with Qwen2's q/k/v bias) and gate/up another;
-  every weight is stored input-major [in, out] (faster batch-1 matmuls on CPU). The runner
-  snapshots the weights when it is built: rebuild it after changing the model's weights;
+- q/k/v are one matmul (fused [Wq; Wk; Wv], with Qwen2's q/k/v bias) and gate/up another,
+  each a `PackedLinear` (weights laid out for the fastest CPU kernel per row count; residual
+  adds fused into the matmul). The runner snapshots the weights when it is built: rebuild
+  it after changing the model's weights;
 - rotary embeddings use precomputed cos/sin tables; `rotate_half` is a roll with the sign
   folded into the sin table, applied to the q and k heads in one go (v heads get cos 1 and
   sin 0, which leaves them exactly unchanged);
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specops.decoder.kv_cache import KVCache
+from specops.decoder.packed_linear import PackedLinear, onednn_usable
 from specops.decoder.runner import (
     FAST_MODEL_TYPES,
     RunnerOutput,
@@ -73,53 +75,30 @@ def tree_attention(
 
 
 class _Layer:
-    """One decoder layer's weights, fused and stored input-major ([in, out], contiguous):
-    a batch-1 CPU matmul against that layout is markedly faster than `F.linear`'s [out, in]."""
+    """One decoder layer's weights: q/k/v fused into one linear, gate/up into another."""
 
-    __slots__ = ("ln1", "wqkv", "bqkv", "wo", "bo", "ln2", "wgu", "bgu", "wd", "bd", "act")
+    __slots__ = ("ln1", "qkv", "o", "ln2", "gate_up", "down", "act")
 
-    def __init__(self, layer) -> None:
+    def __init__(self, layer, onednn: bool) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.ln1 = layer.input_layernorm.weight.detach()  # [E]
         self.ln2 = layer.post_attention_layernorm.weight.detach()  # [E]
-        self.wqkv, self.bqkv = _fuse_t([attn.q_proj, attn.k_proj, attn.v_proj])  # [E, (Hq+2Hkv)*D]
-        self.wgu, self.bgu = _fuse_t([mlp.gate_proj, mlp.up_proj])  # [E, 2I]
-        self.wo, self.bo = _fuse_t([attn.o_proj])  # [Hq*D, E]
-        self.wd, self.bd = _fuse_t([mlp.down_proj])  # [I, E]
+        self.qkv = PackedLinear.fuse([attn.q_proj, attn.k_proj, attn.v_proj], onednn=onednn)  # E -> (Hq+2Hkv)*D
+        self.o = PackedLinear(attn.o_proj.weight, attn.o_proj.bias, onednn=onednn)  # Hq*D -> E
+        self.gate_up = PackedLinear.fuse([mlp.gate_proj, mlp.up_proj], onednn=onednn)  # E -> 2I
+        self.down = PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias, onednn=onednn)  # I -> E
         # transformers' SiLU module is plain silu; calling the functional form skips a module call
         self.act = F.silu if type(mlp.act_fn).__name__ in ("SiLUActivation", "SiLU") else mlp.act_fn
-
-
-def _fuse_t(linears) -> tuple[Tensor, Tensor | None]:
-    """Concatenate nn.Linear weights along the output dim, transposed to [in, sum(out)]
-    contiguous (a copy: the runner snapshots the weights when it is built)."""
-    with torch.no_grad():
-        weight = torch.cat([m.weight.detach() for m in linears], dim=0).t().contiguous()  # [in, sum(out)]
-        if all(m.bias is None for m in linears):
-            return weight, None
-        parts = [m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.weight.shape[0]) for m in linears]
-        return weight, torch.cat(parts)  # [sum(out)]
-
-
-def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # [N, in] @ [in, out] -> [N, out]
-    return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
-
-
-def _residual(
-    x: Tensor,  # [N, E] residual stream
-    inp: Tensor,  # [N, in]
-    weight: Tensor,  # [in, E]
-    bias: Tensor | None,  # [E]
-) -> Tensor:  # [N, E]: x + inp @ weight (+ bias), the add fused into the matmul
-    out = torch.addmm(x, inp, weight)
-    return out if bias is None else out.add_(bias)
 
 
 class FastLlamaRunner:
     """Compact Llama/Mistral/Qwen2 forward with a preallocated KV cache (`ModelRunner`)."""
 
-    def __init__(self, model, *, max_context: int | None = None, tree_attention: str = "auto") -> None:
-        """`tree_attention`: "auto" (Triton kernel on CUDA, SDPA elsewhere), "sdpa" or "kernel"."""
+    def __init__(
+        self, model, *, max_context: int | None = None, tree_attention: str = "auto", onednn: bool | None = None
+    ) -> None:
+        """`tree_attention`: "auto" (Triton kernel on CUDA, SDPA elsewhere), "sdpa" or "kernel".
+        `onednn`: run multi-row matmuls with oneDNN prepacked weights (None: when usable here)."""
         if tree_attention not in TREE_ATTENTION_IMPLS:
             raise ValueError(f"tree_attention must be one of {', '.join(TREE_ATTENTION_IMPLS)}, got {tree_attention!r}")
         self.tree_attention = tree_attention
@@ -155,10 +134,14 @@ class FastLlamaRunner:
         self.scale = self.head_dim**-0.5
         self.eps = float(config.rms_norm_eps)
 
+        usable = onednn_usable(self.device, self.dtype)
+        if onednn and not usable:
+            raise ValueError(f"oneDNN prepacked linear is not usable for {self.dtype} on {self.device}")
+        self.onednn = usable if onednn is None else onednn
         self.embed = emb
-        self.layers = [_Layer(layer) for layer in base.layers[: config.num_hidden_layers]]
+        self.layers = [_Layer(layer, self.onednn) for layer in base.layers[: config.num_hidden_layers]]
         self.norm = base.norm.weight.detach()  # [E]
-        self.lm_head, self.lm_bias = _fuse_t([model.lm_head])  # [E, V]
+        self.lm_head = PackedLinear(model.lm_head.weight, getattr(model.lm_head, "bias", None), onednn=self.onednn)
 
         # rotary tables for every position: [S, D] each, in the model dtype (as transformers casts them)
         inv_freq = rotary.original_inv_freq.detach().to(device=self.device, dtype=torch.float32)  # [D/2]
@@ -246,7 +229,7 @@ class FastLlamaRunner:
         with torch.inference_mode():
             hidden = self._forward(input_ids.to(self.device), args.position_ids, args.tree_mask)  # [B, T, E]
             b, t, e = hidden.shape
-            logits = _linear(hidden.view(b * t, e), self.lm_head, self.lm_bias).view(b, t, -1)  # [B, T, V]
+            logits = self.lm_head(hidden.view(b * t, e)).view(b, t, -1)  # [B, T, V]
             if logits.dtype != torch.float32:
                 logits = logits.float()
         return RunnerOutput(logits=logits, hidden=hidden if need_hidden else None)
@@ -296,7 +279,7 @@ class FastLlamaRunner:
         x = F.embedding(input_ids, self.embed).view(b * t, e)  # [B*T, E]
         for i, layer in enumerate(self.layers):
             h = F.rms_norm(x, (e,), layer.ln1, eps)  # [B*T, E]
-            qkv = _linear(h, layer.wqkv, layer.bqkv).view(b, t, hq + 2 * hkv, d)  # [B, T, Hq+2Hkv, D]
+            qkv = layer.qkv(h).view(b, t, hq + 2 * hkv, d)  # [B, T, Hq+2Hkv, D]
             qkv = torch.addcmul(qkv * cos, qkv.roll(half, -1), sin)  # rotary on q and k; v passes unchanged
             q = qkv[:, :, :hq].transpose(1, 2)  # [B, Hq, T, D]
             kv = qkv[:, :, hq:].view(b, t, 2, hkv, d).permute(2, 0, 3, 1, 4)  # [2, B, Hkv, T, D]
@@ -306,10 +289,10 @@ class FastLlamaRunner:
             else:
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
             o = o.transpose(1, 2).reshape(b * t, hq * d)  # [B*T, Hq*D]
-            x = _residual(x, o, layer.wo, layer.bo)  # [B*T, E]
+            x = layer.o.add_to(x, o)  # [B*T, E]
             h = F.rms_norm(x, (e,), layer.ln2, eps)  # [B*T, E]
-            gate, up = _linear(h, layer.wgu, layer.bgu).chunk(2, dim=-1)  # [B*T, I] each
-            x = _residual(x, layer.act(gate) * up, layer.wd, layer.bd)  # [B*T, E]
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)  # [B*T, I] each
+            x = layer.down.add_to(x, layer.act(gate) * up)  # [B*T, E]
         cache.advance(t)
         x = F.rms_norm(x, (e,), self.norm, eps)  # [B*T, E]
         return x.view(b, t, e)  # [B, T, E]

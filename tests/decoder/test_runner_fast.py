@@ -120,3 +120,12 @@ def test_half_precision_models_run_and_return_float32_logits(dtype):
     want = reference(model, ids[0].tolist())
     scale = want.abs().max().item()
     assert (got - want).abs().max().item() < 0.05 * scale
+
+
+def test_fast_runner_without_onednn_matches_transformers():
+    """The MKL-only matmul path (used where oneDNN's prepacked linear is unavailable)."""
+    model_type, overrides = CONFIGS["qwen2-gqa-bias"]
+    model = build(model_type, seed=37, **overrides)
+    runner = FastLlamaRunner(model, onednn=False)
+    assert runner.onednn is False
+    run_scenario(runner, model, seed=41, tree_nodes=6)
