@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from specops.decoder.errors import InvalidRequestError
+from specops.decoder.errors import ContextLengthError, InvalidRequestError
 from specops.decoder.runner import ModelRunner
 from specops.decoder.sampling import SamplingConfig, next_token
 from specops.decoder.speculation import device_clock, eos_set, prompt_list

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specops.decoder.errors import InvalidRequestError
+from specops.decoder.errors import ContextLengthError, InvalidRequestError
 from specops.decoder.runner import ModelRunner
 from specops.decoder.sampling import SamplingConfig, probabilities
 from specops.decoder.stats import DecodeStats
@@ -110,7 +110,7 @@ class TargetVerifier:
         self.output: list[int] = []
         limit = target.max_context if context_limit is None else min(target.max_context, context_limit)
         if self.prompt_len >= limit:
-            raise InvalidRequestError(
+            raise ContextLengthError(
                 f"prompt of {self.prompt_len} tokens leaves no room in the model's context of {limit} positions"
             )
         self.budget = min(max_new_tokens, limit - self.prompt_len)

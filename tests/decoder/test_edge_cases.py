@@ -109,6 +109,17 @@ def test_context_window_filling_up_stops_generation():
     assert tokens == [5, 6, 7] and stats.stop_reason == "context"
 
 
+def test_the_smaller_context_of_draft_and_target_bounds_the_output():
+    target = TableRunner(chain_table(V), max_context=64)
+    draft = TableRunner(chain_table(V), max_context=8)
+    tokens, stats = run_draft(target, draft, [0, 1, 2], gamma=4, max_new=20)
+    assert tokens == [3, 4, 5, 6, 7] and stats.stop_reason == "context"
+    from specops.decoder.errors import ContextLengthError
+
+    with pytest.raises(ContextLengthError, match="8 positions"):
+        run_draft(target, draft, list(range(8)), gamma=4, max_new=2)
+
+
 def test_prefix_is_never_recomputed():
     target = TableRunner(chain_table(V))
     draft = TableRunner(chain_table(V, {2: 11, 7: 0}))
