@@ -36,7 +36,7 @@ def generate_ar(
     eos = eos_set(eos_token_id)
     limit = target.max_context
     if len(prompt) >= limit:
-        raise InvalidRequestError(
+        raise ContextLengthError(
             f"prompt of {len(prompt)} tokens leaves no room in the model's context of {limit} positions"
         )
     budget = min(max_new_tokens, limit - len(prompt))
