@@ -408,7 +408,8 @@ class Decoder:
                 )
         if run is not _run_ar and self.plain_token_s is None:
             self._calibrate(ids)
-        tokens, stats = run(self, request)
+        with torch.inference_mode():
+            tokens, stats = run(self, request)
         if fallback_reason is not None:
             stats.fallback_reason = fallback_reason
         if stats.method == "ar" and stats.plain_token_s is not None:
@@ -424,13 +425,14 @@ class Decoder:
         from specops.decoder.autoregressive import generate_ar
 
         room = self.target.max_context - prompt.shape[1]
-        _, stats = generate_ar(
-            self.target,
-            prompt,
-            sampling=SamplingConfig(),
-            generator=make_generator(0, self.target.device),
-            max_new_tokens=max(1, min(CALIBRATION_TOKENS, room)),
-        )
+        with torch.inference_mode():
+            _, stats = generate_ar(
+                self.target,
+                prompt,
+                sampling=SamplingConfig(),
+                generator=make_generator(0, self.target.device),
+                max_new_tokens=max(1, min(CALIBRATION_TOKENS, room)),
+            )
         self.plain_token_s = stats.plain_token_s
 
 
