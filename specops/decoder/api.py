@@ -200,8 +200,8 @@ class Decoder:
     ) -> None:
         """``target`` / ``draft``: loaded transformers causal LMs (or `ModelRunner`s).
 
-        ``fallback=True``: a draft that cannot be used (here: a vocabulary mismatch; in
-        `from_pretrained` also one that fails to load) is dropped with a warning and
+        ``fallback=True``: a draft that cannot be used (a vocabulary mismatch, a model no
+        runner can run; in `from_pretrained` also one that fails to load) is dropped with a warning and
         ``method="draft"`` then runs plain decoding, with the reason in the stats.
         ``impl``: "auto" | "fast" | "hf" (see `specops.decoder.runner.load_runner`).
         """
@@ -216,13 +216,15 @@ class Decoder:
         self.tokenizer = tokenizer
         self.plain_token_s: float | None = None
         if draft is not None:
+            from specops.decoder.draft import check_vocab
+
             try:
                 runner = _as_runner(draft, impl=impl, max_context=max_context, role="draft")
-                from specops.decoder.draft import check_vocab
-
                 check_vocab(self.target, runner)
             except VocabMismatchError as exc:
                 self._drop_draft(exc)
+            except (TypeError, ValueError) as exc:  # not a model, unsupported config, context too large
+                self._drop_draft(ModelLoadError(f"cannot use the draft model: {exc}"))
             else:
                 self.draft = runner
 

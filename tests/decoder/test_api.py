@@ -111,6 +111,14 @@ def test_vocabulary_mismatch_with_fallback_warns_and_decodes_plainly(models):
     assert out.tokens == hf_greedy(models[0], PROMPT, 6)
 
 
+def test_a_draft_no_runner_can_run_is_a_load_error_or_a_fallback(models):
+    with pytest.raises(ModelLoadError, match="cannot use the draft model"):
+        Decoder(models[0], draft=object())
+    with pytest.warns(RuntimeWarning, match="falls back"):
+        dec = Decoder(models[0], draft=object(), fallback=True)
+    assert dec.generate(PROMPT, method="draft", max_new_tokens=3).stats.fallback_reason == "draft_unavailable"
+
+
 def test_from_pretrained_loads_target_and_draft_from_folders(tmp_path, models):
     target, draft = models
     target.save_pretrained(tmp_path / "t")
