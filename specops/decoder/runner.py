@@ -21,6 +21,7 @@ prefix, V vocabulary, E hidden size.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -28,8 +29,10 @@ if TYPE_CHECKING:
     import torch
     from torch import Tensor
 
-IMPLS = ("auto", "fast", "hf")
-FAST_MODEL_TYPES = ("llama", "mistral", "qwen2")
+log = logging.getLogger(__name__)
+
+IMPLS = ("auto", "fast", "hf")  # load_runner's impl choices
+FAST_MODEL_TYPES = ("llama", "mistral", "qwen2")  # config.model_type values FastLlamaRunner runs
 
 
 class UnsupportedModelError(ValueError):
@@ -38,7 +41,8 @@ class UnsupportedModelError(ValueError):
 
 @dataclass
 class RunnerOutput:
-    """What one forward pass returns."""
+    """What one forward pass returns. Both tensors are created under `torch.inference_mode`:
+    read them freely, but `.clone()` one before using it in autograd (e.g. head training)."""
 
     logits: Tensor  # [B, T, V] float32
     hidden: Tensor | None = None  # [B, T, E] last hidden state after the final norm
@@ -181,6 +185,7 @@ def check_compact(start: int, keep: Tensor, cache_len: int, device: torch.device
 
 
 def check_batch_size(batch_size: int) -> int:
+    """Validate reset()'s batch size."""
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     return batch_size
@@ -234,7 +239,5 @@ def load_runner(model, *, max_context: int | None = None, impl: str = "auto") ->
         try:
             return FastLlamaRunner(model, max_context=max_context)
         except UnsupportedModelError as exc:
-            import logging
-
-            logging.getLogger(__name__).info("fast path unavailable (%s); using HFRunner", exc)
+            log.info("fast path unavailable (%s); using HFRunner", exc)
     return HFRunner(model, max_context=max_context)
