@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_CONTEXT = 4096  # preallocated positions when neither the caller nor a smaller model limit says otherwise
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 TREE_ATTENTION_IMPLS = ("auto", "sdpa", "kernel")
+# per-head rotary tables [S, Hq+2Hkv, D] are precomputed up to this size (cos + sin together);
+# above it each forward assembles them from the [S, D] tables
+ROPE_HEAD_TABLE_BYTES = 32 << 20
 
 
 def tree_attention(
@@ -157,6 +160,12 @@ class FastLlamaRunner:
         # v heads pass through the rotary step unchanged (cos 1, sin 0: exact)
         self._v_ones = torch.ones(1, self.n_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
         self._v_zeros = torch.zeros(1, self.n_kv_heads, self.head_dim, dtype=self.dtype, device=self.device)
+        heads = self.n_heads + 2 * self.n_kv_heads
+        self._cos_heads: Tensor | None = None  # [S, Hq+2Hkv, D]
+        self._sin_heads: Tensor | None = None  # [S, Hq+2Hkv, D]
+        if 2 * self.max_context * heads * self.head_dim * self._cos.element_size() <= ROPE_HEAD_TABLE_BYTES:
+            self._cos_heads = self._per_head(self._cos.unsqueeze(0))[0]
+            self._sin_heads = self._per_head(self._sin.unsqueeze(0), sin=True)[0]
         self._positions = torch.arange(self.max_context, device=self.device)  # [S]
 
         self.cache = KVCache(
@@ -234,24 +243,27 @@ class FastLlamaRunner:
                 logits = logits.float()
         return RunnerOutput(logits=logits, hidden=hidden if need_hidden else None)
 
+    def _per_head(self, table: Tensor, sin: bool = False) -> Tensor:  # [R, T, D] -> [R, T, Hq+2Hkv, D]
+        """Repeat a rotary table over the q and k heads; v heads get cos 1 / sin 0."""
+        rows, t, _ = table.shape
+        v_part = self._v_zeros if sin else self._v_ones  # [1, Hkv, D]
+        qk = table.unsqueeze(2).expand(rows, t, self.n_heads + self.n_kv_heads, -1)
+        return torch.cat([qk, v_part.expand(rows, t, -1, -1)], dim=2)
+
     def _rotary(self, t: int, position_ids: Tensor | None) -> tuple[Tensor, Tensor]:
         """cos/sin for the q, k and v heads of this forward, each [B or 1, T, Hq + 2Hkv, D]."""
         start = self.cache.length
+        if self._cos_heads is not None:
+            if position_ids is None:
+                return self._cos_heads[start : start + t], self._sin_heads[start : start + t]  # [T, H, D]
+            return self._cos_heads[position_ids], self._sin_heads[position_ids]  # [B, T, H, D]
         if position_ids is None:
             cos = self._cos[start : start + t].unsqueeze(0)  # [1, T, D]
             sin = self._sin[start : start + t].unsqueeze(0)
         else:
             cos = self._cos[position_ids]  # [B, T, D]
             sin = self._sin[position_ids]
-        rows = cos.shape[0]
-        qk_heads = self.n_heads + self.n_kv_heads
-        cos = torch.cat(
-            [cos.unsqueeze(2).expand(rows, t, qk_heads, -1), self._v_ones.expand(rows, t, -1, -1)], dim=2
-        )  # [B|1, T, Hq+2Hkv, D]
-        sin = torch.cat(
-            [sin.unsqueeze(2).expand(rows, t, qk_heads, -1), self._v_zeros.expand(rows, t, -1, -1)], dim=2
-        )
-        return cos, sin
+        return self._per_head(cos), self._per_head(sin, sin=True)
 
     def _mask(self, t: int, tree_mask: Tensor | None) -> tuple[Tensor | None, bool]:
         """The attention mask [T, L + T] bool (or None) and whether SDPA's is_causal applies."""
@@ -272,7 +284,7 @@ class FastLlamaRunner:
         b, t = input_ids.shape  # [B, T]
         hq, hkv, d, e = self.n_heads, self.n_kv_heads, self.head_dim, self.hidden_size
         cache, eps, scale = self.cache, self.eps, self.scale
-        cos, sin = self._rotary(t, position_ids)  # [B|1, T, Hq+2Hkv, D]
+        cos, sin = self._rotary(t, position_ids)  # [B|1, T, Hq+2Hkv, D] or [T, Hq+2Hkv, D]
         mask, causal = self._mask(t, tree_mask)  # [T, L+T] | None
         gqa = hq != hkv
         half = d // 2

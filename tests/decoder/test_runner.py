@@ -19,6 +19,16 @@ ATOL = 1e-4
 RTOL = 1e-4
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matmuls on a shared, busy 2-core machine: OpenMP thread hand-offs cost far more
+    than the arithmetic (15 ms per 32x48 linear measured), so these tests run single-threaded."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def randomize(model, seed: int, std: float = 0.15):
     """Random values for every parameter (norm weights and biases too, so they all matter)."""
     gen = torch.Generator().manual_seed(seed)

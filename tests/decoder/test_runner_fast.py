@@ -10,7 +10,15 @@ import torch
 
 from specops.decoder.fast_llama import FastLlamaRunner
 from specops.decoder.runner import UnsupportedModelError
-from tests.decoder.test_runner import VOCAB, build, close, random_tree, reference, run_scenario
+from tests.decoder.test_runner import (  # noqa: F401  (one_thread: autouse fixture)
+    VOCAB,
+    build,
+    close,
+    one_thread,
+    random_tree,
+    reference,
+    run_scenario,
+)
 
 CONFIGS = {
     "llama-gqa-theta": ("llama", dict(rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
@@ -129,3 +137,15 @@ def test_fast_runner_without_onednn_matches_transformers():
     runner = FastLlamaRunner(model, onednn=False)
     assert runner.onednn is False
     run_scenario(runner, model, seed=41, tree_nodes=6)
+
+
+def test_fast_runner_without_precomputed_head_tables_matches_transformers(monkeypatch):
+    """Models whose per-head rotary tables would be too big assemble them per forward."""
+    import specops.decoder.fast_llama as fast_llama
+
+    monkeypatch.setattr(fast_llama, "ROPE_HEAD_TABLE_BYTES", 0)
+    model_type, overrides = CONFIGS["llama-gqa-theta"]
+    model = build(model_type, seed=43, **overrides)
+    runner = FastLlamaRunner(model)
+    assert runner._cos_heads is None
+    run_scenario(runner, model, seed=47, tree_nodes=6)

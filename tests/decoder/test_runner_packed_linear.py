@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from specops.decoder.packed_linear import PackedLinear, onednn_usable
+from tests.decoder.test_runner import one_thread  # noqa: F401  (autouse fixture)
 
 ONEDNN = onednn_usable(torch.device("cpu"), torch.float32)
 
