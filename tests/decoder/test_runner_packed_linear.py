@@ -47,3 +47,20 @@ def test_fuse_concatenates_outputs_and_fills_missing_bias():
 def test_onednn_is_never_used_off_cpu_or_for_unsupported_dtypes():
     assert not onednn_usable(torch.device("meta"), torch.float32)
     assert not onednn_usable(torch.device("cpu"), torch.float64)
+
+
+@pytest.mark.skipif(not onednn_usable(torch.device("cpu"), torch.bfloat16), reason="no oneDNN bf16")
+@pytest.mark.parametrize("rows", [1, 4])
+def test_packed_linear_bfloat16(rows):
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(40, 24, generator=gen).bfloat16()
+    bias = torch.randn(40, generator=gen).bfloat16()
+    x = torch.randn(rows, 24, generator=gen).bfloat16()
+    residual = torch.randn(rows, 40, generator=gen).bfloat16()
+    layer = PackedLinear(weight, bias, onednn=True)
+    with torch.inference_mode():
+        got, summed = layer(x), layer.add_to(residual, x)
+    want = F.linear(x.float(), weight.float(), bias.float())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=0.1, rtol=0.02)
+    torch.testing.assert_close(summed.float(), residual.float() + want, atol=0.1, rtol=0.02)
