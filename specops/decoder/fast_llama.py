@@ -184,8 +184,13 @@ class FastLlamaRunner:
         limit = model_context_limit(config)
         window = sliding_window(config)
         if max_context is None:
-            candidates = [c for c in (limit, window, DEFAULT_MAX_CONTEXT) if c is not None]
-            return min(candidates)
+            chosen = min(c for c in (limit, window, DEFAULT_MAX_CONTEXT) if c is not None)
+            if limit is not None and chosen < limit:
+                log.info(
+                    "FastLlamaRunner preallocates %d of the model's %d positions%s; pass max_context to change it",
+                    chosen, limit, f" (sliding window {window})" if chosen == window else "",
+                )
+            return chosen
         if not isinstance(max_context, int) or max_context < 1:
             raise ValueError(f"max_context must be a positive int, got {max_context!r}")
         if limit is not None and max_context > limit:

@@ -104,6 +104,14 @@ def test_kernel_tree_attention_call_site_matches_sdpa():
         FastLlamaRunner(model, tree_attention="flash")
 
 
+def test_default_context_is_capped_for_long_context_models():
+    from specops.decoder.fast_llama import DEFAULT_MAX_CONTEXT
+
+    model = build("llama", max_position_embeddings=4 * DEFAULT_MAX_CONTEXT)
+    assert FastLlamaRunner(model).max_context == DEFAULT_MAX_CONTEXT
+    assert FastLlamaRunner(model, max_context=DEFAULT_MAX_CONTEXT + 8).max_context == DEFAULT_MAX_CONTEXT + 8
+
+
 def test_fast_runner_rejects_what_it_cannot_run_exactly():
     with pytest.raises(UnsupportedModelError, match="runs llama, mistral, qwen2"):
         FastLlamaRunner(build("gpt2"))
