@@ -278,6 +278,19 @@ def test_compact_edge_cases_keep_the_cache_consistent(small_runner):
     close(out.logits[0], reference(model, seq)[-2:], "after compacting to nothing")
 
 
+def test_truncate_to_zero_and_reset_start_over(small_runner):
+    model = small_runner.model
+    small_runner.forward(torch.tensor([[5, 6, 7, 8]]))
+    small_runner.truncate(0)
+    assert small_runner.cache_len == 0
+    out = small_runner.forward(torch.tensor([[9, 10, 11]]))
+    close(out.logits[0], reference(model, [9, 10, 11]), "after truncate(0)")
+    small_runner.reset()
+    assert small_runner.cache_len == 0
+    out = small_runner.forward(torch.tensor([[12, 13]]))
+    close(out.logits[0], reference(model, [12, 13]), "after reset()")
+
+
 def test_forward_beyond_max_context_is_rejected(small_runner):
     small_runner.forward(torch.zeros(1, 10, dtype=torch.long))
     with pytest.raises(ValueError, match="exceeds max_context 16"):
