@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from specops.decoder.hf_runner import HFRunner
 from specops.decoder.kv_cache import KVCache
@@ -360,3 +362,62 @@ def test_kv_cache_compact_moves_rows_in_every_layer():
     assert cache.length == 1
     with pytest.raises(ValueError, match="truncate length"):
         cache.truncate(2)
+
+
+# --------------------------------------------------------------------------- random op sequences
+
+_MODELS: dict[str, object] = {}
+
+
+def _model(name: str):
+    if name not in _MODELS:
+        _MODELS[name] = build("llama", seed=51) if name == "llama" else build("gpt2", seed=53)
+    return _MODELS[name]
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), impl=st.sampled_from(["fast-llama", "hf-gpt2"]))
+def test_random_operation_sequences_match_transformers(data, impl):
+    """Any interleaving of steps, rollbacks and tree forwards with compaction leaves the cache
+    equal to a plain forward over the tokens it should hold."""
+    model = _model("llama" if impl == "fast-llama" else "gpt2")
+    runner = load_runner(model, max_context=40, impl="fast" if impl == "fast-llama" else "hf")
+    seq: list[int] = []
+    token = st.integers(0, VOCAB - 1)
+    for _ in range(data.draw(st.integers(1, 6), label="ops")):
+        room = runner.max_context - len(seq)
+        op = data.draw(st.sampled_from(["step", "truncate", "tree"]) if seq else st.just("step"), label="op")
+        if op == "truncate":
+            keep = data.draw(st.integers(0, len(seq)), label="truncate to")
+            runner.truncate(keep)
+            seq = seq[:keep]
+        elif op == "step" and room > 0:
+            new = data.draw(st.lists(token, min_size=1, max_size=min(5, room)), label="tokens")
+            out = runner.forward(torch.tensor([new]))
+            seq += new
+            close(out.logits[0], reference(model, seq)[-len(new):], f"step of {len(new)}")
+        elif op == "tree" and room > 0:
+            n = data.draw(st.integers(1, min(6, room)), label="nodes")
+            parents = [-1] + [data.draw(st.integers(-1, i - 1), label="parent") for i in range(1, n)]
+            mask = torch.zeros(n, n, dtype=torch.bool)
+            depth = []
+            for i in range(n):
+                j, d = i, 0
+                while j >= 0:
+                    mask[i, j] = True
+                    j, d = parents[j], d + 1
+                depth.append(d - 1)
+            nodes = data.draw(st.lists(token, min_size=n, max_size=n), label="node tokens")
+            prefix = len(seq)
+            out = runner.forward(
+                torch.tensor([nodes]), position_ids=torch.tensor([[prefix + d for d in depth]]), tree_mask=mask
+            )
+            target = data.draw(st.integers(0, n - 1), label="accepted node")
+            path = path_to(target, parents)
+            close(out.logits[0, target], reference(model, seq + [nodes[j] for j in path])[-1], "tree node")
+            runner.compact(prefix, torch.tensor(path))
+            seq += [nodes[j] for j in path]
+        assert runner.cache_len == len(seq)
+    if seq and len(seq) < runner.max_context:
+        out = runner.forward(torch.tensor([[1]]))
+        close(out.logits[0, -1], reference(model, seq + [1])[-1], "final step")
