@@ -30,6 +30,16 @@ CONFIGS = {
             rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
         ),
     ),
+    "llama-llama3-rope": (
+        "llama",
+        dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 16, "rope_theta": 10000.0}),
+    ),
+    "qwen2-yarn-rope": (
+        "qwen2",
+        dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                              "rope_theta": 10000.0}),
+    ),
     "mistral-mqa": ("mistral", dict(num_key_value_heads=1, sliding_window=None)),
     "qwen2-gqa-bias": ("qwen2", dict(num_attention_heads=8, num_key_value_heads=2, hidden_size=64)),
 }
