@@ -75,15 +75,17 @@ def build(model_type: str, seed: int = 0, **overrides):
 
 @torch.no_grad()
 def reference(model, tokens: list[int]) -> torch.Tensor:  # -> [len(tokens), V]
-    return model(torch.tensor([tokens])).logits[0].float()
+    return model(torch.tensor([tokens], device=model.device)).logits[0].float().cpu()
 
 
 @torch.no_grad()
 def reference_hidden(model, tokens: list[int]) -> torch.Tensor:  # -> [len(tokens), E]
-    return model(torch.tensor([tokens]), output_hidden_states=True).hidden_states[-1][0].float()
+    ids = torch.tensor([tokens], device=model.device)
+    return model(ids, output_hidden_states=True).hidden_states[-1][0].float().cpu()
 
 
 def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    got, want = got.float().cpu(), want.float().cpu()
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     err = (got - want).abs().max().item()
     assert torch.allclose(got, want, atol=ATOL, rtol=RTOL), f"{what}: max abs error {err:.3g}"

@@ -167,3 +167,16 @@ def test_fast_runner_without_precomputed_head_tables_matches_transformers(monkey
     runner = FastLlamaRunner(model)
     assert runner._cos_heads is None
     run_scenario(runner, model, seed=47, tree_nodes=6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("impl", ["fast", "hf"])
+def test_runners_on_cuda_match_transformers(impl):
+    """On a GPU the fast path's tree forwards go through the Triton tree-attention kernel."""
+    from specops.decoder.runner import load_runner
+
+    model_type, overrides = CONFIGS["qwen2-gqa-bias"]
+    model = build(model_type, seed=59, **overrides).cuda()
+    runner = load_runner(model, impl=impl)
+    assert runner.device.type == "cuda"
+    run_scenario(runner, model, seed=61, tree_nodes=8)
