@@ -54,7 +54,8 @@ class HFRunner:
             raise ValueError(f"max_context {max_context} exceeds the model's {limit} positions")
         self.model = model.eval()
         self.config = config
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        head = model.get_output_embeddings()
+        self.vocab_size = int(head.weight.shape[0]) if head is not None else int(config.vocab_size)  # logits' V
         self.max_context = max_context
         first = next(model.parameters())
         self.device = first.device
