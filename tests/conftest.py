@@ -7,6 +7,16 @@ import pytest
 from tests.services import start_redis
 
 
+def pytest_configure(config):
+    # Tiny test models on a small shared CPU: torch's thread pool hand-offs cost more than
+    # they save (one 32x48 linear took 15 ms with 2 threads under load), so tests use one.
+    try:
+        import torch
+    except ImportError:  # the light (controller-only) install has no torch
+        return
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def redis_service(tmp_path_factory):
     svc = start_redis(tmp_path_factory.mktemp("redis"))
