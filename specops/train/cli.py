@@ -17,7 +17,7 @@ def _setup_logging(verbose: bool) -> None:
 @click.command("tiny")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Output folder (default: the package's specops/assets).")
-@click.option("--minutes", type=float, default=24.0, show_default=True,
+@click.option("--minutes", type=float, default=26.0, show_default=True,
               help="Wall-clock budget for target training + draft distillation together.")
 @click.option("--target-steps", type=int, default=None,
               help="Fixed target step count (instead of the --minutes budget; exact reproduction).")

@@ -1,0 +1,319 @@
+"""``specops bench decode``: every decoding method on the same prompts, in one process.
+
+Protocol (mission.md, "Evaluating speed honestly"): one process, same prompts, same
+models; every method is warmed up first; then ``repeats`` rounds, each running every
+method over all prompts (methods interleaved per round so drifting machine load hits
+them alike). Per method: ``tokens_per_s`` (median over rounds of new tokens / seconds
+over all prompts), ``speedup`` (vs ``hf-greedy``), ``acceptance_rate`` (accepted /
+drafted), ``mean_accepted_len`` (new tokens per target forward), ``exact_match``
+(greedy outputs identical to ``hf-greedy`` on every greedy prompt).
+
+In bfloat16, verifying k tokens in one forward rounds differently from k single-token
+forwards, so outputs may legitimately diverge from bf16 greedy; `divergences` then
+records where, with the target's top-2 logit gap at that position (a near-tie is the
+expected cause), instead of claiming exactness.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from specops.bench.peers import ALL_METHODS, HF_METHODS, BenchMethod, DecoderMethod, HFMethod, MethodRun
+from specops.bench.suites import SUITES, BenchPrompt, builtin_suite, load_prompts_file
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+REFERENCE = "hf-greedy"
+WARMUP_TOKENS = 16
+
+
+class BenchError(ValueError):
+    """Raised for an invalid benchmark configuration."""
+
+
+@dataclass
+class BenchConfig:
+    """One ``specops bench decode`` run."""
+
+    suite: str = "code"
+    methods: list[str] = field(default_factory=lambda: ["hf-greedy", "hf-assisted", "hf-lookup", "ar", "draft", "ngram"])
+    max_new_tokens: int = 128
+    repeats: int = 3
+    model: str | None = None          # target folder; None = bundled
+    draft: str | None = None          # draft folder; None = bundled draft (with the bundled target)
+    medusa: str | None = None         # Medusa heads folder; None = bundled heads when present
+    prompts_file: str | None = None   # replaces the suite
+    gamma: int = 4
+    schedule: str = "constant"
+    dtype: str = "float32"
+    seed: int = 0
+    threads: int = 2
+    limit: int | None = None          # use only the first N prompts
+    progress: bool = True
+
+    def validate(self) -> None:
+        if self.suite not in SUITES:
+            raise BenchError(f"unknown suite {self.suite!r}; choose one of {', '.join(SUITES)}")
+        unknown = [m for m in self.methods if m not in ALL_METHODS]
+        if unknown:
+            raise BenchError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(ALL_METHODS)}")
+        if not self.methods:
+            raise BenchError("no methods given")
+        if len(set(self.methods)) != len(self.methods):
+            raise BenchError("a method is listed twice")
+        if self.dtype not in DTYPES:
+            raise BenchError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name in ("max_new_tokens", "repeats", "gamma", "threads"):
+            if getattr(self, name) < 1:
+                raise BenchError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.limit is not None and self.limit < 1:
+            raise BenchError(f"limit must be >= 1, got {self.limit}")
+
+
+@dataclass
+class MethodResult:
+    """One row of the benchmark table (JSON keys are these field names)."""
+
+    method: str
+    tokens_per_s: float
+    speedup: float | None
+    acceptance_rate: float | None
+    mean_accepted_len: float
+    exact_match: bool | None          # None: no greedy prompt, or no hf-greedy reference
+    exact_prompts: str                # "k/n" greedy prompts identical to hf-greedy
+    new_tokens: int
+    tokens_per_s_runs: list[float]
+    acceptance_by_pos: list[float]    # index = draft position (our speculative methods)
+    by_kind: dict[str, dict]
+
+
+@dataclass
+class Models:
+    """What the benchmark decodes with."""
+
+    target: object
+    draft: object | None
+    medusa: object | None
+    tokenizer: object
+    eos_token_id: int | None
+    max_context: int
+
+
+def load_models(cfg: BenchConfig) -> Models:
+    """Load target / draft / (Medusa heads) / tokenizer; default: the bundled pair."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specops.assets import DRAFT_DIR, MEDUSA_DIR, TARGET_DIR, TOKENIZER_DIR
+
+    dtype = DTYPES[cfg.dtype]
+    target_path = Path(cfg.model) if cfg.model else TARGET_DIR
+    draft_path = Path(cfg.draft) if cfg.draft else (DRAFT_DIR if cfg.model is None else None)
+    tokenizer_path = target_path if cfg.model else TOKENIZER_DIR
+    if not (target_path / "config.json").is_file():
+        raise BenchError(f"no model at {target_path} (config.json missing)" +
+                         ("; run `specops train tiny`" if cfg.model is None else ""))
+    target = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype).eval()
+    needs_draft = any(m in ("draft", "hf-assisted") for m in cfg.methods)
+    draft = None
+    if needs_draft:
+        if draft_path is None:
+            raise BenchError("methods draft / hf-assisted need --draft PATH with a custom --model")
+        draft = AutoModelForCausalLM.from_pretrained(str(draft_path), dtype=dtype).eval()
+    medusa = None
+    if "medusa" in cfg.methods:
+        from specops.decoder import MedusaHeads
+
+        medusa_path = Path(cfg.medusa) if cfg.medusa else MEDUSA_DIR
+        if not medusa_path.exists():
+            raise BenchError(f"method medusa needs heads: none at {medusa_path} (give --medusa PATH)")
+        medusa = MedusaHeads.from_pretrained(medusa_path, base=target, dtype=dtype, device="cpu")
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
+    eos = tokenizer.eos_token_id
+    max_context = int(getattr(target.config, "max_position_embeddings", 0) or 0) or 1 << 30
+    return Models(target, draft, medusa, tokenizer, eos, max_context)
+
+
+def build_methods(cfg: BenchConfig, models: Models) -> list[BenchMethod]:
+    """The methods to run, in the order given, with ``hf-greedy`` always first (the reference)."""
+    names = [REFERENCE] + [m for m in cfg.methods if m != REFERENCE]
+    ours = [m for m in names if m not in HF_METHODS]
+    decoder = None
+    if ours:
+        from specops.decoder import Decoder
+
+        decoder = Decoder(models.target, draft=models.draft if "draft" in ours else None,
+                          medusa=models.medusa, tokenizer=models.tokenizer)
+    methods: list[BenchMethod] = []
+    for name in names:
+        if name in HF_METHODS:
+            methods.append(HFMethod(name, models.target, draft=models.draft, eos_token_id=models.eos_token_id))
+        else:
+            methods.append(DecoderMethod(name, decoder, gamma=cfg.gamma, schedule=cfg.schedule,
+                                         eos_token_id=models.eos_token_id))
+    return methods
+
+
+def encode_prompts(prompts: Sequence[BenchPrompt], tokenizer, *, max_context: int, max_new_tokens: int) -> list[list[int]]:
+    """Token ids per prompt, keeping the last tokens when prompt + output would not fit."""
+    room = max_context - max_new_tokens - 1
+    if room < 1:
+        raise BenchError(f"max_new_tokens {max_new_tokens} leaves no room for a prompt in a {max_context}-token context")
+    ids = []
+    for p in prompts:
+        tokens = tokenizer.encode(p.text, add_special_tokens=False)
+        if not tokens:
+            raise BenchError(f"prompt encodes to no tokens: {p.text[:40]!r}")
+        ids.append(tokens[-room:])
+    return ids
+
+
+def run_benchmark(cfg: BenchConfig, *, models: Models | None = None,
+                  prompts: Sequence[BenchPrompt] | None = None) -> dict:
+    """Run the benchmark; returns the JSON-ready report (``results``: one row per method)."""
+    cfg.validate()
+    torch.set_num_threads(cfg.threads)
+    models = models or load_models(cfg)
+    if prompts is None:
+        prompts = load_prompts_file(cfg.prompts_file) if cfg.prompts_file else builtin_suite(cfg.suite, seed=cfg.seed)
+    prompts = list(prompts)[: cfg.limit] if cfg.limit else list(prompts)
+    prompt_ids = encode_prompts(prompts, models.tokenizer, max_context=models.max_context,
+                                max_new_tokens=cfg.max_new_tokens)
+    methods = build_methods(cfg, models)
+
+    for method in methods:  # warm-up: first calls pay for lazy init, allocation, calibration
+        method.run(prompt_ids[0], max_new_tokens=min(WARMUP_TOKENS, cfg.max_new_tokens), temperature=0.0,
+                   seed=cfg.seed)
+
+    runs: dict[str, list[list[MethodRun]]] = {m.name: [] for m in methods}   # [repeat][prompt]
+    bar = tqdm(total=cfg.repeats * len(methods) * len(prompts), desc="bench decode", disable=not cfg.progress,
+               dynamic_ncols=True)
+    for repeat in range(cfg.repeats):
+        for method in methods:
+            bar.set_postfix(method=method.name, repeat=repeat + 1)
+            round_runs = []
+            for i, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
+                round_runs.append(method.run(ids, max_new_tokens=cfg.max_new_tokens, temperature=prompt.temperature,
+                                             seed=cfg.seed + 1000 * repeat + i))
+                bar.update(1)
+            runs[method.name].append(round_runs)
+    bar.close()
+
+    results = summarize(runs, prompts)
+    report = {
+        "config": asdict(cfg),
+        "machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": cfg.threads,
+                    "processor": platform.processor() or platform.machine()},
+        "prompts": len(prompts),
+        "prompt_kinds": sorted({p.kind for p in prompts}),
+        "results": [asdict(r) for r in results],
+        "divergences": divergences(runs, prompts, prompt_ids, models.target),
+    }
+    return report
+
+
+def _acceptance(rs: Sequence[MethodRun]) -> float | None:
+    drafted = [r.drafted for r in rs]
+    if any(d is None for d in drafted) or not sum(drafted):
+        return None
+    return sum(r.accepted or 0 for r in rs) / sum(drafted)
+
+
+def summarize(runs: dict[str, list[list[MethodRun]]], prompts: Sequence[BenchPrompt]) -> list[MethodResult]:
+    """Turn raw runs into table rows (see the module docstring for the definitions)."""
+    greedy = [i for i, p in enumerate(prompts) if p.temperature == 0]
+    reference = runs.get(REFERENCE)
+    ref_tps = None
+    results = []
+    for name, rounds in runs.items():
+        tps_runs = [sum(len(r.tokens) for r in rs) / max(sum(r.seconds for r in rs), 1e-9) for rs in rounds]
+        tps = statistics.median(tps_runs)
+        if name == REFERENCE:
+            ref_tps = tps
+        flat = [r for rs in rounds for r in rs]
+        new_tokens = sum(len(r.tokens) for r in flat)
+        exact_match, exact_prompts = None, "0/0"
+        if reference is not None and greedy:
+            same = sum(all(rounds[k][i].tokens == reference[0][i].tokens for k in range(len(rounds))) for i in greedy)
+            exact_match, exact_prompts = same == len(greedy), f"{same}/{len(greedy)}"
+        width = max((len(r.drafted_per_pos) for r in flat), default=0)
+        drafted_pos = [sum(r.drafted_per_pos[j] for r in flat if j < len(r.drafted_per_pos)) for j in range(width)]
+        accepted_pos = [sum(r.accepted_per_pos[j] for r in flat if j < len(r.accepted_per_pos)) for j in range(width)]
+        by_kind = {}
+        for kind in sorted({p.kind for p in prompts}):
+            idx = [i for i, p in enumerate(prompts) if p.kind == kind]
+            rs = [rounds[k][i] for k in range(len(rounds)) for i in idx]
+            by_kind[kind] = {
+                "tokens_per_s": round(sum(len(r.tokens) for r in rs) / max(sum(r.seconds for r in rs), 1e-9), 2),
+                "acceptance_rate": _round(_acceptance(rs)),
+                "mean_accepted_len": round(sum(len(r.tokens) for r in rs) / max(1, sum(r.target_forwards for r in rs)), 3),
+            }
+        results.append(MethodResult(
+            method=name, tokens_per_s=round(tps, 2), speedup=None, acceptance_rate=_round(_acceptance(flat)),
+            mean_accepted_len=round(new_tokens / max(1, sum(r.target_forwards for r in flat)), 3),
+            exact_match=exact_match, exact_prompts=exact_prompts, new_tokens=new_tokens,
+            tokens_per_s_runs=[round(t, 2) for t in tps_runs],
+            acceptance_by_pos=[round(a / d, 4) if d else 0.0 for a, d in zip(accepted_pos, drafted_pos)],
+            by_kind=by_kind,
+        ))
+    for r in results:
+        r.speedup = round(r.tokens_per_s / ref_tps, 3) if ref_tps else None
+    return results
+
+
+def _round(x: float | None, n: int = 4) -> float | None:
+    return None if x is None else round(x, n)
+
+
+@torch.no_grad()
+def divergences(runs: dict[str, list[list[MethodRun]]], prompts: Sequence[BenchPrompt],
+                prompt_ids: Sequence[Sequence[int]], target) -> list[dict]:
+    """Where each method's greedy output first differs from ``hf-greedy`` (first round),
+    with the target's top-2 logit gap at that position (computed by one full forward
+    over the prompt + the shared prefix, in the target's dtype)."""
+    reference = runs.get(REFERENCE)
+    if reference is None:
+        return []
+    found = []
+    for name, rounds in runs.items():
+        if name == REFERENCE:
+            continue
+        for i, prompt in enumerate(prompts):
+            if prompt.temperature != 0:
+                continue
+            ours, ref = rounds[0][i].tokens, reference[0][i].tokens
+            pos = next((j for j, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
+            if pos is None:
+                if len(ours) == len(ref):
+                    continue
+                pos = min(len(ours), len(ref))
+            ids = torch.tensor([list(prompt_ids[i]) + ref[:pos]], dtype=torch.long, device=target.device)  # [1, P+pos]
+            logits = target(input_ids=ids, use_cache=False).logits[0, -1].float()  # [V]
+            top = torch.topk(logits, 2).values
+            found.append({"method": name, "prompt": i, "position": pos, "top2_gap": round(float(top[0] - top[1]), 5),
+                          "ours": ours[pos] if pos < len(ours) else None, "reference": ref[pos] if pos < len(ref) else None})
+    return found
+
+
+def format_table(report: dict) -> str:
+    """A fixed-width text table of the report's results."""
+    head = f"{'method':<12} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'tok/fwd':>8} {'exact':>7}"
+    lines = [head, "-" * len(head)]
+    for r in report["results"]:
+        acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.3f}"
+        spd = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        exact = "-" if r["exact_match"] is None else ("yes" if r["exact_match"] else f"{r['exact_prompts']}")
+        lines.append(f"{r['method']:<12} {r['tokens_per_s']:>8.1f} {spd:>8} {acc:>7} {r['mean_accepted_len']:>8.2f} {exact:>7}")
+    div = report.get("divergences") or []
+    if div:
+        gaps = sorted(d["top2_gap"] for d in div)
+        lines.append(f"divergences from hf-greedy: {len(div)} (median top-2 logit gap {statistics.median(gaps):.4f})")
+    return "\n".join(lines)

@@ -1,0 +1,145 @@
+"""The methods a benchmark compares: transformers' own decoding (the peers) and ours.
+
+Every method is a `BenchMethod`: ``run(prompt_ids, prompt) -> MethodRun``. Peers:
+
+* ``hf-greedy``   — ``model.generate(do_sample=False)`` (sampling prompts: ``do_sample=True``);
+* ``hf-assisted`` — ``generate(assistant_model=draft)`` with transformers' defaults;
+* ``hf-lookup``   — ``generate(prompt_lookup_num_tokens=...)`` (prompt-lookup drafting).
+
+transformers does not report acceptance, so the peers count forward calls with hooks:
+each target forward emits the accepted tokens plus one of its own, so
+``accepted = new_tokens - target_forwards``; for ``hf-assisted`` every assistant
+forward proposes one token, so ``drafted = assistant_forwards`` (an approximation that
+includes the assistant's prompt prefill). ``hf-lookup`` drafts without forwards, so
+its acceptance rate is unknown (None); its mean accepted length is still measured.
+
+Ours (``ar``, ``draft``, ``ngram``, ``medusa``) run through `specops.decoder.Decoder`
+and report the decoder's own exact counters.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import torch
+
+HF_METHODS = ("hf-greedy", "hf-assisted", "hf-lookup")
+OUR_METHODS = ("ar", "draft", "ngram", "medusa")
+ALL_METHODS = HF_METHODS + OUR_METHODS
+LOOKUP_TOKENS = 10  # transformers' documented example value for prompt_lookup_num_tokens
+
+
+@dataclass
+class MethodRun:
+    """One method on one prompt."""
+
+    tokens: list[int]
+    seconds: float
+    target_forwards: int
+    drafted: int | None = None            # None: the method does not expose it
+    accepted: int | None = None
+    accepted_per_pos: list[int] = field(default_factory=list)
+    drafted_per_pos: list[int] = field(default_factory=list)
+
+
+class BenchMethod(Protocol):
+    name: str
+
+    def run(self, prompt_ids: Sequence[int], *, max_new_tokens: int, temperature: float,
+            seed: int) -> MethodRun: ...
+
+
+class ForwardCounter:
+    """Counts calls of a module's forward with a pre-hook (removable)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.count = 0
+        self._handle = module.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args) -> None:
+        self.count += 1
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+class HFMethod:
+    """transformers ``generate`` in one of its modes (see the module docstring)."""
+
+    def __init__(self, name: str, model, *, draft=None, eos_token_id: int | None = None,
+                 pad_token_id: int | None = None):
+        if name not in HF_METHODS:
+            raise ValueError(f"unknown transformers method {name!r}; choose one of {', '.join(HF_METHODS)}")
+        if name == "hf-assisted" and draft is None:
+            raise ValueError("hf-assisted needs a draft model")
+        self.name = name
+        self.model = model
+        self.draft = draft
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
+
+    def run(self, prompt_ids: Sequence[int], *, max_new_tokens: int, temperature: float, seed: int) -> MethodRun:
+        ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.model.device)  # [1, P]
+        kwargs: dict = dict(attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                            eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id)
+        if temperature > 0:
+            kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+        else:
+            kwargs.update(do_sample=False)
+        if self.name == "hf-assisted":
+            kwargs["assistant_model"] = self.draft
+        elif self.name == "hf-lookup":
+            kwargs["prompt_lookup_num_tokens"] = LOOKUP_TOKENS
+        target_counter = ForwardCounter(self.model)
+        draft_counter = ForwardCounter(self.draft) if self.name == "hf-assisted" else None
+        try:
+            torch.manual_seed(seed)
+            start = time.perf_counter()
+            with torch.inference_mode():
+                out = self.model.generate(ids, **kwargs)  # [1, P + N]
+            seconds = time.perf_counter() - start
+        finally:
+            target_counter.remove()
+            if draft_counter is not None:
+                draft_counter.remove()
+        tokens = out[0, ids.shape[1]:].tolist()
+        run = MethodRun(tokens=tokens, seconds=seconds, target_forwards=target_counter.count)
+        if self.name != "hf-greedy":
+            run.accepted = max(0, len(tokens) - target_counter.count)
+        if draft_counter is not None:
+            run.drafted = draft_counter.count
+        elif self.name == "hf-greedy":
+            run.drafted = run.accepted = None
+        return run
+
+
+class DecoderMethod:
+    """One of our methods through `specops.decoder.Decoder.generate`."""
+
+    def __init__(self, name: str, decoder, *, gamma: int = 4, schedule: str = "constant",
+                 eos_token_id: int | None = None, **options):
+        if name not in OUR_METHODS:
+            raise ValueError(f"unknown specops method {name!r}; choose one of {', '.join(OUR_METHODS)}")
+        self.name = name
+        self.decoder = decoder
+        self.gamma = gamma
+        self.schedule = schedule
+        self.eos_token_id = eos_token_id
+        self.options = options
+
+    def run(self, prompt_ids: Sequence[int], *, max_new_tokens: int, temperature: float, seed: int) -> MethodRun:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = self.decoder.generate(list(prompt_ids), method=self.name, gamma=self.gamma, schedule=self.schedule,
+                                        max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                        eos_token_id=self.eos_token_id, **self.options)
+        seconds = time.perf_counter() - start
+        s = out.stats
+        speculative = self.name != "ar"
+        return MethodRun(
+            tokens=list(out.tokens), seconds=seconds, target_forwards=s.target_forwards,
+            drafted=s.drafted if speculative else None, accepted=s.accepted if speculative else None,
+            accepted_per_pos=list(s.accepted_per_pos), drafted_per_pos=list(getattr(s, "drafted_per_pos", [])),
+        )

@@ -1,0 +1,124 @@
+"""Benchmark prompt suites: code, docstring prose, and a mixed set with hot sampling.
+
+All built-in prompts come from the stdlib's held-out ``test/`` files (never seen in
+training), chosen deterministically from a seed:
+
+* ``code``  — 20 runs of whole source lines (`specops.train.data.code_prompts`);
+* ``prose`` — docstrings: the opening of a long docstring, to be continued;
+* ``mixed`` — code + prose at temperature 0, plus a high-temperature (1.0) set.
+
+``--prompts FILE`` replaces them: JSONL with a ``prompt`` field (optional
+``temperature`` and ``kind``) or plain text with one prompt per line.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+SUITES = ("code", "prose", "mixed")
+HOT_TEMPERATURE = 1.0
+
+
+class SuiteError(ValueError):
+    """Raised for an unknown suite or an unusable prompts file."""
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    """One benchmark prompt."""
+
+    text: str
+    kind: str = "custom"          # code | prose | hot | custom
+    temperature: float = 0.0      # 0 = greedy (exactness is checked only for these)
+
+
+def docstring_prompts(files: Sequence[Path], *, count: int = 10, min_chars: int = 160, max_chars: int = 400,
+                      seed: int = 0) -> list[str]:
+    """Openings of long docstrings from ``files``: the source line that opens the
+    docstring plus the first half (at most ``max_chars``) of its text."""
+    rng = random.Random(seed)
+    candidates = sorted(files)
+    rng.shuffle(candidates)
+    found: list[str] = []
+    for path in candidates:
+        source = Path(path).read_text(encoding="utf-8", errors="replace")
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Module)):
+                continue
+            doc = ast.get_docstring(node, clean=False)
+            if not doc or len(doc) < min_chars or not node.body:
+                continue
+            first = node.body[0]
+            lines = source.splitlines(keepends=True)
+            opening = lines[first.lineno - 1]
+            quote = opening.find('"""') if '"""' in opening else opening.find("'''")
+            if quote < 0:
+                continue
+            cut = min(max_chars, len(doc) // 2)
+            cut = doc.rfind(" ", 0, cut) if " " in doc[:cut] else cut
+            found.append(opening[: quote + 3] + doc[:cut])
+            break  # one docstring per file keeps the set varied
+        if len(found) == count:
+            break
+    if len(found) < count:
+        raise SuiteError(f"only {len(found)} docstring prompts found, {count} requested")
+    return found
+
+
+def builtin_suite(name: str, *, seed: int = 0, code_count: int = 20, prose_count: int = 10,
+                  hot_count: int = 6) -> list[BenchPrompt]:
+    """The built-in suite ``name`` (one of `SUITES`)."""
+    from specops.train.data import code_prompts, split_stdlib
+
+    if name not in SUITES:
+        raise SuiteError(f"unknown suite {name!r}; choose one of {', '.join(SUITES)}")
+    files = split_stdlib().heldout_files
+    if not files:
+        raise SuiteError("no held-out stdlib test files found (the stdlib test/ folder is missing)")
+    if name == "code":
+        return [BenchPrompt(t, "code") for t in code_prompts(files, count=code_count, seed=seed)]
+    if name == "prose":
+        return [BenchPrompt(t, "prose") for t in docstring_prompts(files, count=prose_count, seed=seed)]
+    code = code_prompts(files, count=code_count // 2 + hot_count, seed=seed)
+    prompts = [BenchPrompt(t, "code") for t in code[: code_count // 2]]
+    prompts += [BenchPrompt(t, "prose") for t in docstring_prompts(files, count=prose_count // 2 + 1, seed=seed)]
+    prompts += [BenchPrompt(t, "hot", HOT_TEMPERATURE) for t in code[code_count // 2:]]
+    return prompts
+
+
+def load_prompts_file(path: str | Path) -> list[BenchPrompt]:
+    """Prompts from a ``.jsonl`` file (``prompt`` field, optional ``temperature``,
+    ``kind``) or a text file (one prompt per line, blank lines skipped)."""
+    path = Path(path)
+    if not path.is_file():
+        raise SuiteError(f"prompts file not found: {path}")
+    lines = path.read_text(encoding="utf-8").splitlines()
+    prompts: list[BenchPrompt] = []
+    if path.suffix == ".jsonl":
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise SuiteError(f"{path}:{number}: invalid JSON: {exc.msg}") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
+                raise SuiteError(f"{path}:{number}: each line needs a non-empty string field 'prompt'")
+            temperature = row.get("temperature", 0.0)
+            if not isinstance(temperature, (int, float)) or temperature < 0:
+                raise SuiteError(f"{path}:{number}: temperature must be a number >= 0, got {temperature!r}")
+            prompts.append(BenchPrompt(row["prompt"], str(row.get("kind", "custom")), float(temperature)))
+    else:
+        prompts = [BenchPrompt(line, "custom") for line in lines if line.strip()]
+    if not prompts:
+        raise SuiteError(f"no prompts in {path}")
+    return prompts

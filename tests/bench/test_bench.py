@@ -1,0 +1,100 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specops.bench.decode import BenchConfig, BenchError, Models, format_table, run_benchmark, summarize
+from specops.bench.peers import MethodRun
+from specops.bench.suites import BenchPrompt, SuiteError, load_prompts_file
+from tests.train.tiny_assets import tiny_llama, tiny_tokenizer
+
+KEYS = {"method", "tokens_per_s", "speedup", "acceptance_rate", "mean_accepted_len", "exact_match"}
+GREEDY_METHODS = ["hf-greedy", "hf-assisted", "hf-lookup", "ar", "draft", "ngram"]
+
+
+@pytest.fixture(scope="module")
+def tiny_models():
+    tok = tiny_tokenizer()
+    target = tiny_llama(len(tok), layers=2, seed=0)
+    draft = tiny_llama(len(tok), layers=1, seed=1)
+    return Models(target=target, draft=draft, medusa=None, tokenizer=tok, eos_token_id=None, max_context=256)
+
+
+PROMPTS = [
+    BenchPrompt("def add(a, b):\n    return", "code"),
+    BenchPrompt("class Point:\n    def __init__(self, x, y):\n", "code"),
+    BenchPrompt("for i in range(10):\n    print(i * i)\nfor i in range(10):\n", "code"),
+    BenchPrompt('def greet(name):\n    """Say hello', "prose"),
+]
+
+
+def test_harness_reports_every_key_and_greedy_methods_are_exact(tiny_models):
+    cfg = BenchConfig(methods=GREEDY_METHODS, max_new_tokens=12, repeats=2, progress=False)
+    report = run_benchmark(cfg, models=tiny_models, prompts=PROMPTS)
+    rows = {r["method"]: r for r in report["results"]}
+    assert list(rows) == GREEDY_METHODS
+    for row in rows.values():
+        assert KEYS <= set(row)
+        assert row["tokens_per_s"] > 0 and len(row["tokens_per_s_runs"]) == 2
+        assert row["exact_match"] is True, (row["method"], row["exact_prompts"])
+        assert row["new_tokens"] == 2 * len(PROMPTS) * 12  # no EOS: every method emits max_new_tokens
+    assert rows["hf-greedy"]["speedup"] == 1.0 and rows["hf-greedy"]["mean_accepted_len"] == 1.0
+    assert rows["hf-greedy"]["acceptance_rate"] is None and rows["ar"]["acceptance_rate"] is None
+    for name in ("draft", "ngram", "hf-assisted"):
+        assert 0.0 <= rows[name]["acceptance_rate"] <= 1.0
+    assert len(rows["draft"]["acceptance_by_pos"]) == cfg.gamma
+    assert report["divergences"] == []
+    assert set(rows["draft"]["by_kind"]) == {"code", "prose"}
+    json.dumps(report)  # JSON-ready
+    table = format_table(report)
+    assert all(name in table for name in GREEDY_METHODS)
+
+
+def test_sampling_prompts_are_left_out_of_exactness(tiny_models):
+    prompts = [BenchPrompt("def add(a, b):\n", "code"), BenchPrompt("import os\n", "hot", temperature=1.0)]
+    cfg = BenchConfig(methods=["hf-greedy", "draft"], max_new_tokens=8, repeats=1, progress=False)
+    report = run_benchmark(cfg, models=tiny_models, prompts=prompts)
+    for row in report["results"]:
+        assert row["exact_prompts"] == "1/1"
+
+
+def test_summary_flags_a_mismatch_and_computes_speedup():
+    prompts = [BenchPrompt("a"), BenchPrompt("b")]
+    ref = [[MethodRun([1, 2, 3], 1.0, 3), MethodRun([4, 5], 1.0, 2)]]
+    fast = [[MethodRun([1, 2, 3], 0.5, 1, drafted=4, accepted=2, accepted_per_pos=[1, 1], drafted_per_pos=[2, 2]),
+             MethodRun([4, 6], 0.5, 1, drafted=2, accepted=1, accepted_per_pos=[1], drafted_per_pos=[1, 1])]]
+    rows = {r.method: r for r in summarize({"hf-greedy": ref, "draft": fast}, prompts)}
+    assert rows["hf-greedy"].speedup == 1.0 and rows["hf-greedy"].exact_match is True
+    assert rows["draft"].speedup == pytest.approx(2.0)
+    assert rows["draft"].exact_match is False and rows["draft"].exact_prompts == "1/2"
+    assert rows["draft"].acceptance_rate == pytest.approx(3 / 6)
+    assert rows["draft"].mean_accepted_len == pytest.approx(5 / 2)
+    assert rows["draft"].acceptance_by_pos == pytest.approx([2 / 3, 1 / 3], abs=1e-4)
+
+
+def test_bad_config_is_rejected():
+    with pytest.raises(BenchError, match="unknown method"):
+        BenchConfig(methods=["hf-greedy", "warp"]).validate()
+    with pytest.raises(BenchError, match="suite"):
+        BenchConfig(suite="poetry").validate()
+    with pytest.raises(BenchError, match="repeats"):
+        BenchConfig(repeats=0).validate()
+    with pytest.raises(BenchError, match="dtype"):
+        BenchConfig(dtype="float8").validate()
+
+
+def test_prompts_file_formats(tmp_path):
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text('{"prompt": "def f():", "temperature": 0.7, "kind": "code"}\n\n{"prompt": "Once upon"}\n')
+    prompts = load_prompts_file(jsonl)
+    assert prompts == [BenchPrompt("def f():", "code", 0.7), BenchPrompt("Once upon", "custom", 0.0)]
+    txt = tmp_path / "p.txt"
+    txt.write_text("first prompt\n\nsecond prompt\n")
+    assert [p.text for p in load_prompts_file(txt)] == ["first prompt", "second prompt"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt field"}\n')
+    with pytest.raises(SuiteError, match="bad.jsonl:1"):
+        load_prompts_file(bad)
+    with pytest.raises(SuiteError, match="not found"):
+        load_prompts_file(tmp_path / "missing.txt")
