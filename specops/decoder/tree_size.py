@@ -62,12 +62,12 @@ class VerifyCostCurve:
 
 
 def measure_verify_cost(runner, *, sizes: Sequence[int] = DEFAULT_SIZES, prefix_len: int = 64,
-                        repeats: int = 5, vocab_high: int | None = None, seed: int = 0) -> VerifyCostCurve:
+                        repeats: int = 7, vocab_high: int | None = None, seed: int = 0) -> VerifyCostCurve:
     """Time ``runner.forward`` over T chain-shaped tree positions after a ``prefix_len`` prefix.
 
-    Each size keeps the fastest of ``repeats`` runs (the least disturbed by other work
-    on the machine), and the curve is made non-decreasing. Leaves the runner's cache
-    empty (it resets before and after).
+    Sizes are timed round-robin and each keeps the fastest of ``repeats`` runs (the
+    least disturbed by other work on the machine); the curve is made non-decreasing.
+    Leaves the runner's cache empty (it resets before and after).
     """
     sizes = sorted(set(int(s) for s in sizes) | {1})
     prefix_len = max(1, min(prefix_len, runner.max_context - sizes[-1]))
@@ -78,20 +78,22 @@ def measure_verify_cost(runner, *, sizes: Sequence[int] = DEFAULT_SIZES, prefix_
     runner.reset(1)
     prefix = torch.randint(0, high, (1, prefix_len), generator=gen).to(runner.device)  # [1, L]
     runner.forward(prefix)
-    timings: list[float] = []
+    inputs = []
     for n in sizes:
         ids = torch.randint(0, high, (1, n), generator=gen).to(runner.device)  # [1, n]
         mask = torch.ones(n, n, dtype=torch.bool, device=runner.device).tril()  # [n, n]
         positions = (prefix_len + torch.arange(n, device=runner.device))[None]  # [1, n]
-        samples = []
-        for rep in range(repeats + 1):
+        inputs.append((ids, mask, positions))
+    best = [float("inf")] * len(sizes)
+    for rep in range(repeats + 1):  # sizes interleaved, so drifting load hits all of them alike
+        for i, (ids, mask, positions) in enumerate(inputs):
             start = time.perf_counter()
             runner.forward(ids, position_ids=positions, tree_mask=mask, need_hidden=True)
             elapsed = time.perf_counter() - start
             runner.truncate(prefix_len)
-            if rep:  # the first run warms caches and allocators
-                samples.append(elapsed)
-        timings.append(min(samples))
+            if rep:  # the first round warms caches and allocators
+                best[i] = min(best[i], elapsed)
+    timings = best
     runner.reset(1)
     # A bigger forward never costs less; noise from other processes can make it look so.
     monotone = [max(timings[: i + 1]) for i in range(len(timings))]
