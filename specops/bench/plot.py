@@ -13,6 +13,7 @@ def plot_report(report: dict, path: str | Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     results = report["results"]
     if not results:
@@ -38,6 +39,7 @@ def plot_report(report: dict, path: str | Path) -> Path:
         if acc:
             right.plot(range(1, len(acc) + 1), acc, marker="o", label=r["method"])
             plotted = True
+    right.xaxis.set_major_locator(MaxNLocator(integer=True))
     right.set_xlabel("draft position")
     right.set_ylabel("acceptance rate")
     right.set_ylim(0, 1.05)

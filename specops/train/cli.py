@@ -27,10 +27,12 @@ def _setup_logging(verbose: bool) -> None:
 @click.option("--draft-layers", type=int, default=1, show_default=True)
 @click.option("--bf16/--fp32", "bf16", default=True, show_default=True,
               help="bf16 autocast for training forwards (fp32 master weights); saved weights are fp16.")
+@click.option("--init-target", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="Continue training this target (keeps its tokenizer) instead of starting from scratch.")
 @click.option("--max-files", type=int, default=None, help="Use only the first N training files (smoke runs).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @click.option("-v", "--verbose", is_flag=True, help="Log progress messages.")
-def train_tiny_command(out_dir, minutes, target_steps, draft_steps, seed, threads, draft_layers, bf16, max_files,
+def train_tiny_command(out_dir, minutes, target_steps, draft_steps, seed, threads, draft_layers, bf16, init_target, max_files,
                        quiet, verbose):
     """Train the bundled tokenizer, Llama target and distilled draft from stdlib source."""
     from specops.assets import ASSETS_DIR
@@ -44,7 +46,7 @@ def train_tiny_command(out_dir, minutes, target_steps, draft_steps, seed, thread
     fixed = target_steps is not None
     cfg = TinyConfig(
         out_dir=out_dir or ASSETS_DIR, minutes=None if fixed else minutes, seed=seed, threads=threads,
-        draft_layers=draft_layers, bf16_autocast=bf16, max_files=max_files, progress=not quiet,
+        draft_layers=draft_layers, bf16_autocast=bf16, init_target=init_target, max_files=max_files, progress=not quiet,
         **({"target_steps": target_steps, "draft_steps": draft_steps} if fixed else {}),
     )
     try:

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
-from specops.train.checkpoint import count_parameters, save_fp16
+from specops.train.checkpoint import count_parameters, load_causal_lm, save_fp16
 from specops.train.data import TokenWindows, code_prompts, encode_stream, read_texts, split_stdlib
 from specops.train.distill import distill_draft, make_draft
 from specops.train.evaluate import greedy_acceptance
 from specops.train.target import TargetShape, TrainConfig, build_target_config, heldout_loss, train_target
-from specops.train.tokenizer import save_tokenizer, train_tokenizer
+from specops.train.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ class TinyConfig:
     progress: bool = True
     stdlib: Path | None = None           # default: this interpreter's stdlib
     max_files: int | None = None         # limit training files (tests / smoke runs)
+    init_target: Path | None = None      # continue training this target (and keep its tokenizer)
 
     def validate(self) -> None:
         if self.minutes is not None and self.minutes <= 0:
@@ -75,7 +76,10 @@ def train_tiny(cfg: TinyConfig) -> dict:
     heldout_texts = read_texts(split.heldout_files[::7][:40])
 
     t0 = time.perf_counter()
-    tokenizer = train_tokenizer(train_texts, vocab_size=cfg.vocab_size)
+    if cfg.init_target is not None:
+        tokenizer = load_tokenizer(cfg.init_target)
+    else:
+        tokenizer = train_tokenizer(train_texts, vocab_size=cfg.vocab_size)
     save_tokenizer(tokenizer, out)
     tokenizer_s = time.perf_counter() - t0
     bos, eos, pad = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -83,11 +87,17 @@ def train_tiny(cfg: TinyConfig) -> dict:
     heldout_stream = encode_stream(heldout_texts, tokenizer, eos_id=eos)  # [M]
     log.info("tokens: train %d, held-out %d", train_stream.numel(), heldout_stream.numel())
 
-    config = build_target_config(len(tokenizer), shape=cfg.shape, bos_id=bos, eos_id=eos, pad_id=pad)
     torch.manual_seed(cfg.seed)
-    target = AutoModelForCausalLM.from_config(config).to(torch.float32)
+    if cfg.init_target is not None:
+        target = load_causal_lm(cfg.init_target)
+        if target.config.vocab_size != len(tokenizer):
+            raise ValueError(f"{cfg.init_target}: model vocab {target.config.vocab_size} != tokenizer {len(tokenizer)}")
+    else:
+        config = build_target_config(len(tokenizer), shape=cfg.shape, bos_id=bos, eos_id=eos, pad_id=pad)
+        target = AutoModelForCausalLM.from_config(config).to(torch.float32)
     target_cfg = TrainConfig(
-        steps=cfg.target_steps, batch_size=cfg.batch_size, seq_len=cfg.seq_len, lr=cfg.lr, seed=cfg.seed, bf16_autocast=cfg.bf16_autocast, warmup_fraction=0.1,
+        steps=cfg.target_steps, batch_size=cfg.batch_size, seq_len=cfg.seq_len, lr=cfg.lr, seed=cfg.seed,
+        bf16_autocast=cfg.bf16_autocast, warmup_fraction=0.1,
         minutes=cfg.minutes * cfg.target_share if cfg.minutes else None, progress=cfg.progress,
     )
     target_result = train_target(target, TokenWindows(train_stream, cfg.seq_len, seed=cfg.seed), target_cfg)

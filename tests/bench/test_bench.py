@@ -98,3 +98,16 @@ def test_prompts_file_formats(tmp_path):
         load_prompts_file(bad)
     with pytest.raises(SuiteError, match="not found"):
         load_prompts_file(tmp_path / "missing.txt")
+
+
+def test_plot_writes_a_png(tmp_path):
+    from specops.bench.plot import plot_report
+
+    report = {"config": {"suite": "code"}, "prompts": 2, "results": [
+        {"method": "hf-greedy", "tokens_per_s": 100.0, "speedup": 1.0, "acceptance_by_pos": []},
+        {"method": "draft", "tokens_per_s": 180.0, "speedup": 1.8, "acceptance_by_pos": [0.9, 0.7, 0.5]},
+    ]}
+    path = plot_report(report, tmp_path / "out" / "bench.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="no results"):
+        plot_report({"results": []}, tmp_path / "empty.png")

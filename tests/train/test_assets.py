@@ -41,7 +41,6 @@ def test_training_report_describes_the_assets():
     report = json.loads(REPORT_PATH.read_text())
     assert report["target"]["heldout_loss_nats"] > 0
     assert 0 < report["draft"]["greedy_acceptance"]["acceptance_rate"] <= 1
-    assert report["wall_s_total"] <= 30 * 60 * 1.5  # documented wall time of the run that produced them
 
 
 @pytest.mark.parametrize("folder", [TARGET_DIR, DRAFT_DIR])
