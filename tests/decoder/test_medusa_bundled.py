@@ -1,0 +1,56 @@
+"""The shipped Medusa heads on the bundled target: exact greedy output and real acceptance."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from specops.assets import MEDUSA_DIR, TARGET_DIR, assets_size_bytes
+from specops.decoder import Decoder
+from specops.decoder.medusa_heads import CONFIG_NAME, WEIGHTS_NAME, model_fingerprint
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield Decoder.from_pretrained("bundled")
+    torch.set_num_threads(before)
+
+
+def code_prompts(dec: Decoder, count: int) -> list[list[int]]:
+    from specops.train.data import code_prompts as held_out_code, split_stdlib
+
+    texts = held_out_code(split_stdlib().heldout_files, count=count, max_chars=300, seed=7)
+    return [dec.tokenizer.encode(t) for t in texts]
+
+
+def test_artifact_is_small_fp16_and_names_its_base(bundled):
+    config = json.loads((MEDUSA_DIR / CONFIG_NAME).read_text())
+    assert config["base_model_hash"] == model_fingerprint(bundled.target_model)
+    assert len(config["head_topk_accuracy"]) == config["num_heads"]
+    assert (MEDUSA_DIR / WEIGHTS_NAME).stat().st_size < 9 * 2**20
+    assert assets_size_bytes() < 32 * 2**20
+    assert bundled.medusa is not None and TARGET_DIR.is_dir()
+
+
+def test_bundled_medusa_is_exact_and_accepts(bundled):
+    rng = random.Random(0)
+    prompts = code_prompts(bundled, 16)
+    vocab = bundled.target.vocab_size
+    prompts += [[rng.randrange(vocab) for _ in range(rng.randint(1, 40))] for _ in range(34)]
+    forwards = tokens = 0
+    for i, prompt in enumerate(prompts):
+        max_new = 32 if i < 16 else rng.randint(1, 24)
+        ar = bundled.generate(prompt, method="ar", max_new_tokens=max_new)
+        heads = None if i % 3 else rng.randint(1, bundled.medusa.num_heads)
+        med = bundled.generate(prompt, method="medusa", max_new_tokens=max_new, heads=heads)
+        assert med.tokens == ar.tokens, f"prompt {i}"
+        if i < 16:
+            forwards += med.stats.target_forwards
+            tokens += med.stats.new_tokens
+    # trained heads on code: well over one token per target forward
+    assert tokens / forwards > 1.8, tokens / forwards
