@@ -1,0 +1,194 @@
+"""The ops half of ``specops demo``: real decoding under a live policy and control loop.
+
+Everything is real except the wall clock of the control loop: an embedded Redis
+server that specops starts itself, the example policy stored as revision 1, the
+bundled models serving a mixed stream of requests through `PolicyRuntime` (which
+reads the controller's per-class settings and publishes every request's telemetry
+to Redis), and the real `Controller` ticking over those metric windows. Time is
+simulated — each round of requests advances the clock by ``tick_s`` — so cooldowns,
+``for`` durations and metric windows play out in a minute instead of an hour; every
+token, acceptance and timing figure is measured.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples" / "policies"
+DEFAULT_POLICY = EXAMPLES_DIR / "default.yaml"
+BAD_CANARY_POLICY = EXAMPLES_DIR / "demo-bad-canary.yaml"
+
+
+class SimClock:
+    """A clock that only moves when told to (starts at the real time)."""
+
+    def __init__(self, start: float | None = None) -> None:
+        self.now = time.time() if start is None else start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """One stream of demo requests: prompts, their labels and sampling temperature."""
+
+    name: str
+    prompts: list[str]
+    labels: dict[str, str] = field(default_factory=dict)
+    temperature: float = 0.0
+
+
+@dataclass
+class RoundReport:
+    """One round: what was served per class, and what the controller decided after it."""
+
+    index: int
+    served: dict[str, dict[str, Any]]          # class -> {requests, methods, accepted, drafted, tokens, wall_s}
+    settings: dict[str, dict[str, Any]]        # class -> effective settings after the tick
+    decisions: list[dict[str, Any]]            # decisions that changed something
+    rollout: str = ""                          # rollout phase after the tick (when one ran)
+
+
+def demo_traffic(seed: int = 0, per_kind: int = 4) -> list[Traffic]:
+    """Code completion (labelled ``task=code``), factual questions and hot creative prose."""
+    from specops.bench.suites import builtin_suite
+
+    code = [p.text for p in builtin_suite("code", seed=seed)][:per_kind]
+    prose = [p.text for p in builtin_suite("prose", seed=seed)][:per_kind]
+    factual = [
+        "What does the function below return?\n\ndef area(r):\n    return 3.14159 * r * r\n",
+        "Which module in the standard library parses command-line options?\n",
+        "How many arguments does the function below take?\n\ndef f(a, b, *args, **kw):\n    pass\n",
+        "What is the output of print(sorted([3, 1, 2]))?\n",
+    ][:per_kind]
+    return [
+        Traffic("code", code, labels={"task": "code"}),
+        Traffic("factual", factual),
+        Traffic("creative", prose, temperature=1.0),
+    ]
+
+
+def _summarise(served: list[Any]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for s in served:
+        row = out.setdefault(s.request_class, {"requests": 0, "methods": set(), "accepted": 0, "drafted": 0,
+                                               "tokens": 0, "wall_s": 0.0, "fallbacks": 0})
+        row["requests"] += 1
+        row["methods"].add(s.method + ("(probe)" if s.probe else ""))
+        row["accepted"] += s.stats.accepted
+        row["drafted"] += s.stats.drafted
+        row["tokens"] += s.stats.new_tokens
+        row["wall_s"] += s.stats.wall_s
+        row["fallbacks"] += 1 if s.fallback_reason else 0
+    return out
+
+
+def run_ops_demo(decoder: Any, *, state_dir: str | Path, policy_path: str | Path = DEFAULT_POLICY, rounds: int = 10,
+                 tick_s: float = 15.0, max_new_tokens: int = 32, per_kind: int = 3, seed: int = 0,
+                 canary_policy_path: str | Path | None = BAD_CANARY_POLICY, canary_round: int = 4,
+                 on_round: Callable[[RoundReport], None] | None = None,
+                 on_event: Callable[[str], None] | None = None) -> list[RoundReport]:
+    """Run ``rounds`` rounds of demo traffic under the policy and the control loop.
+
+    Before round ``canary_round`` (0-based) the revision in ``canary_policy_path`` is
+    rolled out as a canary, exactly as ``specops policy rollout`` would; its traffic
+    publishes under the canary telemetry namespace, which the controller's rollout
+    analysis reads.
+    """
+    from prometheus_client import CollectorRegistry
+
+    from specops.controller.controller import Controller
+    from specops.controller.leader import LeaderLease
+    from specops.controller.rollout_driver import canary_namespace
+    from specops.controller.sources import RedisWindowSource
+    from specops.decoder.policy_runtime import PolicyRuntime
+    from specops.policies import load_policy
+    from specops.policies import rollout as machine
+    from specops.policies.redis_backend import close, connect
+    from specops.policies.store import PolicyStore
+    from specops.policies.watcher import SettingsWatcher
+    from specops.telemetry.exporter import PrometheusExporter
+    from specops.telemetry.redis_metrics import RedisPublisher, RedisWindowReader
+
+    if rounds < 1 or tick_s <= 0:
+        raise ValueError("rounds must be >= 1 and tick_s > 0")
+    text = Path(policy_path).read_text()
+    policy = load_policy(policy_path)
+    clock = SimClock()
+    client = connect(None, Path(state_dir))  # an embedded, real Redis server
+    namespace = f"demo-{int(clock()):d}"
+    watcher = None
+    try:
+        store = PolicyStore(client, namespace=namespace, clock=clock)
+        machine.start_rollout(store, policy, text, actor="demo")
+        registry = CollectorRegistry()
+        lease = LeaderLease(client, name=store.lease_name, ttl_ms=60_000)
+        reader = RedisWindowReader(client, namespace=namespace, clock=clock)
+        canary_ns = canary_namespace(namespace)
+        canary_reader = RedisWindowReader(client, namespace=canary_ns, clock=clock)
+        controller = Controller(store, RedisWindowSource(reader), clock=clock, registry=registry, lease=lease,
+                                window_s=4 * tick_s, canary_source=RedisWindowSource(canary_reader))
+        watcher = SettingsWatcher(store, reconcile_s=0.001)
+        runtime = PolicyRuntime(
+            decoder, store=store, watcher=watcher, exporter=PrometheusExporter(registry),
+            publisher=RedisPublisher(client, pod="demo-pod-0", namespace=namespace, clock=clock),
+            canary_publisher=RedisPublisher(client, pod="demo-pod-0", namespace=canary_ns, clock=clock))
+        traffic = demo_traffic(seed, per_kind)
+        reports = []
+        for index in range(rounds):
+            if canary_policy_path is not None and index == canary_round:
+                canary_text = Path(canary_policy_path).read_text()
+                state = machine.start_rollout(store, load_policy(canary_policy_path), canary_text, actor="demo")
+                if on_event is not None:
+                    on_event(f"rolling out {Path(canary_policy_path).name} as revision {state.revision}: "
+                             f"{state.message}")
+            served = []
+            for stream in traffic:
+                for i, prompt in enumerate(stream.prompts):
+                    served.append(runtime.serve(prompt, labels=stream.labels, temperature=stream.temperature,
+                                                max_new_tokens=max_new_tokens, seed=seed + 1000 * index + i,
+                                                routing_key=f"{stream.name}-{index}-{i}"))
+            clock.advance(tick_s)
+            decisions = [d.as_dict() for d in controller.tick() if d.changed]
+            settings = {name: {"method": s.method, "gamma": s.gamma, "heads": s.medusa_heads,
+                               "fallback": s.fallback_active}
+                        for name, s in sorted(store.effective().items())}
+            state = store.rollout_state()
+            rollout = f"rev {state.revision} {state.phase} {state.weight}%" if state is not None and state.stable_revision else ""
+            report = RoundReport(index, _summarise(served), settings, decisions, rollout)
+            reports.append(report)
+            if on_round is not None:
+                on_round(report)
+        lease.release()
+        return reports
+    finally:
+        if watcher is not None:
+            watcher.close()
+        close(client)
+
+
+def format_round(report: RoundReport) -> str:
+    """One round as a few aligned lines."""
+    lines = [f"round {report.index + 1}" + (f"   [canary: {report.rollout}]" if report.rollout else "")]
+    for name, row in sorted(report.served.items()):
+        acc = f"{row['accepted'] / row['drafted']:.2f}" if row["drafted"] else "  - "
+        tps = row["tokens"] / row["wall_s"] if row["wall_s"] > 0 else 0.0
+        s = report.settings.get(name, {})
+        knob = f"heads={s.get('heads')}" if s.get("method") == "medusa" else f"gamma={s.get('gamma')}"
+        state = "FALLBACK" if s.get("fallback") else s.get("method", "?")
+        lines.append(f"  {name:<9} {row['requests']:>2} req  ran {','.join(sorted(row['methods'])):<18} "
+                     f"accept {acc}  {tps:7.1f} tok/s   -> {state:<8} {knob}")
+    for d in report.decisions:
+        lines.append(f"  * {d['class'] or 'rollout'}: {d['kind']} - {d['reason'][:160]}")
+    return "\n".join(lines)
