@@ -2,8 +2,8 @@
 
 For every head count and tree size the same greedy prompts are decoded with
 ``method="medusa"`` and the sparse tree of that size (built from the heads' measured
-accuracy), next to plain ``ar`` decoding of the same prompts in the same process;
-speed-up = ar seconds / medusa seconds over all prompts. The tree the runtime would
+accuracy), alternating prompt by prompt with plain ``ar`` decoding of the same prompt
+in the same process; speed-up = ar seconds / medusa seconds over all prompts. The tree the runtime would
 pick itself (``tree=None``: sized from the measured verify cost) is one more row, so
 the sweep shows whether the cost model lands near the best size.
 """
@@ -36,17 +36,33 @@ class SweepRow:
     exact: bool  # greedy output identical to ar on every prompt
 
 
-def _decode_all(dec, prompts: Sequence[Sequence[int]], max_new_tokens: int, **kwargs):
-    seconds, tokens, forwards, accepted, drafted, outputs = 0.0, 0, 0, 0, 0, []
+@dataclass
+class _Totals:
+    seconds: float = 0.0
+    tokens: int = 0
+    forwards: int = 0
+    accepted: int = 0
+    drafted: int = 0
+
+
+def _run(dec, prompt: Sequence[int], max_new_tokens: int, totals: _Totals, **kwargs) -> list[int]:
+    out = dec.generate(list(prompt), max_new_tokens=max_new_tokens, **kwargs)
+    totals.seconds += out.stats.wall_s
+    totals.tokens += out.stats.new_tokens
+    totals.forwards += out.stats.target_forwards
+    totals.accepted += out.stats.accepted
+    totals.drafted += out.stats.drafted
+    return out.tokens
+
+
+def _measure(dec, prompts: Sequence[Sequence[int]], max_new_tokens: int, **medusa_kwargs):
+    """ar and medusa on every prompt, alternating prompt by prompt, so that load from other
+    processes hits both alike. Returns (ar totals, medusa totals, exact)."""
+    ar, med, exact = _Totals(), _Totals(), True
     for prompt in prompts:
-        out = dec.generate(list(prompt), max_new_tokens=max_new_tokens, **kwargs)
-        seconds += out.stats.wall_s
-        tokens += out.stats.new_tokens
-        forwards += out.stats.target_forwards
-        accepted += out.stats.accepted
-        drafted += out.stats.drafted
-        outputs.append(out.tokens)
-    return seconds, tokens, forwards, accepted, drafted, outputs
+        want = _run(dec, prompt, max_new_tokens, ar, method="ar")
+        exact &= _run(dec, prompt, max_new_tokens, med, method="medusa", **medusa_kwargs) == want
+    return ar, med, exact
 
 
 def sweep(dec, prompts: Sequence[Sequence[int]], *, heads: Sequence[int] | None = None,
@@ -59,13 +75,10 @@ def sweep(dec, prompts: Sequence[Sequence[int]], *, heads: Sequence[int] | None 
         raise ValueError("no prompts to benchmark")
     accuracy = dec.medusa.config.head_topk_accuracy
     head_counts = list(heads) if heads else list(range(1, dec.medusa.num_heads + 1))
-    _decode_all(dec, prompts[:1], 8, method="medusa")  # warm-up: measures the verify-cost curve once
-    ar_runs = [_decode_all(dec, prompts, max_new_tokens, method="ar") for _ in range(repeats)]
-    ar_s = min(run[0] for run in ar_runs)
-    ar_tokens, ar_out = ar_runs[0][1], ar_runs[0][5]
+    dec.generate(list(prompts[0]), method="medusa", max_new_tokens=8)  # warm-up; measures the verify cost once
     rows: list[SweepRow] = []
     for k in head_counts:
-        trees: list[tuple[str, object, int]] = [("auto", None, 0)]
+        trees: list[tuple[str, object, int]] = [("auto", None, plan_tree(dec.target, dec.medusa, k).num_nodes)]
         if accuracy:
             specs = [(n, sparse_tree(accuracy[:k], n)) for n in tree_sizes]
             trees += [(f"sparse{n}", spec, spec.num_nodes) for n, spec in specs]
@@ -73,18 +86,14 @@ def sweep(dec, prompts: Sequence[Sequence[int]], *, heads: Sequence[int] | None 
             spec = preset(name, k)
             trees.append((name, spec, spec.num_nodes))
         for name, tree, nodes in trees:
-            best = None
-            for _ in range(repeats):
-                run = _decode_all(dec, prompts, max_new_tokens, method="medusa", heads=k, tree=tree)
-                best = run if best is None or run[0] < best[0] else best
-            seconds, tokens, forwards, accepted, drafted, outputs = best
-            if name == "auto":
-                nodes = plan_tree(dec.target, dec.medusa, k).num_nodes
+            runs = [_measure(dec, prompts, max_new_tokens, heads=k, tree=tree) for _ in range(repeats)]
+            ar, med, exact = max(runs, key=lambda r: r[0].seconds / r[1].seconds)
             rows.append(SweepRow(
-                heads=k, tree=name, tree_nodes=nodes, tokens_per_s=tokens / seconds,
-                ar_tokens_per_s=ar_tokens / ar_s, speedup=ar_s / seconds,
-                mean_accepted_len=tokens / forwards, acceptance_rate=accepted / drafted if drafted else 0.0,
-                exact=outputs == ar_out,
+                heads=k, tree=name, tree_nodes=nodes, tokens_per_s=med.tokens / med.seconds,
+                ar_tokens_per_s=ar.tokens / ar.seconds, speedup=ar.seconds / med.seconds,
+                mean_accepted_len=med.tokens / med.forwards,
+                acceptance_rate=med.accepted / med.drafted if med.drafted else 0.0,
+                exact=all(r[2] for r in runs),
             ))
             logger.info("medusa sweep %s", rows[-1])
     return rows
