@@ -76,16 +76,19 @@ class MedusaState:
         return _cached_buffers(spec, str(self.target.device))
 
     def propose(self, hidden: Tensor, spec: TreeSpec, root: int, root_index: int) -> tuple[Tensor, TreeBuffers]:
-        """Tree tokens [N] from the heads' top-k at ``hidden`` [E]; logs each head's top-1 guess."""
+        """Tree tokens [N] from the heads' top-k at ``hidden`` [E]; logs each used head's top-1 guess.
+
+        Only the D heads the tree reaches run (none for a root-only tree)."""
         buffers = self.buffers(spec)
+        root_t = torch.tensor([root], dtype=torch.long, device=self.target.device)
+        if spec.depth == 0:
+            return root_t, buffers
         with torch.inference_mode():
-            head_logits = self.heads(hidden, self.num_heads)  # [K, V]
-            top = torch.topk(head_logits, buffers.top_k, dim=-1).indices  # [K, top_k]
+            head_logits = self.heads(hidden, spec.depth)  # [D, V]
+            top = torch.topk(head_logits, buffers.top_k, dim=-1).indices.to(root_t.device)  # [D, top_k]
         for k, tok in enumerate(top[:, 0].tolist()):
             self.head_guesses.append((root_index + 1 + k, k, tok))
-        cands = top[: max(spec.depth, 1)].reshape(-1)  # [D * top_k]
-        root_t = torch.tensor([root], dtype=torch.long, device=top.device)
-        return torch.cat([root_t, cands[buffers.candidate_index.to(top.device)]]), buffers  # [N]
+        return torch.cat([root_t, top.reshape(-1)[buffers.candidate_index]]), buffers  # [N]
 
     def head_accuracy(self, output: Sequence[int]) -> tuple[list[int], list[int]]:
         """Per head: guesses whose position was emitted, and how many were right."""
