@@ -26,6 +26,7 @@ COMMANDS: dict[tuple[str, ...], dict[str, str]] = {
     ("bench",): {
         "decode": "specops.bench.cli:bench_decode_command",
         "kernels": "specops.kernels.bench:bench_kernels_command",
+        "medusa": "specops.bench.medusa_sweep:bench_medusa_command",
     },
     ("policy",): {
         "validate": "specops.policies.cli:validate_command",

@@ -135,7 +135,7 @@ def load_models(cfg: BenchConfig) -> Models:
         medusa_path = Path(cfg.medusa) if cfg.medusa else MEDUSA_DIR
         if not medusa_path.exists():
             raise BenchError(f"method medusa needs heads: none at {medusa_path} (give --medusa PATH)")
-        medusa = MedusaHeads.from_pretrained(medusa_path, base=target, dtype=dtype, device="cpu")
+        medusa = MedusaHeads.from_pretrained(medusa_path, base=target, device="cpu")  # heads pick their fastest dtype
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
     eos = tokenizer.eos_token_id
     max_context = int(getattr(target.config, "max_position_embeddings", 0) or 0) or 1 << 30

@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
+import click
+
 from specops.decoder.medusa_decode import plan_tree
 from specops.decoder.tree import preset, sparse_tree
 
@@ -132,3 +134,66 @@ def plot_sweep(rows: Sequence[SweepRow], path: str | Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _int_list(text: str, option: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint=option) from None
+    if not values or min(values) < 1:
+        raise click.BadParameter("give at least one integer >= 1", param_hint=option)
+    return values
+
+
+@click.command("medusa")
+@click.option("--model", default="bundled", show_default=True, help="Target folder, or 'bundled'.")
+@click.option("--medusa", "medusa_path", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Medusa heads folder (default: the bundled heads).")
+@click.option("--suite", type=click.Choice(["code", "prose", "mixed"]), default="code", show_default=True)
+@click.option("--limit", type=click.IntRange(1), default=6, show_default=True, help="Prompts from the suite.")
+@click.option("--heads", "heads_list", default=None, help="Head counts to sweep, e.g. 1,2,3 (default: all).")
+@click.option("--tree-sizes", default="1,2,3,4,6,9,12,16", show_default=True, help="Sparse tree sizes (nodes).")
+@click.option("--tree", "presets", default="chain", show_default=True, help="Tree presets to add, comma-separated.")
+@click.option("--max-new-tokens", type=click.IntRange(1), default=96, show_default=True)
+@click.option("--repeats", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--threads", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
+def bench_medusa_command(model, medusa_path, suite, limit, heads_list, tree_sizes, presets, max_new_tokens,
+                         repeats, threads, json_path, plot_path):
+    """Medusa speed-up vs ar over tree sizes and head counts (greedy, same run)."""
+    import json
+
+    import torch
+
+    from specops.bench.suites import builtin_suite
+    from specops.decoder import Decoder
+    from specops.decoder.tree import PRESETS
+
+    names = [p.strip() for p in presets.split(",") if p.strip()]
+    unknown = [p for p in names if p not in PRESETS]
+    if unknown:
+        raise click.BadParameter(f"unknown preset(s) {unknown}; known: {', '.join(PRESETS)}", param_hint="--tree")
+    sizes = _int_list(tree_sizes, "--tree-sizes")
+    heads = _int_list(heads_list, "--heads") if heads_list else None
+    torch.set_num_threads(threads)
+    dec = Decoder.from_pretrained(model, medusa=medusa_path)
+    if dec.medusa is None or dec.tokenizer is None:
+        raise click.ClickException("the model needs Medusa heads and a tokenizer (give --medusa)")
+    prompts = [dec.tokenizer.encode(p.text) for p in builtin_suite(suite) if p.temperature == 0][:limit]
+    try:
+        rows = sweep(dec, prompts, heads=heads, tree_sizes=sizes, presets=names, max_new_tokens=max_new_tokens,
+                     repeats=repeats)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"{'heads':>5} {'tree':>9} {'nodes':>5} {'tok/s':>8} {'ar tok/s':>8} {'speed-up':>8} "
+               f"{'tok/fwd':>7} {'exact':>5}")
+    for r in rows:
+        click.echo(f"{r.heads:>5} {r.tree:>9} {r.tree_nodes:>5} {r.tokens_per_s:>8.1f} {r.ar_tokens_per_s:>8.1f} "
+                   f"{r.speedup:>7.2f}x {r.mean_accepted_len:>7.2f} {str(r.exact):>5}")
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(rows_as_dicts(rows), indent=2) + "\n")
+    if plot_path:
+        click.echo(f"wrote {plot_sweep(rows, plot_path)}")
