@@ -1,9 +1,9 @@
 """``specops bench decode``: every decoding method on the same prompts, in one process.
 
 Protocol (mission.md, "Evaluating speed honestly"): one process, same prompts, same
-models; every method is warmed up first; then ``repeats`` rounds, each running every
-method over all prompts (methods interleaved per round so drifting machine load hits
-them alike). Per method: ``tokens_per_s`` (median over rounds of new tokens / seconds
+models; every method is warmed up first; then ``repeats`` rounds over all prompts, each
+prompt decoded by every method in turn (interleaved, so drifting machine load hits all
+methods alike). Per method: ``tokens_per_s`` (median over rounds of new tokens / seconds
 over all prompts), ``speedup`` (vs ``hf-greedy``), ``acceptance_rate`` (accepted /
 drafted), ``mean_accepted_len`` (new tokens per target forward), ``exact_match``
 (greedy outputs identical to ``hf-greedy`` on every greedy prompt).
@@ -193,18 +193,18 @@ def run_benchmark(cfg: BenchConfig, *, models: Models | None = None,
         method.run(prompt_ids[0], max_new_tokens=min(WARMUP_TOKENS, cfg.max_new_tokens), temperature=0.0,
                    seed=cfg.seed)
 
-    runs: dict[str, list[list[MethodRun]]] = {m.name: [] for m in methods}   # [repeat][prompt]
+    # runs[method][repeat][prompt]; methods interleaved per prompt so drifting load hits them alike
+    runs: dict[str, list[list[MethodRun]]] = {m.name: [[] for _ in range(cfg.repeats)] for m in methods}
     bar = tqdm(total=cfg.repeats * len(methods) * len(prompts), desc="bench decode", disable=not cfg.progress,
                dynamic_ncols=True)
     for repeat in range(cfg.repeats):
-        for method in methods:
-            bar.set_postfix(method=method.name, repeat=repeat + 1)
-            round_runs = []
-            for i, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
-                round_runs.append(method.run(ids, max_new_tokens=cfg.max_new_tokens, temperature=prompt.temperature,
-                                             seed=cfg.seed + 1000 * repeat + i))
+        for i, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
+            for method in methods:
+                bar.set_postfix(method=method.name, repeat=repeat + 1)
+                runs[method.name][repeat].append(method.run(ids, max_new_tokens=cfg.max_new_tokens,
+                                                            temperature=prompt.temperature,
+                                                            seed=cfg.seed + 1000 * repeat + i))
                 bar.update(1)
-            runs[method.name].append(round_runs)
     bar.close()
 
     results = summarize(runs, prompts)
