@@ -135,6 +135,7 @@ def _run_medusa(dec: Decoder, req: DecodeRequest) -> tuple[list[int], DecodeStat
         eos_token_id=req.eos_token_id,
         num_heads=req.heads,
         tree=req.tree,
+        deadline_s=req.deadline_s,
         **req.options,
     )
 

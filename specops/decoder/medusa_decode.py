@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Protocol, Sequence
@@ -38,7 +39,7 @@ from torch import Tensor
 from specops.decoder.errors import InvalidRequestError
 from specops.decoder.runner import ModelRunner
 from specops.decoder.sampling import SamplingConfig, next_token, probabilities
-from specops.decoder.speculation import device_clock, eos_set, prompt_list
+from specops.decoder.speculation import check_deadline, device_clock, eos_set, prompt_list
 from specops.decoder.stats import DecodeStats
 from specops.decoder.tree import TreeBuffers, TreeError, TreeSpec, build_buffers, preset, resolve_tree
 from specops.decoder.tree_size import DEFAULT_SIZES, TreeChoice, VerifyCostCurve, choose_tree, measure_verify_cost
@@ -118,14 +119,18 @@ def generate_medusa(
     num_heads: int | None = None,
     tree: str | TreeSpec | Sequence[Sequence[int]] | None = None,
     typical: bool | TypicalAcceptance | None = None,
+    deadline_s: float | None = None,
 ) -> tuple[list[int], DecodeStats]:
     """Decode up to ``max_new_tokens`` tokens with Medusa tree speculation.
 
     ``num_heads``: heads to use (<= the heads' K; default all). ``tree``: a preset name,
     an explicit list of rank paths, a `TreeSpec`, or None / "auto" for `plan_tree` (sized
     from the runner's measured verify cost). ``typical``: LOSSY typical acceptance
-    instead of exact rejection sampling (only with temperature > 0).
+    instead of exact rejection sampling (only with temperature > 0). ``deadline_s``: past
+    it every step verifies the root alone, i.e. plain decoding on the same cache
+    (``stats.fallback_reason == "deadline"``).
     """
+    deadline = None if deadline_s is None else time.perf_counter() + check_deadline(deadline_s)
     prompt = prompt_list(prompt_ids)
     eos = eos_set(eos_token_id)
     k = heads.num_heads if num_heads is None else num_heads
@@ -168,6 +173,10 @@ def generate_medusa(
     while len(output) < budget and output[-1] not in eos:
         remaining = budget - len(output)
         room = limit - target.cache_len  # >= remaining + 1 by the budget clamp
+        if deadline is not None and time.perf_counter() > deadline:
+            if stats.fallback_reason is None:
+                stats.fallback_reason = "deadline"
+            room = 1  # root only: one plain decoding step
         step_spec = spec.limit(max_depth=remaining - 1, max_nodes=room)
         t0 = device_clock(device)
         tree_tokens, buffers = state.propose(hidden, step_spec, root, len(output) - 1)  # [N]
