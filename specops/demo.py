@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import click
 
-DEMO_METHODS = ("hf-greedy", "ar", "draft", "ngram")
+DEMO_METHODS = ("hf-greedy", "ar", "draft", "ngram", "medusa")
 DEMO_MIX = {"code": 3, "prose": 2, "hot": 2}   # prompts per kind
 
 
@@ -71,13 +71,19 @@ def format_demo_table(rows: list[dict]) -> str:
 @click.option("--gamma", type=int, default=4, show_default=True)
 @click.option("--repeats", type=int, default=1, show_default=True)
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def demo_command(max_new_tokens, gamma, repeats, quiet):
-    """Run the bundled models through plain and speculative decoding on mixed prompts."""
+@click.option("--ops/--no-ops", default=True, show_default=True,
+              help="After the decoding table, run the policy + control loop part on an embedded Redis.")
+@click.option("--rounds", type=click.IntRange(min=1, max=100), default=10, show_default=True,
+              help="Rounds of requests (one controller tick each) in the ops part.")
+@click.option("--state-dir", type=click.Path(file_okay=False), default=".specops/demo", show_default=True,
+              envvar="SPECOPS_STATE_DIR", help="Where the embedded Redis keeps its data.")
+def demo_command(max_new_tokens, gamma, repeats, quiet, ops, rounds, state_dir):
+    """Plain vs speculative decoding on the bundled models, then the ops loop on live traffic."""
     from specops.bench.decode import BenchError
 
     if max_new_tokens < 1 or gamma < 1 or repeats < 1:
         raise click.BadParameter("--max-new-tokens, --gamma and --repeats must be >= 1")
-    click.echo(f"specops demo: bundled target + draft, {sum(DEMO_MIX.values())} prompts "
+    click.echo(f"specops demo: bundled target + draft + Medusa heads, {sum(DEMO_MIX.values())} prompts "
                f"({', '.join(f'{n} {k}' for k, n in DEMO_MIX.items())}), {max_new_tokens} new tokens each")
     try:
         rows = run_decode_demo(max_new_tokens=max_new_tokens, gamma=gamma, repeats=repeats, progress=not quiet)
@@ -86,3 +92,24 @@ def demo_command(max_new_tokens, gamma, repeats, quiet):
     click.echo(format_demo_table(rows))
     click.echo("speedup: vs transformers generate(do_sample=False); accept: accepted/drafted tokens; "
                "hot = temperature 1.0 sampling; exact: greedy output identical to transformers")
+    if ops:
+        _ops_part(rounds, state_dir)
+
+
+def _ops_part(rounds: int, state_dir: str) -> None:
+    """The control loop on live decoding (see `specops.demo_ops`)."""
+    from specops.decoder import Decoder
+    from specops.demo_ops import BAD_CANARY_POLICY, DEFAULT_POLICY, format_round, run_ops_demo
+
+    click.echo("")
+    click.echo(f"ops: embedded Redis in {state_dir}; policy {DEFAULT_POLICY.name} is revision 1; "
+               f"requests go through PolicyRuntime, the controller ticks after each round (15 s of simulated time)")
+    click.echo(f"     before round {min(5, rounds)} {BAD_CANARY_POLICY.name} is rolled out as a canary "
+               "(n-gram with a long fixed gamma on hot prompts)")
+    dec = Decoder.from_pretrained("bundled")
+    reports = run_ops_demo(dec, state_dir=state_dir, rounds=rounds, canary_round=min(4, rounds - 1),
+                           on_round=lambda r: click.echo(format_round(r)),
+                           on_event=lambda e: click.echo(f"  >> {e}"))
+    kinds = [d["kind"] for r in reports for d in r.decisions]
+    click.echo(f"controller: {kinds.count('adapt')} adaptations, {kinds.count('fallback_on')} fallbacks, "
+               f"{kinds.count('rollout.analysis')} canary analyses, {kinds.count('rollout.rollback')} rollbacks")
