@@ -17,4 +17,4 @@ def test_demo_command_table_and_ops(tmp_path):
     assert set(rows) == {"hf-greedy", "ar", "draft", "ngram", "medusa"}
     assert all(r[-1] == "yes" for r in rows.values())  # greedy output identical to transformers
     assert "round 5" in result.output and "controller:" in result.output
-    assert "rollbacks" in lines[-1]
+    assert any(line.startswith("controller:") and "rollbacks" in line for line in lines)
