@@ -132,6 +132,8 @@ def load_models(cfg: BenchConfig) -> Models:
     if "medusa" in cfg.methods:
         from specops.decoder import MedusaHeads
 
+        if cfg.medusa is None and cfg.model is not None:
+            raise BenchError("method medusa needs --medusa PATH with a custom --model (or leave medusa out of --methods)")
         medusa_path = Path(cfg.medusa) if cfg.medusa else MEDUSA_DIR
         if not medusa_path.exists():
             raise BenchError(f"method medusa needs heads: none at {medusa_path} (give --medusa PATH)")
