@@ -112,7 +112,7 @@ def run_ops_demo(decoder: Any, *, state_dir: str | Path, policy_path: str | Path
     from specops.controller.leader import LeaderLease
     from specops.controller.rollout_driver import canary_namespace
     from specops.controller.sources import RedisWindowSource
-    from specops.decoder.policy_runtime import PolicyRuntime
+    from specops.serving.policy_runtime import PolicyRuntime
     from specops.policies import load_policy
     from specops.policies import rollout as machine
     from specops.policies.redis_backend import close, connect
