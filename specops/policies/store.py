@@ -182,7 +182,9 @@ if env['rollout'] ~= nil then
   gen = redis.call('INCR', KEYS[9])
 end
 if env['audit'] ~= nil then
-  redis.call('XADD', KEYS[10], 'MAXLEN', '~', ARGV[6], '*', 'event', env['audit'])
+  for _, event in ipairs(env['audit']) do
+    redis.call('XADD', KEYS[10], 'MAXLEN', '~', ARGV[6], '*', 'event', event)
+  end
 end
 local result = gen
 """ + _REMEMBER
@@ -359,7 +361,8 @@ class PolicyStore:
         return out
 
     # ----------------------------------------------------------------- the atomic write
-    def commit(self, *, epoch: int | Fence | None, actor: str, audit: tuple[str, dict[str, Any]] | None = None,
+    def commit(self, *, epoch: int | Fence | None, actor: str,
+               audit: tuple[str, dict[str, Any]] | list[tuple[str, dict[str, Any]]] | None = None,
                rollout: RolloutState | None = None, expect_generation: int | None = None,
                current: int | None = None, canary: int | None = None, clear_canary: bool = False,
                effective: dict[str, EffectiveSettings] | None = None, effective_replace: bool = False,
@@ -400,8 +403,9 @@ class PolicyStore:
             env["bandits"] = {name: json.dumps(b, sort_keys=True) for name, b in (bandits or {}).items()}
             env["bandits_replace"] = bool(bandits_replace)
         if audit is not None:
-            kind, data = audit
-            env["audit"] = self._event(kind, actor, epoch, now, data)
+            events = [audit] if isinstance(audit, tuple) else list(audit)
+            if events:
+                env["audit"] = [self._event(kind, actor, epoch, now, data) for kind, data in events]
         k = self.names
         keys = [k.revisions, k.current, k.canary, k.effective, k.rollout, k.rollout_gen, k.audit, k.current_log,
                 k.current_since, k.rolled_back, k.bandits]
