@@ -71,7 +71,11 @@ class RolloutDriver:
         if step.analysis:
             runs_here = state.current_runs()
             last = max((r.get("at", 0.0) for r in runs_here), default=None)
-            if last is None or now - last >= analysis.interval_s:
+            if last is not None and now - last < analysis.interval_s:
+                standing = self._enforce(state, analysis, epoch)  # a verdict on record whose consequence never landed
+                if standing:
+                    return standing
+            else:
                 readings = self._canary_readings(canary.class_names, analysis.window_s)
                 result = run_analysis(canary.analysis_rules(), readings)
                 self.metrics.analysis_runs.labels(result.outcome).inc()
@@ -102,6 +106,23 @@ class RolloutDriver:
             decisions.append(self._decision("rollout.step", advanced.message, revision=advanced.revision,
                                             step_index=advanced.step_index, weight=advanced.weight))
         return decisions
+
+    def _enforce(self, state: Any, analysis: Any, epoch: Any) -> list:
+        """Apply the verdict of the runs on record (e.g. written by an older controller without their consequence)."""
+        v = verdict(tally(state.current_runs()), analysis)
+        if v.action == "continue":
+            return []
+        try:
+            if v.action == "rollback":
+                machine.fail(self.store, reason=f"analysis: {v.reason}", epoch=epoch, expect_generation=state.generation)
+                self.metrics.rollbacks.labels("analysis").inc()
+                return [self._decision("rollout.rollback", v.reason, revision=state.revision,
+                                       stable_revision=state.stable_revision)]
+            machine.pause(self.store, reason=f"analysis: {v.reason}", epoch=epoch)
+            return [self._decision("rollout.pause", v.reason, revision=state.revision)]
+        except ConflictError as exc:
+            log.info("rollout changed while applying its analysis verdict (%s); next tick retries", exc)
+            return []
 
     @staticmethod
     def _gate(state: Any, canary: Any) -> str | None:
