@@ -42,6 +42,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import redis
+
 from specops.alerts.webhook import AlertDeferred, AlertRejected
 from specops.controller.adapt import (
     BanditState,
@@ -382,6 +384,8 @@ class Controller:
                 return self._apply_alert(action)
             except StoreUnavailableError as exc:
                 raise AlertDeferred(f"policy store unavailable: {exc}", retry_after_s=exc.retry_after_s) from exc
+            except (redis.ConnectionError, redis.TimeoutError) as exc:  # the lease's own round trips
+                raise AlertDeferred(f"Redis unavailable: {exc}", retry_after_s=1.0) from exc
             except ConflictError as exc:
                 raise AlertDeferred(f"state changed concurrently: {exc}", retry_after_s=1.0) from exc
             except StaleEpochError as exc:

@@ -114,7 +114,8 @@ class RolloutDriver:
             return []
         try:
             if v.action == "rollback":
-                machine.fail(self.store, reason=f"analysis: {v.reason}", epoch=epoch, expect_generation=state.generation)
+                machine.fail(self.store, reason=f"analysis: {v.reason}", epoch=epoch,
+                             expect_generation=state.generation)
                 self.metrics.rollbacks.labels("analysis").inc()
                 return [self._decision("rollout.rollback", v.reason, revision=state.revision,
                                        stable_revision=state.stable_revision)]

@@ -126,9 +126,9 @@ def generate_medusa(
     ``num_heads``: heads to use (<= the heads' K; default all). ``tree``: a preset name,
     an explicit list of rank paths, a `TreeSpec`, None / "auto" for `plan_tree` (sized
     from the runner's measured verify cost), or an int n: that planned tree with at
-    most n nodes, root included (a policy's ``tree_size`` bound; the plan may be smaller). ``typical``: LOSSY typical acceptance
-    instead of exact rejection sampling (only with temperature > 0). ``deadline_s``: past
-    it every step verifies the root alone, i.e. plain decoding on the same cache
+    most n nodes, root included (a policy's ``tree_size`` bound; the plan may be smaller).
+    ``typical``: LOSSY typical acceptance instead of exact rejection sampling (only with
+    temperature > 0). ``deadline_s``: past it every step verifies the root alone, i.e. plain decoding on the same cache
     (``stats.fallback_reason == "deadline"``).
     """
     deadline = None if deadline_s is None else time.perf_counter() + check_deadline(deadline_s)

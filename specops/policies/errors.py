@@ -78,7 +78,8 @@ class CurrentChangedError(ConflictError):
     def __init__(self, expected: int, current: int | None):
         self.expected = expected
         self.current = current
-        super().__init__(f"the current revision is {current}, not {expected} as this change expected; nothing was written")
+        super().__init__(f"the current revision is {current}, not {expected} as this change expected; "
+                         "nothing was written")
 
 
 class StoreUnavailableError(RuntimeError):
