@@ -9,6 +9,12 @@ Routes
 ``GET /healthz``                  200 ``ok`` (or 503 with the reason when ``health()`` says so)
 ``POST /webhook/alertmanager``    Alertmanager payload (version "4") → ``on_alert``
 ``POST /webhook/grafana``         Grafana webhook payload (version "1") → ``on_alert``
+
+The bearer token is checked before any of the body is read, every connection has a
+socket timeout (a slow or silent client cannot hold a thread), and bodies may come
+with ``Content-Length`` or ``Transfer-Encoding: chunked`` (at most
+``MAX_BODY_BYTES`` either way). A client's mistake is a 4xx, never a 5xx (Alertmanager
+retries 5xx); 503 with ``Retry-After`` means "not now" (not the leader, Redis down).
 """
 
 from __future__ import annotations
@@ -26,24 +32,76 @@ from specops.alerts.webhook import MAX_BODY_BYTES, WebhookError, WebhookReceiver
 log = logging.getLogger(__name__)
 
 WEBHOOK_PREFIX = "/webhook/"
+SOCKET_TIMEOUT_S = 10.0
+
+
+class _BodyError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
     protocol_version = "HTTP/1.1"
+    timeout = SOCKET_TIMEOUT_S  # StreamRequestHandler sets it on the socket: reads and writes time out
 
     def log_message(self, fmt: str, *args) -> None:  # route access logs to logging, not stderr
         log.debug("%s %s", self.address_string(), fmt % args)
 
-    def _send(self, status: int, body: bytes, content_type: str = "text/plain; charset=utf-8") -> None:
+    def _send(self, status: int, body: bytes, content_type: str = "text/plain; charset=utf-8",
+              headers: dict[str, str] | None = None) -> None:
         self.send_response(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
 
-    def _json(self, status: int, obj: dict) -> None:
-        self._send(status, json.dumps(obj).encode(), "application/json")
+    def _json(self, status: int, obj: dict, headers: dict[str, str] | None = None) -> None:
+        self._send(status, json.dumps(obj).encode(), "application/json", headers)
+
+    def _read_body(self) -> bytes:
+        """The request body (Content-Length or chunked), at most MAX_BODY_BYTES; raises _BodyError."""
+        encoding = (self.headers.get("Transfer-Encoding") or "").strip().lower()
+        if encoding:
+            if encoding != "chunked":
+                raise _BodyError(400, f"unsupported Transfer-Encoding {encoding!r}")
+            return self._read_chunked()
+        raw = self.headers.get("Content-Length")
+        try:
+            length = int(raw) if raw is not None else 0
+        except ValueError:
+            raise _BodyError(400, "bad Content-Length") from None
+        if length < 0 or length > MAX_BODY_BYTES:
+            raise _BodyError(413, f"payload must be 0..{MAX_BODY_BYTES} bytes")
+        body = self.rfile.read(length)
+        if len(body) != length:
+            raise _BodyError(400, f"body ended after {len(body)} of {length} bytes")
+        return body
+
+    def _read_chunked(self) -> bytes:
+        parts, total = [], 0
+        while True:
+            line = self.rfile.readline(1026)
+            try:
+                size = int(line.split(b";", 1)[0].strip(), 16)
+            except ValueError:
+                raise _BodyError(400, "malformed chunk size") from None
+            if size < 0:
+                raise _BodyError(400, "malformed chunk size")
+            if size == 0:
+                while self.rfile.readline(1026) not in (b"\r\n", b"\n", b""):  # trailers
+                    pass
+                return b"".join(parts)
+            total += size
+            if total > MAX_BODY_BYTES:
+                raise _BodyError(413, f"payload larger than {MAX_BODY_BYTES} bytes")
+            chunk = self.rfile.read(size)
+            if len(chunk) != size or self.rfile.read(2) not in (b"\r\n",):
+                raise _BodyError(400, "truncated chunk")
+            parts.append(chunk)
 
     def do_GET(self) -> None:  # noqa: N802 (http.server naming)
         path = self.path.split("?", 1)[0]
@@ -64,27 +122,36 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(404, b"not found\n")
             return
         source = path[len(WEBHOOK_PREFIX):]
+        receiver = self.server.receiver
         try:
-            length = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            self._json(400, {"error": "bad Content-Length"})
-            return
-        if length < 0 or length > MAX_BODY_BYTES:
-            self.close_connection = True
-            self._json(413, {"error": f"payload must be 0..{MAX_BODY_BYTES} bytes"})
-            return
-        body = self.rfile.read(length)
-        try:
-            result = self.server.receiver.handle(source, self.headers.get("Authorization"), body)
+            receiver.authorize(self.headers.get("Authorization"))  # before reading a byte of the body
         except WebhookError as exc:
             log.warning("webhook %s refused (%d): %s", source, exc.status, exc.message)
-            self._json(exc.status, {"error": exc.message})
+            self.close_connection = True  # the unread body must not be parsed as the next request
+            self._json(exc.status, {"error": exc.message}, {"WWW-Authenticate": "Bearer"})
+            return
+        try:
+            body = self._read_body()
+        except _BodyError as exc:
+            self.close_connection = True
+            self._json(exc.status, {"error": str(exc)})
+            return
+        try:
+            result = receiver.handle(source, self.headers.get("Authorization"), body)
+        except WebhookError as exc:
+            log.warning("webhook %s refused (%d): %s", source, exc.status, exc.message)
+            headers = {} if exc.retry_after_s is None else {"Retry-After": str(max(1, round(exc.retry_after_s)))}
+            self._json(exc.status, {"error": exc.message}, headers)
             return
         except Exception:
             log.exception("webhook %s: the alert callback failed", source)
             self._json(500, {"error": "alert callback failed; retry"})
             return
-        self._json(200, {"actions": len(result.actions), "duplicates": result.duplicates, "ignored": result.ignored})
+        answer = {"actions": len(result.actions), "duplicates": result.duplicates, "ignored": result.ignored}
+        if result.rejected:
+            self._json(422, {**answer, "error": "; ".join(result.rejected), "rejected": result.rejected})
+            return
+        self._json(200, answer)
 
 
 class _Server(ThreadingHTTPServer):

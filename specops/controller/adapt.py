@@ -19,7 +19,15 @@ Two strategies, both bounded by the policy's ``IntRange`` for the knob:
     that value was in effect. Discounting forgets old rewards so a traffic shift is
     followed.
 
-Both pass their wish through :func:`guarded_step`: a change must beat the dead-band
+The Medusa tree size (``tree_size``, an upper bound on the candidate tree's nodes
+that the runtime may undercut from its measured verify cost) is adapted by the
+bandit in both modes, over a geometric grid of sizes (:func:`tree_size_arms`): the
+windows carry no per-node measurement a goodput model could be fitted to. It
+moves only on ticks where the heads knob holds, so each window measures one change.
+Bandit statistics are plain data (:meth:`BanditState.to_dict`) kept in Redis with
+the effective settings, so a new leader continues where the old one stopped.
+
+All of them pass their wish through :func:`guarded_step`: a change must beat the dead-band
 (relative expected gain), may not come sooner than the cooldown after the previous
 change (and never before a whole window was measured under the current value), and
 moves at most ``max_step`` per tick — so settings do not flap.
@@ -28,8 +36,9 @@ moves at most ``max_step`` per tick — so settings do not flap.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class WindowLike(Protocol):
@@ -186,6 +195,26 @@ class BanditState:
         self.weight[arm] = self.weight.get(arm, 0.0) + 1.0
         self.reward_sum[arm] = self.reward_sum.get(arm, 0.0) + reward
 
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able data (arm keys as strings)."""
+        return {"discount": self.discount, "exploration": self.exploration,
+                "weight": {str(k): v for k, v in sorted(self.weight.items())},
+                "reward_sum": {str(k): v for k, v in sorted(self.reward_sum.items())}}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BanditState:
+        """Inverse of :meth:`to_dict`; raises ValueError for malformed data."""
+        try:
+            weight = {int(k): float(v) for k, v in dict(data.get("weight", {})).items()}
+            reward = {int(k): float(v) for k, v in dict(data.get("reward_sum", {})).items()}
+            state = cls(discount=float(data.get("discount", 0.9)), exploration=float(data.get("exploration", 0.1)),
+                        weight=weight, reward_sum=reward)
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"malformed bandit statistics: {exc}") from None
+        if set(weight) != set(reward) or not 0 < state.discount <= 1:
+            raise ValueError("malformed bandit statistics: arms of weight and reward_sum differ, or bad discount")
+        return state
+
     def mean(self, arm: int) -> float | None:
         w = self.weight.get(arm, 0.0)
         return self.reward_sum[arm] / w if w > 1e-9 else None
@@ -198,11 +227,32 @@ class BanditState:
         return self.reward_sum[arm] / w + self.exploration * math.sqrt(2.0 * math.log(max(total, 1.0 + 1e-9)) / w)
 
 
-def propose_bandit(state: BanditState, current: int, lo: int, hi: int) -> Proposal:
-    """The UCB-best knob value; unexplored values first, nearest to ``current``."""
+def tree_size_arms(lo: int, hi: int) -> list[int]:
+    """Tree sizes the bandit tries within ``[lo, hi]``: ``lo``, doubling, and ``hi``."""
+    if lo < 1 or lo > hi:
+        raise ValueError(f"bad tree size range [{lo}, {hi}]")
+    arms, n = [], lo
+    while n < hi:
+        arms.append(n)
+        n *= 2
+    return [*arms, hi]
+
+
+def nearest_arm(arms: Sequence[int], value: int) -> int:
+    """The arm closest to ``value`` (the smaller one on a tie)."""
+    return min(arms, key=lambda a: (abs(a - value), a))
+
+
+def propose_bandit(state: BanditState, current: int, lo: int, hi: int, arms: Sequence[int] | None = None) -> Proposal:
+    """The UCB-best knob value; unexplored values first, nearest to ``current``.
+
+    ``arms``: the values to choose among (default every int in ``[lo, hi]``).
+    """
     if lo > hi:
         raise ValueError(f"empty knob range [{lo}, {hi}]")
-    arms = range(lo, hi + 1)
+    arms = list(range(lo, hi + 1)) if arms is None else [a for a in arms if lo <= a <= hi]
+    if not arms:
+        raise ValueError(f"no bandit arm within [{lo}, {hi}]")
     scores = {k: state.ucb(k) for k in arms}
     best = max(arms, key=lambda k: (scores[k], -abs(k - current)))
     cur = state.mean(current)

@@ -9,11 +9,15 @@ all alert rules) on the canary's metric window of every class the rule watches:
   any class (no traffic, too few samples);
 * **Successful** — at least one evaluation, all of them passing.
 
-The runs of the current rollout are tallied as Argo Rollouts does: more than
-``failure_limit`` failed runs → the rollout is degraded and rolled back to the last
-good revision; more than ``inconclusive_limit`` inconclusive runs → the rollout
-pauses for a human; more than ``consecutive_error_limit`` errors in a row → counts as
-a failed run (the source stayed down). A single error never fails a rollout.
+The runs are tallied as Argo Rollouts does, per step and per resume (each is a
+fresh AnalysisRun: ``RolloutState.current_runs``): more than ``failure_limit``
+failed runs → the rollout is degraded and rolled back to the last good revision;
+more than ``inconclusive_limit`` inconclusive runs → the rollout pauses for a
+human; more than ``consecutive_error_limit`` errors in a row → the rollout is
+degraded and rolled back too, whatever ``failure_limit`` says (Argo Rollouts ends
+such an AnalysisRun in phase Error, which aborts the rollout): a metric source that
+stays down must not let a canary sit, nor be promoted blind. Fewer errors in a row
+never fail a rollout; a successful, failed or inconclusive run resets the count.
 """
 
 from __future__ import annotations
@@ -104,11 +108,11 @@ class Verdict:
 
 def verdict(t: Tally, analysis: Any) -> Verdict:
     """Apply the analysis limits (an :class:`~specops.policies.Analysis`) to a tally."""
-    failed = t.failed + (1 if t.consecutive_errors > analysis.consecutive_error_limit else 0)
-    if failed > analysis.failure_limit:
-        why = (f"{t.consecutive_errors} consecutive errors > limit {analysis.consecutive_error_limit}"
-               if t.failed <= analysis.failure_limit else f"{t.failed} failed runs > limit {analysis.failure_limit}")
-        return Verdict("rollback", why)
+    if t.failed > analysis.failure_limit:
+        return Verdict("rollback", f"{t.failed} failed runs > limit {analysis.failure_limit}")
+    if t.consecutive_errors > analysis.consecutive_error_limit:
+        return Verdict("rollback", f"{t.consecutive_errors} consecutive errors > limit "
+                                   f"{analysis.consecutive_error_limit} (metric source down)")
     if t.inconclusive > analysis.inconclusive_limit:
         return Verdict("pause", f"{t.inconclusive} inconclusive runs > limit {analysis.inconclusive_limit}")
     return Verdict("continue", f"{t.successful} successful, {t.failed} failed, {t.inconclusive} inconclusive, "

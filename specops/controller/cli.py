@@ -49,7 +49,7 @@ def run_command(policy_file, redis_url, state_dir, namespace, prometheus_url, in
     from specops.alerts.server import ControlServer
     from specops.alerts.webhook import WebhookReceiver
     from specops.controller.controller import Controller
-    from specops.controller.leader import LeaderLease
+    from specops.controller.leader import LeaderLease, LeaseKeeper
     from specops.controller.rollout_driver import canary_namespace
     from specops.controller.scheduler import build_scheduler
     from specops.controller.sources import CombinedSource, PrometheusSource, RedisWindowSource
@@ -62,6 +62,13 @@ def run_command(policy_file, redis_url, state_dir, namespace, prometheus_url, in
     from specops.telemetry.redis_metrics import RedisWindowReader
 
     host, port = _listen(listen)
+    valid_s = lease_ttl_ms * 0.9 / 1000.0  # the lease's validity: ttl minus LeaderLease's 10 % safety margin
+    if interval_s >= valid_s:
+        # the lease is renewed on its own thread, but a leader that ticks less than once per tenure hands the
+        # lease to a standby that has not ticked either (replicas take turns and nobody acts in time)
+        raise click.BadParameter(f"--interval {interval_s:g}s cannot keep a {lease_ttl_ms} ms lease (valid "
+                                 f"{valid_s:g}s): use a shorter --interval or a longer --lease-ttl-ms",
+                                 param_hint="--interval")
     if not webhook_token:
         raise click.UsageError("a webhook token is required: --webhook-token or SPECOPS_WEBHOOK_TOKEN")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -92,8 +99,9 @@ def run_command(policy_file, redis_url, state_dir, namespace, prometheus_url, in
                 raise click.BadParameter(str(exc), param_hint="--prometheus") from None
         registry = CollectorRegistry()
         lease = LeaderLease(client, name=store.lease_name, ttl_ms=lease_ttl_ms)
+        keeper = LeaseKeeper(lease)  # renews on its own thread: a slow tick does not cost the lease
         controller = Controller(store, CombinedSource(sources), registry=registry, lease=lease, window_s=window_s,
-                                canary_source=CombinedSource(canary))
+                                canary_source=CombinedSource(canary), keeper=keeper)
         receiver = WebhookReceiver(webhook_token, controller.apply_alert)
         server = ControlServer(receiver, registry, host=host, port=port)
         scheduler = build_scheduler(controller.tick, interval_s)
@@ -101,6 +109,7 @@ def run_command(policy_file, redis_url, state_dir, namespace, prometheus_url, in
         if threading.current_thread() is threading.main_thread():  # signals can only be handled there
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, lambda *_: stop.set())
+        keeper.start()
         server.start()
         scheduler.start()
         click.echo(f"controller running: ticks every {interval_s:g}s, HTTP on {server.url}")
@@ -109,8 +118,7 @@ def run_command(policy_file, redis_url, state_dir, namespace, prometheus_url, in
         finally:
             scheduler.shutdown(wait=True)
             server.stop()
-            if lease.is_leader:
-                lease.release()
+            keeper.stop(release=True)
     finally:
         close(client)
 

@@ -12,14 +12,29 @@ Per class and tick (see issue 4 §4):
    ``adaptation.mode``, guarded by dead-band, cooldown and max step.
 
 All changes of a tick are written in ONE fenced store commit (with the inputs that
-led to them, which the store appends to the audit stream); rollout analysis runs
-through :class:`~specops.controller.rollout_driver.RolloutDriver`. The controller
-acts only while it holds the leader lease (when one is given), and every write
-carries the lease's fencing epoch.
+led to them, which the store appends to the audit stream), conditional on the
+settings the tick read (an operator's change in between wins; the tick is redone
+next time); rollout analysis runs through
+:class:`~specops.controller.rollout_driver.RolloutDriver`. The controller acts only
+while it holds the leader lease (when one is given), and every write carries the
+lease's fence (epoch and token).
+
+Redis is the truth, memory only a cache: which classes are fallen back is rebuilt
+from the effective settings every tick, the bandit statistics are read from and
+written to the store, and the in-memory rule bookkeeping of a tick is rolled back
+when its commit fails — so a safety action whose write did not land is decided
+again at the next tick instead of being forgotten.
+
+A ``rollback`` rule acts once per revision: the rollback is decided against the
+revision the tick read (a compare-and-set in the store), only once the current
+revision (or a stopped canary) has been in effect for a whole window — the window
+before that still measures the revision that was rolled back — and never returns
+to a revision that was itself rolled back from.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -27,12 +42,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from specops.controller.adapt import BanditState, Guard, guarded_step, propose_bandit, propose_goodput
+import redis
+
+from specops.alerts.webhook import AlertDeferred, AlertRejected
+from specops.controller.adapt import (
+    BanditState,
+    Guard,
+    guarded_step,
+    nearest_arm,
+    propose_bandit,
+    propose_goodput,
+    tree_size_arms,
+)
 from specops.controller.fallback import FallbackManager, RuleOutcome
 from specops.controller.metrics import ControllerMetrics
 from specops.controller.rollout_driver import RolloutDriver
 from specops.controller.sources import MetricSource, Reading, read_many
-from specops.policies.errors import ConflictError, StaleEpochError
+from specops.policies.errors import ConflictError, StaleEpochError, StoreUnavailableError
 from specops.policies.state import EffectiveSettings
 
 log = logging.getLogger(__name__)
@@ -82,32 +108,39 @@ class Controller:
     def __init__(self, store, sources: MetricSource, policy_provider: Callable[[], Any] | None = None,
                  clock: Callable[[], float] = time.time, registry=None, lease=None, *,
                  window_s: float = 30.0, canary_source: MetricSource | None = None,
-                 exit_margin: float = 0.02) -> None:
+                 exit_margin: float = 0.02, keeper=None) -> None:
         if window_s <= 0:
             raise ValueError(f"window_s must be positive, got {window_s}")
+        if keeper is not None and (lease is None or keeper.lease is not lease):
+            raise ValueError("the lease keeper must keep the controller's lease")
         self.store = store
         self.source = sources
         self.policy_provider = policy_provider or store.current_policy
         self.clock = clock
         self.metrics = ControllerMetrics(registry)
         self.lease = lease
+        self.keeper = keeper
         self.window_s = window_s
         self.fallback = FallbackManager(exit_margin=exit_margin)
-        self.bandits: dict[str, BanditState] = {}
+        self.bandits: dict[str, dict[str, BanditState]] = {}  # class -> knob -> arms (a cache of the store's)
         self.rollout = RolloutDriver(store, canary_source, clock, self.metrics)
         self._lock = threading.Lock()
-        self._rollback_fired: set[tuple[str, str]] = set()
+        self._rollback_done: set[tuple[str, str, int]] = set()  # (class, rule, revision) acted on or skipped
         self.last_tick_s: float = 0.0
 
     # ------------------------------------------------------------------ leadership
     @property
-    def epoch(self) -> int | None:
-        return self.lease.epoch if self.lease is not None else None
+    def epoch(self):
+        """The fence every write carries (None without a lease)."""
+        return self.lease.fence if self.lease is not None else None
 
     def _lead(self) -> bool:
         if self.lease is None:
             return True
-        ok = self.lease.renew() if self.lease.is_leader else self.lease.try_acquire()
+        if self.keeper is not None:  # the keeper renews on its own thread; only acquire here if we lost it
+            ok = self.lease.is_leader or self.keeper.keep()
+        else:
+            ok = self.lease.renew() if self.lease.is_leader else self.lease.try_acquire()
         self.metrics.is_leader.set(1 if ok else 0)
         return bool(ok)
 
@@ -116,18 +149,25 @@ class Controller:
         """One pass over all classes; returns every decision (holds included)."""
         started = time.perf_counter()
         with self._lock:
+            saved = (copy.deepcopy(self.fallback), copy.deepcopy(self.bandits), set(self._rollback_done))
             try:
                 if not self._lead():
                     log.debug("not the leader: tick skipped")
                     return []
                 decisions = self._tick()
             except ConflictError as exc:
+                self.fallback, self.bandits, self._rollback_done = saved
                 log.info("state changed concurrently, tick abandoned (next tick retries): %s", exc)
                 return []
             except StaleEpochError as exc:
+                self.fallback, self.bandits, self._rollback_done = saved
                 log.warning("lost leadership mid-tick, nothing written: %s", exc)
                 self.metrics.is_leader.set(0)
                 return []
+            except BaseException:
+                # e.g. Redis down: nothing of this tick was written, so nothing of it is remembered either
+                self.fallback, self.bandits, self._rollback_done = saved
+                raise
             finally:
                 self.last_tick_s = time.perf_counter() - started
                 self.metrics.tick_seconds.observe(self.last_tick_s)
@@ -143,11 +183,15 @@ class Controller:
         now = self.clock()
         revision = self.store.current_revision() or 0
         settings = self.store.effective()
+        state = self.store.rollout_state()
+        self.bandits = self._load_bandits()
         names = policy.class_names
         readings = read_many(self.source, names, self.window_s)
         decisions: list[Decision] = []
         changed: dict[str, EffectiveSettings] = {}
+        bandits_before = {n: {k: b.to_dict() for k, b in arms.items()} for n, arms in self.bandits.items()}
         rollback_alerts: list[RuleOutcome] = []
+        settled = self._settled_for_rollback(state, now)
         for name in names:
             rc = policy.get_class(name)
             current = settings.get(name)
@@ -158,22 +202,51 @@ class Controller:
                                           before=_knobs(current), after=_knobs(seeded)))
                 continue
             decision, new = self._class_tick(policy, rc, current, readings.get(name, Reading(None)), now,
-                                             rollback_alerts)
+                                             rollback_alerts, revision, settled)
             decisions.append(decision)
             if new is not None:
                 changed[name] = new
+        bandits = {n: {k: b.to_dict() for k, b in arms.items()} for n, arms in self.bandits.items()}
+        bandits_changed = {n: v for n, v in bandits.items() if bandits_before.get(n) != v}
+        bandits_changed.update({n: {} for n in bandits_before if n not in bandits})
+        expect = {n: settings.get(n) for n in changed}
         if changed:
-            self.store.set_effective(changed, epoch=self.epoch, reason=_summary(decisions),
+            self.store.set_effective(changed, epoch=self.epoch, reason=_summary(decisions), expect=expect,
+                                     bandits=bandits_changed or None,
                                      inputs={d.request_class: {"kind": d.kind, "reason": d.reason, **d.inputs}
                                              for d in decisions if d.changed and d.request_class})
+        elif bandits_changed:
+            self.store.commit(epoch=self.epoch, actor="controller", bandits=bandits_changed)
         for name in names:
             active = self.fallback.is_active(name)
             self.metrics.fallbacks_active.labels(name).set(1 if active else 0)
             final = changed.get(name) or settings.get(name)
             if final is not None:
                 self.metrics.knob.labels(name, knob_name(final.method)).set(getattr(final, knob_name(final.method)))
-        decisions += self.rollout.tick(policy, self.epoch, rollback_alerts)
+                if final.method == "medusa":
+                    self.metrics.knob.labels(name, "tree_size").set(final.tree_size)
+        decisions += self._rollbacks(policy, rollback_alerts, revision, state)
+        decisions += self.rollout.tick(policy, self.epoch, [], state=None)
         return decisions
+
+    # ------------------------------------------------------------------ rollback rules
+    def _settled_for_rollback(self, state: Any, now: float) -> bool:
+        """Whether the window now measures only the current revision (see the module docstring)."""
+        changes = [self.store.current_since() or 0.0]
+        if state is not None and state.phase in ("degraded", "aborted"):
+            changes.append(state.updated_at)
+        return now - max(changes) >= self.window_s
+
+    def _rollbacks(self, policy: Any, alerts: list[RuleOutcome], revision: int, state: Any) -> list[Decision]:
+        todo = [o for o in alerts if (o.request_class, o.rule, revision) not in self._rollback_done]
+        if not todo:
+            return []
+        rules = sorted({o.rule for o in todo})
+        out = self.rollout.rollback_now(policy, self.epoch, f"alert {', '.join(rules)} firing", state=state,
+                                        against=revision)
+        for o in todo:  # acted on (or found done / impossible): remembered only now, after the write
+            self._rollback_done.add((o.request_class, o.rule, revision))
+        return out
 
     def _seed(self, rc: Any, revision: int, now: float) -> EffectiveSettings:
         self.fallback.active.pop(rc.name, None)
@@ -184,14 +257,30 @@ class Controller:
                                  fallback_active=False, probe_fraction=rc.adaptation.probe_fraction,
                                  revision=revision, updated_at=now)
 
+    def _load_bandits(self) -> dict[str, dict[str, BanditState]]:
+        out: dict[str, dict[str, BanditState]] = {}
+        for name, knobs in self.store.bandit_stats().items():
+            try:
+                arms = {knob: BanditState.from_dict(data) for knob, data in dict(knobs).items()}
+            except (ValueError, TypeError) as exc:
+                log.warning("class %s: stored bandit statistics unreadable (%s); starting afresh", name, exc)
+                continue
+            if arms:
+                out[name] = arms
+        return out
+
     def _class_tick(self, policy: Any, rc: Any, current: EffectiveSettings, reading: Reading, now: float,
-                    rollback_alerts: list[RuleOutcome]) -> tuple[Decision, EffectiveSettings | None]:
+                    rollback_alerts: list[RuleOutcome], revision: int = 0,
+                    settled: bool = True) -> tuple[Decision, EffectiveSettings | None]:
         name = rc.name
         stats = reading.stats
         inputs = window_inputs(stats)
+        # the store is the truth about fallbacks: resume one set before a restart (or by a webhook on another
+        # leader), forget one whose write never landed or that an operator cleared
         if current.fallback_active and not self.fallback.is_active(name):
-            # fallen back before a controller restart (or by a webhook on another leader): resume that state
             self.fallback.force(name, "restored", "fallback_active in effective settings", current.updated_at)
+        elif not current.fallback_active and self.fallback.is_active(name):
+            self.fallback.active.pop(name, None)
         rules = [a for a in policy.alerts if a.applies_to(name)]
         outcomes = [self.fallback.rules.evaluate(rule, name, stats, now) for rule in rules]
         by_action = {r.name: r.action for r in rules}
@@ -200,12 +289,10 @@ class Controller:
         for o in outcomes:
             if by_action[o.rule] != "rollback":
                 continue
-            key = (name, o.rule)
-            if o.firing and key not in self._rollback_fired:  # act once per firing episode
-                self._rollback_fired.add(key)
+            if o.firing and settled:
                 rollback_alerts.append(o)
             elif o.outcome == "ok":
-                self._rollback_fired.discard(key)
+                self._rollback_done = {k for k in self._rollback_done if k[:2] != (name, o.rule)}
         inputs["rules"] = [o.as_dict() for o in outcomes if o.outcome != "ok" or o.pending_s]
         if rc.method == "off":
             return Decision(name, "hold", "policy method is off", inputs=inputs), None
@@ -240,67 +327,140 @@ class Controller:
                       max_step=rc.adaptation.max_step, settle_s=self.window_s)
         last_change = current.updated_at
         settled = now - last_change >= self.window_s
+        arms = self.bandits.setdefault(rc.name, {}) if mode == "bandit" or rc.method == "medusa" else {}
         if mode == "goodput":
             proposal = propose_goodput(stats, value, bounds.min, bounds.max)
             if proposal is None:
                 return Decision(rc.name, "inconclusive", "window has no drafts to model", inputs=inputs), None
         else:
-            bandit = self.bandits.setdefault(rc.name, BanditState())
+            bandit = arms.setdefault(knob, BanditState())
             if settled and stats.speedup and stats.speedup > 0:
                 bandit.update(value, float(stats.speedup))
             proposal = propose_bandit(bandit, value, bounds.min, bounds.max)
         inputs["estimates"] = {str(k): round(v, 3) for k, v in proposal.estimates.items()}
         step = guarded_step(value, proposal, now=now, last_change_at=last_change, guard=guard)
+        tree = self._adapt_tree(rc, current, stats, now, arms, guard, settled) if rc.method == "medusa" else None
         if not step.changed:
+            if tree is not None:  # heads hold: the tree size may move (one knob per window)
+                new_size, why, estimates = tree
+                inputs["tree_estimates"] = estimates
+                new = replace(current, tree_size=new_size, updated_at=now)
+                return Decision(rc.name, "adapt", why, _knobs(current), _knobs(new), inputs), new
             return Decision(rc.name, "hold", step.reason, inputs=inputs), None
         new = replace(current, **{knob: step.value}, updated_at=now)
         return Decision(rc.name, "adapt", step.reason, _knobs(current), _knobs(new), inputs), new
 
+    def _adapt_tree(self, rc: Any, current: EffectiveSettings, stats: Any, now: float,
+                    arms: dict[str, BanditState], guard: Guard, settled: bool) -> tuple[int, str, dict] | None:
+        """The Medusa tree-size bound's bandit step (see ``specops.controller.adapt``); None when it holds."""
+        bounds = rc.tree_size
+        grid = tree_size_arms(bounds.min, bounds.max)
+        value = nearest_arm(grid, bounds.clamp(current.tree_size))
+        bandit = arms.setdefault("tree_size", BanditState())
+        if settled and stats.speedup and stats.speedup > 0:
+            bandit.update(value, float(stats.speedup))
+        proposal = propose_bandit(bandit, value, bounds.min, bounds.max, arms=grid)
+        step = guarded_step(value, proposal, now=now, last_change_at=current.updated_at,
+                            guard=replace(guard, max_step=max(1, bounds.max - bounds.min)))
+        if not step.changed or step.value == current.tree_size:
+            return None
+        # one grid position per change, like max_step for the other knobs
+        i, j = grid.index(value), grid.index(nearest_arm(grid, step.value))
+        target = grid[i + max(-1, min(1, j - i))] if j != i else step.value
+        estimates = {str(k): round(v, 3) for k, v in proposal.estimates.items()}
+        return target, f"tree size: {proposal.reason}; {current.tree_size} -> {target}", estimates
+
     # ------------------------------------------------------------------ webhooks
     def apply_alert(self, action: Any) -> list[Decision]:
-        """Apply an alert delivered by webhook (``specops.alerts.webhook.AlertAction``)."""
+        """Apply an alert delivered by webhook (``specops.alerts.webhook.AlertAction``).
+
+        Raises :class:`~specops.alerts.webhook.AlertDeferred` when this controller is
+        not the leader or Redis is unavailable (the sender retries, and the leader
+        acts), :class:`~specops.alerts.webhook.AlertRejected` when the alert cannot
+        apply to the current policy (unknown class or rule).
+        """
         with self._lock:
-            if not self._lead():
-                log.warning("alert %s ignored: not the leader", getattr(action, "rule", "?"))
-                return []
-            policy = self.policy_provider()
-            if policy is None:
-                return []
-            now = self.clock()
-            kind = action.kind
-            inputs = {"rule": action.rule, "fingerprint": action.fingerprint, "source": "webhook"}
-            if kind == "rollback":
-                return self.rollout.rollback_now(policy, self.epoch, f"alert {action.rule} (webhook)")
-            if kind == "notify":
-                self.store.append_audit({"kind": "alert.notify", "class": action.request_class, **inputs},
-                                        epoch=self.epoch)
-                return [Decision(action.request_class, "alert", f"notify: {action.rule}", inputs=inputs)]
-            if kind != "fallback":
-                raise ValueError(f"unknown alert action kind {kind!r}")
-            names = [action.request_class] if action.request_class else policy.class_names
-            unknown = [n for n in names if n not in policy.class_names]
-            if unknown:
-                raise ValueError(f"alert names unknown class {unknown[0]!r}")
-            settings = self.store.effective()
-            changed, decisions = {}, []
-            for name in names:
-                current = settings.get(name)
-                if current is None or policy.get_class(name).method == "off":
-                    continue
-                if not self.fallback.force(name, action.rule, "webhook alert", now) and current.fallback_active:
-                    continue
-                new = replace(current, fallback_active=True, updated_at=now)
-                changed[name] = new
-                decisions.append(Decision(name, "fallback_on", f"alert {action.rule} (webhook)", _knobs(current),
-                                          _knobs(new), inputs))
-            if changed:
-                self.store.set_effective(changed, epoch=self.epoch, reason=f"webhook alert {action.rule}",
-                                         inputs={n: inputs for n in changed})
-                for n in changed:
-                    self.metrics.fallbacks_active.labels(n).set(1)
-            for d in decisions:
-                self.metrics.decisions.labels(d.request_class or "-", d.kind).inc()
-            return decisions
+            try:
+                return self._apply_alert(action)
+            except StoreUnavailableError as exc:
+                raise AlertDeferred(f"policy store unavailable: {exc}", retry_after_s=exc.retry_after_s) from exc
+            except (redis.ConnectionError, redis.TimeoutError) as exc:  # the lease's own round trips
+                raise AlertDeferred(f"Redis unavailable: {exc}", retry_after_s=1.0) from exc
+            except ConflictError as exc:
+                raise AlertDeferred(f"state changed concurrently: {exc}", retry_after_s=1.0) from exc
+            except StaleEpochError as exc:
+                self.metrics.is_leader.set(0)
+                raise AlertDeferred(f"lost leadership: {exc}", retry_after_s=1.0) from exc
+
+    def _apply_alert(self, action: Any) -> list[Decision]:
+        if not self._lead():
+            holder = self.lease.holder() if self.lease is not None else None
+            log.info("alert %s deferred: not the leader (the lease is held by %s)", action.rule, holder)
+            raise AlertDeferred(f"this controller is not the leader (leader: {holder or 'none'}); retry", 2.0)
+        policy = self.policy_provider()
+        if policy is None:
+            raise AlertDeferred("no current policy revision yet; retry", 5.0)
+        now = self.clock()
+        kind = action.kind
+        if kind is None:  # a hand-written rule (e.g. Grafana's UI) without an action label: the policy says
+            rule = next((r for r in policy.alerts if r.name == action.rule), None)
+            if rule is None:
+                raise AlertRejected(f"alert names rule {action.rule!r}, which the current policy does not have, "
+                                    "and carries no action label (fallback | rollback | notify)")
+            kind = rule.action
+        if action.request_class is not None and action.request_class not in policy.class_names:
+            raise AlertRejected(f"alert names class {action.request_class!r}, which the current policy does not "
+                                f"have (classes: {', '.join(policy.class_names)})")
+        inputs = {"rule": action.rule, "fingerprint": action.fingerprint, "source": "webhook",
+                  "starts_at": getattr(action, "starts_at", None)}
+        if kind == "rollback":
+            return self._alert_rollback(policy, action, now)
+        if kind == "notify":
+            self.store.append_audit({"kind": "alert.notify", "class": action.request_class, **inputs},
+                                    epoch=self.epoch)
+            return [Decision(action.request_class, "alert", f"notify: {action.rule}", inputs=inputs)]
+        if kind != "fallback":
+            raise AlertRejected(f"unknown alert action {kind!r}")
+        names = [action.request_class] if action.request_class else policy.class_names
+        settings = self.store.effective()
+        changed, decisions = {}, []
+        for name in names:
+            current = settings.get(name)
+            if current is None or policy.get_class(name).method == "off" or current.fallback_active:
+                continue
+            new = replace(current, fallback_active=True, updated_at=now)
+            changed[name] = new
+            decisions.append(Decision(name, "fallback_on", f"alert {action.rule} (webhook)", _knobs(current),
+                                      _knobs(new), inputs))
+        if changed:
+            self.store.set_effective(changed, epoch=self.epoch, reason=f"webhook alert {action.rule}",
+                                     inputs={n: inputs for n in changed}, expect={n: settings[n] for n in changed})
+            for n in changed:  # only now that the write landed
+                self.fallback.force(n, action.rule, "webhook alert", now)
+                self.metrics.fallbacks_active.labels(n).set(1)
+        for d in decisions:
+            self.metrics.decisions.labels(d.request_class or "-", d.kind).inc()
+        return decisions
+
+    def _alert_rollback(self, policy: Any, action: Any, now: float) -> list[Decision]:
+        """A rollback alert acts against the revision current when it started firing, once."""
+        starts_at = getattr(action, "starts_at", None)
+        revision = self.store.current_revision()
+        since = self.store.current_since()
+        reason = f"alert {action.rule} (webhook)"
+        if revision is None:
+            return []
+        if starts_at is not None and since is not None and since > starts_at:
+            why = (f"revision {revision} became current after the alert started firing: "
+                   "this alert was already acted on (or concerns an earlier revision)")
+            log.info("%s: rollback skipped: %s", reason, why)
+            self.store.append_audit({"kind": "rollback.skipped", "reason": reason, "why": why,
+                                     "fingerprint": action.fingerprint}, epoch=self.epoch)
+            return [Decision(None, "rollout.rollback_skipped", f"{reason}: {why}")]
+        decisions = self.rollout.rollback_now(policy, self.epoch, reason, against=revision, since=starts_at)
+        for d in decisions:
+            self.metrics.decisions.labels("-", d.kind).inc()
+        return decisions
 
 
 def _knobs(s: EffectiveSettings | None) -> dict[str, Any]:

@@ -124,10 +124,11 @@ def generate_medusa(
     """Decode up to ``max_new_tokens`` tokens with Medusa tree speculation.
 
     ``num_heads``: heads to use (<= the heads' K; default all). ``tree``: a preset name,
-    an explicit list of rank paths, a `TreeSpec`, or None / "auto" for `plan_tree` (sized
-    from the runner's measured verify cost). ``typical``: LOSSY typical acceptance
-    instead of exact rejection sampling (only with temperature > 0). ``deadline_s``: past
-    it every step verifies the root alone, i.e. plain decoding on the same cache
+    an explicit list of rank paths, a `TreeSpec`, None / "auto" for `plan_tree` (sized
+    from the runner's measured verify cost), or an int n: that planned tree with at
+    most n nodes, root included (a policy's ``tree_size`` bound; the plan may be smaller).
+    ``typical``: LOSSY typical acceptance instead of exact rejection sampling (only with
+    temperature > 0). ``deadline_s``: past it every step verifies the root alone, i.e. plain decoding on the same cache
     (``stats.fallback_reason == "deadline"``).
     """
     deadline = None if deadline_s is None else time.perf_counter() + check_deadline(deadline_s)
@@ -136,8 +137,13 @@ def generate_medusa(
     k = heads.num_heads if num_heads is None else num_heads
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= heads.num_heads:
         raise InvalidRequestError(f"heads must be in 1..{heads.num_heads} (the Medusa heads loaded), got {num_heads!r}")
+    if isinstance(tree, int) and not isinstance(tree, bool) and tree < 1:
+        raise InvalidRequestError(f"a tree size bound must be >= 1 node, got {tree}")
     try:
-        spec = plan_tree(target, heads, k) if tree is None or tree == "auto" else resolve_tree(tree, k)
+        if isinstance(tree, int) and not isinstance(tree, bool):
+            spec = plan_tree(target, heads, k, max_nodes=tree)
+        else:
+            spec = plan_tree(target, heads, k) if tree is None or tree == "auto" else resolve_tree(tree, k)
     except TreeError as exc:
         raise InvalidRequestError(str(exc)) from None
     if typical is True:
@@ -237,7 +243,7 @@ def _verify_step(target: ModelRunner, tree_tokens: Tensor, buffers: TreeBuffers,
 
 # -- tree size from the runner's measured verify cost ----------------------------------
 _COST_CURVES: "weakref.WeakKeyDictionary[object, VerifyCostCurve]" = weakref.WeakKeyDictionary()
-_PLANS: "weakref.WeakKeyDictionary[object, dict[tuple[int, int], TreeChoice]]" = weakref.WeakKeyDictionary()
+_PLANS: "weakref.WeakKeyDictionary[object, dict[tuple[int, int, int | None], TreeChoice]]" = weakref.WeakKeyDictionary()
 
 
 def verify_cost_curve(target: ModelRunner) -> VerifyCostCurve:
@@ -264,18 +270,21 @@ def heads_overhead_s(heads: HeadsLike, target: ModelRunner, num_heads: int, repe
     return min(samples[1:])
 
 
-def plan_tree(target: ModelRunner, heads: HeadsLike, num_heads: int) -> TreeSpec:
+def plan_tree(target: ModelRunner, heads: HeadsLike, num_heads: int, max_nodes: int | None = None) -> TreeSpec:
     """The tree for ``tree=None``: the sparse tree from the heads' measured accuracy whose size
     maximises expected tokens/s under the runner's measured verify cost; "small" when the
-    heads carry no accuracy table."""
+    heads carry no accuracy table. ``max_nodes`` bounds its node count (root included)."""
     accuracy = getattr(getattr(heads, "config", None), "head_topk_accuracy", None)
     if not accuracy:
-        return preset("small", num_heads)
+        small = preset("small", num_heads)
+        return small if max_nodes is None else small.limit(max_nodes=max_nodes)
     plans = _PLANS.setdefault(heads, {})
-    key = (id(target), num_heads)
+    key = (id(target), num_heads, max_nodes)
     if key not in plans:
-        plans[key] = choose_tree(accuracy[:num_heads], verify_cost_curve(target),
-                                       overhead_s=heads_overhead_s(heads, target, num_heads))
+        curve = verify_cost_curve(target)
+        cap = None if max_nodes is None else min(max_nodes, curve.sizes[-1])
+        plans[key] = choose_tree(accuracy[:num_heads], curve, max_nodes=cap,
+                                 overhead_s=heads_overhead_s(heads, target, num_heads))
         choice = plans[key]
         logger.info("medusa tree for %d heads: %d nodes, %.2f expected tokens/step, %.0f tokens/s expected",
                     num_heads, choice.spec.num_nodes, choice.expected_tokens, choice.tokens_per_s)

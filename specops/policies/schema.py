@@ -253,7 +253,8 @@ class Analysis(_Model):
     inconclusive_limit: int = Field(default=0, ge=0)
     """Inconclusive runs tolerated; one more pauses the rollout for a human."""
     consecutive_error_limit: int = Field(default=4, ge=0)
-    """Consecutive errors (metric source down) tolerated before the run counts as failed."""
+    """Consecutive errors (metric source down) tolerated; one more degrades the rollout (rolled back to
+    stable) whatever ``failure_limit`` says, as Argo Rollouts' Error phase aborts one."""
     rules: list[str] = Field(default_factory=list)
     """Alert rule names evaluated by the analysis; empty: all alert rules."""
 

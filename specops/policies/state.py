@@ -64,6 +64,9 @@ class RolloutState:
     analysis_runs: list[dict[str, Any]] = field(default_factory=list)
     step_started_at: float = 0.0
     updated_at: float = 0.0
+    attempt: int = 0
+    """Incremented at every step start and every resume: analysis runs count only within
+    one attempt (a fresh AnalysisRun, as Argo Rollouts starts one per step and resume)."""
     generation: int = 0
 
     def __post_init__(self) -> None:
@@ -76,6 +79,11 @@ class RolloutState:
     def active(self) -> bool:
         """A canary is taking (or waiting to take) traffic."""
         return self.phase in ACTIVE_PHASES
+
+    def current_runs(self) -> list[dict[str, Any]]:
+        """The analysis runs of the current step and attempt (what the limits apply to)."""
+        return [r for r in self.analysis_runs
+                if r.get("step_index") == self.step_index and int(r.get("attempt", 0)) == self.attempt]
 
     def to_json(self) -> str:
         data = asdict(self)

@@ -149,6 +149,7 @@ class PolicyRuntime:
             kwargs["gamma"] = settings.gamma
         elif method == "medusa":
             kwargs["heads"] = min(settings.medusa_heads, self.decoder.medusa.config.num_heads)
+            kwargs["tree"] = settings.tree_size  # upper bound on the tree's nodes; the runtime may plan fewer
         out = self.decoder.generate(ids, method=method, max_new_tokens=max_new_tokens, temperature=temperature,
                                     top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
                                     deadline_s=rc.deadline_s, **kwargs)

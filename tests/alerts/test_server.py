@@ -1,4 +1,5 @@
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -82,3 +83,68 @@ def test_start_stop_frees_the_port():
         again.stop()
     with pytest.raises(RuntimeError):
         _ = server.port
+
+
+def _raw(server, data: bytes, *, read_timeout_s: float = 10.0) -> bytes:
+    """Send raw bytes on one connection; what comes back until the server closes it (or the timeout)."""
+    import socket
+
+    with socket.create_connection((server.host, server.port), timeout=read_timeout_s) as sock:
+        sock.sendall(data)
+        chunks = []
+        try:
+            while True:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+        except TimeoutError:
+            pass
+    return b"".join(chunks)
+
+
+def test_auth_is_checked_before_the_body_is_read(served):
+    server, received, _ = served
+    # announces 900 kB and sends none of it: refused at once, connection closed, no thread left waiting
+    head = (b"POST /webhook/alertmanager HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 900000\r\n\r\n")
+    started = time.monotonic()
+    answer = _raw(server, head, read_timeout_s=5)
+    assert answer.startswith(b"HTTP/1.1 401") and time.monotonic() - started < 4 and received == []
+
+
+def test_silent_client_is_timed_out(served, monkeypatch):
+    from specops.alerts import server as server_module
+
+    monkeypatch.setattr(server_module._Handler, "timeout", 0.5)
+    server, received, _ = served
+    head = (b"POST /webhook/alertmanager HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok\r\n"
+            b"Content-Length: 500\r\n\r\n{\"versi")  # then silence
+    started = time.monotonic()
+    _raw(server, head, read_timeout_s=8)
+    assert time.monotonic() - started < 5 and received == []  # the server hung up on its own
+
+
+def test_chunked_body_is_accepted(served):
+    server, received, _ = served
+    body = alertmanager(alert(cls="code", fingerprint="chunky"))
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + 100]), body[i:i + 100]) for i in range(0, len(body), 100))
+    request = (b"POST /webhook/alertmanager HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok\r\n"
+               b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n" + chunks + b"0\r\n\r\n")
+    answer = _raw(server, request)
+    assert answer.startswith(b"HTTP/1.1 200") and [a.fingerprint for a in received] == ["chunky"]
+    bad = (b"POST /webhook/alertmanager HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok\r\n"
+           b"Transfer-Encoding: chunked\r\n\r\nzz\r\n")
+    assert _raw(server, bad).startswith(b"HTTP/1.1 400")
+
+
+def test_token_from_a_secret_file_with_trailing_newline(tmp_path):
+    secret = tmp_path / "token"
+    secret.write_text("file-token\n")
+    received = []
+    server = ControlServer(WebhookReceiver(secret.read_text(), received.append)).start()
+    try:
+        status, _ = _request(f"{server.url}/webhook/alertmanager", alertmanager(alert()), token="file-token")
+        assert status == 200 and len(received) == 1
+    finally:
+        server.stop()

@@ -1,6 +1,14 @@
 import pytest
 
-from specops.alerts.webhook import AlertAction, WebhookError, WebhookReceiver, parse_payload
+from specops.alerts.webhook import (
+    AlertAction,
+    AlertDeferred,
+    AlertRejected,
+    WebhookError,
+    WebhookReceiver,
+    parse_payload,
+    parse_time,
+)
 from tests.alerts.payloads import alert, alertmanager, grafana
 
 TOKEN = "s3cret-token"
@@ -29,8 +37,9 @@ def receiver(received):
 def test_both_formats_map_labels_to_actions(build, source, receiver, received):
     result = receiver.handle(source, AUTH, build(alert(cls="code", fingerprint="a"),
                                                  alert(cls=None, rule="bad-canary", action="rollback", fingerprint="b")))
-    assert received == [AlertAction("fallback", "code", "speedup-below-1", "a"),
-                        AlertAction("rollback", None, "bad-canary", "b")]
+    starts = 1767225600.0  # the payloads' startsAt, 2026-01-01T00:00:00Z
+    assert received == [AlertAction("fallback", "code", "speedup-below-1", "a", starts),
+                        AlertAction("rollback", None, "bad-canary", "b", starts)]
     assert result.actions == received and result.duplicates == 0
 
 
@@ -84,8 +93,54 @@ def test_callback_failure_is_retried_not_deduped(received):
 
 
 def test_foreign_alerts_are_ignored(receiver, received):
-    result = receiver.handle("alertmanager", AUTH, alertmanager(alert(action=None), alert(action="reboot")))
+    result = receiver.handle("alertmanager", AUTH, alertmanager(alert(action=None, rule=None), alert(action="reboot")))
     assert received == [] and result.ignored == 2
+
+
+def test_rule_label_without_action_takes_the_policys_action(receiver, received):
+    result = receiver.handle("grafana", AUTH, grafana(alert(action=None, rule="slower", fingerprint="g")))
+    assert [a.kind for a in received] == [None] and received[0].rule == "slower" and len(result.actions) == 1
+
+
+def test_start_times_are_parsed_with_nanoseconds_and_zero_means_unknown():
+    assert parse_time("2026-01-01T00:00:01.123456789Z") == pytest.approx(1767225601.123456)
+    assert parse_time("2026-01-01T01:00:00+01:00") == 1767225600.0
+    assert parse_time("0001-01-01T00:00:00Z") is None and parse_time(None) is None
+    with pytest.raises(WebhookError) as err:
+        parse_time("yesterday")
+    assert err.value.status == 400
+
+
+def test_rejected_alert_is_a_client_error_and_the_others_still_act(received):
+    def on_alert(action):
+        if action.request_class == "nope":
+            raise AlertRejected("alert names class 'nope', which the current policy does not have")
+        received.append(action)
+
+    rx = WebhookReceiver(TOKEN + "\n", on_alert, clock=FakeClock())  # a token file's trailing newline is stripped
+    result = rx.handle("alertmanager", AUTH, alertmanager(alert(cls="nope", fingerprint="x"),
+                                                          alert(cls="code", fingerprint="y")))
+    assert [a.fingerprint for a in received] == ["y"] and "nope" in result.rejected[0]
+    # not remembered: after the policy gains the class, the resend acts
+    again = rx.handle("alertmanager", AUTH, alertmanager(alert(cls="nope", fingerprint="x")))
+    assert again.duplicates == 0 and len(again.rejected) == 1
+
+
+def test_deferred_alert_is_a_503_and_not_remembered():
+    leader = {"is": False}
+    acted = []
+
+    def on_alert(action):
+        if not leader["is"]:
+            raise AlertDeferred("not the leader", retry_after_s=2.0)
+        acted.append(action)
+
+    rx = WebhookReceiver(TOKEN, on_alert, clock=FakeClock())
+    with pytest.raises(WebhookError) as err:
+        rx.handle("alertmanager", AUTH, alertmanager(alert()))
+    assert err.value.status == 503 and err.value.retry_after_s == 2.0
+    leader["is"] = True
+    assert len(rx.handle("alertmanager", AUTH, alertmanager(alert())).actions) == 1 and len(acted) == 1
 
 
 @pytest.mark.parametrize("source, body, message", [

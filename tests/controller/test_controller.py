@@ -3,7 +3,7 @@
 import pytest
 from prometheus_client import CollectorRegistry
 
-from specops.alerts.webhook import AlertAction
+from specops.alerts.webhook import AlertAction, AlertDeferred
 from specops.controller.controller import Controller
 from specops.controller.leader import LeaderLease
 from specops.controller.rollout_driver import canary_namespace
@@ -135,7 +135,8 @@ def test_webhook_alert_falls_back_and_needs_leadership(redis_client):
     assert other_lease.try_acquire()
     follower = Controller(rig.store, rig.ctl.source, clock=rig.clock, registry=CollectorRegistry(),
                           lease=LeaderLease(redis_client, name=rig.store.lease_name, ttl_ms=5000))
-    assert follower.apply_alert(AlertAction("fallback", "code", "slower", "fp2")) == []
+    with pytest.raises(AlertDeferred, match="not the leader"):  # 503: Alertmanager retries, the leader acts
+        follower.apply_alert(AlertAction("fallback", "code", "slower", "fp2"))
     assert follower.tick() == []
     assert not rig.store.effective()["code"].fallback_active
 

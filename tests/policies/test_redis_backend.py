@@ -90,3 +90,16 @@ def test_bad_urls():
         connect("redis://u:pw@127.0.0.1:1/0", timeout_s=0.5)
     assert redact("redis://:abc@h:1/0") == "redis://:***@h:1/0"
     assert redact("redis://h:1/0") == "redis://h:1/0"
+
+
+def test_own_pubsub_connection_does_not_keep_the_embedded_server_alive(tmp_path):
+    client = connect(None, tmp_path)
+    pid = embedded_pid(client)
+    subscriber = client.pubsub()
+    subscriber.subscribe("specops:effective:changed")  # as the settings watcher does
+    assert subscriber.get_message(timeout=2)["type"] == "subscribe"
+    other = connect(None, tmp_path)  # another user (its own connection name)...
+    close(other)  # ...sees our client and its subscriber: leaves the server running
+    assert _alive(pid) and client.ping()
+    close(client)  # the last user stops it, although its own pub/sub connection is still open
+    assert not _alive(pid)

@@ -1,0 +1,48 @@
+"""A policy's ``tree_size`` reaches Medusa decoding as an upper bound on the tree's nodes (issue 9 §3)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specops.decoder.autoregressive import generate_ar
+from specops.decoder.errors import InvalidRequestError
+from specops.decoder.fast_llama import FastLlamaRunner
+from specops.decoder.medusa_decode import generate_medusa, plan_tree
+from specops.decoder.medusa_heads import MedusaHeads
+from specops.decoder.sampling import SamplingConfig, make_generator
+from tests.decoder.medusa_models import one_thread, tiny_model  # noqa: F401 (fixture)
+
+GREEDY = SamplingConfig()
+
+
+def _case(accuracy):
+    model = tiny_model("llama", vocab=48, seed=3, context=96)
+    heads = MedusaHeads.from_model(model, num_heads=3)
+    if accuracy is not None:
+        heads.with_accuracy(accuracy)
+    return FastLlamaRunner(model), heads
+
+
+@pytest.mark.parametrize("accuracy", [[[0.7, 0.15, 0.08, 0.05]] * 3, None])
+def test_tree_size_bounds_the_planned_tree_and_output_stays_exact(accuracy, one_thread):
+    runner, heads = _case(accuracy)
+    for bound in (1, 2, 3, 5):
+        assert plan_tree(runner, heads, 3, max_nodes=bound).num_nodes <= bound
+    rng = random.Random(7)
+    for i in range(24):
+        prompt = torch.tensor([[rng.randrange(48) for _ in range(rng.randint(1, 8))]])
+        bound = rng.choice([1, 2, 4, 8, 64])
+        want, _ = generate_ar(runner, prompt, sampling=GREEDY, generator=make_generator(0), max_new_tokens=16)
+        got, _ = generate_medusa(runner, prompt, heads=heads, sampling=GREEDY, generator=make_generator(0),
+                                 max_new_tokens=16, num_heads=3, tree=bound)
+        assert got == want, f"prompt {i}, tree bound {bound}"
+
+
+def test_bad_tree_bound_is_a_request_error(one_thread):
+    runner, heads = _case(None)
+    with pytest.raises(InvalidRequestError, match=">= 1 node"):
+        generate_medusa(runner, torch.tensor([[1, 2]]), heads=heads, sampling=GREEDY, generator=make_generator(0),
+                        max_new_tokens=4, tree=0)
