@@ -99,7 +99,7 @@ def test_own_pubsub_connection_does_not_keep_the_embedded_server_alive(tmp_path)
     client = connect(None, tmp_path)
     pid = embedded_pid(client)
     subscriber = client.pubsub()
-    subscriber.subscribe("specops:effective:changed")  # as the settings watcher does
+    subscriber.subscribe("{specops}:effective:changed")  # as the settings watcher does
     assert subscriber.get_message(timeout=2)["type"] == "subscribe"
     other = connect(None, tmp_path)  # another user (its own connection name)...
     close(other)  # ...sees our client and its subscriber: leaves the server running

@@ -96,7 +96,8 @@ def test_migrate_legacy_keys_then_the_store_reads_the_old_state(redis_client):
     assert redis_client.keys("{specops}:*") == [] and PolicyStore(redis_client).current_revision() is None
 
     renamed = migrate_legacy_keys(redis_client, "specops")
-    assert {old for old, _ in renamed} == {k.replace("{specops}:", "specops:") for k in state_keys}
+    durable = {k.replace("{specops}:", "specops:") for k in state_keys if ":request:" not in k}   # those expire
+    assert {old for old, _ in renamed} == durable
     assert all(old.removeprefix("specops:") in LEGACY_STATE_SUFFIXES for old, _ in renamed)
     again = PolicyStore(redis_client)
     assert again.current_revision() == 1 and again.get_revision(1).text == TEXT
