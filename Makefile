@@ -9,7 +9,14 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.specops-installed
 
-.PHONY: venv install demo test bench lint clean
+# Images (`make image`): the chart's default image is $(IMAGE):$(VERSION) (the controller target).
+IMAGE   ?= ghcr.io/specops/specops
+VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
+IMAGE_TARGETS ?= controller runtime
+BUILDER ?=
+BUILD_ARGS ?=
+
+.PHONY: venv install demo test bench lint clean image image-names
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +43,30 @@ bench: $(STAMP)
 	$(VENV)/bin/specops bench decode --suite code --repeats 3 --json out/bench_decode.json --plot out/bench_decode.png
 	$(VENV)/bin/specops bench kernels
 	$(VENV)/bin/specops simulate --pods 200 --classes 5 --json out/simulate.json --plot out/simulate.png
+
+# Image name per target: the controller is the chart's image, the runtime carries "-runtime".
+image-names:
+	@for t in $(IMAGE_TARGETS); do \
+	  if [ "$$t" = controller ]; then echo "$$t $(IMAGE):$(VERSION)"; else echo "$$t $(IMAGE):$(VERSION)-$$t"; fi; done
+
+# Builds every target with docker (daemon answering), podman or buildah, or BUILDER=...
+# Without a registry: make image BUILD_ARGS="--build-arg BASE=<a local Debian image with python3>"
+image:
+	@builder="$(BUILDER)"; \
+	if [ -z "$$builder" ]; then \
+	  if command -v docker >/dev/null && docker info >/dev/null 2>&1; then builder=docker; \
+	  elif command -v podman >/dev/null; then builder=podman; \
+	  elif command -v buildah >/dev/null; then builder=buildah; \
+	  else \
+	    echo "make image: no image builder: install docker (with a running daemon), podman or buildah, or set BUILDER=" >&2; \
+	    if command -v docker >/dev/null; then echo "make image: (docker is installed, but 'docker info' fails: is the daemon running?)" >&2; fi; \
+	    exit 1; \
+	  fi; \
+	fi; \
+	$(MAKE) -s image-names | while read -r target name; do \
+	  echo "make image: $$builder build --target $$target -t $$name"; \
+	  $$builder build --target "$$target" -t "$$name" $(BUILD_ARGS) . || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -37,6 +37,7 @@ COMMANDS: dict[tuple[str, ...], dict[str, str]] = {
         "rollback": "specops.policies.cli:rollback_command",
         "status": "specops.policies.cli:status_command",
         "history": "specops.policies.cli:history_command",
+        "migrate-keys": "specops.policies.cli:migrate_keys_command",
     },
     ("controller",): {
         "run": "specops.controller.cli:run_command",

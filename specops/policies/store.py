@@ -17,7 +17,8 @@ Every write carries a request id. The script remembers the result under
 (the first attempt may have run) returns the first result instead of storing a
 revision twice or reporting a conflict with itself.
 
-Keys (``ns`` = namespace; names come from :class:`~specops.policies.keys.StoreKeys`)::
+Keys (``ns`` = ``{namespace}``, a Redis Cluster hash tag: every key of a namespace lands in
+one hash slot; names come from :class:`~specops.policies.keys.StoreKeys`)::
 
     ns:rev:seq           INCR counter of revision numbers
     ns:revisions         HASH revision -> {"text", "created_at", "version"}

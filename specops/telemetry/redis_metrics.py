@@ -1,6 +1,7 @@
 """The telemetry counters in Redis, in time buckets, so the controller reads windows without Prometheus.
 
-Layout (``ns`` = namespace, ``b`` = bucket number = floor(unix time / bucket_s)):
+Layout (``ns`` = ``{namespace}``, a Redis Cluster hash tag: :mod:`specops.telemetry.keyspace`;
+``b`` = bucket number = floor(unix time / bucket_s)):
 
 ``{ns}:tm:pod:{class}:{pod}:{b}``  hash  one pod's sums for one class in one bucket
 ``{ns}:tm:agg:{class}:{b}``        hash  the same sums over all pods (what a controller tick reads)
@@ -20,6 +21,7 @@ import math
 import time
 from collections.abc import Callable, Iterable
 
+from specops.telemetry.keyspace import key_prefix
 from specops.telemetry.records import DecodeRecord, WindowStats
 
 _INT_FIELDS = ("requests", "new_tokens", "drafted", "accepted", "target_forwards")
@@ -37,9 +39,7 @@ def _check_period(name: str, value: float) -> None:
 
 class _Keys:
     def __init__(self, namespace: str) -> None:
-        if not namespace:
-            raise ValueError("namespace must be non-empty")
-        self.ns = namespace
+        self.ns = key_prefix(namespace)
 
     def pod(self, request_class: str, pod: str, bucket: int) -> str:
         return f"{self.ns}:tm:pod:{request_class}:{pod}:{bucket}"

@@ -49,6 +49,7 @@ def test_window_option_and_durations(policy):
         render(policy, "nagios")
 
 
+@pytest.mark.services
 def test_rendered_rules_pass_promtool(policy, tmp_path):
     promtool = require_binary("promtool")
     for fmt in ("prometheus", "prometheus-operator"):
@@ -63,6 +64,7 @@ def test_rendered_rules_pass_promtool(policy, tmp_path):
         assert "SUCCESS: 3 rules found" in out.stdout
 
 
+@pytest.mark.services
 def test_rendered_rules_fire_only_for_the_slow_class_with_enough_samples(policy, tmp_path):
     """promtool's rule unit tests: speed-up 0.5 with volume fires; speed-up 0.5 without volume and 1.5 do not."""
     promtool = require_binary("promtool")

@@ -369,7 +369,7 @@ def test_retry_after_a_lost_reply_does_not_store_a_revision_twice(redis_client, 
         proxy.drop_next_reply_to(b"EVALSHA")
         assert store.put_revision(parse_policy(POLICY), POLICY) == 1
         assert proxy.dropped == 1  # the first attempt ran and its reply was lost
-        assert redis_client.hlen("specops:revisions") == 1 and int(redis_client.get("specops:rev:seq")) == 1
+        assert redis_client.hlen("{specops}:revisions") == 1 and int(redis_client.get("{specops}:rev:seq")) == 1
         client.close()
     finally:
         proxy.stop()

@@ -64,7 +64,7 @@ def test_two_controller_processes_one_leads_and_the_other_takes_over(redis_url, 
         views = _wait(one_leader, 20, "exactly one leader")
         time.sleep(3 * 0.2)                       # a few more ticks: still exactly one
         assert one_leader() == views
-        epoch_before = int(redis_client.get("specops:leader:epoch"))
+        epoch_before = int(redis_client.get("{specops}:leader:epoch"))
         leader, standby = (procs[0], procs[1]) if views[0] else (procs[1], procs[0])
 
         os.kill(leader[0].pid, signal.SIGKILL)    # dies without releasing the lease
@@ -74,7 +74,7 @@ def test_two_controller_processes_one_leads_and_the_other_takes_over(redis_url, 
         took = time.monotonic() - killed_at
         # within one lease TTL, plus one tick interval and polling slack
         assert took <= TTL_MS / 1000 + 0.2 + 0.5, f"takeover took {took:.2f}s"
-        assert int(redis_client.get("specops:leader:epoch")) == epoch_before + 1
+        assert int(redis_client.get("{specops}:leader:epoch")) == epoch_before + 1
     finally:
         for proc, _ in procs:
             if proc.poll() is None:

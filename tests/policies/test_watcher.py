@@ -66,6 +66,7 @@ def test_missed_notification_is_reconciled(redis_client):
         watcher.close()
 
 
+@pytest.mark.services
 def test_redis_down_keeps_last_known_settings(tmp_path):
     svc = start_redis(tmp_path)
     client = redis.Redis(port=svc.port, socket_timeout=1, socket_connect_timeout=1,

@@ -49,12 +49,12 @@ def test_old_buckets_leave_the_window_and_expire(redis_client):
     clock.t += 10
     assert reader.window("code", 5).requests == 0   # outside the window by time
     assert reader.classes() == []                     # silent longer than the ttl
-    keys = redis_client.keys("specops:tm:*:code:*")
+    keys = redis_client.keys("{specops}:tm:*:code:*")
     assert keys and all(0 < redis_client.pttl(k) <= 1000 for k in keys)
     deadline = time.monotonic() + 5
-    while redis_client.keys("specops:tm:*:code:*") and time.monotonic() < deadline:
+    while redis_client.keys("{specops}:tm:*:code:*") and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert redis_client.keys("specops:tm:*:code:*") == []   # really expired in Redis
+    assert redis_client.keys("{specops}:tm:*:code:*") == []   # really expired in Redis
 
 
 def test_controller_tick_read_is_fast_for_a_large_fleet(redis_client):
