@@ -41,8 +41,12 @@ def _listen(value: str) -> tuple[str, int]:
               help="Leader lease time-to-live.")
 @click.option("--run-for", "run_for_s", type=click.FloatRange(min=0.0), default=None,
               help="Stop after this many seconds (default: until SIGINT/SIGTERM).")
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              help="text: one readable line per event; json: one JSON object per line (for log collectors).")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              show_default=True, help="debug also shows holds and every scheduler run.")
 def run_command(policy_file, redis_url, state_dir, namespace, prometheus_url, interval_s, window_s, listen,
-                webhook_token, lease_ttl_ms, run_for_s) -> None:
+                webhook_token, lease_ttl_ms, run_for_s, log_format, log_level) -> None:
     """Run the adaptive control loop (leader-elected) with its HTTP server."""
     from prometheus_client import CollectorRegistry
 
@@ -50,6 +54,7 @@ def run_command(policy_file, redis_url, state_dir, namespace, prometheus_url, in
     from specops.alerts.webhook import WebhookReceiver
     from specops.controller.controller import Controller
     from specops.controller.leader import LeaderLease, LeaseKeeper
+    from specops.controller.logs import configure_logging, logged
     from specops.controller.rollout_driver import canary_namespace
     from specops.controller.scheduler import build_scheduler
     from specops.controller.sources import CombinedSource, PrometheusSource, RedisWindowSource
@@ -71,7 +76,7 @@ def run_command(policy_file, redis_url, state_dir, namespace, prometheus_url, in
                                  param_hint="--interval")
     if not webhook_token:
         raise click.UsageError("a webhook token is required: --webhook-token or SPECOPS_WEBHOOK_TOKEN")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(log_format, log_level)
     try:
         client = connect(redis_url, state_dir)
     except StoreUnavailableError as exc:
@@ -102,9 +107,10 @@ def run_command(policy_file, redis_url, state_dir, namespace, prometheus_url, in
         keeper = LeaseKeeper(lease)  # renews on its own thread: a slow tick does not cost the lease
         controller = Controller(store, CombinedSource(sources), registry=registry, lease=lease, window_s=window_s,
                                 canary_source=CombinedSource(canary), keeper=keeper)
-        receiver = WebhookReceiver(webhook_token, controller.apply_alert)
+        context = lambda: (store.current_revision(), lease.epoch)  # noqa: E731 - recorded with each decision
+        receiver = WebhookReceiver(webhook_token, logged(controller.apply_alert, context))
         server = ControlServer(receiver, registry, host=host, port=port)
-        scheduler = build_scheduler(controller.tick, interval_s)
+        scheduler = build_scheduler(logged(controller.tick, context), interval_s)
         stop = threading.Event()
         if threading.current_thread() is threading.main_thread():  # signals can only be handled there
             for sig in (signal.SIGINT, signal.SIGTERM):
