@@ -38,6 +38,7 @@ COMMANDS: dict[tuple[str, ...], dict[str, str]] = {
         "status": "specops.policies.cli:status_command",
         "history": "specops.policies.cli:history_command",
         "migrate-keys": "specops.policies.cli:migrate_keys_command",
+        "decisions": "specops.policies.cli_decisions:decisions_command",
     },
     ("controller",): {
         "run": "specops.controller.cli:run_command",
