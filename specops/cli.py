@@ -46,6 +46,10 @@ COMMANDS: dict[tuple[str, ...], dict[str, str]] = {
     ("alerts",): {
         "render": "specops.alerts.cli:render_command",
     },
+    ("dashboard",): {
+        "snapshot": "specops.alerts.cli:snapshot_command",
+        "check": "specops.alerts.cli:check_command",
+    },
 }
 
 GROUP_HELP = {
@@ -54,6 +58,7 @@ GROUP_HELP = {
     ("policy",): "Validate and roll out YAML speculation policies.",
     ("controller",): "The adaptive control loop (sidecar).",
     ("alerts",): "Render alert rules for Prometheus and Grafana.",
+    ("dashboard",): "The Grafana dashboard's queries against a live Prometheus: check them, render a PNG.",
 }
 
 
