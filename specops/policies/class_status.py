@@ -184,7 +184,8 @@ def status_table(classes: dict[str, ClassStatus], now: float, window_s: float, w
         if c.fallback_active:
             notes.append(f"  {c.name}: fallen back since {when(c.fallback_since) if c.fallback_since else '?'}: "
                          f"{c.fallback_reason}")
-        if c.last_decision and c.last_decision.reason:
+        repeats_fallback = c.fallback_active and c.last_decision and c.last_decision.kind == "fallback_on"
+        if c.last_decision and c.last_decision.reason and not repeats_fallback:
             d = c.last_decision
             notes.append(f"  {c.name}: last decision {d.kind} at {when(d.at)} (rev {d.revision}, epoch {d.epoch}): "
                          f"{d.reason}")
