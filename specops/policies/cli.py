@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import difflib
 import functools
-import json
 import sys
 import time
 from collections.abc import Callable, Iterator
