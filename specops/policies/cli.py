@@ -10,7 +10,8 @@ embedded Redis whose data files are in ``--state-dir`` (``SPECOPS_STATE_DIR``,
 default ``./.specops``).
 
 ``status`` exit codes: 0 healthy, 1 degraded or aborted (or an error), 3 still
-progressing or paused (with ``--watch``: not settled before ``--timeout``).
+progressing or paused (with ``--wait``: not settled before ``--timeout``). Its class
+table and ``--watch`` live in ``status_view``; ``decisions`` in ``cli_decisions``.
 """
 
 from __future__ import annotations
