@@ -139,8 +139,9 @@ def snapshot(client: PrometheusClient, out: Path, *, range_s: float = 900.0, ste
     for j in range(len(titles), rows * cols):
         axes[j // cols][j % cols].set_visible(False)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(end))
-    fig.suptitle(f"{dashboard.dashboard()['title']} — last {range_s / 60:g} min to {stamp} "
-                 f"(rate window {rate_window})", fontsize=11)
+    span = f"{range_s:.0f} s" if range_s < 600 else f"{range_s / 60:.0f} min"
+    fig.suptitle(f"{dashboard.dashboard()['title']} — last {span} to {stamp} (rate window {rate_window})",
+                 fontsize=11)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
