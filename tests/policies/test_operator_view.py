@@ -158,3 +158,29 @@ def test_decisions_follow_prints_new_entries(acted, redis_url, redis_client):
     timer.join()
     assert res.exit_code == 0, res.output
     assert "alert.notify" in res.output and "epoch 3" in res.output and "rule heads-weak" in res.output
+
+
+def test_decisions_show_analysis_values_against_thresholds_and_the_rollback(redis_client, redis_url):
+    from specops.controller.analysis import run_analysis
+    from specops.controller.sources import Reading
+
+    store = PolicyStore(redis_client)
+    machine.start_rollout(store, parse_policy(POLICY), POLICY)
+    canary_text = POLICY.replace("version: ov1", "version: ov2").replace(
+        "alerts:", "rollout:\n  steps: [{weight: 20, pause_s: 30}, {weight: 100}]\nalerts:")
+    machine.start_rollout(store, parse_policy(canary_text), canary_text)
+    slow = window(0.9, 4, rounds=500, draft_factor=20.0)  # drafting 20x dearer: slower than plain
+    result = run_analysis(parse_policy(canary_text).analysis_rules(), {"code": Reading(slow)})
+    assert result.outcome == "failed"
+    machine.record_analysis(store, {"outcome": result.outcome, "message": result.message,
+                                    "evaluations": result.evaluations})
+    machine.fail(store, reason=f"analysis: {result.message}")
+    res = invoke(redis_url, "decisions")
+    assert res.exit_code == 0, res.output
+    out = res.output
+    analysis = out[out.index("rollout.analysis"):]
+    assert "rev 2" in out[out.rindex("\n", 0, out.index("rollout.analysis")):out.index("rollout.analysis")]
+    assert f"rule slower on code: {slow.speedup:.4g} < 1 -> violated" in analysis
+    assert "rollout.degraded" in out and "why: analysis: slower on code" in out
+    doc = json.loads(invoke(redis_url, "status", "--json").output)
+    assert doc["phase"] == "degraded" and doc["revision"] == 2 and set(doc["classes"]) == {"code", "chat", "facts"}
