@@ -88,7 +88,7 @@ def _live(stats: Any, window_s: float) -> LiveWindow | None:
                       tokens_per_s=stats.tokens_per_s if stats.wall_s > 0 else None)
 
 
-def class_statuses(store: PolicyStore, *, window_s: float = 60.0, audit_scan: int = 2000,
+def class_statuses(store: PolicyStore, *, window_s: float = 60.0, audit_scan: int = 500,
                    clock: Any = time.time, telemetry_namespace: str | None = None) -> dict[str, ClassStatus]:
     """Status of every class, keyed by class name (policy order first, then any leftovers)."""
     policy = store.current_policy()
