@@ -160,7 +160,8 @@ def _draw(ax: Any, panel: dashboard.Panel, series: list[Series], mdates: Any) ->
         ax.plot(times, s.values, label=legend(panel.legend, s.labels), linewidth=1.4)
     if panel.threshold is not None:
         ax.axhline(panel.threshold, color="red", linestyle="--", linewidth=1, label=f"threshold {panel.threshold:g}")
-    ax.set_ylim(bottom=0)
+    flat_zero = series and all(v <= 0 for s in series for v in s.values if v == v)
+    ax.set_ylim(bottom=0, top=1 if flat_zero else None)  # an all-zero panel reads 0..1, not 0..0.05
     _axis_format(ax, panel.unit)
     ax.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M:%S", tz=timezone.utc))
     ax.grid(True, alpha=0.3)
