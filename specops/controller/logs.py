@@ -60,16 +60,18 @@ class TextFormatter(logging.Formatter):
 
 
 def configure_logging(fmt: str = "text", level: str = "info", stream: Any = None) -> logging.Handler:
-    """Install one handler on the root logger (replacing earlier ones); returns it."""
+    """Install one handler on the root logger (replacing one an earlier call installed); returns it."""
     if fmt not in FORMATS:
         raise ValueError(f"log format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if level not in LEVELS:
         raise ValueError(f"log level must be one of {', '.join(LEVELS)}, got {level!r}")
     handler = logging.StreamHandler(stream)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    handler.specops_owned = True  # type: ignore[attr-defined]
     root = logging.getLogger()
-    for old in list(root.handlers):
-        root.removeHandler(old)
+    for old in list(root.handlers):  # replace an earlier call's handler; leave others' (pytest's) alone
+        if getattr(old, "specops_owned", False):
+            root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
     quiet = logging.DEBUG if level == "debug" else logging.WARNING

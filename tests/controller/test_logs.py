@@ -78,7 +78,7 @@ def test_bad_format_is_refused():
         configure_logging("xml")
 
 
-def test_controller_run_json_logs_are_quiet_and_structured(redis_url, tmp_path):
+def test_controller_run_json_logs_are_quiet_and_structured(redis_client, redis_url, tmp_path):  # flushed Redis
     policy = tmp_path / "p.yaml"
     policy.write_text(POLICY)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
