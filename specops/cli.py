@@ -38,12 +38,17 @@ COMMANDS: dict[tuple[str, ...], dict[str, str]] = {
         "status": "specops.policies.cli:status_command",
         "history": "specops.policies.cli:history_command",
         "migrate-keys": "specops.policies.cli:migrate_keys_command",
+        "decisions": "specops.policies.cli_decisions:decisions_command",
     },
     ("controller",): {
         "run": "specops.controller.cli:run_command",
     },
     ("alerts",): {
         "render": "specops.alerts.cli:render_command",
+    },
+    ("dashboard",): {
+        "snapshot": "specops.alerts.cli:snapshot_command",
+        "check": "specops.alerts.cli:check_command",
     },
 }
 
@@ -53,6 +58,7 @@ GROUP_HELP = {
     ("policy",): "Validate and roll out YAML speculation policies.",
     ("controller",): "The adaptive control loop (sidecar).",
     ("alerts",): "Render alert rules for Prometheus and Grafana.",
+    ("dashboard",): "The Grafana dashboard's queries against a live Prometheus: check them, render a PNG.",
 }
 
 

@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from specops.controller import metrics as controller_metrics
 from specops.telemetry import contract
 
 UID = "specops-overview"
@@ -32,7 +33,7 @@ class Panel:
 
     title: str
     series: str
-    """Key of `contract.PROMQL`."""
+    """Key of `contract.PROMQL` (runtime series) or of `specops.controller.metrics.PROMQL` (``controller_*``)."""
     unit: str
     """Grafana unit id (``percentunit``, ``s``, ``short``...)."""
     legend: str = "{{class}}"
@@ -59,7 +60,26 @@ PANELS: tuple[Panel, ...] = (
     Panel("Fallbacks to plain decoding (per s)", "fallback_rate", "short"),
     Panel("Speculation length γ", "gamma", "short"),
     Panel("Medusa heads in use", "medusa_heads", "short"),
+    Panel("Classes fallen back (controller)", "controller_fallbacks_active", "short",
+          description="1 while the controller keeps the class on plain decoding (probes still speculate)."),
+    Panel("Knob set by the controller", "controller_knob", "short", legend="{{class}} {{knob}}",
+          description="γ (draft, ngram) or Medusa heads, as the controller last wrote them."),
+    Panel("Controller decisions per window", "controller_decisions", "short", legend="{{class}} {{kind}}",
+          description="Decisions by kind (hold and inconclusive included: the loop is alive)."),
 )
+
+#: The panels `specops dashboard snapshot` draws (titles of `PANELS`).
+MAIN_PANELS: tuple[str, ...] = (
+    "Speed-up vs plain decoding", "Acceptance rate", "Tokens/s per request stream", "p99 token latency",
+    "Knob set by the controller", "Classes fallen back (controller)",
+)
+
+
+def panel_expr(panel: Panel, window: str = WINDOW, match: str = MATCH) -> str:
+    """The panel's PromQL (a runtime contract series, or a controller one)."""
+    if panel.series in controller_metrics.PROMQL:
+        return controller_metrics.promql(panel.series, window, match)
+    return contract.promql(panel.series, window, match)
 
 
 def _panel(index: int, panel: Panel) -> dict:
@@ -81,7 +101,7 @@ def _panel(index: int, panel: Panel) -> dict:
         "targets": [{
             "refId": "A",
             "datasource": DATASOURCE,
-            "expr": contract.promql(panel.series, WINDOW, MATCH),
+            "expr": panel_expr(panel),
             "legendFormat": panel.legend,
         }],
     }

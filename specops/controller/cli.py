@@ -41,8 +41,12 @@ def _listen(value: str) -> tuple[str, int]:
               help="Leader lease time-to-live.")
 @click.option("--run-for", "run_for_s", type=click.FloatRange(min=0.0), default=None,
               help="Stop after this many seconds (default: until SIGINT/SIGTERM).")
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              help="text: one readable line per event; json: one JSON object per line (for log collectors).")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              show_default=True, help="debug also shows holds and every scheduler run.")
 def run_command(policy_file, redis_url, state_dir, namespace, prometheus_url, interval_s, window_s, listen,
-                webhook_token, lease_ttl_ms, run_for_s) -> None:
+                webhook_token, lease_ttl_ms, run_for_s, log_format, log_level) -> None:
     """Run the adaptive control loop (leader-elected) with its HTTP server."""
     from prometheus_client import CollectorRegistry
 
@@ -50,6 +54,7 @@ def run_command(policy_file, redis_url, state_dir, namespace, prometheus_url, in
     from specops.alerts.webhook import WebhookReceiver
     from specops.controller.controller import Controller
     from specops.controller.leader import LeaderLease, LeaseKeeper
+    from specops.controller.logs import configure_logging, logged
     from specops.controller.rollout_driver import canary_namespace
     from specops.controller.scheduler import build_scheduler
     from specops.controller.sources import CombinedSource, PrometheusSource, RedisWindowSource
@@ -71,7 +76,7 @@ def run_command(policy_file, redis_url, state_dir, namespace, prometheus_url, in
                                  param_hint="--interval")
     if not webhook_token:
         raise click.UsageError("a webhook token is required: --webhook-token or SPECOPS_WEBHOOK_TOKEN")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(log_format, log_level)
     try:
         client = connect(redis_url, state_dir)
     except StoreUnavailableError as exc:
@@ -102,9 +107,10 @@ def run_command(policy_file, redis_url, state_dir, namespace, prometheus_url, in
         keeper = LeaseKeeper(lease)  # renews on its own thread: a slow tick does not cost the lease
         controller = Controller(store, CombinedSource(sources), registry=registry, lease=lease, window_s=window_s,
                                 canary_source=CombinedSource(canary), keeper=keeper)
-        receiver = WebhookReceiver(webhook_token, controller.apply_alert)
+        context = lambda: (store.current_revision(), lease.epoch)  # noqa: E731 - recorded with each decision
+        receiver = WebhookReceiver(webhook_token, logged(controller.apply_alert, context))
         server = ControlServer(receiver, registry, host=host, port=port)
-        scheduler = build_scheduler(controller.tick, interval_s)
+        scheduler = build_scheduler(logged(controller.tick, context), interval_s)
         stop = threading.Event()
         if threading.current_thread() is threading.main_thread():  # signals can only be handled there
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -128,14 +134,21 @@ def run_command(policy_file, redis_url, state_dir, namespace, prometheus_url, in
 @click.option("--classes", "n_classes", type=click.IntRange(min=1, max=100), default=5, show_default=True)
 @click.option("--ticks", type=click.IntRange(min=20, max=100_000), default=100, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seeds", "n_seeds", type=click.IntRange(min=1, max=1000), default=1, show_default=True,
+              help="Run this many seeds (--seed, --seed+1, ...) and report mean and minimum against the goals.")
 @click.option("--redis", "redis_url", envvar="SPECOPS_REDIS", default=None,
               help="Redis URL; none: an embedded Redis in a temporary directory.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write the figures as JSON here.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write a PNG of throughput over time (needs matplotlib).")
-def simulate_command(pods, n_classes, ticks, seed, redis_url, json_path, plot_path) -> None:
+def simulate_command(pods, n_classes, ticks, seed, n_seeds, redis_url, json_path, plot_path) -> None:
     """Simulate a fleet: the real controller vs fixed settings and the per-class oracle."""
+    if n_seeds > 1:
+        if plot_path:
+            raise click.UsageError("--plot draws one run: use it without --seeds")
+        _simulate_seeds(pods, n_classes, ticks, list(range(seed, seed + n_seeds)), redis_url, json_path)
+        return
     from specops.controller.sim_model import build_scenario
     from specops.controller.sim_plot import plot_timeline
     from specops.controller.simulator import FleetSimulator
@@ -178,3 +191,30 @@ def simulate_command(pods, n_classes, ticks, seed, redis_url, json_path, plot_pa
             click.echo(f"wrote {plot_path}")
         else:
             click.echo("matplotlib is not installed: no plot (pip install matplotlib)", err=True)
+
+
+def _simulate_seeds(pods: int, n_classes: int, ticks: int, seeds: list[int], redis_url: str | None,
+                    json_path: str | None) -> None:
+    from specops.controller.sim_seeds import run_seeds
+    from specops.policies.errors import StoreUnavailableError
+    from specops.policies.redis_backend import close, connect
+
+    with tempfile.TemporaryDirectory(prefix="specops-sim-") as state_dir:
+        try:
+            client = connect(redis_url, state_dir)
+        except StoreUnavailableError as exc:
+            raise click.ClickException(str(exc)) from None
+        try:
+            with click.progressbar(length=ticks * len(seeds), label=f"simulating {len(seeds)} seeds",
+                                   file=sys.stderr) as bar:
+                summary = run_seeds(client, pods=pods, n_classes=n_classes, ticks=ticks, seeds=seeds,
+                                    progress=lambda done: bar.update(done - bar.pos))
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from None
+        finally:
+            close(client)
+    click.echo(summary.table())
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(summary.as_dict(), indent=2))
+        click.echo(f"wrote {json_path}")

@@ -213,7 +213,8 @@ class Controller:
         if changed:
             self.store.set_effective(changed, epoch=self.epoch, reason=_summary(decisions), expect=expect,
                                      bandits=bandits_changed or None,
-                                     inputs={d.request_class: {"kind": d.kind, "reason": d.reason, **d.inputs}
+                                     inputs={d.request_class: {"kind": d.kind, "reason": d.reason,
+                                                               "before": d.before, **d.inputs}
                                              for d in decisions if d.changed and d.request_class})
         elif bandits_changed:
             self.store.commit(epoch=self.epoch, actor="controller", bandits=bandits_changed)
@@ -338,6 +339,9 @@ class Controller:
                 bandit.update(value, float(stats.speedup))
             proposal = propose_bandit(bandit, value, bounds.min, bounds.max)
         inputs["estimates"] = {str(k): round(v, 3) for k, v in proposal.estimates.items()}
+        inputs["estimate_unit"] = "tokens/s" if mode == "goodput" else "speed-up"
+        inputs["expected_gain"] = round(proposal.expected_gain, 4) if proposal.expected_gain != float("inf") else None
+        inputs["dead_band"] = rc.adaptation.dead_band
         step = guarded_step(value, proposal, now=now, last_change_at=last_change, guard=guard)
         tree = self._adapt_tree(rc, current, stats, now, arms, guard, settled) if rc.method == "medusa" else None
         if not step.changed:
@@ -412,7 +416,7 @@ class Controller:
             raise AlertRejected(f"alert names class {action.request_class!r}, which the current policy does not "
                                 f"have (classes: {', '.join(policy.class_names)})")
         inputs = {"rule": action.rule, "fingerprint": action.fingerprint, "source": "webhook",
-                  "starts_at": getattr(action, "starts_at", None)}
+                  "starts_at": getattr(action, "starts_at", None), "revision": self.store.current_revision()}
         if kind == "rollback":
             return self._alert_rollback(policy, action, now)
         if kind == "notify":
@@ -434,7 +438,9 @@ class Controller:
                                       _knobs(new), inputs))
         if changed:
             self.store.set_effective(changed, epoch=self.epoch, reason=f"webhook alert {action.rule}",
-                                     inputs={n: inputs for n in changed}, expect={n: settings[n] for n in changed})
+                                     inputs={d.request_class: {"kind": d.kind, "reason": d.reason,
+                                                               "before": d.before, **d.inputs} for d in decisions},
+                                     expect={n: settings[n] for n in changed})
             for n in changed:  # only now that the write landed
                 self.fallback.force(n, action.rule, "webhook alert", now)
                 self.metrics.fallbacks_active.labels(n).set(1)

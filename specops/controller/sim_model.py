@@ -8,7 +8,8 @@ position needs all earlier ones accepted. Costs per round of a draft length ``γ
 plain decoding costs ``plain_s`` per token. So the expected speed (tokens/s) of a
 setting is ``(1 + Σ_{i<γ} α^(i+1)) / (γ draft_s + plain_s + verify_slope_s γ)``.
 
-Scenario (scaled to ``ticks``): a mid-run traffic shift changes every class's α and
+Seed 0 is the reference world below; every other seed jitters each class's α and
+traffic share (``JITTER_*``). Scenario (scaled to ``ticks``): a mid-run traffic shift changes every class's α and
 its traffic share; an *acceptance collapse* of one class; a *slow draft* incident
 (draft cost × 8) that makes speculation slower than plain decoding at any γ; and a
 bad policy rolled out as a canary (γ pinned at the maximum, no adaptation).
@@ -28,6 +29,12 @@ _TEMPLATES: tuple[tuple[str, float, float, float, float, float], ...] = (
     ("summarize", 0.36, 0.92, 0.15, 0.20, 0.1),
     ("creative", 0.16, 0.13, 0.15, 0.15, 1.0),
 )
+
+
+#: Seeds other than 0 move each template class's α by up to ± this and scale its traffic share
+#: by up to e^(± JITTER_LOG_SHARE), so ``--seeds N`` measures N different worlds, not N noise draws.
+JITTER_ALPHA = 0.05
+JITTER_LOG_SHARE = 0.3
 
 
 @dataclass(frozen=True)
@@ -124,6 +131,11 @@ def build_scenario(pods: int, n_classes: int, ticks: int, seed: int) -> Scenario
             name = f"{name}-{i // len(_TEMPLATES)}"
             a0 = min(0.97, max(0.05, a0 + rng.uniform(-0.05, 0.05)))
             a1 = min(0.97, max(0.05, a1 + rng.uniform(-0.05, 0.05)))
+        elif seed != 0:  # seed 0 is the reference world; other seeds vary every class's α and share
+            a0 = min(0.97, max(0.05, a0 + rng.uniform(-JITTER_ALPHA, JITTER_ALPHA)))
+            a1 = min(0.97, max(0.05, a1 + rng.uniform(-JITTER_ALPHA, JITTER_ALPHA)))
+            s0 *= math.exp(rng.uniform(-JITTER_LOG_SHARE, JITTER_LOG_SHARE))
+            s1 *= math.exp(rng.uniform(-JITTER_LOG_SHARE, JITTER_LOG_SHARE))
         factor = 1.0 - 0.25 * temp
         classes.append(SimClass(name, (round(a0 * factor, 4), round(a1 * factor, 4)), (s0, s1), temp))
     names = [c.name for c in classes]

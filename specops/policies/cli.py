@@ -10,14 +10,14 @@ embedded Redis whose data files are in ``--state-dir`` (``SPECOPS_STATE_DIR``,
 default ``./.specops``).
 
 ``status`` exit codes: 0 healthy, 1 degraded or aborted (or an error), 3 still
-progressing or paused (with ``--watch``: not settled before ``--timeout``).
+progressing or paused (with ``--wait``: not settled before ``--timeout``). Its class
+table and ``--watch`` live in ``status_view``; ``decisions`` in ``cli_decisions``.
 """
 
 from __future__ import annotations
 
 import difflib
 import functools
-import json
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -36,6 +36,7 @@ from specops.policies.loader import load_policy, read_source
 from specops.policies.redis_backend import close, connect
 from specops.policies.schema import Policy
 from specops.policies.state import RolloutState
+from specops.policies.status_view import describe_state, render_status, watch_status
 from specops.policies.store import PolicyStore
 
 EXIT_HEALTHY = 0
@@ -90,19 +91,6 @@ def _when(ts: float) -> str:
 def normalised_yaml(policy: Policy) -> str:
     """The policy with every default filled in, in schema order: what a diff should compare."""
     return yaml.safe_dump(policy.model_dump(mode="json"), sort_keys=False, default_flow_style=False, width=100)
-
-
-def describe_state(state: RolloutState) -> str:
-    line = f"revision {state.revision}: {state.phase}, {state.weight}% on canary"
-    if state.phase == "healthy":
-        line = f"revision {state.revision}: healthy (current, 100%)"
-    runs = state.analysis_runs
-    if runs:
-        counts: dict[str, int] = {}
-        for r in runs:
-            counts[r.get("outcome", "?")] = counts.get(r.get("outcome", "?"), 0) + 1
-        line += "; analysis " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
-    return f"{line}\n  step {state.step_index}, stable revision {state.stable_revision}: {state.message}"
 
 
 def exit_code_for(state: RolloutState) -> int:
@@ -213,35 +201,47 @@ def rollback_command(to_revision: int | None, redis_url: str | None, state_dir: 
 
 
 @click.command("status")
-@click.option("--watch", is_flag=True, help="Poll until the rollout is healthy, degraded, aborted or paused.")
+@click.option("--watch", is_flag=True, help="Redraw the status table every --interval until Ctrl-C (or --timeout).")
+@click.option("--wait", is_flag=True, help="Poll until the rollout is healthy, degraded, aborted or paused.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0.0), default=300.0, show_default=True,
-              help="With --watch: give up after this many seconds (exit 3).")
+              help="With --wait / --watch: stop after this many seconds (--wait: exit 3 if still progressing).")
 @click.option("--interval", "interval_s", type=click.FloatRange(min=0.05), default=2.0, show_default=True,
-              help="With --watch: seconds between polls.")
-@click.option("--json", "as_json", is_flag=True, help="Print the rollout state as JSON.")
+              help="With --wait / --watch: seconds between polls.")
+@click.option("--watch-count", type=click.IntRange(min=1), default=None,
+              help="With --watch: stop after this many redraws.")
+@click.option("--window", "window_s", type=click.FloatRange(min=1.0), default=60.0, show_default=True,
+              help="Seconds of telemetry behind the live acceptance / speed-up / tokens/s columns.")
+@click.option("--json", "as_json", is_flag=True, help="Print the rollout state and the classes as JSON.")
 @_store_options
 @_friendly
-def status_command(watch: bool, timeout_s: float, interval_s: float, as_json: bool, redis_url: str | None,
-                   state_dir: str, namespace: str) -> None:
-    """Show the rollout; exit 0 healthy, 1 degraded/aborted, 3 progressing/paused."""
+def status_command(watch: bool, wait: bool, timeout_s: float, interval_s: float, watch_count: int | None,
+                   window_s: float, as_json: bool, redis_url: str | None, state_dir: str, namespace: str) -> None:
+    """Show the rollout and every class; exit 0 healthy, 1 degraded/aborted, 3 progressing/paused."""
+    if watch and wait:
+        raise click.UsageError("--watch and --wait are exclusive")
+    if watch_count is not None and not watch:
+        raise click.UsageError("--watch-count needs --watch")
+
     with _opened(redis_url, state_dir, namespace) as store:
         state = store.rollout_state()
         if state is None:
             raise StateError("no policy has been rolled out yet")
+        if watch:
+            state = watch_status(store, window_s=window_s, as_json=as_json, interval_s=interval_s,
+                                 timeout_s=timeout_s, count=watch_count, echo=click.echo,
+                                 clear=sys.stdout.isatty() and not as_json)
+            sys.exit(exit_code_for(state))
         deadline = time.monotonic() + timeout_s
         last = None
-        while watch and state.phase == "progressing" and time.monotonic() < deadline:
+        while wait and state.phase == "progressing" and time.monotonic() < deadline:
             if state.generation != last and not as_json:
                 click.echo(describe_state(state))
                 last = state.generation
             time.sleep(min(interval_s, max(0.0, deadline - time.monotonic())))
             state = store.rollout_state() or state
-    if as_json:
-        click.echo(json.dumps({**json.loads(state.to_json()), "generation": state.generation}, indent=2))
-    else:
-        click.echo(describe_state(state))
-        if watch and state.phase == "progressing":
-            click.echo(f"timed out after {timeout_s:g}s while still progressing", err=True)
+        click.echo(render_status(store, state, window_s=window_s, as_json=as_json))
+    if wait and state.phase == "progressing":
+        click.echo(f"timed out after {timeout_s:g}s while still progressing", err=True)
     sys.exit(exit_code_for(state))
 
 

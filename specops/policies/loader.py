@@ -26,6 +26,8 @@ MAX_POLICY_BYTES = 1_000_000
 MAX_DEPTH = 32
 STR_TAG = "tag:yaml.org,2002:str"
 MAX_NODES = 50_000
+MAX_ISSUES = 50
+"""At most this many problems are reported for one document (then one line counting the rest)."""
 
 
 def load_policy(source: str | os.PathLike[str], *, filename: str | None = None) -> Policy:
@@ -73,12 +75,12 @@ def parse_policy(text: str, filename: str = "<string>") -> Policy:
     try:
         policy = Policy.model_validate(data, context={ISSUES_CONTEXT_KEY: cross})
     except ValidationError as exc:
-        raise PolicyError(_issues_from_pydantic(exc, lines, filename)) from None
+        raise PolicyError(cap_issues(_issues_from_pydantic(exc, lines, filename))) from None
     except RecursionError:
         raise PolicyError([PolicyIssue(filename, 1, "<root>", "document nests too deeply")]) from None
     if cross:
         found = [PolicyIssue(filename, line_of(lines, loc), format_path(loc), msg) for loc, msg in cross]
-        raise PolicyError(sorted(found, key=lambda i: (i.line, i.path)))
+        raise PolicyError(cap_issues(sorted(found, key=lambda i: (i.line, i.path))))
     return policy
 
 
@@ -96,9 +98,9 @@ def _parse_yaml(text: str, filename: str) -> tuple[Any, dict[Loc, int], list[Pol
         lines: dict[Loc, int] = {}
         issues: list[PolicyIssue] = []
         budget = [MAX_NODES]
-        _index_node(node, (), lines, issues, filename, budget)
+        _index_node(node, (), lines, issues, filename, budget, ancestors=set())
         if issues:
-            return None, lines, issues
+            return None, lines, cap_issues(issues)
         data = loader.construct_document(node)
         return data, lines, []
     except yaml.MarkedYAMLError as exc:
@@ -114,19 +116,45 @@ def _parse_yaml(text: str, filename: str) -> tuple[Any, dict[Loc, int], list[Pol
         loader.dispose()
 
 
+def cap_issues(issues: list[PolicyIssue], limit: int = MAX_ISSUES) -> list[PolicyIssue]:
+    """One issue per cause (same line and message), at most ``limit`` of them plus one that counts the rest."""
+    seen: set[tuple[int, str]] = set()
+    unique: list[PolicyIssue] = []
+    for issue in issues:
+        cause = (issue.line, issue.message)
+        if cause not in seen:
+            seen.add(cause)
+            unique.append(issue)
+    if len(unique) <= limit:
+        return unique
+    rest = len(unique) - limit
+    last = unique[limit - 1]
+    return unique[:limit] + [PolicyIssue(last.file, last.line, "<root>", f"{rest} more problems not shown")]
+
+
 def _index_node(node: yaml.Node, loc: Loc, lines: dict[Loc, int], issues: list[PolicyIssue], filename: str,
-                budget: list[int], depth: int = 0) -> None:
-    """Record the line of every mapping key / sequence item; flag duplicate keys, deep nesting
-    and alias bombs (a budget of nodes visited, aliases counted each time they are used)."""
+                budget: list[int], depth: int = 0, *, ancestors: set[int]) -> None:
+    """Record the line of every mapping key / sequence item; flag duplicate keys, deep nesting,
+    self-referencing aliases and alias bombs (a budget of nodes visited, aliases counted each
+    time they are used). Each of the last three stops the walk: one cause, one issue."""
     lines[loc] = node.start_mark.line + 1
     budget[0] -= 1
+    if budget[0] < 0:
+        return  # reported once, when the budget ran out
+    if id(node) in ancestors:
+        issues.append(PolicyIssue(filename, lines[loc], format_path(loc),
+                                  "YAML alias refers to a node that contains it (a recursive document)"))
+        budget[0] = -1  # stop the walk: the same cycle would be reported at every repetition
+        return
     if depth > MAX_DEPTH:
         issues.append(PolicyIssue(filename, lines[loc], format_path(loc), "document nests too deeply"))
+        budget[0] = -1
         return
-    if budget[0] < 0:
-        if budget[0] == -1:
-            issues.append(PolicyIssue(filename, lines[loc], format_path(loc), f"document has more than {MAX_NODES} nodes"))
+    if budget[0] == 0:
+        issues.append(PolicyIssue(filename, lines[loc], format_path(loc), f"document has more than {MAX_NODES} nodes"))
+        budget[0] = -1
         return
+    ancestors = ancestors | {id(node)}
     if isinstance(node, yaml.MappingNode):
         seen: set[str] = set()
         for key_node, value_node in node.value:
@@ -149,12 +177,12 @@ def _index_node(node: yaml.Node, loc: Loc, lines: dict[Loc, int], issues: list[P
                 continue
             seen.add(key)
             lines[loc + (key,)] = key_node.start_mark.line + 1
-            _index_node(value_node, loc + (key,), lines, issues, filename, budget, depth + 1)
+            _index_node(value_node, loc + (key,), lines, issues, filename, budget, depth + 1, ancestors=ancestors)
             # The key's line is more useful than the value's (they differ for nested blocks).
             lines[loc + (key,)] = key_node.start_mark.line + 1
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
-            _index_node(item, loc + (i,), lines, issues, filename, budget, depth + 1)
+            _index_node(item, loc + (i,), lines, issues, filename, budget, depth + 1, ancestors=ancestors)
 
 
 def line_of(lines: dict[Loc, int], loc: Loc) -> int:

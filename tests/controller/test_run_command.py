@@ -19,7 +19,7 @@ alerts:
 """
 
 
-def test_controller_run_serves_metrics_and_applies_webhook_fallback(redis_url, tmp_path):
+def test_controller_run_serves_metrics_and_applies_webhook_fallback(redis_client, redis_url, tmp_path):  # flushed
     policy = tmp_path / "p.yaml"
     policy.write_text(POLICY)
     port = free_port()

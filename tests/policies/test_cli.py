@@ -80,10 +80,10 @@ def test_rollout_lifecycle(run, redis_client):
 def test_status_watch_times_out_while_progressing_and_settles(run, redis_url):
     run("rollout", str(EXAMPLES / "default.yaml"))
     run("rollout", str(EXAMPLES / "chat.yaml"))
-    res = run("status", "--watch", "--timeout", "0.3", "--interval", "0.05")
+    res = run("status", "--wait", "--timeout", "0.3", "--interval", "0.05")
     assert res.exit_code == 3 and "timed out" in res.output
     run("promote", "--full")
-    res = run("status", "--watch", "--timeout", "5", "--json")
+    res = run("status", "--wait", "--timeout", "5", "--json")
     assert res.exit_code == 0 and '"phase": "healthy"' in res.output
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import yaml
 from hypothesis import HealthCheck, given, settings
@@ -51,7 +52,8 @@ def _check(text: str) -> Policy | None:
     try:
         return load_policy(text, filename="fuzz.yaml")
     except PolicyError as exc:
-        n_lines = text.count("\n") + 2
+        # YAML breaks lines at \r, \r\n, \x85, \u2028 and \u2029 as well as \n (so do editors)
+        n_lines = len(re.split("\r\n|[\r\n\x85\u2028\u2029]", text)) + 1
         for issue in exc.errors:
             assert issue.file == "fuzz.yaml" and issue.path and issue.message
             assert 0 <= issue.line <= n_lines, str(issue)

@@ -196,7 +196,8 @@ def test_all_errors_are_collected_not_just_the_first():
     ("version: 1\nversion: 2\n", 2, "duplicate key 'version'"),
     ("- 1\n- 2\n", 1, "must be a mapping"),
     ("", 1, "empty document"),
-    ("a: &x [*x]\n", 1, "nests too deeply"),
+    ("a: &x [*x]\n", 1, "recursive document"),
+    ("a: [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]\n", 1, "nests too deeply"),
     ("base: &b {name: x}\nclasses:\n  - <<: *b\n", 3, "merge keys"),
     ("? [1, 2]\n: 3\n", 1, "plain text"),
     ("version: 1\nx: \x07\n", 2, "#x0007 is not allowed"),
@@ -207,6 +208,36 @@ def test_document_level_errors(text, line, fragment):
         load_policy(text, filename="d.yaml")
     first = info.value.errors[0]
     assert fragment in first.message and first.line == line, str(info.value)
+
+
+@pytest.mark.parametrize("text", ["a: &a [*a, *a, *a]\n", "a: &a {b: *a, c: [*a, *a]}\n",
+                                  "x: &x [&y [*x, *y], *x]\n"])
+def test_self_referencing_alias_is_one_error(text):
+    with pytest.raises(PolicyError) as info:
+        load_policy(text, filename="loop.yaml")
+    assert len(info.value.errors) == 1, str(info.value)
+    assert "recursive" in info.value.errors[0].message
+
+
+def test_alias_bomb_is_one_error():
+    rows = ['a: &a ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    for i in range(1, 9):
+        rows.append(f"{chr(97 + i)}: &{chr(97 + i)} [" + ", ".join([f"*{chr(96 + i)}"] * 9) + "]")
+    with pytest.raises(PolicyError) as info:
+        load_policy("\n".join(rows) + "\n")
+    assert [e.message for e in info.value.errors] == ["document has more than 50000 nodes"]
+
+
+def test_many_problems_are_capped():
+    from specops.policies.loader import MAX_ISSUES
+
+    classes = "".join(f"  - name: c{i}\n    method: bogus{i}\n" for i in range(MAX_ISSUES + 30))
+    with pytest.raises(PolicyError) as info:
+        load_policy(f"version: 1\ndefault_class: c0\nclasses:\n{classes}")
+    errors = info.value.errors
+    assert len(errors) == MAX_ISSUES + 1
+    assert errors[-1].message.endswith("more problems not shown")
+    assert int(errors[-1].message.split()[0]) >= 30
 
 
 def test_file_source_and_unreadable_file(tmp_path):
