@@ -30,6 +30,9 @@ def _listen(value: str) -> tuple[str, int]:
 @click.option("--state-dir", default=".specops", show_default=True, help="Data directory of the embedded Redis.")
 @click.option("--namespace", default="specops", show_default=True, help="Key namespace in Redis.")
 @click.option("--prometheus", "prometheus_url", default=None, help="Prometheus base URL (read when Redis has no data).")
+@click.option("--engine-metrics", "engine_specs", multiple=True, metavar="ENGINE[:CLASS]=URL",
+              help="Also read vLLM / SGLang speculative-decoding metrics from a pod's /metrics (ENGINE: vllm | "
+                   "sglang; without CLASS they count for every class). Repeatable; read after Redis.")
 @click.option("--interval", "interval_s", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
               help="Seconds between ticks.")
 @click.option("--window", "window_s", type=click.FloatRange(min=1.0), default=30.0, show_default=True,
@@ -41,14 +44,15 @@ def _listen(value: str) -> tuple[str, int]:
               help="Leader lease time-to-live.")
 @click.option("--run-for", "run_for_s", type=click.FloatRange(min=0.0), default=None,
               help="Stop after this many seconds (default: until SIGINT/SIGTERM).")
-def run_command(policy_file, redis_url, state_dir, namespace, prometheus_url, interval_s, window_s, listen,
-                webhook_token, lease_ttl_ms, run_for_s) -> None:
+def run_command(policy_file, redis_url, state_dir, namespace, prometheus_url, engine_specs, interval_s, window_s,
+                listen, webhook_token, lease_ttl_ms, run_for_s) -> None:
     """Run the adaptive control loop (leader-elected) with its HTTP server."""
     from prometheus_client import CollectorRegistry
 
     from specops.alerts.server import ControlServer
     from specops.alerts.webhook import WebhookReceiver
     from specops.controller.controller import Controller
+    from specops.controller.engine_sources import engine_sources
     from specops.controller.leader import LeaderLease, LeaseKeeper
     from specops.controller.rollout_driver import canary_namespace
     from specops.controller.scheduler import build_scheduler
@@ -92,6 +96,10 @@ def run_command(policy_file, redis_url, state_dir, namespace, prometheus_url, in
                 raise click.ClickException(f"{policy_file}: {exc}") from None
         sources = [RedisWindowSource(RedisWindowReader(client, namespace=namespace))]
         canary = [RedisWindowSource(RedisWindowReader(client, namespace=canary_namespace(namespace)))]
+        try:
+            sources += engine_sources(engine_specs)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--engine-metrics") from None
         if prometheus_url:
             try:
                 sources.append(PrometheusSource(prometheus_url))
