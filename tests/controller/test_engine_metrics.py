@@ -13,7 +13,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-import redis as redis_lib
 from click.testing import CliRunner
 
 from specops.cli import main
@@ -110,9 +109,10 @@ alerts:
 """
 
 
-def test_controller_run_reads_engine_metrics_and_falls_back(redis_url, tmp_path):
+def test_controller_run_reads_engine_metrics_and_falls_back(redis_client, redis_url, tmp_path):
     """vLLM pods of class code accept 30% of drafts, SGLang pods of chat 80%: the running
-    controller scrapes both over HTTP and turns speculation off for code only."""
+    controller scrapes both over HTTP and turns speculation off for code only.
+    (``redis_client`` empties Redis first, so this policy is the one bootstrapped.)"""
     policy = tmp_path / "p.yaml"
     policy.write_text(POLICY)
     with EnginePod() as pod:
@@ -123,8 +123,7 @@ def test_controller_run_reads_engine_metrics_and_falls_back(redis_url, tmp_path)
         result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert pod.hits["vllm"] >= 2 and pod.hits["sglang"] >= 2
-    client = redis_lib.Redis.from_url(redis_url)
-    effective = {cls: json.loads(client.hget("specops:effective", cls)) for cls in ("code", "chat")}
+    effective = {cls: json.loads(redis_client.hget("specops:effective", cls)) for cls in ("code", "chat")}
     assert effective["code"]["fallback_active"] is True
     assert effective["chat"]["fallback_active"] is False
 
