@@ -12,8 +12,6 @@ verification re-checked the deadline (issue 8 §4).
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from specops.decoder import Decoder
@@ -104,11 +102,9 @@ def test_slow_draft_past_the_deadline_does_not_crash(models):
     clock = FakeClock()  # not installed: real time
     dec = Decoder(target, draft=ClockedRunner(load_runner(draft), clock, sleep_s=0.02))
     ref = dec.generate(PROMPT, method="ar", max_new_tokens=20).tokens
-    t0 = time.perf_counter()
     out = dec.generate(PROMPT, method="draft", gamma=4, max_new_tokens=20, deadline_s=0.05)
     assert out.tokens == ref
     assert out.stats.fallback_reason == "deadline"
     # 20 tokens need >= 4 drafted blocks of 4 sleeping forwards (>= 320 ms) without a deadline;
     # with it, drafting stops after the first block or two
     assert out.stats.draft_forwards <= 1 + 2 * 4, out.stats.draft_forwards
-    assert time.perf_counter() - t0 < 5.0
