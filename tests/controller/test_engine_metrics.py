@@ -123,7 +123,7 @@ def test_controller_run_reads_engine_metrics_and_falls_back(redis_client, redis_
         result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert pod.hits["vllm"] >= 2 and pod.hits["sglang"] >= 2
-    effective = {cls: json.loads(redis_client.hget("specops:effective", cls)) for cls in ("code", "chat")}
+    effective = {cls: json.loads(redis_client.hget("{specops}:effective", cls)) for cls in ("code", "chat")}
     assert effective["code"]["fallback_active"] is True
     assert effective["chat"]["fallback_active"] is False
 
