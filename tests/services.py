@@ -1,11 +1,13 @@
 """Real services for the tests: free loopback ports, binaries, processes stopped by PID.
 
-With ``SPECOPS_REQUIRE_SERVICES=1`` (CI) a missing binary is a test failure; on a
-user's machine without it the test is skipped with the reason.
+With ``SPECOPS_REQUIRE_SERVICES=1`` (CI) a missing binary (or module / tool file that
+a test names with `require_module` / `require_file`) is a test failure; on a user's
+machine without it the test is skipped with the reason.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import signal
@@ -43,6 +45,27 @@ def require_binary(*names: str) -> str:
         if path:
             return path
     missing_service(f"service binary not found: {' or '.join(names)}")
+
+
+def require_module(name: str, why: str):
+    """Import module ``name`` (``why``: what needs it); fail (CI) or skip the whole module otherwise."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        msg = f"{why} needs the python module {name}, which does not import here ({exc})"
+        if REQUIRE_SERVICES:
+            pytest.fail(msg + " (SPECOPS_REQUIRE_SERVICES=1: CI must install it)", pytrace=False)
+        pytest.skip(msg, allow_module_level=True)
+
+
+def require_file(path: str, why: str) -> str:
+    """``path`` if it exists; fail (CI) or skip otherwise."""
+    if os.path.exists(path):
+        return path
+    msg = f"{why} needs {path}, which is missing"
+    if REQUIRE_SERVICES:
+        pytest.fail(msg + " (SPECOPS_REQUIRE_SERVICES=1: CI must install it)", pytrace=False)
+    pytest.skip(msg)
 
 
 def wait_for_port(port: int, timeout_s: float = 20.0, proc: subprocess.Popen | None = None) -> None:

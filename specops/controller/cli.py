@@ -30,6 +30,9 @@ def _listen(value: str) -> tuple[str, int]:
 @click.option("--state-dir", default=".specops", show_default=True, help="Data directory of the embedded Redis.")
 @click.option("--namespace", default="specops", show_default=True, help="Key namespace in Redis.")
 @click.option("--prometheus", "prometheus_url", default=None, help="Prometheus base URL (read when Redis has no data).")
+@click.option("--engine-metrics", "engine_specs", multiple=True, metavar="ENGINE[:CLASS]=URL",
+              help="Also read vLLM / SGLang speculative-decoding metrics from a pod's /metrics (ENGINE: vllm | "
+                   "sglang; without CLASS they count for every class). Repeatable; read after Redis.")
 @click.option("--interval", "interval_s", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
               help="Seconds between ticks.")
 @click.option("--window", "window_s", type=click.FloatRange(min=1.0), default=30.0, show_default=True,
@@ -45,14 +48,15 @@ def _listen(value: str) -> tuple[str, int]:
               help="text: one readable line per event; json: one JSON object per line (for log collectors).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True, help="debug also shows holds and every scheduler run.")
-def run_command(policy_file, redis_url, state_dir, namespace, prometheus_url, interval_s, window_s, listen,
-                webhook_token, lease_ttl_ms, run_for_s, log_format, log_level) -> None:
+def run_command(policy_file, redis_url, state_dir, namespace, prometheus_url, engine_specs, interval_s, window_s,
+                listen, webhook_token, lease_ttl_ms, run_for_s, log_format, log_level) -> None:
     """Run the adaptive control loop (leader-elected) with its HTTP server."""
     from prometheus_client import CollectorRegistry
 
     from specops.alerts.server import ControlServer
     from specops.alerts.webhook import WebhookReceiver
     from specops.controller.controller import Controller
+    from specops.controller.engine_sources import engine_sources
     from specops.controller.leader import LeaderLease, LeaseKeeper
     from specops.controller.logs import configure_logging, logged
     from specops.controller.rollout_driver import canary_namespace
@@ -97,6 +101,10 @@ def run_command(policy_file, redis_url, state_dir, namespace, prometheus_url, in
                 raise click.ClickException(f"{policy_file}: {exc}") from None
         sources = [RedisWindowSource(RedisWindowReader(client, namespace=namespace))]
         canary = [RedisWindowSource(RedisWindowReader(client, namespace=canary_namespace(namespace)))]
+        try:
+            sources += engine_sources(engine_specs)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--engine-metrics") from None
         if prometheus_url:
             try:
                 sources.append(PrometheusSource(prometheus_url))

@@ -14,6 +14,10 @@ vLLM V1 counters: ``vllm:spec_decode_num_drafts_total`` (verification rounds),
 ``vllm:spec_decode_draft_acceptance_rate``, ``vllm:spec_decode_efficiency``.
 SGLang gauges: ``sglang:spec_accept_length`` (tokens per verify step, bonus
 included), ``sglang:spec_accept_rate``.
+
+`engine_sources` builds the adapters from ``specops controller run --engine-metrics``
+specs, ``ENGINE=URL`` or ``ENGINE:CLASS=URL``. An engine's metrics are pod-wide (not
+per request class), so a URL given without a class counts for every class.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import requests
@@ -34,6 +38,7 @@ from specops.telemetry.records import WindowStats
 log = logging.getLogger(__name__)
 
 Fetch = Callable[[str], str]  # URL -> exposition text; raises on failure
+ALL_CLASSES = "*"  # endpoints key: pods whose metrics count for every request class
 
 
 @dataclass(frozen=True)
@@ -111,11 +116,15 @@ class EngineSource:
         self.min_requests = min_requests
         self._history: dict[str, _PodHistory] = {}
 
+    def urls(self, request_class: str) -> list[str]:
+        """The pods scraped for a class: its own, else those for every class."""
+        return self.endpoints.get(request_class) or self.endpoints.get(ALL_CLASSES, [])
+
     def scrape(self, request_class: str) -> list[str]:
         """Scrape every pod of the class now; return the errors."""
         errors = []
         now = self.clock()
-        for url in self.endpoints.get(request_class, []):
+        for url in self.urls(request_class):
             try:
                 scrape = parse_exposition(self.fetch(url), now, self.keep_label)
             except Exception as exc:  # network or parse failure of one pod: inconclusive for it
@@ -134,12 +143,13 @@ class EngineSource:
         return oldest, newest
 
     def read(self, request_class: str, seconds: float) -> Reading:
-        if request_class not in self.endpoints:
+        urls = self.urls(request_class)
+        if not urls:
             return Reading(None)
         errors = self.scrape(request_class)
         since = self.clock() - seconds
         total: WindowStats | None = None
-        for url in self.endpoints[request_class]:
+        for url in urls:
             pair = self._pair(url, since)
             if pair is None:
                 continue
@@ -147,7 +157,7 @@ class EngineSource:
             if part is not None:
                 total = part if total is None else self._merge(total, part)
         if total is None:
-            return Reading(None, "; ".join(errors) if len(errors) == len(self.endpoints[request_class]) else None)
+            return Reading(None, "; ".join(errors) if len(errors) == len(urls) else None)
         return Reading(total if total.requests >= self.min_requests else None)
 
     def window(self, request_class: str, seconds: float) -> WindowStats | None:
@@ -248,3 +258,24 @@ class SglangSource(EngineSource):
         drafted = round(accepted / rate) if rate and accepted else 0
         return SourceWindow(requests=1, new_tokens=new_tokens, target_forwards=forwards, accepted=accepted,
                             drafted=drafted, timed=False, direct=direct)
+
+
+ENGINES: dict[str, type[EngineSource]] = {"vllm": VllmSource, "sglang": SglangSource}
+
+
+def engine_sources(specs: Sequence[str], *, fetch: Fetch | None = None,
+                   clock: Callable[[], float] = time.time) -> list[EngineSource]:
+    """One source per engine from ``ENGINE=URL`` / ``ENGINE:CLASS=URL`` specs (URL: the pod's
+    ``/metrics``); raise ``ValueError`` naming a bad spec."""
+    endpoints: dict[str, dict[str, list[str]]] = {}
+    for spec in specs:
+        head, sep, url = spec.partition("=")
+        engine, _, request_class = head.partition(":")
+        engine = engine.strip().lower()
+        if not sep or engine not in ENGINES:
+            raise ValueError(f"{spec!r}: expected ENGINE=URL or ENGINE:CLASS=URL with ENGINE one of "
+                             f"{', '.join(sorted(ENGINES))}")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"{spec!r}: the URL must start with http:// or https://")
+        endpoints.setdefault(engine, {}).setdefault(request_class.strip() or ALL_CLASSES, []).append(url)
+    return [ENGINES[engine](by_class, fetch=fetch, clock=clock) for engine, by_class in endpoints.items()]

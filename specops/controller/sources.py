@@ -80,12 +80,20 @@ class MetricSource(Protocol):
 
 
 def read_many(source: MetricSource, classes: Iterable[str], seconds: float) -> dict[str, Reading]:
-    """Readings for several classes, in one round trip when the source supports it."""
+    """Readings for several classes, in one round trip when the source supports it.
+
+    A source that raises instead of reporting its failure in a `Reading` makes every
+    class inconclusive for this tick (never pass or fail), with the error logged."""
     names = list(classes)
     batch = getattr(source, "read_many", None)
-    if batch is not None:
-        return batch(names, seconds)
-    return {name: source.read(name, seconds) for name in names}
+    try:
+        if batch is not None:
+            return batch(names, seconds)
+        return {name: source.read(name, seconds) for name in names}
+    except Exception as exc:  # noqa: BLE001 - any source failure is "no data", not a crash of the tick
+        error = f"{getattr(source, 'name', type(source).__name__)} source failed: {type(exc).__name__}: {exc}"
+        log.warning("%s", error)
+        return {name: Reading(None, error) for name in names}
 
 
 def _usable(stats: WindowStats | None, min_requests: int) -> WindowStats | None:

@@ -1,19 +1,23 @@
 """The controller against a real Redis (tests/conftest.py) with a fake clock."""
 
 import pytest
+import redis
 from prometheus_client import CollectorRegistry
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from specops.alerts.webhook import AlertAction, AlertDeferred
 from specops.controller.controller import Controller
 from specops.controller.leader import LeaderLease
 from specops.controller.rollout_driver import canary_namespace
-from specops.controller.sources import RedisWindowSource
+from specops.controller.sources import PrometheusSource, RedisWindowSource
 from specops.policies import parse_policy
 from specops.policies import rollout as machine
 from specops.policies.store import PolicyStore
 from specops.telemetry.records import DecodeRecord
 from specops.telemetry.redis_metrics import RedisPublisher, RedisWindowReader
 from tests.controller.helpers import FakeClock, window
+from tests.services import free_port
 
 POLICY = """
 version: t1
@@ -114,14 +118,39 @@ def test_fallback_after_for_duration_then_probe_recovery(redis_client):
     assert not rig.store.effective()["code"].fallback_active
 
 
+class _RaisingSource:
+    """A source whose backend fails inside ``read`` (a bug or an unexpected outage)."""
+
+    name = "raising"
+
+    def window(self, request_class, seconds):
+        raise ConnectionError("metrics backend went away")
+
+    def read(self, request_class, seconds):
+        raise ConnectionError("metrics backend went away")
+
+
 def test_empty_and_unreachable_sources_are_inconclusive(redis_client):
     rig = Rig(redis_client)
     rig.step({"code": (0.9, 1.0), "chat": (0.9, 1.0)})
     before = rig.store.effective()
-    for _ in range(5):
-        decisions = rig.ctl.tick()
+    every_class = {("code", "inconclusive"), ("chat", "inconclusive")}
+    for _ in range(3):  # empty: no traffic since that bucket
         rig.clock.advance(10)
-        assert {d.kind for d in decisions} <= {"inconclusive", "hold"}
+        decisions = rig.ctl.tick()
+        assert {(d.request_class, d.kind) for d in decisions} == every_class
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    down_redis = redis.Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=0.5,
+                             retry=Retry(NoBackoff(), 0))
+    unreachable = [PrometheusSource(dead, timeout_s=1),
+                   RedisWindowSource(RedisWindowReader(down_redis, clock=rig.clock)),
+                   _RaisingSource()]
+    for source in unreachable:
+        ctl = Controller(rig.store, source, clock=rig.clock, registry=CollectorRegistry(), window_s=10)
+        for _ in range(2):
+            rig.clock.advance(10)
+            decisions = ctl.tick()
+            assert {(d.request_class, d.kind) for d in decisions} == every_class, (source.name, decisions)
     assert rig.store.effective() == before
 
 

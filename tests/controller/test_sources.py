@@ -65,10 +65,14 @@ class _FakeProm:
 
 
 def test_prometheus_source_one_query_per_window():
-    with _FakeProm() as url:
-        fake = url
-        src = PrometheusSource(fake, timeout_s=2)
+    prom = _FakeProm()
+    with prom as url:
+        src = PrometheusSource(url, timeout_s=2)
         reading = src.read("code", 60)
+        assert prom.queries == [window_query("code", 60)]  # the whole window in one instant query
+        src.read("code", 300)
+        src.read("chat", 60)
+    assert prom.queries == [window_query("code", 60), window_query("code", 300), window_query("chat", 60)]
     stats = reading.stats
     assert reading.error is None
     assert (stats.requests, stats.drafted, stats.accepted, stats.target_forwards) == (12, 800, 600, 300)

@@ -7,7 +7,7 @@ import torch
 
 
 def tiny_model(arch: str, vocab: int = 64, seed: int = 0, layers: int = 1, context: int = 96):
-    """A tiny random causal LM: "llama" | "gpt2" | "gpt_neox" | "qwen2"."""
+    """A tiny random causal LM: "llama" | "gpt2" | "gpt_neox" | "qwen2" | "mistral"."""
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -19,9 +19,11 @@ def tiny_model(arch: str, vocab: int = 64, seed: int = 0, layers: int = 1, conte
             hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
             max_position_embeddings=context, **common))
     else:
-        cfg_cls, cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM)}[arch]
+        cfg_cls, cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+                        "mistral": (tf.MistralConfig, tf.MistralForCausalLM)}[arch]
+        extra = {"sliding_window": None} if arch == "mistral" else {}
         model = cls(cfg_cls(hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-                            num_key_value_heads=2, max_position_embeddings=context, **common))
+                            num_key_value_heads=2, max_position_embeddings=context, **common, **extra))
     return model.eval()
 
 

@@ -1,7 +1,11 @@
-"""Greedy Medusa decoding equals plain greedy decoding token for token.
+"""Greedy Medusa decoding equals plain greedy decoding and transformers, token for token.
 
-1000+ random prompts over small random models of four architectures (Llama and Qwen2
-through FastLlamaRunner, Llama, GPT-2 and GPT-NeoX through the generic HFRunner), heads
+1200 random prompts over small random models of five architectures, at least 150 each
+(Llama, Qwen2 and Mistral through FastLlamaRunner; Llama, GPT-2 and GPT-NeoX through
+the generic HFRunner); the plain reference is checked against transformers on every
+prompt (one batched full-sequence forward: each token is transformers' argmax and the
+output stops at the first EOS, the budget or the context) and against transformers'
+``generate`` on every eighth prompt. Heads
 that are random, untrained (LM-head copies), quickly self-distilled (so long paths are
 accepted) or sharing the LM head, every tree preset plus the cost-planned tree, 1..4
 heads, random budgets, EOS ids and small context windows (so EOS inside an accepted
@@ -24,6 +28,7 @@ from specops.decoder.sampling import SamplingConfig, make_generator
 from specops.decoder.tree import PRESETS
 from specops.train.heads import HeadsTrainConfig, train_heads
 from tests.decoder.medusa_models import one_thread, tiny_model  # noqa: F401 (fixture)
+from tests.decoder.tiny_models import hf_greedy, transformers_greedy_violations
 
 GREEDY = SamplingConfig()
 VOCAB = 48
@@ -58,7 +63,8 @@ CASES = {
     "qwen2-fast-shared-head": ("qwen2", "fast", "shared", 2, 150, 96),
     "llama-hf-random": ("llama", "hf", "random", 2, 110, 96),
     "gpt2-hf-distilled": ("gpt2", "hf", "distilled", 3, 140, 96),
-    "gpt_neox-hf-untrained": ("gpt_neox", "hf", "untrained", 1, 100, 32),
+    "gpt_neox-hf-untrained": ("gpt_neox", "hf", "untrained", 1, 150, 32),
+    "mistral-fast-distilled": ("mistral", "fast", "distilled", 3, 150, 96),
     "gpt2-hf-random-4": ("gpt2", "hf", "random", 4, 100, 30),
 }
 
@@ -76,13 +82,15 @@ def make_case(name: str):
     else:
         heads = MedusaHeads.from_model(model, num_heads=k)
     runner = FastLlamaRunner(model) if kind == "fast" else HFRunner(model)
-    return runner, heads, prompts
+    return runner, heads, prompts, model
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_greedy_medusa_equals_ar(name, one_thread):
-    runner, heads, prompts = make_case(name)
+    runner, heads, prompts, model = make_case(name)
+    context = CASES[name][5]
     rng = random.Random(name)
+    cases, generate_mismatches = [], []
     trees = [*PRESETS, None]
     totals = {"accepted": 0, "forwards": 0, "tokens": 0, "eos_cut": 0, "context": 0, "deep": 0}
     for i in range(prompts):
@@ -96,6 +104,10 @@ def test_greedy_medusa_equals_ar(name, one_thread):
         got, stats = generate_medusa(runner, prompt, heads=heads, sampling=GREEDY, generator=make_generator(0),
                                      max_new_tokens=max_new, eos_token_id=eos, num_heads=num_heads, tree=tree)
         assert got == want, f"prompt {i}: tree={tree} heads={num_heads} max_new={max_new} eos={eos}"
+        budget = min(max_new, context - prompt.shape[1])  # the context window may end it first
+        cases.append((prompt[0].tolist(), want, eos, budget))
+        if i % 8 == 0 and hf_greedy(model, prompt[0].tolist(), budget, eos_token_id=eos) != want:
+            generate_mismatches.append((i, prompt[0].tolist(), budget, eos, want))
         # stats invariants
         assert stats.new_tokens == len(got) == len(stats.token_latencies_s)
         assert stats.target_forwards == stats.steps + 1
@@ -111,6 +123,8 @@ def test_greedy_medusa_equals_ar(name, one_thread):
         totals["eos_cut"] += stats.stop_reason == "eos"
         totals["context"] += stats.stop_reason == "context"
         totals["deep"] += any(a > 0 for a in stats.accepted_per_pos[1:])
+    assert not generate_mismatches, generate_mismatches[:3]
+    assert transformers_greedy_violations(model, cases) == []
     assert totals["accepted"] > 0
     if CASES[name][2] in ("distilled", "shared"):
         # trained heads must make the test exercise long accepted paths
@@ -122,7 +136,7 @@ def test_greedy_medusa_equals_ar(name, one_thread):
 
 def test_eos_inside_accepted_path_is_cut(one_thread):
     """A greedy model that loops: pick an EOS the tree is certain to accept mid-path."""
-    runner, heads, _ = make_case("llama-fast-distilled")
+    runner, heads, _, _ = make_case("llama-fast-distilled")
     prompt = torch.tensor([[3, 7, 1]])
     want, _ = generate_ar(runner, prompt, sampling=GREEDY, generator=make_generator(0), max_new_tokens=30)
     cut_seen = False
@@ -139,7 +153,7 @@ def test_eos_inside_accepted_path_is_cut(one_thread):
 def test_bad_requests_raise(one_thread):
     from specops.decoder.errors import InvalidRequestError
 
-    runner, heads, _ = make_case("gpt_neox-hf-untrained")
+    runner, heads, _, _ = make_case("gpt_neox-hf-untrained")
     prompt = torch.tensor([[1, 2]])
     kwargs = dict(sampling=GREEDY, generator=make_generator(0), max_new_tokens=4)
     with pytest.raises(InvalidRequestError, match="heads must be in 1..1"):

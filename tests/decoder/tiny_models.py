@@ -14,6 +14,7 @@ import torch
 torch.set_num_threads(1)
 
 VOCAB = 96
+ARGMAX_TOL = 1e-4  # an emitted token's logit may trail the maximum by float rounding only
 
 
 def tiny_llama(seed: int = 0, vocab: int = VOCAB, layers: int = 2, hidden: int = 32, init_range: float = 0.25,
@@ -102,3 +103,26 @@ def tiny_other(arch: str, seed: int = 0, vocab: int = VOCAB, init_range: float =
         cfg = transformers.GPTNeoXConfig(intermediate_size=64, **common)
         return transformers.GPTNeoXForCausalLM(cfg).eval()
     raise ValueError(f"unknown architecture {arch!r}")
+
+
+def transformers_greedy_violations(model, cases: list[tuple[list[int], list[int], int | None, int]]) -> list:
+    """Cases ``(prompt, output, eos, max_new_tokens)`` whose output is not transformers' greedy decoding.
+
+    One right-padded forward over every ``prompt + output`` (causal attention: padding
+    after a sequence never changes its logits): each output token must be the argmax of
+    the logits before it, and the output must stop at its first EOS or at the budget.
+    """
+    bad = []
+    seqs = [prompt + out for prompt, out, _, _ in cases]
+    width = max(map(len, seqs))
+    ids = torch.tensor([seq + [0] * (width - len(seq)) for seq in seqs])  # [B, L]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.float()  # [B, L, V]
+    for b, (prompt, out, eos, n) in enumerate(cases):
+        rows = logits[b, len(prompt) - 1 : len(prompt) - 1 + len(out)]  # [len(out), V]
+        chosen = rows.gather(1, torch.tensor(out)[:, None])[:, 0]  # [len(out)]
+        not_argmax = bool((chosen < rows.max(dim=1).values - ARGMAX_TOL).any())
+        stops_right = (out.index(eos) == len(out) - 1) if eos in out else len(out) == n
+        if not out or not_argmax or not stops_right:
+            bad.append((prompt, out, eos, n))
+    return bad

@@ -21,3 +21,15 @@ def test_ops_demo_rolls_back_the_bad_canary(tmp_path):
     assert any("ngram" in m for r in reports[3:] for m in r.served["general"]["methods"])
     # After the rollback the stable revision serves everything again.
     assert "degraded" in reports[-1].rollout
+    # Adaptation happened: from the measured traffic the controller changed a class's knob
+    # (γ / heads by the goodput model or the bandit, or speculation off by an alert), and
+    # the effective settings after that tick are the decision's.
+    changes = [(r, d) for r in reports for d in r.decisions if d["kind"] in ("adapt", "fallback_on")]
+    assert changes, kinds
+    applied = 0
+    for r, d in changes:
+        assert any(d["after"][k] != d["before"][k] for k in d["after"]), d
+        s = r.settings[d["class"]]
+        applied += (s["gamma"], s["heads"], s["fallback"]) == (
+            d["after"]["gamma"], d["after"]["medusa_heads"], d["after"]["fallback_active"])
+    assert applied > 0, changes

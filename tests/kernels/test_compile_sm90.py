@@ -7,6 +7,12 @@ memory fits an SM, and (``cuobjdump -res-usage``) 16-bit variants do not spill.
 
 Integer arguments that are multiples of 16 (pointers, strides, the chunk length)
 are marked divisible by 16, as Triton's JIT specialises them at launch.
+
+CI must run this (no GPU needed: the pip Triton wheel that torch pins ships the NVIDIA
+backend with ``ptxas`` and ``cuobjdump``): under ``SPECOPS_REQUIRE_SERVICES=1`` a
+missing Triton, NVIDIA backend or ``cuobjdump``, or ``TRITON_INTERPRET=1`` in the
+environment (kernels interpreted, never compiled) fails the run; elsewhere those skip
+with the reason (`tests.services`).
 """
 
 from __future__ import annotations
@@ -19,8 +25,10 @@ import sys
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
-pytest.importorskip("triton.backends.nvidia")
+from tests.services import REQUIRE_SERVICES, require_file, require_module
+
+triton = require_module("triton", "compiling the kernels for sm_90")
+require_module("triton.backends.nvidia", "compiling the kernels for sm_90")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -29,7 +37,10 @@ import specops.kernels  # noqa: E402,F401  (registers the submodules below)
 ta = sys.modules["specops.kernels.tree_attention"]
 kc = sys.modules["specops.kernels.kv_compact"]
 
-pytestmark = pytest.mark.skipif(ta.triton_interpreting(), reason="kernels are interpreted, not compiled, here")
+if ta.triton_interpreting():
+    if REQUIRE_SERVICES:
+        pytest.fail("TRITON_INTERPRET=1 is set: CI must compile the kernels for sm_90, unset it", pytrace=False)
+    pytest.skip("kernels are interpreted (TRITON_INTERPRET=1), not compiled, here", allow_module_level=True)
 
 SM90 = GPUTarget("cuda", 90, 32)
 MAX_SHARED = 227 * 1024  # per-block opt-in limit on sm_90
@@ -51,8 +62,7 @@ def _compile(fn, pointers: dict[str, str], floats: tuple[str, ...], constexprs: 
 
 
 def _resources(kernel, tmp_path) -> dict[str, int]:
-    if not os.path.exists(CUOBJDUMP):
-        pytest.skip("cuobjdump not shipped with this Triton")
+    require_file(CUOBJDUMP, "checking register spills of the sm_90 cubins")
     path = tmp_path / "k.cubin"
     path.write_bytes(kernel.asm["cubin"])
     out = subprocess.run([CUOBJDUMP, "-res-usage", str(path)], capture_output=True, text=True, check=True).stdout

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import re
 
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -96,26 +97,78 @@ def test_random_top_level_documents(doc):
     _check(yaml.safe_dump(doc))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.sampled_from(ALL_PATHS), values)
-def test_nothing_is_stored_from_an_invalid_policy(redis_client, path, value):
-    data = copy.deepcopy(VALID)
-    parent = data
-    for part in path[:-1]:
-        parent = parent[part]
-    parent[path[-1]] = value
-    text = yaml.safe_dump(data, sort_keys=False)
-    store = PolicyStore(redis_client)
-    keys_before = sorted(redis_client.keys("*"))
-    audit_before = redis_client.xlen("{specops}:audit") if b"{specops}:audit" in keys_before else 0
-    try:
-        policy = load_policy(text)
-    except PolicyError:
-        assert sorted(redis_client.keys("*")) == keys_before
-        return
-    state = store.rollout_state()
-    if state is not None and state.active:
-        return
-    start_rollout(store, policy, text)
-    assert store.get_revision(store.history()[-1].revision).policy == policy
-    assert redis_client.xlen("{specops}:audit") > audit_before
+# Mutations that keep the policy valid (so the storing branch runs often): (path, strategy)
+VALID_MUTATIONS = [
+    (("version",), st.text("abcxyz0123456789.-", min_size=1, max_size=8)),
+    (("classes", 0, "medusa_heads", "initial"), st.integers(1, 3)),
+    (("classes", 1, "gamma", "initial"), st.integers(1, 4)),
+    (("classes", 0, "match", 0, "prefix"), st.text("abc def_(", min_size=1, max_size=6)),
+    (("alerts", 0, "threshold"), st.floats(0.1, 5.0)),
+    (("rollout", "steps", 0, "weight"), st.integers(1, 99)),
+    (("rollout", "steps", 0, "pause_s"), st.integers(0, 600)),
+]
+mutations = st.one_of(
+    st.sampled_from(VALID_MUTATIONS).flatmap(lambda pv: st.tuples(st.just(pv[0]), pv[1])),
+    st.tuples(st.sampled_from(ALL_PATHS), values),
+)
+
+
+def _snapshot(redis_client) -> dict:
+    """Every key with its serialised value: any write shows up as a difference."""
+    return {key: redis_client.dump(key) for key in sorted(redis_client.keys("*"))}
+
+
+def test_nothing_is_stored_from_an_invalid_policy(redis_client, redis_url, tmp_path):
+    """Each mutated policy goes through the calls that store (``start_rollout``,
+    ``PolicyStore.put_revision`` and ``specops policy rollout FILE``) on top of a stored
+    baseline: an invalid one leaves every key and value in Redis unchanged, a valid one
+    becomes a new revision and the canary. Both branches must run many times."""
+    from click.testing import CliRunner
+
+    from specops.cli import main
+    from specops.policies.rollout import abort
+
+    baseline_text = yaml.safe_dump(VALID, sort_keys=False)
+    baseline = load_policy(baseline_text)
+    runner = CliRunner()
+    ran = {"valid": 0, "invalid": 0}
+
+    @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(mutations)
+    def one(mutation):
+        path, value = mutation
+        data = copy.deepcopy(VALID)
+        parent = data
+        for part in path[:-1]:
+            parent = parent[part]
+        parent[path[-1]] = value
+        text = yaml.safe_dump(data, sort_keys=False)
+        redis_client.flushall()
+        store = PolicyStore(redis_client)
+        start_rollout(store, baseline, baseline_text)  # revision 1, current
+        before = _snapshot(redis_client)
+        try:
+            policy = load_policy(text)
+        except PolicyError:
+            policy = None
+        if policy is None:
+            ran["invalid"] += 1
+            with pytest.raises((PolicyError, ValueError)):
+                start_rollout(store, baseline, text)  # the object is valid, its text is not
+            with pytest.raises((PolicyError, ValueError)):
+                store.put_revision(baseline, text)
+            file = tmp_path / "bad.yaml"
+            file.write_text(text)
+            result = runner.invoke(main, ["policy", "rollout", str(file)], env={"SPECOPS_REDIS": redis_url})
+            assert result.exit_code != 0, result.output
+            assert _snapshot(redis_client) == before
+            return
+        ran["valid"] += 1
+        state = start_rollout(store, policy, text)
+        assert state.active and store.canary_revision() == state.revision == 2
+        assert store.get_revision(2).policy == policy and store.get_revision(2).text == text
+        assert _snapshot(redis_client) != before
+        abort(store)
+
+    one()
+    assert ran["valid"] >= 15 and ran["invalid"] >= 15, ran

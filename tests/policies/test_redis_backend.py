@@ -28,12 +28,13 @@ def test_embedded_redis_persists_in_state_dir_and_stops(tmp_path):
     assert (state / "specops.rdb").exists()
 
     again = connect(None, state)          # a fresh server loads the data from the state dir
+    pid_again = embedded_pid(again)
     try:
-        assert embedded_pid(again) != pid
+        assert pid_again and pid_again != pid and _alive(pid_again)
         assert PolicyStore(again).get_revision(rev).text == TEXT
     finally:
         close(again)
-    assert not _alive(embedded_pid(again) or 0) if embedded_pid(again) else True
+    assert not _alive(pid_again), "the second embedded redis-server still running after close()"
 
 
 def test_embedded_is_shared_and_left_running_for_other_users(tmp_path):

@@ -104,3 +104,57 @@ def test_canary_traffic_uses_canary_policy_and_namespace(runtime, redis_client):
     assert all(s.stats.gamma_trace[0] == 3 for s in stable)
     assert RedisWindowReader(redis_client, namespace="rt:canary").window("code", 60).requests == len(canary)
     assert RedisWindowReader(redis_client, namespace="rt").window("code", 60).requests == len(stable)
+
+
+DEADLINE_POLICY = """
+version: "d1"
+description: a class with a decode deadline
+default_class: general
+classes:
+  - name: code
+    match: [{label: {task: code}}]
+    method: draft
+    gamma: {initial: 3, min: 1, max: 8}
+    deadline_s: 4.6
+    adaptation: {mode: fixed, probe_fraction: 0.0}
+  - name: general
+    method: draft
+    gamma: {initial: 3, min: 1, max: 8}
+    adaptation: {mode: fixed, probe_fraction: 0.0}
+alerts: []
+"""
+
+
+def test_class_deadline_ends_the_request_in_plain_decoding(monkeypatch, redis_client):
+    """The policy's per-class ``deadline_s`` reaches the decoder: on a fake clock (1 s per
+    target forward, 0.25 s per draft forward) a 24-token request outlives the code class's
+    4.6 s, so it ends in plain steps with the same tokens and publishes the fallback; the
+    class without a deadline speculates to the end."""
+    from specops.decoder.runner import load_runner
+    from tests.decoder.clocked import ClockedRunner, FakeClock
+    from tests.decoder.test_deadline import check_tail_is_plain
+
+    clock = FakeClock()
+    clock.install(monkeypatch)
+    target = tiny_llama(seed=3)
+    runner = ClockedRunner(load_runner(target), clock)
+    dec = Decoder(runner, draft=ClockedRunner(load_runner(perturbed(target, 0.05)), clock, forward_s=0.25))
+    plain = dec.generate(PROMPT, method="ar", max_new_tokens=24).tokens
+    pub = RedisPublisher(redis_client, pod="pod-a", namespace="dl")
+    rt = PolicyRuntime(dec, load_policy(DEADLINE_POLICY), publisher=pub, rng=random.Random(1))
+
+    start = len(runner.log)
+    served = rt.serve(PROMPT, labels={"task": "code"}, max_new_tokens=24)
+    assert served.request_class == "code" and served.method == "draft"
+    assert served.fallback_reason == "deadline" and served.tokens == plain
+    check_tail_is_plain(runner.log[start:], 4.6)
+
+    start = len(runner.log)
+    general = rt.serve(PROMPT, labels={}, max_new_tokens=24)
+    assert general.request_class == "general" and general.fallback_reason is None and general.tokens == plain
+    assert runner.log[-1].start - runner.log[start].start > 4.6  # as long, yet it speculated throughout
+    assert all(f.width > 1 for f in runner.log[start + 1 : -1]) and general.stats.gamma_trace.count(0) <= 1
+
+    reader = RedisWindowReader(redis_client, namespace="dl")
+    assert reader.window("code", 60).fallbacks == {"deadline": 1}
+    assert reader.window("general", 60).fallbacks == {}
