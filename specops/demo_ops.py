@@ -112,12 +112,12 @@ def run_ops_demo(decoder: Any, *, state_dir: str | Path, policy_path: str | Path
     from specops.controller.leader import LeaderLease
     from specops.controller.rollout_driver import canary_namespace
     from specops.controller.sources import RedisWindowSource
+    from specops.serving.live_policy import LivePolicy
     from specops.serving.policy_runtime import PolicyRuntime
     from specops.policies import load_policy
     from specops.policies import rollout as machine
     from specops.policies.redis_backend import close, connect
     from specops.policies.store import PolicyStore
-    from specops.policies.watcher import SettingsWatcher
     from specops.telemetry.exporter import PrometheusExporter
     from specops.telemetry.redis_metrics import RedisPublisher, RedisWindowReader
 
@@ -139,9 +139,9 @@ def run_ops_demo(decoder: Any, *, state_dir: str | Path, policy_path: str | Path
         canary_reader = RedisWindowReader(client, namespace=canary_ns, clock=clock)
         controller = Controller(store, RedisWindowSource(reader), clock=clock, registry=registry, lease=lease,
                                 window_s=4 * tick_s, canary_source=RedisWindowSource(canary_reader))
-        watcher = SettingsWatcher(store, reconcile_s=0.001)
+        watcher = LivePolicy(store, reconcile_s=0.001)
         runtime = PolicyRuntime(
-            decoder, store=store, watcher=watcher, exporter=PrometheusExporter(registry),
+            decoder, store=store, live=watcher, exporter=PrometheusExporter(registry),
             publisher=RedisPublisher(client, pod="demo-pod-0", namespace=namespace, clock=clock),
             canary_publisher=RedisPublisher(client, pod="demo-pod-0", namespace=canary_ns, clock=clock))
         traffic = demo_traffic(seed, per_kind)

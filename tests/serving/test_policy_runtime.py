@@ -8,11 +8,11 @@ from dataclasses import replace
 import pytest
 
 from specops.decoder import Decoder
+from specops.serving.live_policy import LivePolicy
 from specops.serving.policy_runtime import REASON_FALLBACK, REASON_OFF, REASON_TEMPERATURE, PolicyRuntime
 from specops.policies import load_policy
 from specops.policies import rollout as machine
 from specops.policies.store import PolicyStore
-from specops.policies.watcher import SettingsWatcher
 from specops.telemetry.redis_metrics import RedisPublisher, RedisWindowReader
 from tests.decoder.tiny_models import perturbed, tiny_llama
 
@@ -47,13 +47,13 @@ def decoder():
 def runtime(decoder, redis_client):
     store = PolicyStore(redis_client, namespace="rt")
     machine.start_rollout(store, load_policy(POLICY), POLICY)
-    watcher = SettingsWatcher(store, reconcile_s=0.001)
+    live = LivePolicy(store, reconcile_s=0.001)
     pub = RedisPublisher(redis_client, pod="pod-a", namespace="rt")
     canary_pub = RedisPublisher(redis_client, pod="pod-a", namespace="rt:canary")
-    rt = PolicyRuntime(decoder, store=store, watcher=watcher, publisher=pub, canary_publisher=canary_pub,
+    rt = PolicyRuntime(decoder, store=store, live=live, publisher=pub, canary_publisher=canary_pub,
                        rng=random.Random(1))
     yield rt
-    watcher.close()
+    rt.close()
 
 
 PROMPT = [5, 17, 33, 2, 9, 41, 7]
