@@ -251,7 +251,8 @@ class LivePolicy:
 class RecordBuffer:
     """Bounded queue of (canary?, DecodeRecord) for the Redis publishers (see module docstring)."""
 
-    def __init__(self, publisher: Any = None, canary_publisher: Any = None, *, max_records: int = 10_000) -> None:
+    def __init__(self, publisher: Any = None, canary_publisher: Any = None, *, max_records: int = 10_000,
+                 clock: Callable[[], float] = time.monotonic, backoff_s: tuple[float, ...] = BACKOFF_S) -> None:
         if max_records < 1:
             raise ValueError(f"max_records must be >= 1, got {max_records}")
         self.publisher = publisher
@@ -259,6 +260,10 @@ class RecordBuffer:
         self.max_records = max_records
         self.dropped = 0
         self.published = 0
+        self.clock = clock
+        self.backoff_s = tuple(backoff_s)
+        self._failures = 0
+        self._next_attempt = float("-inf")
         self._queue: deque[tuple[bool, Any]] = deque()
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()
@@ -273,9 +278,14 @@ class RecordBuffer:
                 self.dropped += 1
             self._queue.append((canary, record))
 
-    def flush(self) -> int:
-        """Publish queued records oldest first until one fails; returns how many were published."""
+    def flush(self, force: bool = False) -> int:
+        """Publish queued records oldest first until one fails; returns how many were published.
+
+        After a failure the next attempt waits out the backoff (unless ``force``).
+        """
         done = 0
+        if not force and self.clock() < self._next_attempt:
+            return 0
         with self._flush_lock:
             while True:
                 with self._lock:
@@ -287,8 +297,14 @@ class RecordBuffer:
                     try:
                         publisher.publish(record)
                     except _FAILURES as exc:
-                        log.warning("telemetry kept for later (%d queued): %s", len(self._queue), exc)
+                        self._failures += 1
+                        delay = self.backoff_s[min(self._failures, len(self.backoff_s)) - 1]
+                        self._next_attempt = self.clock() + delay
+                        log.warning("telemetry kept for later (%d queued, next try in %.2fs): %s",
+                                    len(self._queue), delay, exc)
                         return done
+                    self._failures = 0
+                    self._next_attempt = float("-inf")
                 with self._lock:
                     if self._queue and self._queue[0][1] is record:
                         self._queue.popleft()
