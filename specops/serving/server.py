@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,7 +155,14 @@ def run_server(cfg: ServeConfig) -> None:
         config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
                                 timeout_graceful_shutdown=5)
         server = uvicorn.Server(config)
-        server.run()
+        # uvicorn re-raises the signal that stopped it once it is done; with SIGTERM's default
+        # action that would kill the process before the cleanup below (the embedded Redis would
+        # outlive us). A Python-level handler makes that re-raise harmless.
+        previous = signal.signal(signal.SIGTERM, lambda *_: None)
+        try:
+            server.run()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     finally:
         try:
             serving_client.close()
