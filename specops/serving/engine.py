@@ -361,6 +361,13 @@ class Engine:
         self.scheduler.finish(seq)
         self.seqs.pop(seq.request_id, None)
         stats = seq.stats
+        if seq.heads:
+            out = seq.tokens[seq.prompt_len :]
+            stats.head_predictions, stats.head_correct = [0] * seq.heads, [0] * seq.heads
+            for index, k, tok in seq.head_guesses:
+                if index < len(out):
+                    stats.head_predictions[k] += 1
+                    stats.head_correct[k] += int(out[index] == tok)
         if reason == "stop":
             stats.finish("eos")
         else:

@@ -120,5 +120,7 @@ class MedusaProposer:
                 out.append((root, buffers))
                 continue
             top = top_all[: spec.depth, i, : buffers.top_k]  # [D_i, top_k]
+            base = seq.num_output  # head k guesses output index base + k (the root is output base - 1)
+            seq.head_guesses.extend((base + k, k, t) for k, t in enumerate(top[:, 0].tolist()))
             out.append((torch.cat([root, top.reshape(-1)[buffers.candidate_index]]), buffers))  # [N]
         return out

@@ -168,6 +168,8 @@ class Sequence:
     """Ngram: the request's `NgramIndex`."""
     heads: int = 0
     """Medusa: heads in use."""
+    head_guesses: list = field(default_factory=list)
+    """Medusa: (output index, head, top-1 token) of every proposal, for per-head accuracy."""
 
     @property
     def num_output(self) -> int:

@@ -43,20 +43,25 @@ import torch
 class CostModel:
     """Seconds of one forward as a function of (batch size B, total new tokens T)."""
 
-    def __init__(self, decay: float = 0.2) -> None:
+    def __init__(self, decay: float = 0.2, refit_every: int = 32) -> None:
         self.decay = decay
+        self.refit_every = refit_every
         self.points: dict[tuple[int, int], float] = {}
         self._fit: tuple[float, float, float] | None = None
+        self._since_fit = 0
 
     def observe(self, b: int, t: int, seconds: float) -> None:
         if seconds <= 0:
             return
         old = self.points.get((b, t))
         self.points[(b, t)] = seconds if old is None else (1 - self.decay) * old + self.decay * seconds
-        self._fit = None
+        self._since_fit += 1
+        if old is None and len(self.points) <= 8 or self._since_fit >= self.refit_every:
+            self._fit = None  # refit: early on at every new point, later every refit_every steps
 
     def _coefficients(self) -> tuple[float, float, float]:
         if self._fit is None:
+            self._since_fit = 0
             keys = list(self.points)
             if not keys:
                 self._fit = (1e-3, 1e-4, 0.0)

@@ -95,6 +95,9 @@ def test_bundled_mixed_methods_join_mid_batch_equal_single_request_ar(bundled):
     spec = [r for r in records.values() if r.method != "ar"]
     assert sum(r.accepted for r in spec) > 0  # speculation really ran and was accepted
     assert all(r.target_forwards <= r.new_tokens for r in records.values())
+    medusa = [r for r in records.values() if r.method == "medusa"]
+    assert all(len(r.head_predictions) == r.heads == bundled.medusa.num_heads for r in medusa)
+    assert sum(r.head_correct[0] for r in medusa) > 0  # per-head accuracy is measured
 
 
 @pytest.fixture(scope="module")
