@@ -124,6 +124,10 @@ class Engine:
         sampling = params.config()
         spec.check()
         limit = self.max_model_len
+        fallback = None
+        if spec.method == "draft" and self.draft is None and getattr(self.decoder, "draft_error", None):
+            # Decoder(fallback=True) dropped an unusable draft: plain decoding, as Decoder.generate does
+            spec, fallback = SpecSettings(method="ar", deadline_s=spec.deadline_s), "draft_unavailable"
         if spec.method == "draft":
             if self.draft is None:
                 raise ValueError("method 'draft' needs a draft model and this engine's decoder has none")
@@ -136,7 +140,7 @@ class Engine:
             heads = total if spec.medusa_heads is None else spec.medusa_heads
             if heads > total:
                 raise ValueError(f"medusa_heads must be in 1..{total} (the heads loaded), got {heads}")
-        stats = DecodeStats(method=spec.method, heads=heads)
+        stats = DecodeStats(method=spec.method, heads=heads, fallback_reason=fallback)
         stats.start()
         now = self.clock()
         seq = Sequence(

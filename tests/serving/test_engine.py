@@ -187,3 +187,20 @@ def test_deadline_falls_back_to_plain_decoding_and_stays_exact(qwen2):
     assert got == want
     assert record.fallback_reason == "deadline"
     assert 0 < drafted_at_deadline == record.drafted  # it speculated, then nothing past the deadline
+
+
+def test_unusable_draft_falls_back_to_plain_decoding_like_the_decoder():
+    target = tiny_other("qwen2", seed=5, vocab=96)
+    with pytest.warns(RuntimeWarning, match="draft model unusable"):
+        dec = Decoder(target, draft=tiny_other("qwen2", seed=6, vocab=64), fallback=True)
+    eng = Engine(dec, max_batch=2, kv_cache_mb=1, calibrate=False)
+    eng.add("r", [1, 2, 3], SamplingParams(max_tokens=12), SpecSettings(method="draft"))
+    got, record = [], None
+    while eng.has_unfinished():
+        for out in eng.step():
+            got.extend(out.new_token_ids)
+            record = out.record or record
+    assert got == dec.generate([1, 2, 3], method="ar", max_new_tokens=12).tokens
+    assert record.method == "ar" and record.fallback_reason == "draft_unavailable"
+    with pytest.raises(ValueError, match="Medusa heads"):
+        eng.add("m", [1, 2], SamplingParams(max_tokens=2), SpecSettings(method="medusa"))
