@@ -7,8 +7,7 @@ the same forward is already compute-heavy and every extra drafted token costs re
 time that a rejected draft wastes for everyone in the batch.
 
 `CostModel` measures this: it keeps the observed seconds of target forwards per exact
-(B, T) (a running mean) and predicts unseen points with a least-squares fit
-``a + b*T + c*B`` over them. The engine seeds it with a short calibration at start-up
+(B, T) (a running mean) and predicts from one least-squares line in T per batch size. The engine seeds it with a short calibration at start-up
 and keeps feeding it every real step, so it follows the machine's actual load.
 
 `plan` then chooses, for every speculating sequence, how many speculative tokens it
@@ -41,13 +40,20 @@ import torch
 
 
 class CostModel:
-    """Seconds of one forward as a function of (batch size B, total new tokens T)."""
+    """Seconds of one forward as a function of (batch size B, total new tokens T).
+
+    Observations are running means per exact (B, T). Predictions come from a straight
+    line in T per observed batch size (least squares, slope >= 0: a bigger forward never
+    costs less, whatever the noise), interpolated linearly between the two nearest
+    observed batch sizes. One line per B keeps what matters for planning: at B = 1 extra
+    tokens are nearly free, at B = 16 they are not.
+    """
 
     def __init__(self, decay: float = 0.2, refit_every: int = 32) -> None:
         self.decay = decay
         self.refit_every = refit_every
         self.points: dict[tuple[int, int], float] = {}
-        self._fit: tuple[float, float, float] | None = None
+        self._lines: dict[int, tuple[float, float]] | None = None  # B -> (intercept, slope per token)
         self._since_fit = 0
 
     def observe(self, b: int, t: int, seconds: float) -> None:
@@ -56,34 +62,45 @@ class CostModel:
         old = self.points.get((b, t))
         self.points[(b, t)] = seconds if old is None else (1 - self.decay) * old + self.decay * seconds
         self._since_fit += 1
-        if old is None and len(self.points) <= 8 or self._since_fit >= self.refit_every:
-            self._fit = None  # refit: early on at every new point, later every refit_every steps
+        if old is None or self._since_fit >= self.refit_every:
+            self._lines = None  # refit at every new point, else every refit_every observations
 
-    def _coefficients(self) -> tuple[float, float, float]:
-        if self._fit is None:
+    def _fit(self) -> dict[int, tuple[float, float]]:
+        if self._lines is None:
             self._since_fit = 0
-            keys = list(self.points)
-            if not keys:
-                self._fit = (1e-3, 1e-4, 0.0)
-            elif len(keys) < 3:
-                mean = sum(self.points.values()) / len(keys)
-                t_mean = sum(k[1] for k in keys) / len(keys)
-                self._fit = (mean * 0.8, mean * 0.2 / max(t_mean, 1.0), 0.0)  # a weak slope until measured
-            else:
-                x = torch.tensor([[1.0, float(t), float(b)] for b, t in keys], dtype=torch.float64)  # [P, 3]
-                y = torch.tensor([self.points[k] for k in keys], dtype=torch.float64)  # [P]
-                sol = torch.linalg.lstsq(x, y[:, None]).solution[:, 0]  # [3]
-                a, bt, bb = (float(v) for v in sol)
-                self._fit = (max(a, 1e-6), max(bt, 0.0), max(bb, 0.0))
-        return self._fit
+            by_b: dict[int, list[tuple[int, float]]] = {}
+            for (b, t), sec in self.points.items():
+                by_b.setdefault(b, []).append((t, sec))
+            lines = {}
+            for b, pts in by_b.items():
+                ts = torch.tensor([float(t) for t, _ in pts], dtype=torch.float64)  # [P]
+                ys = torch.tensor([sec for _, sec in pts], dtype=torch.float64)  # [P]
+                if len(pts) < 2 or float(ts.max() - ts.min()) == 0.0:
+                    lines[b] = (float(ys.mean()), 0.0)
+                    continue
+                slope = float(((ts - ts.mean()) * (ys - ys.mean())).sum() / ((ts - ts.mean()) ** 2).sum())
+                slope = max(slope, 0.0)
+                lines[b] = (float(ys.mean()) - slope * float(ts.mean()), slope)
+            self._lines = lines
+        return self._lines
 
     def predict(self, b: int, t: int) -> float:
-        """Predicted seconds; a measured point wins over the fit."""
-        seen = self.points.get((b, t))
-        if seen is not None:
-            return seen
-        a, bt, bb = self._coefficients()
-        return a + bt * t + bb * b
+        """Predicted seconds of a forward of B sequences feeding T tokens in all."""
+        lines = self._fit()
+        if not lines:
+            return 1e-3 * (1.0 + 0.05 * t)  # nothing measured yet: a mild slope
+        sizes = sorted(lines)
+        lo = max((x for x in sizes if x <= b), default=sizes[0])
+        hi = min((x for x in sizes if x >= b), default=sizes[-1])
+
+        def at(x: int) -> float:
+            a, slope = lines[x]
+            return max(a + slope * t, 1e-9)
+
+        if lo == hi:
+            return at(lo)
+        w = (b - lo) / (hi - lo)
+        return (1 - w) * at(lo) + w * at(hi)
 
 
 @dataclass

@@ -91,6 +91,14 @@ def test_planner_speculates_at_low_load_and_switches_off_at_high_load():
 def test_cost_model_fit_predicts_unseen_points():
     cost = CostModel()
     for b in (1, 4, 16):
-        for t in (b, 3 * b):
+        for t in (b, 3 * b, 5 * b):
             cost.observe(b, t, 1e-3 + 1e-4 * t + 1e-5 * b)
-    assert abs(cost.predict(8, 20) - (1e-3 + 20e-4 + 8e-5)) < 1e-6
+    assert abs(cost.predict(4, 30) - (1e-3 + 30e-4 + 4e-5)) < 1e-9  # along one batch size's line
+    assert abs(cost.predict(10, 20) - (1e-3 + 20e-4 + 10e-5)) < 1e-9  # between two batch sizes
+
+
+def test_cost_model_never_predicts_cheaper_for_more_tokens_under_noise():
+    cost = CostModel()
+    for t, sec in ((1, 9e-3), (2, 4e-3), (3, 8e-3), (4, 3e-3)):  # noise: bigger looks cheaper
+        cost.observe(1, t, sec)
+    assert cost.predict(1, 8) >= cost.predict(1, 1)
