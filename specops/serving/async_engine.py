@@ -220,6 +220,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._threads: list[threading.Thread] = []
         self.engine_error: str | None = None
+        self._stats: Any = None
 
     @property
     def max_model_len(self) -> int:
@@ -228,6 +229,7 @@ class AsyncEngine:
     # -- lifecycle ---------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        self._stats = self.engine.stats()  # later snapshots come from the engine thread only
         for name, target in (("specops-engine", self._engine_loop), ("specops-policy", self._policy_loop)):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
@@ -345,7 +347,8 @@ class AsyncEngine:
                     if stream is not None:
                         self._deliver(stream, out)
             try:
-                self.metrics.engine(self.engine.stats())
+                self._stats = self.engine.stats()
+                self.metrics.engine(self._stats)
             except Exception:  # pragma: no cover - stats are plain counters
                 log.exception("engine stats failed")
 
@@ -368,7 +371,7 @@ class AsyncEngine:
         policy = live.status() if live is not None else {"source": "file", "live": True, "stale_reason": None}
         policy["records_buffered"] = len(self.runtime.records)
         policy["records_dropped"] = self.runtime.records.dropped
-        stats = self.engine.stats()
+        stats = self._stats  # the engine thread's last snapshot (the engine is not thread-safe)
         return {"engine": {"running": self.running, "error": self.engine_error, "waiting": stats.waiting,
                            "active": stats.running, "kv_blocks_used": stats.kv_blocks_used,
                            "kv_blocks_free": stats.kv_blocks_free, "inflight": self.inflight,
