@@ -58,6 +58,7 @@ from specops.serving.spec_planner import Candidate, CostModel, linear_gains, pla
 log = logging.getLogger(__name__)
 
 ALPHA_PRIOR = {"draft": 0.7, "ngram": 0.6, "medusa": 0.7}
+ALPHA_RECOVERY = 0.05  # per plain step, toward the prior (a switched-off sequence probes again)
 CALIBRATION_PREFIX = 32
 
 
@@ -356,6 +357,8 @@ class Engine:
             stats.record_step(drafted, accepted, gamma=gamma)
             if drafted:
                 seq.alpha = 0.8 * seq.alpha + 0.2 * (accepted / drafted)
+            else:  # not speculating: drift back toward the prior, so speculation is probed again later
+                seq.alpha += ALPHA_RECOVERY * (ALPHA_PRIOR[seq.spec.method] - seq.alpha)
         stats.record_emitted(len(new))
         if reason is not None:
             return self._finish(seq, reason, new)
