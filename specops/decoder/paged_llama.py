@@ -14,9 +14,11 @@ One forward:
 2. rotary embeddings use each token's own position id (prefix length + depth for
    tree nodes);
 3. each token's key/value goes to its slot (``write_slots``) before attention;
-4. attention pads the queries to ``[B, Tq]`` and gathers each sequence's keys/values
-   from its slots into ``[B, Lk]``; a bool mask ``[B, 1, Tq, Lk]`` says which keys each
-   query sees (prefix, then causal or tree); padded rows see slot 0 and are dropped;
+4. attention runs per *group* of sequences (the caller groups them so padding stays
+   small: short decode/verify blocks together, a long prefill alone): it pads the
+   group's queries to ``[G, Tq]`` and gathers each sequence's keys/values from its slots
+   into ``[G, Lk]``; a bool mask ``[G, 1, Tq, Lk]`` says which keys each query sees
+   (prefix, then causal or tree); padded rows see slot 0 and are dropped;
 5. logits are computed only for the rows the caller asks for (``logit_rows``).
 
 Compaction of an accepted tree path is `copy_slots` (one gather + one scatter over all
@@ -34,29 +36,41 @@ from torch import Tensor
 
 
 @dataclass
+class AttnGroup:
+    """Sequences whose attention runs as one padded SDPA call."""
+
+    q_index: Tensor  # [G, Tq] long: flat index of sequence g's t-th new token (padding: 0)
+    kv_slots: Tensor  # [G, Lk] long: cache slots of sequence g's keys, prefix then new (padding: 0)
+    mask: Tensor  # [G, 1, Tq, Lk] bool: query t of sequence g may see key j
+    padded_rows: Tensor  # [n_g] long: rows of the padded [G * Tq] output that are real tokens
+    flat_rows: Tensor  # [n_g] long: the flat token index of each of those rows
+
+
+@dataclass
 class PagedBatch:
-    """The flattened, padded inputs of one ragged forward (see the module docstring)."""
+    """The flattened inputs of one ragged forward (see the module docstring)."""
 
     input_ids: Tensor  # [N] long: new tokens of all sequences, sequence by sequence
     positions: Tensor  # [N] long: rotary position of each token
     write_slots: Tensor  # [N] long: cache slot each token's key/value goes to
-    q_index: Tensor  # [B, Tq] long: flat index of sequence b's t-th new token (padding: 0)
-    kv_slots: Tensor  # [B, Lk] long: cache slots of sequence b's keys, prefix then new (padding: 0)
-    mask: Tensor  # [B, 1, Tq, Lk] bool: query t of sequence b may see key j
-    out_index: Tensor  # [N] long: row of each flat token in the padded [B * Tq] layout
+    groups: list[AttnGroup]  # attention groups; together they cover every flat token once
     logit_rows: Tensor  # [R] long: flat tokens whose logits (and hidden states) are returned
 
     def check(self) -> None:
         n = self.input_ids.shape[0]
-        b, tq = self.q_index.shape
-        lk = self.kv_slots.shape[1]
-        for name, t, shape in (("positions", self.positions, (n,)), ("write_slots", self.write_slots, (n,)),
-                               ("kv_slots", self.kv_slots, (b, lk)), ("mask", self.mask, (b, 1, tq, lk)),
-                               ("out_index", self.out_index, (n,))):
-            if tuple(t.shape) != shape:
-                raise ValueError(f"PagedBatch.{name} must be {list(shape)}, got {list(t.shape)}")
-        if self.mask.dtype != torch.bool:
-            raise ValueError(f"PagedBatch.mask must be bool, got {self.mask.dtype}")
+        for name, t in (("positions", self.positions), ("write_slots", self.write_slots)):
+            if tuple(t.shape) != (n,):
+                raise ValueError(f"PagedBatch.{name} must be [{n}], got {list(t.shape)}")
+        covered = 0
+        for g in self.groups:
+            b, tq = g.q_index.shape
+            lk = g.kv_slots.shape[1]
+            if g.kv_slots.shape[0] != b or tuple(g.mask.shape) != (b, 1, tq, lk) or g.mask.dtype != torch.bool:
+                raise ValueError(f"attention group shapes disagree: q {list(g.q_index.shape)}, "
+                                 f"kv {list(g.kv_slots.shape)}, mask {list(g.mask.shape)} {g.mask.dtype}")
+            covered += g.flat_rows.shape[0]
+        if covered != n:
+            raise ValueError(f"attention groups cover {covered} tokens, the batch has {n}")
 
 
 def kv_bytes_per_token(runner) -> int:
@@ -93,7 +107,6 @@ class PagedLlama:
         r = self.r
         hq, hkv, d, e = r.n_heads, r.n_kv_heads, r.head_dim, r.hidden_size
         n = batch.input_ids.shape[0]
-        b, tq = batch.q_index.shape
         half = d // 2
         gqa = hq != hkv
         with torch.inference_mode():
@@ -106,12 +119,20 @@ class PagedLlama:
                 kv_new = qkv[:, hq:].view(n, 2, hkv, d).transpose(0, 1)  # [2, N, Hkv, D]
                 store = self.store[i]  # [2, S, Hkv, D]
                 store.index_copy_(1, batch.write_slots, kv_new)
-                kv = store[:, batch.kv_slots]  # [2, B, Lk, Hkv, D]
-                k = kv[0].transpose(1, 2)  # [B, Hkv, Lk, D]
-                v = kv[1].transpose(1, 2)  # [B, Hkv, Lk, D]
-                q = qkv[:, :hq][batch.q_index].transpose(1, 2)  # [B, Hq, Tq, D]
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask, scale=r.scale, enable_gqa=gqa)
-                o = o.transpose(1, 2).reshape(b * tq, hq * d)[batch.out_index]  # [N, Hq*D]
+                q_all = qkv[:, :hq]  # [N, Hq, D]
+                o = None if len(batch.groups) == 1 else x.new_empty(n, hq * d)  # [N, Hq*D]
+                for g in batch.groups:
+                    b, tq = g.q_index.shape
+                    kv = store[:, g.kv_slots]  # [2, G, Lk, Hkv, D]
+                    k = kv[0].transpose(1, 2)  # [G, Hkv, Lk, D]
+                    v = kv[1].transpose(1, 2)  # [G, Hkv, Lk, D]
+                    q = q_all[g.q_index].transpose(1, 2)  # [G, Hq, Tq, D]
+                    og = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=r.scale, enable_gqa=gqa)
+                    og = og.transpose(1, 2).reshape(b * tq, hq * d)[g.padded_rows]  # [n_g, Hq*D]
+                    if o is None:
+                        o = og  # a single group lists every sequence in flat order
+                    else:
+                        o.index_copy_(0, g.flat_rows, og)
                 x = layer.o.add_to(x, o)  # [N, E]
                 h = F.rms_norm(x, (e,), layer.ln2, r.eps)  # [N, E]
                 gate, up = layer.gate_up(h).chunk(2, dim=-1)  # [N, I] each

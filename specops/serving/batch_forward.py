@@ -23,9 +23,12 @@ import torch
 from torch import Tensor
 
 from specops.decoder.hf_runner import HFRunner
-from specops.decoder.paged_llama import PagedBatch, PagedLlama, kv_bytes_per_token
+from specops.decoder.paged_llama import AttnGroup, PagedBatch, PagedLlama, kv_bytes_per_token
 from specops.serving.kv_pool import BlockPool, blocks_for
 from specops.serving.sequence import SeqKV
+
+
+SHORT_BLOCK = 16  # items feeding more tokens than this (prefills) get their own attention call
 
 
 @dataclass
@@ -65,62 +68,79 @@ class PagedBackend:
 
     def forward(self, items: list[FeedItem], need_hidden: bool = False) -> list[ItemOutput]:
         dev = self.device
-        b = len(items)
-        lens = [len(it.tokens) for it in items]
-        starts = [it.kv.computed for it in items]
-        tq = max(lens)
-        lk = max(s + t for s, t in zip(starts, lens))
         ids: list[int] = []
         pos: list[int] = []
-        q_index = torch.zeros(b, tq, dtype=torch.long)  # [B, Tq]
-        out_index: list[int] = []
-        rows: list[int] = []
-        nblk = blocks_for(lk, self.bs)
-        tables = torch.zeros(b, nblk, dtype=torch.long)  # [B, blocks]
         write: list[int] = []
-        offset = 0
-        for i, it in enumerate(items):
-            s, t = starts[i], lens[i]
+        rows: list[int] = []
+        offsets: list[int] = []
+        for it in items:
+            s, t = it.kv.computed, len(it.tokens)
             if len(it.kv.blocks) * self.bs < s + t:
                 raise RuntimeError(f"sequence needs {s + t} slots but holds {len(it.kv.blocks)} blocks")
+            offsets.append(len(ids))
+            rows.extend(len(ids) + r for r in it.rows)
             ids.extend(it.tokens)
             pos.extend(range(s, s + t) if it.positions is None else it.positions)
-            q_index[i, :t] = torch.arange(offset, offset + t)
-            out_index.extend(range(i * tq, i * tq + t))
-            rows.extend(offset + r for r in it.rows)
-            used = blocks_for(s + t, self.bs)
-            tables[i, :used] = torch.tensor(it.kv.blocks[:used], dtype=torch.long)
             write.extend(self._slots(it.kv, range(s, s + t)))
-            offset += t
-        kv_slots = (tables[:, :, None] * self.bs + self._arange.cpu()).view(b, -1)[:, :lk]  # [B, Lk]
-        mask = self._mask(items, starts, lens, tq, lk)  # [B, 1, Tq, Lk]
+        # short blocks (decode steps, drafts, trees) share one padded attention call; each long
+        # prefill gets its own, so one long prompt never pads every other sequence to its length
+        short = [i for i, it in enumerate(items) if len(it.tokens) <= SHORT_BLOCK]
+        groups = [short] if short else []
+        groups += [[i] for i, it in enumerate(items) if len(it.tokens) > SHORT_BLOCK]
+        groups.sort(key=lambda g: g[0])
         batch = PagedBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=torch.tensor(pos, dtype=torch.long, device=dev),
             write_slots=torch.tensor(write, dtype=torch.long, device=dev),
-            q_index=q_index.to(dev),
-            kv_slots=kv_slots.to(dev),
-            mask=mask.to(dev),
-            out_index=torch.tensor(out_index, dtype=torch.long, device=dev),
+            groups=[self._group([items[i] for i in g], [offsets[i] for i in g]) for g in groups],
             logit_rows=torch.tensor(rows, dtype=torch.long, device=dev),
         )
         logits, hidden = self.model.forward(batch, need_hidden)  # [R, V], [R, E]
         outs: list[ItemOutput] = []
         r0 = 0
-        for it, s, t in zip(items, starts, lens):
+        for it in items:
             r = len(it.rows)
             outs.append(ItemOutput(logits[r0 : r0 + r], None if hidden is None else hidden[r0 : r0 + r]))
             r0 += r
-            it.kv.computed = s + t
+            it.kv.computed += len(it.tokens)
         return outs
+
+    def _group(self, items: list[FeedItem], offsets: list[int]) -> AttnGroup:
+        """One padded attention call over ``items`` (whose flat tokens start at ``offsets``)."""
+        dev = self.device
+        b = len(items)
+        starts = [it.kv.computed for it in items]
+        lens = [len(it.tokens) for it in items]
+        tq = max(lens)
+        lk = max(s + t for s, t in zip(starts, lens))
+        nblk = blocks_for(lk, self.bs)
+        q_index = torch.zeros(b, tq, dtype=torch.long)  # [G, Tq]
+        tables = torch.zeros(b, nblk, dtype=torch.long)  # [G, blocks]
+        padded: list[int] = []
+        flat: list[int] = []
+        for i, (it, off) in enumerate(zip(items, offsets)):
+            s, t = starts[i], lens[i]
+            q_index[i, :t] = torch.arange(off, off + t)
+            padded.extend(range(i * tq, i * tq + t))
+            flat.extend(range(off, off + t))
+            used = blocks_for(s + t, self.bs)
+            tables[i, :used] = torch.tensor(it.kv.blocks[:used], dtype=torch.long)
+        kv_slots = (tables[:, :, None] * self.bs + self._arange.cpu()).view(b, -1)[:, :lk]  # [G, Lk]
+        return AttnGroup(
+            q_index=q_index.to(dev),
+            kv_slots=kv_slots.to(dev),
+            mask=self._mask(items, starts, lens, tq, lk).to(dev),  # [G, 1, Tq, Lk]
+            padded_rows=torch.tensor(padded, dtype=torch.long, device=dev),
+            flat_rows=torch.tensor(flat, dtype=torch.long, device=dev),
+        )
 
     @staticmethod
     def _mask(items: list[FeedItem], starts: list[int], lens: list[int], tq: int, lk: int) -> Tensor:
         keys = torch.arange(lk)  # [Lk]
         if tq == 1:  # plain decoding steps: each query sees its prefix and itself
-            ends = torch.tensor([s + 1 for s in starts])  # [B]
-            return (keys[None, :] < ends[:, None])[:, None, None, :]  # [B, 1, 1, Lk]
-        mask = torch.zeros(len(items), tq, lk, dtype=torch.bool)  # [B, Tq, Lk]
+            ends = torch.tensor([s + 1 for s in starts])  # [G]
+            return (keys[None, :] < ends[:, None])[:, None, None, :]  # [G, 1, 1, Lk]
+        mask = torch.zeros(len(items), tq, lk, dtype=torch.bool)  # [G, Tq, Lk]
         for i, it in enumerate(items):
             s, t = starts[i], lens[i]
             mask[i, :t, :s] = True

@@ -204,3 +204,10 @@ def test_unusable_draft_falls_back_to_plain_decoding_like_the_decoder():
     assert record.method == "ar" and record.fallback_reason == "draft_unavailable"
     with pytest.raises(ValueError, match="Medusa heads"):
         eng.add("m", [1, 2], SamplingParams(max_tokens=2), SpecSettings(method="medusa"))
+
+
+def test_long_prefills_joining_decoding_sequences_stay_exact(qwen2):
+    rng = random.Random(5)
+    prompts = [[rng.randrange(96) for _ in range(n)] for n in (3, 120, 7, 64, 2, 90)]
+    eng = full_speculation(Engine(qwen2, max_batch=6, kv_cache_mb=1))
+    check_exact(qwen2, eng, prompts, max_tokens=20, eos=None, need_accept=False)
