@@ -211,3 +211,27 @@ def test_long_prefills_joining_decoding_sequences_stay_exact(qwen2):
     prompts = [[rng.randrange(96) for _ in range(n)] for n in (3, 120, 7, 64, 2, 90)]
     eng = full_speculation(Engine(qwen2, max_batch=6, kv_cache_mb=1))
     check_exact(qwen2, eng, prompts, max_tokens=20, eos=None, need_accept=False)
+
+
+class SteepCost(CostModel):
+    """Extra tokens are nearly free below batch 4 and cost a whole forward each from batch 4 on."""
+
+    def predict(self, b: int, t: int) -> float:
+        return 1.0 + (t - b) * (0.001 if b < 4 else 1.0)
+
+
+def test_speculation_shrinks_and_switches_off_by_itself_at_high_load(qwen2):
+    def run(n: int) -> list:
+        eng = Engine(qwen2, max_batch=8, kv_cache_mb=1, calibrate=False)
+        eng.cost = SteepCost()
+        for i in range(n):
+            eng.add(f"r{i}", [3, 4, 5] * 5, SamplingParams(max_tokens=20), SpecSettings(method="ngram", gamma=4))
+        records = []
+        while eng.has_unfinished():
+            records += [o.record for o in eng.step() if o.finished]
+        return records
+
+    alone = run(1)
+    assert alone[0].drafted > 0 and max(alone[0].gamma_trace) == 4  # cheap: drafts up to its bound
+    crowded = run(8)
+    assert all(r.drafted == 0 for r in crowded)  # the same requests at batch 8: speculation off
