@@ -19,7 +19,17 @@ with the request's own seeded generator) → commit, roll both caches back to th
 accepted prefix (or compact the accepted tree path) and give surplus blocks back.
 
 Requests join and leave between steps. Not thread-safe: one thread calls add / abort /
-step. Llama / Mistral / Qwen2 targets and drafts run batched on the paged cache; other
+step (`specops.serving.async_engine` runs it on its own thread). `step` returns one
+`StepOutput` per request that committed tokens or finished; tokens are never retracted.
+``finish_reason`` is "stop" (EOS, kept in the output), "length" (``max_tokens`` or
+``max_model_len``) or "abort" (one final output with no tokens, at the step after
+`abort`); a finished output carries the request's `DecodeStats` as ``record`` (method
+that ran, drafted, accepted, fallback_reason, per-head Medusa accuracy, timings;
+``record.to_record(request_class)`` is the telemetry `DecodeRecord`).
+`SpecSettings.gamma` / ``tree_size`` are upper bounds: the planner picks 0..bound per
+step. A missing component (no draft model / no Medusa heads) makes `add` raise
+ValueError, except a draft that `Decoder(fallback=True)` dropped, which runs plain
+decoding with ``fallback_reason == "draft_unavailable"``. Llama / Mistral / Qwen2 targets and drafts run batched on the paged cache; other
 transformers models (GPT-2, ...) run through the generic path, one forward per
 sequence (slower, same results). Greedy output equals ``Decoder.generate(method="ar")``
 token for token up to float rounding of the batched matmuls.
