@@ -336,8 +336,8 @@ class Engine:
             new = drafts[:n] + [int(v.next_tokens[0])]
             drafted, accepted = len(drafts), n
             self.target.truncate(seq.target, old_len + n - 1 + 1)  # keep [.., pending, d_1 .. d_n]
-            if out.hidden is not None:
-                seq.hidden = out.hidden[n]
+            if seq.spec.method == "medusa":
+                seq.hidden = out.hidden[n]  # [E]: produced the pending token; the heads read it next step
         gamma = drafted
         reason = None
         for k, tok in enumerate(new):
