@@ -168,7 +168,7 @@ class PagedBackend:
 
     def release(self, kv: SeqKV) -> None:
         self.pool.release(kv.blocks)
-        kv.computed = 0
+        kv.computed = kv.published = 0
 
 
 class GenericBackend:
@@ -219,7 +219,7 @@ class GenericBackend:
 
     def release(self, kv: SeqKV) -> None:
         self.pool.release(kv.blocks)
-        kv.computed = 0
+        kv.computed = kv.published = 0
         kv.runner = None
 
 

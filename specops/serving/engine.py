@@ -77,11 +77,12 @@ class Engine:
 
     def __init__(self, decoder: Any, *, max_batch: int = 16, kv_cache_mb: float = 64.0, block_size: int = 16,
                  clock: Callable[[], float] = time.monotonic, eos_token_id: Any = "model",
-                 max_step_tokens: int = 4096, calibrate: bool = True) -> None:
+                 max_step_tokens: int = 4096, calibrate: bool = True, prefix_caching: bool = True) -> None:
         """``kv_cache_mb``: the whole KV budget (target and draft caches together), split so both
         hold the same number of token slots. ``eos_token_id``: "model" takes the target
         config's; None never stops early. ``calibrate``: time a few batched forwards now to
-        seed the verify-cost model (it keeps learning from real steps either way)."""
+        seed the verify-cost model (it keeps learning from real steps either way).
+        ``prefix_caching``: reuse the target KV of full prompt blocks seen before (paged path)."""
         for name, value in (("max_batch", max_batch), ("block_size", block_size), ("max_step_tokens", max_step_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -95,7 +96,8 @@ class Engine:
         num_blocks = int(kv_cache_mb * 2**20) // (per_slot * block_size)
         if num_blocks < 1:
             raise ValueError(f"kv_cache_mb={kv_cache_mb} holds no block of {block_size} tokens ({per_slot} B/token)")
-        self.pool = BlockPool(num_blocks, block_size)
+        paged = hasattr(runner, "layers") and hasattr(runner, "lm_head")  # prefix sharing needs the paged path
+        self.pool = BlockPool(num_blocks, block_size, prefix_caching=prefix_caching and paged)
         self.target = make_backend(runner, self.pool)
         self.draft_pool = BlockPool(num_blocks, block_size) if draft is not None else None
         self.draft = make_backend(draft, self.draft_pool) if draft is not None else None
@@ -355,6 +357,8 @@ class Engine:
             reason = "length"
         if seq.target.computed > len(seq.tokens) - 1:
             self.target.truncate(seq.target, len(seq.tokens) - 1)
+        kv = seq.target
+        kv.published = self.pool.publish(kv.blocks, seq.tokens, kv.computed, kv.published)
         if self.draft is not None and seq.draft.computed > len(seq.tokens) - 1:
             self.draft.truncate(seq.draft, len(seq.tokens) - 1)  # the draft rolls back like the target
         stats.target_forwards += 1

@@ -77,22 +77,33 @@ class Scheduler:
                 tokens += len(seq.tokens) - seq.target.computed
         while self.waiting and len(batch) < self.max_batch:
             seq = self.waiting[0]
+            kv = seq.target
             need = len(seq.tokens)
-            if batch and tokens + need > self.max_step_tokens:
+            if not kv.blocks:  # reuse cached prompt blocks, never the one holding the last token
+                kv.computed = kv.published = self.pool.match(kv.blocks, seq.tokens, (need - 1) // self.pool.block_size)
+                kv.computed *= self.pool.block_size
+            if batch and tokens + need - kv.computed > self.max_step_tokens:
+                self._unmatch(seq)
                 break
             reserve = len(self.running)
-            if self.pool.missing(seq.target.blocks, need) + reserve > self.pool.num_free:
-                if self.running:
-                    break  # wait for memory; a lone request always fits (max_model_len <= capacity)
-                if not self.pool.can_grow(seq.target.blocks, need):
-                    break
-            self.pool.grow(seq.target.blocks, need)
+            if self.pool.missing(kv.blocks, need) + reserve > self.pool.num_free and (
+                self.running or not self.pool.can_grow(kv.blocks, need)
+            ):
+                self._unmatch(seq)
+                break  # wait for memory; a lone request always fits (max_model_len <= capacity)
+            self.pool.grow(kv.blocks, need)
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             batch.append(seq)
             tokens += need - seq.target.computed
         return batch
+
+    def _unmatch(self, seq: Sequence) -> None:
+        """Undo a prefix-cache match of a sequence that stays waiting."""
+        if seq.target.blocks and seq.target.computed == seq.target.published * self.pool.block_size:
+            self.pool.release(seq.target.blocks)
+            seq.target.computed = seq.target.published = 0
 
     def grant(self, seq: Sequence, extra: int, draft_extra: int | None = None) -> bool:
         """Allocate lookahead for ``extra`` speculative target slots after the committed tokens

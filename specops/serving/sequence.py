@@ -137,6 +137,8 @@ class SeqKV:
     """Block table: block ids of the paged cache, in position order."""
     runner: Any = None
     """Generic path only: the private `HFRunner` holding this sequence's cache."""
+    published: int = 0
+    """Leading blocks registered in the prefix cache."""
 
 
 @dataclass(slots=True)

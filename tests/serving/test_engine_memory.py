@@ -31,13 +31,17 @@ def dec():
 
 
 def check_blocks(eng: Engine) -> None:
-    """No block is lost or shared, and every sequence holds blocks for its computed KV."""
+    """No block is lost, a block's reference count is the number of tables holding it (only
+    prefix-cached target blocks are shared), and every sequence holds blocks for its computed KV."""
     for pool, role in ((eng.pool, "target"), (eng.draft_pool, "draft")):
         if pool is None:
             continue
-        tables = [getattr(s, role).blocks for s in eng.seqs.values()]
-        owned = [b for t in tables for b in t]
-        assert len(owned) == len(set(owned)) == pool.num_used
+        counts: dict[int, int] = {}
+        for s in eng.seqs.values():
+            for b in getattr(s, role).blocks:
+                counts[b] = counts.get(b, 0) + 1
+        assert len(counts) == pool.num_used and all(pool.refcount(b) == n for b, n in counts.items())
+        assert role == "target" or all(n == 1 for n in counts.values())
         assert pool.num_used + pool.num_free == pool.num_blocks
         for s in eng.seqs.values():
             kv = getattr(s, role)
@@ -150,3 +154,41 @@ def test_step_invariants_and_kv_contents(dec):
                 torch.testing.assert_close(_paged_kv(eng.draft, seq.draft), ref, atol=1e-4, rtol=1e-4)
     assert spec_steps > 10
     assert moved_paths  # some accepted tree paths really needed moving (then checked contiguous above)
+
+
+def test_prefix_cache_reuses_prompt_blocks_and_stays_exact(dec):
+    eng = full_speculation(Engine(dec, max_batch=4, kv_cache_mb=1, block_size=4, calibrate=False))
+    fed: dict[str, int] = {}
+    forward = eng.target.forward
+
+    def spy(items, need_hidden=False):
+        for it in items:
+            seq = next(s for s in eng.seqs.values() if s.target is it.kv)
+            fed.setdefault(seq.request_id, len(it.tokens))  # first feed: the prefill
+        return forward(items, need_hidden)
+
+    eng.target.forward = spy
+    prompt = [(7 * i) % 96 for i in range(30)]
+    requests = {"a": prompt, "b": prompt + [5, 6], "c": prompt, "d": prompt[:9] + [1, 2, 3]}
+    methods = {"a": "ar", "b": "ngram", "c": "medusa", "d": "draft"}
+    got: dict[str, list[int]] = {}
+
+    def run(rids):
+        for rid in rids:
+            eng.add(rid, requests[rid], SamplingParams(max_tokens=12), SpecSettings(method=methods[rid]))
+        shared = False
+        while eng.has_unfinished():
+            for out in eng.step():
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+            shared |= any(eng.pool.refcount(b) > 1 for s in eng.seqs.values() for b in s.target.blocks)
+            check_blocks(eng)
+        return shared
+
+    run(["a"])
+    assert fed["a"] == 30 and eng.pool.num_used == 0
+    assert run(["b", "c", "d"])  # b and c share a's cached blocks at the same time
+    assert fed["b"] == 32 - 28 and fed["c"] == 30 - 28 and fed["d"] == 12 - 8  # only the uncached rest
+    for rid, p in requests.items():
+        assert got[rid] == dec.generate(p, method="ar", max_new_tokens=12).tokens, rid
+    assert eng.pool.num_used == 0 and eng.pool.cache_hits == 7 + 7 + 2
+

@@ -60,3 +60,38 @@ def test_random_traffic_never_loses_or_shares_a_block():
 def test_bad_sizes_raise():
     with pytest.raises(ValueError, match="num_blocks"):
         BlockPool(0, 4)
+
+
+def test_prefix_cache_match_publish_and_eviction():
+    pool = BlockPool(4, 2, prefix_caching=True)
+    a = []
+    pool.grow(a, 5)  # 3 blocks for tokens [1..5]
+    tokens = [1, 2, 3, 4, 5]
+    assert pool.publish(a, tokens, computed=4, published=0) == 2  # two full blocks with final KV
+    b = []
+    assert pool.match(b, [1, 2, 3, 4, 9], max_blocks=2) == 2 and b == a[:2]
+    assert pool.refcount(a[0]) == 2
+    c = []
+    assert pool.match(c, [1, 2, 7, 7], max_blocks=2) == 1  # second block's tokens differ
+    f = []
+    assert pool.match(f, [1, 2, 3, 4], max_blocks=1) == 1  # capped (the last token's block stays private)
+    pool.release(f)
+    pool.release(a)
+    pool.release(b)
+    pool.release(c)
+    assert pool.num_used == 0
+    d = []
+    assert pool.match(d, tokens, max_blocks=2) == 2  # freed blocks stay cached
+    pool.release(d)
+    e = []
+    pool.grow(e, 8)  # takes all 4 blocks: the cached ones are evicted
+    pool.release(e)
+    assert pool.match([], tokens, max_blocks=2) == 0
+
+
+def test_without_prefix_caching_nothing_is_shared():
+    pool = BlockPool(4, 2)
+    a = []
+    pool.grow(a, 4)
+    assert pool.publish(a, [1, 2, 3, 4], computed=4, published=0) == 0
+    assert pool.match([], [1, 2, 3, 4], max_blocks=2) == 0
