@@ -51,6 +51,32 @@ def _param_from_loc(loc: tuple[Any, ...]) -> str | None:
     return out or None
 
 
+class _BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes is refused with 413 while it is read,
+    also when it comes chunked, without a Content-Length (memory stays bounded)."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        total = 0
+
+        async def limited() -> dict:
+            nonlocal total
+            message = await receive()
+            if message["type"] == "http.request":
+                total += len(message.get("body", b""))
+                if total > self.limit:
+                    raise StarletteHTTPException(413, f"request body over {self.limit} bytes")
+            return message
+
+        await self.app(scope, limited, send)
+
+
 class _Server:
     """What the routes need besides the engine client: fixed at build time."""
 
@@ -94,6 +120,8 @@ def build_app(load: Callable[[], AsyncEngine], *, model_name: str, model_root: s
 
     app = FastAPI(title="specops", version="1", lifespan=lifespan,
                   description="OpenAI-compatible serving with adaptive speculative decoding.")
+
+    app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)
 
     # -- errors -----------------------------------------------------------------------
     @app.exception_handler(RequestValidationError)

@@ -168,6 +168,22 @@ def test_stop_string_truncates(oai):
     assert "".join(c.choices[0].text for c in streamed if c.choices) == text[:first]
 
 
+def test_request_class_from_labels_headers_and_canary_key(server):
+    def spec(body: dict, headers: dict | None = None) -> dict:
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hello there", "max_tokens": 2,
+                                                             "temperature": 0, **body},
+                       headers={**AUTH, **(headers or {})}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["specops"]
+
+    assert spec({})["request_class"] == "general"
+    assert spec({"metadata": {"task": "code"}})["request_class"] == "code"  # label rule of the default policy
+    assert spec({}, {"x-specops-label-task": "code"})["request_class"] == "code"
+    assert spec({"metadata": {"task": "prose"}})["request_class"] == "general"
+    first = spec({"user": "alice"}, {"x-specops-routing-key": "bob"})
+    assert first["canary"] is False and first["revision"] is not None
+
+
 # -- errors ------------------------------------------------------------------------------
 @pytest.mark.parametrize("body,status,param", [
     ({"prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),
@@ -197,6 +213,21 @@ def test_bad_chat_and_json(server):
     r = httpx.post(f"{server.url}/v1/completions", content=b"{not json", headers={**AUTH, "content-type":
                                                                                   "application/json"}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+
+
+def test_oversized_bodies_are_refused_without_reading_them_whole(server):
+    big = b'{"prompt": "' + b"x" * (5 * 1024 * 1024) + b'"}'
+    r = httpx.post(f"{server.url}/v1/completions", content=big, headers={**AUTH, "content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 413 and "error" in r.json()
+
+    def chunks():  # no Content-Length: chunked transfer encoding
+        for _ in range(6):
+            yield b"x" * (1024 * 1024)
+
+    r = httpx.post(f"{server.url}/v1/completions", content=chunks(),
+                   headers={**AUTH, "content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["message"].startswith("request body over")
 
 
 def test_api_key_required(server):
@@ -284,6 +315,42 @@ def test_policy_change_applied_within_one_reconcile_period(server, redis_box):
     store.set_effective({"code": before}, epoch=None, reason="test")
     time.sleep(RECONCILE_S + 0.2)
     assert _code_request(server)["method"] == "draft"
+
+
+def test_canary_routing_key_from_user_or_header(server, redis_box):
+    from specops.policies import load_policy
+    from specops.policies import rollout as machine
+    from specops.policies.rollout import pick_revision
+
+    store = _store(redis_box)
+    path = ROOT / "examples" / "policies" / "default.yaml"
+    text = path.read_text().replace('version: "2026-11-29.1"', 'version: "canary-test"')
+    assert text != path.read_text()
+    from specops.policies.loader import parse_policy
+
+    state = machine.start_rollout(store, parse_policy(text, "canary.yaml"), text, actor="test")
+    stable = store.current_revision()
+    try:
+        _wait(lambda: (_ready(server)["policy"]["canary"] or {}).get("revision") == state.revision, 10,
+              "the canary to be seen")
+        keys = [f"user-{i}" for i in range(30)]
+        expected = [pick_revision(state, stable, k) for k in keys]
+        assert state.revision in expected and stable in expected  # the 30 keys hit both revisions
+        for key, rev in zip(keys, expected):
+            via_user = _spec_for({"user": key}, server)
+            via_header = _spec_for({"user": "someone-else"}, server, {"x-specops-routing-key": key})
+            assert via_user["revision"] == via_header["revision"] == rev
+            assert via_user["canary"] is (rev != stable)
+    finally:
+        machine.abort(store, reason="test over")
+    assert load_policy(path).version == "2026-11-29.1"
+
+
+def _spec_for(body: dict, server, headers: dict | None = None) -> dict:
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "def f(x):", "max_tokens": 1, "temperature": 0,
+                                                         **body}, headers={**AUTH, **(headers or {})}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["specops"]
 
 
 def test_flushall_keeps_last_good_settings_and_says_stale(server, redis_box):
