@@ -123,12 +123,15 @@ class PagedLlama:
                 o = None if len(batch.groups) == 1 else x.new_empty(n, hq * d)  # [N, Hq*D]
                 for g in batch.groups:
                     b, tq = g.q_index.shape
-                    kv = store[:, g.kv_slots]  # [2, G, Lk, Hkv, D]
+                    # index_select, not advanced indexing: ~5x faster on CPU for this gather
+                    kv = store.index_select(1, g.kv_slots.reshape(-1)).view(2, b, -1, hkv, d)  # [2, G, Lk, Hkv, D]
                     k = kv[0].transpose(1, 2)  # [G, Hkv, Lk, D]
                     v = kv[1].transpose(1, 2)  # [G, Hkv, Lk, D]
-                    q = q_all[g.q_index].transpose(1, 2)  # [G, Hq, Tq, D]
+                    q = q_all.index_select(0, g.q_index.reshape(-1)).view(b, tq, hq, d).transpose(1, 2)  # [G, Hq, Tq, D]
                     og = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=r.scale, enable_gqa=gqa)
-                    og = og.transpose(1, 2).reshape(b * tq, hq * d)[g.padded_rows]  # [n_g, Hq*D]
+                    og = og.transpose(1, 2).reshape(b * tq, hq * d)  # [G*Tq, Hq*D]
+                    if og.shape[0] != g.padded_rows.shape[0]:  # drop padded rows
+                        og = og.index_select(0, g.padded_rows)  # [n_g, Hq*D]
                     if o is None:
                         o = og  # a single group lists every sequence in flat order
                     else:
@@ -137,7 +140,7 @@ class PagedLlama:
                 h = F.rms_norm(x, (e,), layer.ln2, r.eps)  # [N, E]
                 gate, up = layer.gate_up(h).chunk(2, dim=-1)  # [N, I] each
                 x = layer.down.add_to(x, layer.act(gate) * up)  # [N, E]
-            rows = x[batch.logit_rows]  # [R, E]
+            rows = x.index_select(0, batch.logit_rows)  # [R, E]
             rows = F.rms_norm(rows, (e,), r.norm, r.eps)  # [R, E]
             logits = r.lm_head(rows)  # [R, V]
             if logits.dtype != torch.float32:
@@ -147,5 +150,5 @@ class PagedLlama:
     def copy_slots(self, src: Tensor, dst: Tensor) -> None:  # src, dst: [n] long slot ids
         """Move the entries of slots ``src`` to slots ``dst`` in every layer (gathered first)."""
         with torch.inference_mode():
-            moved = self.store[:, :, src]  # [NL, 2, n, Hkv, D]
-            self.store[:, :, dst] = moved
+            moved = self.store.index_select(2, src)  # [NL, 2, n, Hkv, D]
+            self.store.index_copy_(2, dst, moved)

@@ -114,17 +114,19 @@ class PagedBackend:
         tq = max(lens)
         lk = max(s + t for s, t in zip(starts, lens))
         nblk = blocks_for(lk, self.bs)
-        q_index = torch.zeros(b, tq, dtype=torch.long)  # [G, Tq]
-        tables = torch.zeros(b, nblk, dtype=torch.long)  # [G, blocks]
+        q_rows: list[list[int]] = []
+        table_rows: list[list[int]] = []
         padded: list[int] = []
         flat: list[int] = []
         for i, (it, off) in enumerate(zip(items, offsets)):
             s, t = starts[i], lens[i]
-            q_index[i, :t] = torch.arange(off, off + t)
+            q_rows.append(list(range(off, off + t)) + [0] * (tq - t))
             padded.extend(range(i * tq, i * tq + t))
             flat.extend(range(off, off + t))
-            used = blocks_for(s + t, self.bs)
-            tables[i, :used] = torch.tensor(it.kv.blocks[:used], dtype=torch.long)
+            used = it.kv.blocks[: blocks_for(s + t, self.bs)]
+            table_rows.append(used + [0] * (nblk - len(used)))
+        q_index = torch.tensor(q_rows, dtype=torch.long)  # [G, Tq]
+        tables = torch.tensor(table_rows, dtype=torch.long)  # [G, blocks]
         kv_slots = (tables[:, :, None] * self.bs + self._arange.cpu()).view(b, -1)[:, :lk]  # [G, Lk]
         return AttnGroup(
             q_index=q_index.to(dev),
