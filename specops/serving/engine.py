@@ -212,11 +212,38 @@ class Engine:
         dt = time.perf_counter() - t0
         total = sum(len(it.tokens) for it in items)
         self.cost.observe(len(items), total, dt)
+        greedy = self._verify_greedy_batch(batch, plans, outs)
         for seq, item, out in zip(batch, items, outs):
-            result = self._commit(seq, item, out, plans.get(seq.request_id), dt * len(item.tokens) / total)
+            p = plans.get(seq.request_id)
+            result = self._commit(seq, item, out, p, dt * len(item.tokens) / total, greedy.get(seq.request_id))
             if result is not None:
                 outputs.append(result)
         return outputs
+
+    def _verify_greedy_batch(self, batch: list[Sequence], plans: dict[str, dict], outs) -> dict[str, tuple[int, int]]:
+        """(accepted, next token) of every greedy linear sequence, from ONE `verify_greedy` call:
+        drafts padded with -1 (never an argmax, so acceptance stops at each real length)."""
+        seqs, rows = [], []
+        for seq, out in zip(batch, outs):
+            p = plans.get(seq.request_id)
+            if seq.sampling.greedy and (p is None or "tree_tokens" not in p):
+                seqs.append((seq, [] if p is None else p["drafts"]))
+                rows.append(out.logits)  # [G+1, V]
+        if not seqs:
+            return {}
+        width = max(len(d) for _, d in seqs)
+        flat = torch.cat(rows)  # [R, V]
+        index, drafts, r0 = [], [], 0
+        for (seq, d), logits in zip(seqs, rows):
+            g = len(d)
+            index.append([r0 + min(j, g) for j in range(width + 1)])  # padded rows repeat the last real one
+            drafts.append(d + [-1] * (width - g))
+            r0 += logits.shape[0]
+        index_t = torch.tensor(index, dtype=torch.long, device=flat.device)  # [B, W+1]
+        drafts_t = torch.tensor(drafts, dtype=torch.long, device=flat.device)  # [B, W]
+        v = verify_greedy(drafts_t, flat[index_t])  # logits [B, W+1, V]
+        accepted, nxt = v.accepted.tolist(), v.next_tokens.tolist()
+        return {seq.request_id: (accepted[i], nxt[i]) for i, (seq, _) in enumerate(seqs)}
 
     def _plan(self, batch: list[Sequence]) -> dict[str, dict]:
         """Choose every decoding sequence's speculation, grant its blocks, and propose."""
@@ -308,7 +335,8 @@ class Engine:
         last = len(new) - 1
         return FeedItem(kv=seq.target, tokens=new + drafts, rows=list(range(last, last + len(drafts) + 1))), medusa
 
-    def _commit(self, seq: Sequence, item: FeedItem, out, p: dict | None, verify_s: float) -> StepOutput | None:
+    def _commit(self, seq: Sequence, item: FeedItem, out, p: dict | None, verify_s: float,
+                greedy_result: tuple[int, int] | None = None) -> StepOutput | None:
         """Verify, append the new tokens, roll caches back; the request's StepOutput (None if none)."""
         stats = seq.stats
         old_len = len(seq.tokens)
@@ -327,15 +355,14 @@ class Engine:
             seq.hidden = out.hidden[path[-1]]
         else:
             drafts = [] if p is None else p["drafts"]
-            d = torch.tensor([drafts], dtype=torch.long, device=out.logits.device)  # [1, G]
-            logits = out.logits[None]  # [1, G+1, V]
             if greedy:
-                v = verify_greedy(d, logits)
+                n, x = greedy_result  # batched verify_greedy
             else:
+                d = torch.tensor([drafts], dtype=torch.long, device=out.logits.device)  # [1, G]
                 q = None if p is None or p["q"] is None else p["q"][None]  # [1, G, V]
-                v = verify_sampling(d, probabilities(logits, seq.sampling), q, seq.generator)
-            n = int(v.accepted[0])
-            new = drafts[:n] + [int(v.next_tokens[0])]
+                v = verify_sampling(d, probabilities(out.logits[None], seq.sampling), q, seq.generator)
+                n, x = int(v.accepted[0]), int(v.next_tokens[0])
+            new = drafts[:n] + [x]
             drafted, accepted = len(drafts), n
             self.target.truncate(seq.target, old_len + n - 1 + 1)  # keep [.., pending, d_1 .. d_n]
             if seq.spec.method == "medusa":
