@@ -180,6 +180,7 @@ def run_ops_demo(decoder: Any, *, state_dir: str | Path, policy_path: str | Path
     finally:
         if watcher is not None:
             watcher.close()
+        client.connection_pool.disconnect()  # our idle pooled connections would count as other users
         close(client)
 
 
@@ -334,6 +335,12 @@ def run_ops_demo_http(*, state_dir: str | Path, policy_path: str | Path = DEFAUL
                     if on_event is not None:
                         on_event(f"rolling out {Path(canary_policy_path).name} as revision {state.revision}: "
                                  f"{state.message}")
+                    wait_until = time.monotonic() + 15  # the server re-reads the rollout state within 1 s
+                    while time.monotonic() < wait_until:
+                        seen_canary = httpx.get(f"{url}/readyz", timeout=10).json()["policy"].get("canary")
+                        if seen_canary and seen_canary.get("revision") == state.revision:
+                            break
+                        time.sleep(0.2)
 
                 def run_stream(stream: Traffic) -> list[dict[str, Any]]:
                     out = []
@@ -384,6 +391,7 @@ def run_ops_demo_http(*, state_dir: str | Path, policy_path: str | Path = DEFAUL
             _stop_process(controller)
         if server is not None:
             _stop_process(server)
+        client.connection_pool.disconnect()  # our idle pooled connections would count as other users
         close(client)
 
 

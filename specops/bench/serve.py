@@ -374,6 +374,7 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
         if server is not None:
             _stop(server)
         if embedded is not None:
+            embedded.connection_pool.disconnect()  # idle pooled connections would count as other users
             close(embedded)
 
 

@@ -104,7 +104,10 @@ def build_app(load: Callable[[], AsyncEngine], *, model_name: str, model_root: s
                 app.state.client = client
                 log.info("engine ready: %s", model_name)
             except BaseException as exc:  # report, and let the owner decide (the CLI exits)
-                log.exception("loading the engine failed")
+                if isinstance(exc, (OSError, ValueError)):  # a bad path / model: one line is enough
+                    log.error("loading the engine failed: %s: %s", type(exc).__name__, exc)
+                else:
+                    log.exception("loading the engine failed")
                 app.state.load_error = f"{type(exc).__name__}: {exc}"
                 if on_load_error is not None:
                     on_load_error(exc)

@@ -169,6 +169,7 @@ def run_server(cfg: ServeConfig) -> None:
         except Exception:  # closing a dead connection
             pass
         if admin is not None:
+            admin.connection_pool.disconnect()  # idle pooled connections would count as other users
             close(admin)
     if failure:
         exc = failure[0]

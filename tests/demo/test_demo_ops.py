@@ -34,8 +34,7 @@ def test_ops_demo_over_http_closes_the_loop(tmp_path):
     assert len(reports) == 4 and all(r.errors == 0 for r in reports)
     assert all(set(r.served) == {"code", "factual", "general"} for r in reports)
     assert all(row["canary"] == 0 for r in reports[:2] for row in r.served.values())
-    canary = [row for r in reports[2:] for row in r.served.values() if row["canary"]]
-    assert canary  # 50% of routing keys on revision 2 once it rolls out
+    assert sum(row["canary"] for row in reports[2].served.values()) > 0  # 50% of routing keys on revision 2
     general = [m for r in reports[2:] for m in r.served["general"]["canary_methods"]]
     assert not general or set(general) <= {"ngram", "ar"}  # the canary policy's method for hot prompts
     controller = [e for r in reports for e in r.events]
