@@ -104,7 +104,9 @@ def build_app(load: Callable[[], AsyncEngine], *, model_name: str, model_root: s
                 app.state.client = client
                 log.info("engine ready: %s", model_name)
             except BaseException as exc:  # report, and let the owner decide (the CLI exits)
-                if isinstance(exc, (OSError, ValueError)):  # a bad path / model: one line is enough
+                from specops.decoder.errors import DecoderError
+
+                if isinstance(exc, (OSError, ValueError, DecoderError)):  # a bad path / model: one line is enough
                     log.error("loading the engine failed: %s: %s", type(exc).__name__, exc)
                 else:
                     log.exception("loading the engine failed")
