@@ -142,15 +142,17 @@ class PagedBackend:
         if tq == 1:  # plain decoding steps: each query sees its prefix and itself
             ends = torch.tensor([s + 1 for s in starts])  # [G]
             return (keys[None, :] < ends[:, None])[:, None, None, :]  # [G, 1, 1, Lk]
-        mask = torch.zeros(len(items), tq, lk, dtype=torch.bool)  # [G, Tq, Lk]
+        # built for the whole group at once (a per-sequence loop cost ~4 tensor ops per sequence)
+        s = torch.tensor(starts)[:, None, None]  # [G, 1, 1]
+        t = torch.tensor(lens)[:, None, None]  # [G, 1, 1]
+        q = torch.arange(tq)[None, :, None]  # [1, Tq, 1]
+        k = keys[None, None, :]  # [1, 1, Lk]
+        real = q < t  # [G, Tq, 1]
+        mask = real & ((k < s) | ((k >= s) & (k - s <= q)))  # [G, Tq, Lk]: prefix, then causal
         for i, it in enumerate(items):
-            s, t = starts[i], lens[i]
-            mask[i, :t, :s] = True
-            if it.intra is None:
-                mask[i, :t, s : s + t] = torch.ones(t, t, dtype=torch.bool).tril()
-            else:
-                mask[i, :t, s : s + t] = it.intra.cpu()
-            mask[i, t:, 0] = True  # padded queries: any finite row (their output is dropped)
+            if it.intra is not None:  # a tree: its own pattern among the new tokens
+                mask[i, : lens[i], starts[i] : starts[i] + lens[i]] = it.intra.cpu()
+        mask[:, :, 0] |= ~real[:, :, 0]  # padded queries: any finite row (their output is dropped)
         return mask[:, None]
 
     def truncate(self, kv: SeqKV, length: int) -> None:

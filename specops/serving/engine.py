@@ -63,7 +63,7 @@ from specops.serving.sequence import (
     SpecSettings,
     StepOutput,
 )
-from specops.serving.spec_planner import Candidate, CostModel, linear_gains, plan
+from specops.serving.spec_planner import DEFAULT_MARGIN, Candidate, CostModel, Meter, linear_gains, plan
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +111,14 @@ class Engine:
         self.eos = eos_set(eos_token_id)
         self.scheduler = Scheduler(self.pool, max_batch=max_batch, max_step_tokens=max_step_tokens,
                                    draft_pool=self.draft_pool, release=self._release)
-        self.cost = CostModel()
-        self.draft_round_s = 0.0
+        self.cost = CostModel()  # target forwards (verify)
+        self.draft_cost = CostModel()  # draft-model forwards (one drafting round)
+        self.overhead = {m: Meter() for m in ALPHA_PRIOR}  # per speculating sequence, outside the forwards
+        self.fixed: dict[int, Meter] = {}  # per batch size: the step's host time outside forwards and proposals
+        self.margin = DEFAULT_MARGIN
+        self._propose_s = 0.0  # this step's proposal seconds (n-gram lookups, draft rounds, Medusa trees)
+        self._propose_share: dict[str, float] = {}  # request -> its share of them, beyond the draft forwards
+        self._ngram_s: dict[str, float] = {}
         self.seqs: dict[str, Sequence] = {}
         self._last_batch = 0
         if calibrate:
@@ -195,10 +201,12 @@ class Engine:
         outputs: list[StepOutput] = []
         for seq in [s for s in self.seqs.values() if s.aborted]:
             outputs.append(self._finish(seq, "abort"))
+        t_step = time.perf_counter()
         batch = self.scheduler.schedule()
         self._last_batch = len(batch)
         if not batch:
             return outputs
+        self._propose_s = 0.0
         plans = self._plan(batch)
         items, need_hidden = [], False
         for seq in batch:
@@ -213,12 +221,43 @@ class Engine:
         total = sum(len(it.tokens) for it in items)
         self.cost.observe(len(items), total, dt)
         greedy = self._verify_greedy_batch(batch, plans, outs)
+        plain_commit: list[float] = []
+        spec_commit: list[tuple[Sequence, float]] = []
         for seq, item, out in zip(batch, items, outs):
             p = plans.get(seq.request_id)
+            t1 = time.perf_counter()
+            speculated = p is not None and (bool(p.get("drafts")) or "tree_tokens" in p)
             result = self._commit(seq, item, out, p, dt * len(item.tokens) / total, greedy.get(seq.request_id))
+            spent = time.perf_counter() - t1
+            if speculated:
+                spec_commit.append((seq, spent))
+            elif len(item.tokens) == 1:
+                plain_commit.append(spent)
             if result is not None:
                 outputs.append(result)
+        self._measure_overheads(len(batch), time.perf_counter() - t_step - dt, plain_commit, spec_commit)
         return outputs
+
+    def _measure_overheads(self, b: int, host_s: float, plain_commit: list[float],
+                           spec_commit: list[tuple[Sequence, float]]) -> None:
+        """Feed the planner's meters: each speculating sequence's proposal plus the verification
+        time it took beyond a plain sequence's; the rest of the step's host time is fixed cost."""
+        plain = sorted(plain_commit)[len(plain_commit) // 2] if plain_commit else 0.0
+        extra = 0.0
+        by_method: dict[str, list[float]] = {}
+        for seq, spent in spec_commit:
+            share = self._propose_share.get(seq.request_id, 0.0)
+            by_method.setdefault(seq.spec.method, []).append(share + max(spent - plain, 0.0))
+            extra += max(spent - plain, 0.0)
+        for method, values in by_method.items():
+            self.overhead[method].observe(sorted(values)[len(values) // 2])
+        self.fixed.setdefault(b, Meter()).observe(max(host_s - self._propose_s - extra, 0.0))
+
+    def _fixed_s(self, b: int) -> float:
+        if not self.fixed:
+            return 0.0
+        near = min(self.fixed, key=lambda x: (abs(x - b), x))
+        return self.fixed[near].value() * b / near  # host time grows with the batch
 
     def _verify_greedy_batch(self, batch: list[Sequence], plans: dict[str, dict], outs) -> dict[str, tuple[int, int]]:
         """(accepted, next token) of every greedy linear sequence, from ONE `verify_greedy` call:
@@ -248,6 +287,7 @@ class Engine:
     def _plan(self, batch: list[Sequence]) -> dict[str, dict]:
         """Choose every decoding sequence's speculation, grant its blocks, and propose."""
         cands, owners = [], []
+        self._ngram_s, self._propose_share = {}, {}
         now = self.clock()
         for seq in batch:
             if seq.spec.method == "ar" or seq.target.computed != len(seq.tokens) - 1:
@@ -264,7 +304,8 @@ class Engine:
         if not cands:
             return {}
         base = sum(len(s.tokens) - s.target.computed for s in batch)
-        chosen = plan(cands, self.cost, batch=len(batch), base_tokens=base, draft_round_s=self.draft_round_s)
+        chosen = plan(cands, self.cost, batch=len(batch), base_tokens=base, draft_cost=self.draft_cost,
+                      fixed_s=self._fixed_s(len(batch)), margin=self.margin)
         plans: dict[str, dict] = {}
         drafting, gammas = [], []
         for seq, c, extra in zip(owners, cands, chosen):
@@ -283,42 +324,57 @@ class Engine:
         if drafting:
             t0 = time.perf_counter()
             before = [s.draft.computed for s in drafting]
-            blocks = draft_blocks(self.draft, drafting, gammas)
+            forwards: list[float] = []
+            blocks = draft_blocks(self.draft, drafting, gammas, observe=self._observe_draft(forwards))
             dt = time.perf_counter() - t0
-            rounds = max(gammas)
-            self.draft_round_s = dt / rounds if not self.draft_round_s else 0.8 * self.draft_round_s + 0.2 * dt / rounds
+            self._propose_s += dt
+            host = max(dt - sum(forwards), 0.0) / len(drafting)  # sampling and bookkeeping outside the forwards
             fed = sum(s.draft.computed - b for s, b in zip(drafting, before))
             for seq, b, (drafted, q) in zip(drafting, before, blocks):
                 plans[seq.request_id] = {"drafts": drafted, "q": q}
                 seq.stats.draft_s += dt * (seq.draft.computed - b) / max(fed, 1)
                 seq.stats.draft_forwards += len(drafted)
+                self._propose_share[seq.request_id] = host
         trees = [s for s in owners if "tree" in plans.get(s.request_id, {})]
         if trees:
             t0 = time.perf_counter()
             proposals = self.medusa.propose(trees, [plans[s.request_id]["tree"] for s in trees])
             dt = time.perf_counter() - t0
+            self._propose_s += dt
             for seq, (tokens, buffers) in zip(trees, proposals):
                 plans[seq.request_id].update(tree_tokens=tokens, buffers=buffers)
                 seq.stats.draft_s += dt / len(trees)
+                self._propose_share[seq.request_id] = dt / len(trees)
+        for seq in owners:
+            if seq.spec.method == "ngram" and plans[seq.request_id]["drafts"]:
+                self._propose_share[seq.request_id] = self._ngram_s.get(seq.request_id, 0.0)
         return plans
+
+    def _observe_draft(self, forwards: list[float]) -> Callable[[int, int, float], None]:
+        def observe(b: int, t: int, seconds: float) -> None:
+            forwards.append(seconds)
+            self.draft_cost.observe(b, t, seconds)
+        return observe
 
     def _candidate(self, seq: Sequence, bound: int) -> Candidate | None:
         method = seq.spec.method
+        overhead = self.overhead[method].value()
         if method == "ngram":
+            t0 = time.perf_counter()
             proposal = seq.ngram.propose(min(seq.spec.gamma, bound))
-            c = Candidate(gains=linear_gains(seq.alpha, len(proposal)))
-            c.proposal = proposal
-            return c
+            spent = time.perf_counter() - t0
+            self._ngram_s[seq.request_id] = spent
+            self._propose_s += spent
+            return Candidate(gains=linear_gains(seq.alpha, len(proposal)), overhead_s=overhead, proposal=proposal)
         if method == "draft":
             bound = min(bound, self.draft.max_context - len(seq.tokens) + 1)
-            return Candidate(gains=linear_gains(seq.alpha, max(0, min(seq.spec.gamma, bound))), draft_rounds=True)
+            return Candidate(gains=linear_gains(seq.alpha, max(0, min(seq.spec.gamma, bound))), draft_rounds=True,
+                             overhead_s=overhead)
         if seq.hidden is None:
             return None
         max_nodes = seq.spec.tree_size or DEFAULT_TREE_SIZE
         gains = self.medusa.gains(seq.heads, max_nodes, max_depth=bound)[: max(0, self.max_model_len - len(seq.tokens))]
-        c = Candidate(gains=gains)
-        c.max_nodes = max_nodes
-        return c
+        return Candidate(gains=gains, overhead_s=overhead, max_nodes=max_nodes)
 
     def _feed(self, seq: Sequence, p: dict | None) -> tuple[FeedItem, bool]:
         """The target tokens this sequence feeds; whether the step needs hidden states for it."""
@@ -426,28 +482,32 @@ class Engine:
         return StepOutput(request_id=seq.request_id, new_token_ids=new or [], finished=True,
                           finish_reason=reason, record=stats)
 
-    # -- verify-cost calibration -----------------------------------------------------
+    # -- cost calibration --------------------------------------------------------------
     def _calibrate(self) -> None:
-        """Time batched forwards of B sequences x t new tokens (on scratch blocks) for the cost model."""
-        if not getattr(self.target, "paged", False):
-            return  # the generic path learns its cost from real steps only
+        """Time batched forwards of B sequences x t new tokens (on scratch blocks) to seed the
+        cost models: the target's verify cost (t = 1, 3, 5) and the draft model's round (t = 1, 2)."""
         sizes = sorted({b for b in (1, 2, 4, 8, 16, 32) if b <= self.max_batch} | {self.max_batch})
+        self._calibrate_one(self.target, self.pool, self.cost, sizes, (1, 3, 5))
+        if self.draft is not None:
+            self._calibrate_one(self.draft, self.draft_pool, self.draft_cost, sizes, (1, 2))
+
+    @staticmethod
+    def _calibrate_one(backend, pool: BlockPool, cost: CostModel, sizes: list[int], lengths: tuple[int, ...]) -> None:
+        if not getattr(backend, "paged", False):
+            return  # the generic path learns its cost from real steps only
         for b in sizes:
-            for t in (1, 3, 5):
+            for t in lengths:
                 kvs = [SeqKV(computed=CALIBRATION_PREFIX) for _ in range(b)]
-                if not all(self.pool.grow(kv.blocks, CALIBRATION_PREFIX + t) for kv in kvs):
+                if not all(pool.grow(kv.blocks, CALIBRATION_PREFIX + t) for kv in kvs):
                     for kv in kvs:
-                        self.pool.release(kv.blocks)
+                        pool.release(kv.blocks)
                     return
-                best = float("inf")
                 for _ in range(3):
                     items = [FeedItem(kv=kv, tokens=[0] * t, rows=list(range(t))) for kv in kvs]
                     for kv in kvs:
                         kv.computed = CALIBRATION_PREFIX
-                        kv.runner = None
                     t0 = time.perf_counter()
-                    self.target.forward(items)
-                    best = min(best, time.perf_counter() - t0)
-                self.cost.observe(b, b * t, best)
+                    backend.forward(items)
+                    cost.observe(b, b * t, time.perf_counter() - t0)
                 for kv in kvs:
-                    self.target.release(kv)
+                    backend.release(kv)

@@ -17,6 +17,8 @@ called by the engine). The two model-based proposers run the whole batch at once
 from __future__ import annotations
 
 import functools
+import time
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -29,8 +31,11 @@ from specops.serving.sequence import Sequence
 PRIOR_DEPTH_ACCEPT = 0.6  # per-depth acceptance guess for heads without a measured accuracy table
 
 
-def draft_blocks(backend, seqs: list[Sequence], gammas: list[int]) -> list[tuple[list[int], Tensor | None]]:
-    """Per sequence: γ_i drafted tokens and their q rows [γ_i, V] (None when greedy)."""
+def draft_blocks(backend, seqs: list[Sequence], gammas: list[int],
+                 observe: Callable[[int, int, float], None] | None = None) -> list[tuple[list[int], Tensor | None]]:
+    """Per sequence: γ_i drafted tokens and their q rows [γ_i, V] (None when greedy).
+
+    ``observe(B, T, seconds)`` is called after each batched draft forward (the planner's cost)."""
     drafted: list[list[int]] = [[] for _ in seqs]
     qs: list[list[Tensor]] = [[] for _ in seqs]
     items: list[FeedItem] = []
@@ -41,13 +46,17 @@ def draft_blocks(backend, seqs: list[Sequence], gammas: list[int]) -> list[tuple
             items.append(FeedItem(kv=seq.draft, tokens=unseen, rows=[len(unseen) - 1]))
             active.append(i)
     while items:
+        t0 = time.perf_counter()
         outs = backend.forward(items)
+        if observe is not None:
+            observe(len(items), sum(len(it.tokens) for it in items), time.perf_counter() - t0)
         next_items, next_active = [], []
-        for it, i, out in zip(items, active, outs):
+        argmax = torch.cat([out.logits for out in outs]).argmax(-1).tolist()  # one call for the round
+        for j, (it, i, out) in enumerate(zip(items, active, outs)):
             seq = seqs[i]
             logits = out.logits  # [1, V]
             if seq.sampling.greedy:
-                tok = int(torch.argmax(logits[0]))
+                tok = argmax[j]
             else:
                 q = probabilities(logits, seq.sampling)  # [1, V]
                 tok = int(sample(q, seq.generator)[0])

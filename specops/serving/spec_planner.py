@@ -4,25 +4,38 @@ The cost of a verification forward depends on the whole batch: B sequences feedi
 tokens in all. At batch 1 a forward over 5 tokens costs little more than over 1 (the
 weights are read once either way), so drafting 4 tokens is almost free; at batch 16
 the same forward is already compute-heavy and every extra drafted token costs real
-time that a rejected draft wastes for everyone in the batch.
+time that a rejected draft wastes for everyone in the batch. Speculation also costs
+outside the target forward: draft-model rounds (a forward of the draft model per
+drafted position, batched over the sequences still drafting), Medusa heads and tree
+building, n-gram lookups, and the per-sequence verification and KV compaction.
 
-`CostModel` measures this: it keeps the observed seconds of target forwards per exact
-(B, T) (a running mean) and predicts from one least-squares line in T per batch size. The engine seeds it with a short calibration at start-up
-and keeps feeding it every real step, so it follows the machine's actual load.
+Every cost is measured on the running machine and kept robust to its noise (a shared,
+loaded CPU gives spikes several times the typical time): observations go into short
+windows and the planner reads their **median**, so one descheduled step neither makes
+speculation look free nor ruins it for the next hundred steps.
 
-`plan` then chooses, for every speculating sequence, how many speculative tokens it
-feeds (γ for a linear draft, extra nodes for a Medusa tree) within its `SpecSettings`
-bound, to maximise the expected batch goodput
+* `CostModel`: seconds of one forward as a function of (B, T); the engine keeps one
+  for the target (verify) and one for the draft model (one drafting round).
+* `Meter`: a windowed median of one measured quantity (seconds of per-sequence
+  proposal/verification overhead of a method; the step's fixed host time).
+
+`plan` chooses, for every speculating sequence, how many speculative tokens it feeds
+(γ for a linear draft, extra nodes for a Medusa tree) within its `SpecSettings` bound,
+to maximise the expected batch goodput
 
     (B + sum of the expected accepted tokens of the chosen drafts)
-    / (cost(B, T_plain + drafted tokens) + draft-model rounds * seconds per round).
+    / (fixed + verify(B, T_plain + drafted) + sum_r draft(B_r, B_r) + sum of overheads)
 
-Each sequence offers marginal gains that never increase (the k-th drafted token of a
-linear draft is accepted with probability alpha^k; a tree's k-th best node with its
-path's estimated probability), so the plan takes the best gains of all sequences
-together, in order, and keeps the prefix with the highest goodput. When the batch is
-large or acceptance low the best prefix is short or empty: speculation shrinks or
-switches off by itself, and comes back when the batch drains.
+where ``B_r`` is the number of sequences drafting at least r tokens with the draft
+model and the overhead of a sequence is charged once it speculates at all. Each
+sequence offers marginal gains that never increase (the k-th drafted token of a linear
+draft is accepted with probability alpha^k; a tree's k-th best node with its path's
+estimated probability), so the plan takes the best gains of all sequences together, in
+order, and keeps the prefix with the highest goodput. Speculation is chosen only when
+that goodput beats plain decoding by a margin (``margin``, default 3%): gains inside
+the noise are not worth their risk. When the batch is large, acceptance low or the
+proposals dear, the best prefix is short or empty: speculation shrinks or switches off
+by itself (per sequence or for the whole batch), and comes back when it pays again.
 
 How this differs from vLLM's static table (``num_speculative_tokens`` with a per
 batch-size cutoff, ``speculative_disable_by_batch_size``): that table is written by hand
@@ -34,36 +47,64 @@ request's own running estimate, and every sequence gets its own γ or tree size.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
 
 import torch
+
+DEFAULT_MARGIN = 0.03  # speculate only for >= 3% more expected tokens/s than plain decoding
+
+
+class Meter:
+    """The median of the last ``window`` observations of one quantity (seconds)."""
+
+    def __init__(self, window: int = 15) -> None:
+        self.values: deque[float] = deque(maxlen=window)
+
+    def observe(self, value: float) -> None:
+        if value >= 0:
+            self.values.append(value)
+
+    def value(self, default: float = 0.0) -> float:
+        return statistics.median(self.values) if self.values else default
 
 
 class CostModel:
     """Seconds of one forward as a function of (batch size B, total new tokens T).
 
-    Observations are running means per exact (B, T). Predictions come from a straight
-    line in T per observed batch size (least squares, slope >= 0: a bigger forward never
-    costs less, whatever the noise), interpolated linearly between the two nearest
-    observed batch sizes. One line per B keeps what matters for planning: at B = 1 extra
-    tokens are nearly free, at B = 16 they are not.
+    Observations are kept per exact (B, T) in a window of the last ``window``; a point's
+    value is their median (a spike on a shared machine does not move it). Predictions
+    come from a straight line in T per observed batch size (least squares over the
+    points, slope >= 0: a bigger forward never costs less, whatever the noise),
+    interpolated linearly between the two nearest observed batch sizes. One line per B
+    keeps what matters for planning: at B = 1 extra tokens are nearly free, at B = 16
+    they are not.
     """
 
-    def __init__(self, decay: float = 0.2, refit_every: int = 32) -> None:
-        self.decay = decay
+    def __init__(self, window: int = 9, refit_every: int = 32) -> None:
+        self.window = window
         self.refit_every = refit_every
-        self.points: dict[tuple[int, int], float] = {}
+        self.samples: dict[tuple[int, int], deque[float]] = {}
         self._lines: dict[int, tuple[float, float]] | None = None  # B -> (intercept, slope per token)
         self._since_fit = 0
+
+    @property
+    def points(self) -> dict[tuple[int, int], float]:
+        """(B, T) -> median observed seconds."""
+        return {k: statistics.median(v) for k, v in self.samples.items()}
 
     def observe(self, b: int, t: int, seconds: float) -> None:
         if seconds <= 0:
             return
-        old = self.points.get((b, t))
-        self.points[(b, t)] = seconds if old is None else (1 - self.decay) * old + self.decay * seconds
+        window = self.samples.get((b, t))
+        if window is None:
+            window = self.samples[(b, t)] = deque(maxlen=self.window)
+            self._lines = None  # a new point: refit now
+        window.append(seconds)
         self._since_fit += 1
-        if old is None or self._since_fit >= self.refit_every:
-            self._lines = None  # refit at every new point, else every refit_every observations
+        if self._since_fit >= self.refit_every:
+            self._lines = None
 
     def _fit(self) -> dict[int, tuple[float, float]]:
         if self._lines is None:
@@ -83,6 +124,9 @@ class CostModel:
                 lines[b] = (float(ys.mean()) - slope * float(ts.mean()), slope)
             self._lines = lines
         return self._lines
+
+    def measured(self) -> bool:
+        return bool(self.samples)
 
     def predict(self, b: int, t: int) -> float:
         """Predicted seconds of a forward of B sequences feeding T tokens in all."""
@@ -109,35 +153,51 @@ class Candidate:
 
     gains: list[float]  # non-increasing, len = its bound this step
     draft_rounds: bool = False  # each token costs one draft-model round (draft method)
+    overhead_s: float = 0.0  # seconds its speculation costs outside the forwards (proposal, verify, compaction)
+    proposal: list[int] = field(default_factory=list)  # n-gram: the proposed tokens
+    max_nodes: int = 0  # Medusa: the tree's node bound
 
 
 def plan(cands: list[Candidate], cost: CostModel, *, batch: int, base_tokens: int,
-         draft_round_s: float = 0.0) -> list[int]:
+         draft_cost: CostModel | None = None, fixed_s: float = 0.0, margin: float = DEFAULT_MARGIN) -> list[int]:
     """Speculative tokens per candidate that maximise expected tokens per second of the step.
 
     ``batch``: sequences in the forward (B); ``base_tokens``: tokens they feed without
-    any speculation; ``draft_round_s``: seconds of one batched draft-model round.
+    any speculation; ``draft_cost``: seconds of one draft-model forward over (B_r
+    sequences, B_r tokens); ``fixed_s``: the step's host time outside the forwards,
+    paid with or without speculation; ``margin``: the relative goodput gain over
+    plain decoding below which nobody speculates.
     """
     chosen = [0] * len(cands)
     heap = [(-c.gains[0], i) for i, c in enumerate(cands) if c.gains]
     heapq.heapify(heap)
+    plain_rate = batch / (fixed_s + cost.predict(batch, base_tokens))
     tokens = float(batch)
     extra = 0
-    rounds = 0
-    best_rate = tokens / (cost.predict(batch, base_tokens) + 0.0)
-    best = list(chosen)
+    overhead = 0.0
+    drafting: list[int] = []  # drafting[r]: sequences drafting more than r tokens with the draft model
+    draft_s = 0.0
+    best_rate, best = plain_rate * (1 + margin), list(chosen)
     while heap:
         neg, i = heapq.heappop(heap)
+        c = cands[i]
+        if chosen[i] == 0:
+            overhead += c.overhead_s
         chosen[i] += 1
         tokens += -neg
         extra += 1
-        if cands[i].draft_rounds:
-            rounds = max(rounds, chosen[i])
-        rate = tokens / (cost.predict(batch, base_tokens + extra) + rounds * draft_round_s)
-        if rate > best_rate * (1 + 1e-6):
+        if c.draft_rounds and draft_cost is not None:
+            r = chosen[i] - 1
+            if r == len(drafting):
+                drafting.append(0)
+            n = drafting[r]
+            draft_s += draft_cost.predict(n + 1, n + 1) - (draft_cost.predict(n, n) if n else 0.0)
+            drafting[r] = n + 1
+        rate = tokens / (fixed_s + cost.predict(batch, base_tokens + extra) + draft_s + overhead)
+        if rate > best_rate:
             best_rate, best = rate, list(chosen)
-        if chosen[i] < len(cands[i].gains):
-            heapq.heappush(heap, (-cands[i].gains[chosen[i]], i))
+        if chosen[i] < len(c.gains):
+            heapq.heappush(heap, (-c.gains[chosen[i]], i))
     return best
 
 
