@@ -23,6 +23,7 @@ import torch
 from specops.serving.engine import Engine
 from specops.serving.sequence import SamplingParams, SpecSettings
 
+RECORDS: list = []  # finished requests' DecodeStats (the profile mode reports drafting from them)
 METHOD_SETTINGS = {
     "ar": SpecSettings(method="ar"),
     "draft": SpecSettings(method="draft", gamma=6),
@@ -38,12 +39,13 @@ def prompts(dec, n: int) -> list[list[int]]:
     return [dec.tokenizer.encode(texts[i % len(texts)]) for i in range(n)]
 
 
-def run(eng: Engine, method: str, prompt_ids: list[list[int]], concurrency: int, max_tokens: int) -> tuple[float, int]:
-    """Seconds and output tokens for all prompts with ``concurrency`` in flight."""
+def run(eng: Engine, method: str, prompt_ids: list[list[int]], concurrency: int,
+        max_tokens: int) -> tuple[float, int, float]:
+    """Wall seconds, output tokens and process CPU seconds for all prompts with ``concurrency`` in flight."""
     pending = list(enumerate(prompt_ids))
     live = 0
     tokens = 0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     while pending or eng.has_unfinished():
         while pending and live < concurrency:
             i, p = pending.pop(0)
@@ -52,7 +54,20 @@ def run(eng: Engine, method: str, prompt_ids: list[list[int]], concurrency: int,
         for out in eng.step():
             tokens += len(out.new_token_ids)
             live -= out.finished
-    return time.perf_counter() - t0, tokens
+            if out.finished and out.record is not None:
+                RECORDS.append(out.record)
+    return time.perf_counter() - t0, tokens, time.process_time() - c0
+
+
+def meters(eng: Engine, c: int) -> str:
+    """What the planner believes (ms): verify and draft-round costs, overheads, fixed host time."""
+    ms = lambda x: f"{1e3 * x:.2f}"  # noqa: E731
+    parts = [f"verify(B={c},T={c})={ms(eng.cost.predict(c, c))}", f"verify(B={c},T={5 * c})={ms(eng.cost.predict(c, 5 * c))}"]
+    if eng.draft is not None:
+        parts.append(f"draft_round(B={c})={ms(eng.draft_cost.predict(c, c))}")
+    parts += [f"overhead[{m}]={ms(v.value())}" for m, v in eng.overhead.items()]
+    parts.append(f"fixed(B={c})={ms(eng._fixed_s(c))}")
+    return "planner ms: " + " ".join(parts)
 
 
 def main() -> None:
@@ -70,7 +85,7 @@ def main() -> None:
 
     dec = Decoder.from_pretrained("bundled")
     methods = args.methods.split(",")
-    print(f"load: {os.getloadavg()}")
+    print(f"load: {os.getloadavg()} (tok/cpu-s: output tokens per CPU second of this process, robust to other load)")
     for c in [int(x) for x in args.concurrency.split(",")]:
         n = args.requests or max(4, 2 * c)
         ps = prompts(dec, n)
@@ -78,23 +93,34 @@ def main() -> None:
         run(eng, "ar", ps[: min(n, c)], c, 8)  # warm-up
         if args.profile:
             for m in methods:
+                RECORDS.clear()
                 prof = cProfile.Profile()
                 prof.enable()
-                sec, toks = run(eng, m, ps, c, args.max_tokens)
+                sec, toks, _ = run(eng, m, ps, c, args.max_tokens)
                 prof.disable()
                 print(f"\n=== profile c={c} {m}: {toks / sec:.1f} tok/s")
                 pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+                print(meters(eng, c))
+                fwd = sum(r.target_forwards for r in RECORDS)
+                print(f"drafted/forward={sum(r.drafted for r in RECORDS) / max(fwd, 1):.2f} "
+                      f"accepted/forward={sum(r.accepted for r in RECORDS) / max(fwd, 1):.2f} "
+                      f"draft_s={sum(r.draft_s for r in RECORDS):.2f} verify_s={sum(r.verify_s for r in RECORDS):.2f}")
             continue
         rates: dict[str, list[float]] = {m: [] for m in methods}
+        cpu_rates: dict[str, list[float]] = {m: [] for m in methods}
         for _ in range(args.repeats):
             for m in methods:
-                sec, toks = run(eng, m, ps, c, args.max_tokens)
+                sec, toks, cpu = run(eng, m, ps, c, args.max_tokens)
                 rates[m].append(toks / sec)
+                cpu_rates[m].append(toks / cpu)
         ar = statistics.median(rates["ar"]) if "ar" in rates else None
+        ar_cpu = statistics.median(cpu_rates["ar"]) if "ar" in rates else None
         for m in methods:
-            med = statistics.median(rates[m])
+            med, cmed = statistics.median(rates[m]), statistics.median(cpu_rates[m])
             ratio = f"{med / ar:.2f}x" if ar else ""
-            print(f"c={c:3d} {m:7s} {med:8.1f} tok/s {ratio}  runs={[round(r, 1) for r in rates[m]]}")
+            cratio = f"{cmed / ar_cpu:.2f}x" if ar_cpu else ""
+            print(f"c={c:3d} {m:7s} wall {med:7.1f} tok/s {ratio:6s} cpu {cmed:7.1f} tok/cpu-s {cratio:6s} "
+                  f"wall runs={[round(r, 1) for r in rates[m]]}")
     print(f"load: {os.getloadavg()}")
 
 

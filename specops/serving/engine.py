@@ -9,8 +9,10 @@ while eng.has_unfinished():
 ```
 
 One `step`: schedule (`scheduler`: running first, admit waiting, preempt the newest
-when blocks run out) → plan (`spec_planner`: each sequence's γ or tree size from the
-measured verify cost and its acceptance estimate) → grant lookahead blocks → propose
+when blocks run out) → plan (`spec_planner`: each sequence's γ or tree size, 0 when it
+does not pay, from its acceptance estimate and the measured costs: verify forwards per
+(B, T), draft-model rounds per batch width, each method's per-sequence proposal and
+verification overhead, the step's fixed host time) → grant lookahead blocks → propose
 (n-gram lookup, one batched draft-model pass, or Medusa heads on the batch's hidden
 states) → ONE target forward over every sequence's new tokens (prefills, plain
 steps, linear drafts and trees side by side; `batch_forward`) → verify each sequence
@@ -72,6 +74,16 @@ ALPHA_RECOVERY = 0.05  # per plain step, toward the prior (a switched-off sequen
 CALIBRATION_PREFIX = 32
 
 
+def cost_clock(device: torch.device) -> Callable[[], float]:
+    """The clock the planner's costs are measured with. On CPU: CPU seconds, not wall time; on a
+    shared, oversubscribed machine a wall-clock interval of a few ms usually includes another
+    process's time slice, which is noise to the choice between plans (both would pay it alike).
+    The engine's own thread when torch runs single-threaded, else the whole process."""
+    if device.type != "cpu":
+        return time.perf_counter
+    return time.thread_time if torch.get_num_threads() == 1 else time.process_time
+
+
 class Engine:
     """Continuous batching over a `Decoder`'s target (and draft model / Medusa heads)."""
 
@@ -111,10 +123,12 @@ class Engine:
         self.eos = eos_set(eos_token_id)
         self.scheduler = Scheduler(self.pool, max_batch=max_batch, max_step_tokens=max_step_tokens,
                                    draft_pool=self.draft_pool, release=self._release)
+        self.cost_clock = cost_clock(self.device)
         self.cost = CostModel()  # target forwards (verify)
         self.draft_cost = CostModel()  # draft-model forwards (one drafting round)
         self.overhead = {m: Meter() for m in ALPHA_PRIOR}  # per speculating sequence, outside the forwards
         self.fixed: dict[int, Meter] = {}  # per batch size: the step's host time outside forwards and proposals
+        self._plain_commit = Meter()  # verification + commit of a plain decoding step, per sequence
         self.margin = DEFAULT_MARGIN
         self._propose_s = 0.0  # this step's proposal seconds (n-gram lookups, draft rounds, Medusa trees)
         self._propose_share: dict[str, float] = {}  # request -> its share of them, beyond the draft forwards
@@ -201,7 +215,7 @@ class Engine:
         outputs: list[StepOutput] = []
         for seq in [s for s in self.seqs.values() if s.aborted]:
             outputs.append(self._finish(seq, "abort"))
-        t_step = time.perf_counter()
+        t_step = self.cost_clock()
         batch = self.scheduler.schedule()
         self._last_batch = len(batch)
         if not batch:
@@ -213,36 +227,40 @@ class Engine:
             item, hidden = self._feed(seq, plans.get(seq.request_id))
             items.append(item)
             need_hidden |= hidden
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), self.cost_clock()
         outs = self.target.forward(items, need_hidden=need_hidden)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
+        forward_cost = self.cost_clock() - c0
         total = sum(len(it.tokens) for it in items)
-        self.cost.observe(len(items), total, dt)
+        if not any(seq.target.computed - len(it.tokens) < len(seq.tokens) - 1 for seq, it in zip(batch, items)):
+            self.cost.observe(len(items), total, forward_cost)  # decode / verify steps only: what the planner predicts
         greedy = self._verify_greedy_batch(batch, plans, outs)
         plain_commit: list[float] = []
         spec_commit: list[tuple[Sequence, float]] = []
         for seq, item, out in zip(batch, items, outs):
             p = plans.get(seq.request_id)
-            t1 = time.perf_counter()
+            t1 = self.cost_clock()
             speculated = p is not None and (bool(p.get("drafts")) or "tree_tokens" in p)
             result = self._commit(seq, item, out, p, dt * len(item.tokens) / total, greedy.get(seq.request_id))
-            spent = time.perf_counter() - t1
+            spent = self.cost_clock() - t1
             if speculated:
                 spec_commit.append((seq, spent))
             elif len(item.tokens) == 1:
                 plain_commit.append(spent)
             if result is not None:
                 outputs.append(result)
-        self._measure_overheads(len(batch), time.perf_counter() - t_step - dt, plain_commit, spec_commit)
+        self._measure_overheads(len(batch), self.cost_clock() - t_step - forward_cost, plain_commit, spec_commit)
         return outputs
 
     def _measure_overheads(self, b: int, host_s: float, plain_commit: list[float],
                            spec_commit: list[tuple[Sequence, float]]) -> None:
         """Feed the planner's meters: each speculating sequence's proposal plus the verification
         time it took beyond a plain sequence's; the rest of the step's host time is fixed cost."""
-        plain = sorted(plain_commit)[len(plain_commit) // 2] if plain_commit else 0.0
+        if plain_commit:
+            self._plain_commit.observe(sorted(plain_commit)[len(plain_commit) // 2])
+        plain = self._plain_commit.value()
         extra = 0.0
         by_method: dict[str, list[float]] = {}
         for seq, spent in spec_commit:
@@ -322,13 +340,15 @@ class Engine:
             else:
                 plans[seq.request_id] = {"tree": self.medusa.spec(seq.heads, c.max_nodes, extra + 1)}
         if drafting:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), self.cost_clock()
             before = [s.draft.computed for s in drafting]
             forwards: list[float] = []
-            blocks = draft_blocks(self.draft, drafting, gammas, observe=self._observe_draft(forwards))
+            blocks = draft_blocks(self.draft, drafting, gammas, observe=self._observe_draft(forwards),
+                                  clock=self.cost_clock)
             dt = time.perf_counter() - t0
-            self._propose_s += dt
-            host = max(dt - sum(forwards), 0.0) / len(drafting)  # sampling and bookkeeping outside the forwards
+            spent = self.cost_clock() - c0
+            self._propose_s += spent
+            host = max(spent - sum(forwards), 0.0) / len(drafting)  # sampling and bookkeeping outside the forwards
             fed = sum(s.draft.computed - b for s, b in zip(drafting, before))
             for seq, b, (drafted, q) in zip(drafting, before, blocks):
                 plans[seq.request_id] = {"drafts": drafted, "q": q}
@@ -337,14 +357,15 @@ class Engine:
                 self._propose_share[seq.request_id] = host
         trees = [s for s in owners if "tree" in plans.get(s.request_id, {})]
         if trees:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), self.cost_clock()
             proposals = self.medusa.propose(trees, [plans[s.request_id]["tree"] for s in trees])
             dt = time.perf_counter() - t0
-            self._propose_s += dt
+            spent = self.cost_clock() - c0
+            self._propose_s += spent
             for seq, (tokens, buffers) in zip(trees, proposals):
                 plans[seq.request_id].update(tree_tokens=tokens, buffers=buffers)
                 seq.stats.draft_s += dt / len(trees)
-                self._propose_share[seq.request_id] = dt / len(trees)
+                self._propose_share[seq.request_id] = spent / len(trees)
         for seq in owners:
             if seq.spec.method == "ngram" and plans[seq.request_id]["drafts"]:
                 self._propose_share[seq.request_id] = self._ngram_s.get(seq.request_id, 0.0)
@@ -360,9 +381,9 @@ class Engine:
         method = seq.spec.method
         overhead = self.overhead[method].value()
         if method == "ngram":
-            t0 = time.perf_counter()
+            t0 = self.cost_clock()
             proposal = seq.ngram.propose(min(seq.spec.gamma, bound))
-            spent = time.perf_counter() - t0
+            spent = self.cost_clock() - t0
             self._ngram_s[seq.request_id] = spent
             self._propose_s += spent
             return Candidate(gains=linear_gains(seq.alpha, len(proposal)), overhead_s=overhead, proposal=proposal)
@@ -487,12 +508,13 @@ class Engine:
         """Time batched forwards of B sequences x t new tokens (on scratch blocks) to seed the
         cost models: the target's verify cost (t = 1, 3, 5) and the draft model's round (t = 1, 2)."""
         sizes = sorted({b for b in (1, 2, 4, 8, 16, 32) if b <= self.max_batch} | {self.max_batch})
-        self._calibrate_one(self.target, self.pool, self.cost, sizes, (1, 3, 5))
+        self._calibrate_one(self.target, self.pool, self.cost, sizes, (1, 3, 5), self.cost_clock)
         if self.draft is not None:
-            self._calibrate_one(self.draft, self.draft_pool, self.draft_cost, sizes, (1, 2))
+            self._calibrate_one(self.draft, self.draft_pool, self.draft_cost, sizes, (1, 2), self.cost_clock)
 
     @staticmethod
-    def _calibrate_one(backend, pool: BlockPool, cost: CostModel, sizes: list[int], lengths: tuple[int, ...]) -> None:
+    def _calibrate_one(backend, pool: BlockPool, cost: CostModel, sizes: list[int], lengths: tuple[int, ...],
+                       clock: Callable[[], float]) -> None:
         if not getattr(backend, "paged", False):
             return  # the generic path learns its cost from real steps only
         for b in sizes:
@@ -506,8 +528,8 @@ class Engine:
                     items = [FeedItem(kv=kv, tokens=[0] * t, rows=list(range(t))) for kv in kvs]
                     for kv in kvs:
                         kv.computed = CALIBRATION_PREFIX
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     backend.forward(items)
-                    cost.observe(b, b * t, time.perf_counter() - t0)
+                    cost.observe(b, b * t, clock() - t0)
                 for kv in kvs:
                     backend.release(kv)

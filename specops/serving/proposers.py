@@ -32,10 +32,12 @@ PRIOR_DEPTH_ACCEPT = 0.6  # per-depth acceptance guess for heads without a measu
 
 
 def draft_blocks(backend, seqs: list[Sequence], gammas: list[int],
-                 observe: Callable[[int, int, float], None] | None = None) -> list[tuple[list[int], Tensor | None]]:
+                 observe: Callable[[int, int, float], None] | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> list[tuple[list[int], Tensor | None]]:
     """Per sequence: γ_i drafted tokens and their q rows [γ_i, V] (None when greedy).
 
-    ``observe(B, T, seconds)`` is called after each batched draft forward (the planner's cost)."""
+    ``observe(B, T, seconds)`` is called after each batched draft forward, timed by ``clock``
+    (the planner's cost)."""
     drafted: list[list[int]] = [[] for _ in seqs]
     qs: list[list[Tensor]] = [[] for _ in seqs]
     items: list[FeedItem] = []
@@ -46,10 +48,10 @@ def draft_blocks(backend, seqs: list[Sequence], gammas: list[int],
             items.append(FeedItem(kv=seq.draft, tokens=unseen, rows=[len(unseen) - 1]))
             active.append(i)
     while items:
-        t0 = time.perf_counter()
+        t0 = clock()
         outs = backend.forward(items)
         if observe is not None:
-            observe(len(items), sum(len(it.tokens) for it in items), time.perf_counter() - t0)
+            observe(len(items), sum(len(it.tokens) for it in items), clock() - t0)
         next_items, next_active = [], []
         argmax = torch.cat([out.logits for out in outs]).argmax(-1).tolist()  # one call for the round
         for j, (it, i, out) in enumerate(zip(items, active, outs)):

@@ -46,12 +46,12 @@ request's own running estimate, and every sequence gets its own γ or tree size.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
 
 DEFAULT_MARGIN = 0.03  # speculate only for >= 3% more expected tokens/s than plain decoding
 
@@ -74,19 +74,22 @@ class CostModel:
     """Seconds of one forward as a function of (batch size B, total new tokens T).
 
     Observations are kept per exact (B, T) in a window of the last ``window``; a point's
-    value is their median (a spike on a shared machine does not move it). Predictions
-    come from a straight line in T per observed batch size (least squares over the
-    points, slope >= 0: a bigger forward never costs less, whatever the noise),
-    interpolated linearly between the two nearest observed batch sizes. One line per B
-    keeps what matters for planning: at B = 1 extra tokens are nearly free, at B = 16
-    they are not.
+    value is their median (a spike on a shared machine does not move it). A prediction
+    interpolates linearly between the measured T of the batch size (made non-decreasing
+    in T: a bigger forward never costs less, whatever the noise) and extrapolates past
+    the largest T with the last segment's slope; across batch sizes it interpolates
+    linearly between the two nearest batch sizes measured at two T or more (the
+    engine's calibration measures a grid of them). Piecewise, not one least-squares
+    line: the cost of extra tokens near T = B (what the planner asks) must not be bent
+    by far-away points. At B = 1 extra tokens are nearly free, at B = 16 they are not.
     """
 
     def __init__(self, window: int = 9, refit_every: int = 32) -> None:
         self.window = window
         self.refit_every = refit_every
         self.samples: dict[tuple[int, int], deque[float]] = {}
-        self._lines: dict[int, tuple[float, float]] | None = None  # B -> (intercept, slope per token)
+        self._curves: dict[int, tuple[list[int], list[float]]] | None = None  # B -> (T ascending, seconds)
+        self._sizes: list[int] = []
         self._since_fit = 0
 
     @property
@@ -100,46 +103,55 @@ class CostModel:
         window = self.samples.get((b, t))
         if window is None:
             window = self.samples[(b, t)] = deque(maxlen=self.window)
-            self._lines = None  # a new point: refit now
+            self._curves = None  # a new point: refit now
         window.append(seconds)
         self._since_fit += 1
         if self._since_fit >= self.refit_every:
-            self._lines = None
+            self._curves = None
 
-    def _fit(self) -> dict[int, tuple[float, float]]:
-        if self._lines is None:
+    def _fit(self) -> dict[int, tuple[list[int], list[float]]]:
+        if self._curves is None:
             self._since_fit = 0
             by_b: dict[int, list[tuple[int, float]]] = {}
             for (b, t), sec in self.points.items():
                 by_b.setdefault(b, []).append((t, sec))
-            lines = {}
+            curves = {}
             for b, pts in by_b.items():
-                ts = torch.tensor([float(t) for t, _ in pts], dtype=torch.float64)  # [P]
-                ys = torch.tensor([sec for _, sec in pts], dtype=torch.float64)  # [P]
-                if len(pts) < 2 or float(ts.max() - ts.min()) == 0.0:
-                    lines[b] = (float(ys.mean()), 0.0)
-                    continue
-                slope = float(((ts - ts.mean()) * (ys - ys.mean())).sum() / ((ts - ts.mean()) ** 2).sum())
-                slope = max(slope, 0.0)
-                lines[b] = (float(ys.mean()) - slope * float(ts.mean()), slope)
-            self._lines = lines
-        return self._lines
+                pts.sort()
+                ts, ys, top = [], [], 0.0
+                for t, sec in pts:
+                    top = max(top, sec)  # non-decreasing in T
+                    ts.append(t)
+                    ys.append(top)
+                curves[b] = (ts, ys)
+            self._curves = curves
+            multi = sorted(b for b, (ts, _) in curves.items() if len(ts) >= 2)
+            self._sizes = multi or sorted(curves)
+        return self._curves
 
     def measured(self) -> bool:
         return bool(self.samples)
 
     def predict(self, b: int, t: int) -> float:
         """Predicted seconds of a forward of B sequences feeding T tokens in all."""
-        lines = self._fit()
-        if not lines:
+        curves = self._fit()
+        if not curves:
             return 1e-3 * (1.0 + 0.05 * t)  # nothing measured yet: a mild slope
-        sizes = sorted(lines)
-        lo = max((x for x in sizes if x <= b), default=sizes[0])
-        hi = min((x for x in sizes if x >= b), default=sizes[-1])
+        sizes = self._sizes
+        k = bisect.bisect_left(sizes, b)
+        lo = sizes[max(k - 1, 0)] if k == len(sizes) or sizes[k] != b else b
+        hi = sizes[min(k, len(sizes) - 1)]
+        if hi < b:
+            lo = hi
 
         def at(x: int) -> float:
-            a, slope = lines[x]
-            return max(a + slope * t, 1e-9)
+            ts, ys = curves[x]
+            if len(ts) == 1 or t <= ts[0]:
+                return ys[0]
+            m = bisect.bisect_left(ts, t)
+            m = min(max(m, 1), len(ts) - 1)  # the segment [m-1, m] (the last one past the end)
+            slope = (ys[m] - ys[m - 1]) / (ts[m] - ts[m - 1])
+            return max(ys[m - 1] + slope * (t - ts[m - 1]), 1e-9)
 
         if lo == hi:
             return at(lo)
@@ -171,7 +183,11 @@ def plan(cands: list[Candidate], cost: CostModel, *, batch: int, base_tokens: in
     chosen = [0] * len(cands)
     heap = [(-c.gains[0], i) for i, c in enumerate(cands) if c.gains]
     heapq.heapify(heap)
-    plain_rate = batch / (fixed_s + cost.predict(batch, base_tokens))
+    # every cost the loop can ask, predicted once: verify over base + e tokens, a draft round of n sequences
+    verify = [cost.predict(batch, base_tokens + e) for e in range(sum(len(c.gains) for c in cands) + 1)]
+    n_draft = sum(1 for c in cands if c.draft_rounds and c.gains) if draft_cost is not None else 0
+    round_s = [0.0] + [draft_cost.predict(n, n) for n in range(1, n_draft + 1)]
+    plain_rate = batch / (fixed_s + verify[0])
     tokens = float(batch)
     extra = 0
     overhead = 0.0
@@ -191,9 +207,9 @@ def plan(cands: list[Candidate], cost: CostModel, *, batch: int, base_tokens: in
             if r == len(drafting):
                 drafting.append(0)
             n = drafting[r]
-            draft_s += draft_cost.predict(n + 1, n + 1) - (draft_cost.predict(n, n) if n else 0.0)
+            draft_s += round_s[n + 1] - round_s[n]
             drafting[r] = n + 1
-        rate = tokens / (fixed_s + cost.predict(batch, base_tokens + extra) + draft_s + overhead)
+        rate = tokens / (fixed_s + verify[extra] + draft_s + overhead)
         if rate > best_rate:
             best_rate, best = rate, list(chosen)
         if chosen[i] < len(c.gains):

@@ -146,3 +146,11 @@ def test_engine_drafts_only_when_the_measured_draft_cost_allows(qwen2):
     got, records, want = _run(qwen2, "draft", slow_verify, LineCost(1e-3, 0.0))  # a draft round: 1 ms
     assert all(r.drafted > 0 for r in records)
     assert all(g == want for g in got.values())
+
+
+def test_cost_near_the_batch_width_is_not_bent_by_far_points():
+    cost = CostModel()
+    for t, sec in ((16, 50e-3), (48, 80e-3), (400, 120e-3)):  # a far, flat point (e.g. a long forward)
+        cost.observe(16, t, sec)
+    assert abs(cost.predict(16, 32) - 65e-3) < 1e-9  # between its neighbours, not on a global line
+    assert abs(cost.predict(16, 16) - 50e-3) < 1e-9
