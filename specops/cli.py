@@ -16,6 +16,7 @@ import click
 COMMANDS: dict[tuple[str, ...], dict[str, str]] = {
     (): {
         "demo": "specops.demo:demo_command",
+        "serve": "specops.serving.cli:serve_command",
         "simulate": "specops.controller.cli:simulate_command",
     },
     ("train",): {
@@ -27,6 +28,7 @@ COMMANDS: dict[tuple[str, ...], dict[str, str]] = {
         "decode": "specops.bench.cli:bench_decode_command",
         "kernels": "specops.kernels.bench:bench_kernels_command",
         "medusa": "specops.bench.medusa_sweep:bench_medusa_command",
+        "serve": "specops.bench.serve:bench_serve_command",
     },
     ("policy",): {
         "validate": "specops.policies.cli:validate_command",

@@ -72,8 +72,8 @@ def format_demo_table(rows: list[dict]) -> str:
 @click.option("--repeats", type=int, default=1, show_default=True)
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--ops/--no-ops", default=True, show_default=True,
-              help="After the decoding table, run the policy + control loop part on an embedded Redis.")
-@click.option("--rounds", type=click.IntRange(min=1, max=100), default=10, show_default=True,
+              help="After the decoding table, run specops serve + the controller on an embedded Redis.")
+@click.option("--rounds", type=click.IntRange(min=1, max=100), default=8, show_default=True,
               help="Rounds of requests (one controller tick each) in the ops part.")
 @click.option("--state-dir", type=click.Path(file_okay=False), default=".specops/demo", show_default=True,
               envvar="SPECOPS_STATE_DIR", help="Where the embedded Redis keeps its data.")
@@ -97,19 +97,20 @@ def demo_command(max_new_tokens, gamma, repeats, quiet, ops, rounds, state_dir):
 
 
 def _ops_part(rounds: int, state_dir: str) -> None:
-    """The control loop on live decoding (see `specops.demo_ops`)."""
-    from specops.decoder import Decoder
-    from specops.demo_ops import BAD_CANARY_POLICY, DEFAULT_POLICY, format_round, run_ops_demo
+    """The control loop on live serving: `specops.demo_ops.run_ops_demo_http`."""
+    from specops.demo_ops import BAD_CANARY_POLICY, DEFAULT_POLICY, format_http_round, run_ops_demo_http
 
+    canary_round = min(2, rounds - 1)
     click.echo("")
-    click.echo(f"ops: embedded Redis in {state_dir}; policy {DEFAULT_POLICY.name} is revision 1; "
-               f"requests go through PolicyRuntime, the controller ticks after each round (15 s of simulated time)")
-    click.echo(f"     before round {min(5, rounds)} {BAD_CANARY_POLICY.name} is rolled out as a canary "
+    click.echo(f"ops: an embedded Redis in {state_dir}; {DEFAULT_POLICY.name} (durations x0.25) is revision 1; "
+               "`specops serve` and `specops controller run` start as their own processes and requests go over HTTP")
+    click.echo(f"     before round {canary_round + 1} {BAD_CANARY_POLICY.name} is rolled out as a canary "
                "(n-gram with a long fixed gamma on hot prompts)")
-    dec = Decoder.from_pretrained("bundled")
-    reports = run_ops_demo(dec, state_dir=state_dir, rounds=rounds, canary_round=min(4, rounds - 1),
-                           on_round=lambda r: click.echo(format_round(r)),
-                           on_event=lambda e: click.echo(f"  >> {e}"))
-    kinds = [d["kind"] for r in reports for d in r.decisions]
-    click.echo(f"controller: {kinds.count('adapt')} adaptations, {kinds.count('fallback_on')} fallbacks, "
-               f"{kinds.count('rollout.analysis')} canary analyses, {kinds.count('rollout.rollback')} rollbacks")
+    reports = run_ops_demo_http(state_dir=state_dir, rounds=rounds, canary_round=canary_round,
+                                on_round=lambda r: click.echo(format_http_round(r)),
+                                on_event=lambda e: click.echo(f"  >> {e}"))
+    kinds = [e["kind"] for r in reports for e in r.events]
+    reasons = " ".join(str(e.get("reason", "")) for r in reports for e in r.events)
+    click.echo(f"controller: {reasons.count(':adapt')} adaptations, {reasons.count(':fallback_on')} fallbacks, "
+               f"{kinds.count('rollout.analysis')} canary analyses, {kinds.count('rollout.rollback')} rollbacks; "
+               f"{sum(r.errors for r in reports)} failed requests")

@@ -1,24 +1,30 @@
-"""The runtime side of the ops contract: classify, apply the live settings, decode, publish.
+"""The runtime side of the ops contract: resolve a request's settings, record its telemetry.
 
-An inference pod wraps its `Decoder` in a `PolicyRuntime`. For every request it
+Two steps, shared by the server (`specops.serving.async_engine`) and the in-process
+path (`PolicyRuntime.serve`, used by tests and the library):
 
-1. classifies the prompt with the current policy (`Policy.classify`);
-2. picks the revision that serves it — the canary for ``weight``% of routing keys
-   during a rollout, else the stable one — and that revision's settings for the
-   class: the controller's live `EffectiveSettings` (via a `SettingsWatcher`, which
-   follows change notifications and reconciles periodically) for the stable
-   revision, the canary policy's initial values for the canary;
-3. turns speculation off when the class is fallen back (except for a
-   ``probe_fraction`` share of requests that keep speculating, so the controller can
-   see when it pays again), when the method is ``off``, when the request's
-   temperature is outside the class's range, or when the method's model part is
-   missing (no draft / no Medusa heads);
-4. decodes with the class's γ / heads and decode deadline;
-5. publishes the request's `DecodeRecord` to Redis (stable or canary namespace) and
-   to the Prometheus exporter.
+``resolve``
+    1. classify the prompt with the policy of the revision that serves it
+       (`Policy.classify` over the text, labels and prompt length);
+    2. route: the canary revision for ``weight``% of routing keys during a rollout,
+       else the stable one (`pick_revision`, a stable hash of the key);
+    3. settings for the class: the controller's live `EffectiveSettings` for the
+       stable revision, the canary policy's initial values for the canary;
+    4. speculation off (plain ``ar``) when the method is ``off``, the temperature is
+       outside the class's range, the method's model part is missing, or the class
+       is fallen back — except a ``probe_fraction`` share that keeps speculating so
+       the controller sees when it pays again;
+    5. → a `Resolution`: method, γ / heads / tree size with the class's bounds, the
+       decode deadline, and who decided (revision, canary, probe, reason).
 
-Torch is used only through `Decoder`; the policy, store and telemetry parts are the
-torch-free ops layer.
+``record``
+    a finished request's `DecodeRecord` (fallback reason filled in) goes to the
+    Prometheus exporter at once and to a bounded `RecordBuffer` for Redis, flushed
+    by whoever polls (`flush()`), so a Redis outage never blocks decoding.
+
+Resolve never touches Redis: it reads `LivePolicy`'s last good state
+(fail-static; see `specops.serving.live_policy`). Torch is used only through the
+decoder in `serve`.
 """
 
 from __future__ import annotations
@@ -27,12 +33,13 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from specops.policies.rollout import effective_for, pick_revision
 from specops.policies.schema import Policy, RequestClass
 from specops.policies.state import EffectiveSettings
+from specops.serving.live_policy import LivePolicy, RecordBuffer
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +48,32 @@ REASON_FALLBACK = "policy_fallback"
 REASON_OFF = "method_off"
 REASON_TEMPERATURE = "temperature_out_of_range"
 REASON_MISSING = "model_part_missing"
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """How one request is decoded, and why (the ``specops`` object of a response)."""
+
+    request_class: str
+    method: str                 # what runs: ar | draft | ngram | medusa
+    gamma: int                  # live γ (draft / ngram)
+    gamma_min: int
+    gamma_max: int
+    heads: int                  # live Medusa heads (medusa), capped by the loaded heads
+    heads_min: int
+    heads_max: int
+    tree_size: int
+    deadline_s: float | None
+    revision: int | None        # the policy revision that served it
+    canary: bool
+    probe: bool                 # speculated although the class is fallen back
+    fallback_reason: str | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"request_class": self.request_class, "method": self.method, "revision": self.revision,
+                "canary": self.canary, "probe": self.probe, "fallback_reason": self.fallback_reason,
+                "gamma": self.gamma if self.method in ("draft", "ngram") else None,
+                "medusa_heads": self.heads if self.method == "medusa" else None}
 
 
 @dataclass(frozen=True)
@@ -58,52 +91,65 @@ class ServedRequest:
 
 
 class PolicyRuntime:
-    """Serve requests with the settings the controller keeps in Redis (see module docstring).
+    """Resolve requests under the live policy and record their telemetry (see module docstring).
 
-    ``store``: a `PolicyStore` (revisions, rollout state) or None for a fixed ``policy``;
-    ``watcher``: a `SettingsWatcher` over the same store, or None to use the policy's
-    initial values; ``publisher`` / ``canary_publisher``: `RedisPublisher`s for the
-    stable and canary telemetry namespaces; ``exporter``: a `PrometheusExporter`.
+    ``policy``: the bootstrap policy, used until (and whenever) the store has none;
+    ``store``: a `PolicyStore`, or None for the fixed ``policy`` alone; ``live``: a
+    `LivePolicy` over it (made here with ``reconcile_s`` when not given);
+    ``publisher`` / ``canary_publisher``: `RedisPublisher`s for the stable and canary
+    telemetry namespaces (through a `RecordBuffer`); ``exporter``: a `PrometheusExporter`.
+    ``decoder``: provides the model parts (``draft``, ``medusa``) and runs `serve`.
     """
 
-    def __init__(self, decoder: Any, policy: Policy | None = None, *, store: Any = None, watcher: Any = None,
+    def __init__(self, decoder: Any, policy: Policy | None = None, *, store: Any = None, live: LivePolicy | None = None,
                  publisher: Any = None, canary_publisher: Any = None, exporter: Any = None,
+                 records: RecordBuffer | None = None, reconcile_s: float = 5.0,
                  rng: random.Random | None = None, clock: Callable[[], float] = time.time) -> None:
-        if policy is None and store is None:
+        if policy is None and store is None and live is None:
             raise ValueError("PolicyRuntime needs a policy or a policy store")
         self.decoder = decoder
         self.fixed_policy = policy
-        self.store = store
-        self.watcher = watcher
-        self.publisher = publisher
-        self.canary_publisher = canary_publisher
+        if live is None and store is not None:
+            live = LivePolicy(store, reconcile_s=reconcile_s)
+        self.live = live
+        self.store = store if store is not None else (live.store if live is not None else None)
+        self.records = records if records is not None else RecordBuffer(publisher, canary_publisher)
         self.exporter = exporter
         self.rng = rng or random.Random(0)
         self.clock = clock
-        self._policies: dict[int, Policy] = {}
 
-    # -- which policy / settings serve a request ------------------------------------
+    # -- capabilities of the loaded models ---------------------------------------------
+    @property
+    def has_draft(self) -> bool:
+        return getattr(self.decoder, "draft", None) is not None
+
+    @property
+    def medusa_heads_loaded(self) -> int:
+        heads = getattr(self.decoder, "medusa", None)
+        return 0 if heads is None else int(heads.config.num_heads)
+
+    # -- resolve -----------------------------------------------------------------------
     def _policy(self, revision: int | None) -> Policy:
-        if revision is None or self.store is None:
-            if self.fixed_policy is None:
-                raise RuntimeError("the policy store has no current revision yet")
-            return self.fixed_policy
-        if revision not in self._policies:  # revisions are immutable: cache them
-            self._policies[revision] = self.store.get_revision(revision).policy
-        return self._policies[revision]
+        if revision is not None and self.live is not None:
+            found = self.live.policy(revision)
+            if found is not None:
+                return found
+        if self.fixed_policy is None:
+            raise RuntimeError("no policy yet: the store has no current revision and no bootstrap policy was given")
+        return self.fixed_policy
 
     def _route(self, routing_key: str) -> tuple[int | None, bool]:
-        if self.store is None:
+        if self.live is None or self.live.stable_revision is None:
             return None, False
-        stable = self.store.current_revision()
-        if stable is None:
-            return None, False
-        chosen = pick_revision(self.store.rollout_state(), stable, routing_key)
+        stable = self.live.stable_revision
+        chosen = pick_revision(self.live.rollout, stable, routing_key)
+        if chosen != stable and self.live.policy(chosen) is None:
+            return stable, False  # the canary's policy never loaded: serve it stable
         return chosen, chosen != stable
 
     def _settings(self, policy: Policy, rc: RequestClass, revision: int | None, canary: bool) -> EffectiveSettings:
-        if not canary and self.watcher is not None:
-            live = self.watcher.settings_for(rc.name)
+        if not canary and self.live is not None:
+            live = self.live.settings_for(rc.name)
             if live is not None:
                 return live
         return effective_for(policy, revision or 0, self.clock())[rc.name]
@@ -114,9 +160,9 @@ class PolicyRuntime:
             return "ar", False, REASON_OFF
         if not rc.temperature.min <= temperature <= rc.temperature.max:
             return "ar", False, REASON_TEMPERATURE
-        if s.method == "draft" and self.decoder.draft is None:
+        if s.method == "draft" and not self.has_draft:
             return "ar", False, REASON_MISSING
-        if s.method == "medusa" and self.decoder.medusa is None:
+        if s.method == "medusa" and self.medusa_heads_loaded == 0:
             return "ar", False, REASON_MISSING
         if s.fallback_active:
             if self.rng.random() < s.probe_fraction:
@@ -124,43 +170,75 @@ class PolicyRuntime:
             return "ar", False, REASON_FALLBACK
         return s.method, False, None
 
-    # -- serving -----------------------------------------------------------------------
+    def resolve(self, text: str, prompt_tokens: int, *, labels: dict[str, str] | None = None,
+                routing_key: str | None = None, temperature: float = 0.0) -> Resolution:
+        """Settings for one request from the last good policy state (never touches Redis)."""
+        key = routing_key if routing_key is not None else f"{self.rng.random():.12f}"
+        revision, canary = self._route(key)
+        policy = self._policy(revision)
+        rc = policy.classify(text, labels or {}, prompt_tokens)
+        settings = self._settings(policy, rc, revision, canary)
+        method, probe, reason = self._method(rc, settings, temperature)
+        loaded = max(1, self.medusa_heads_loaded)
+        return Resolution(
+            request_class=rc.name, method=method,
+            gamma=settings.gamma, gamma_min=rc.gamma.min, gamma_max=rc.gamma.max,
+            heads=min(settings.medusa_heads, loaded), heads_min=min(rc.medusa_heads.min, loaded),
+            heads_max=min(rc.medusa_heads.max, loaded), tree_size=settings.tree_size,
+            deadline_s=rc.deadline_s, revision=revision, canary=canary, probe=probe, fallback_reason=reason)
+
+    # -- record ------------------------------------------------------------------------
+    def record(self, resolution: Resolution, record: Any) -> Any:
+        """Account one finished request's `DecodeRecord`; returns the record as published."""
+        if resolution.fallback_reason is not None and not record.fallback_reason:
+            record = replace(record, fallback_reason=resolution.fallback_reason)
+        if record.request_class != resolution.request_class:
+            record = replace(record, request_class=resolution.request_class)
+        if self.exporter is not None:
+            self.exporter.observe(record)
+        self.records.add(record, canary=resolution.canary)
+        return record
+
+    def poll(self) -> None:
+        """Refresh the policy state (notifications, reconcile, backoff) and flush buffered records."""
+        if self.live is not None:
+            self.live.poll()
+        self.records.flush()
+
+    def close(self) -> None:
+        if self.live is not None:
+            self.live.close()
+
+    # -- the in-process path -----------------------------------------------------------
     def serve(self, prompt: str | list[int], *, labels: dict[str, str] | None = None, routing_key: str | None = None,
               temperature: float = 0.0, max_new_tokens: int = 128, top_k: int | None = None,
               top_p: float | None = None, seed: int | None = None, eos_token_id: int | list[int] | None = None,
               ) -> ServedRequest:
-        """Decode one request under the policy and publish its telemetry."""
+        """Decode one request with `Decoder.generate` under the policy and record its telemetry."""
+        tokenizer = getattr(self.decoder, "tokenizer", None)
         if isinstance(prompt, str):
-            if self.decoder.tokenizer is None:
+            if tokenizer is None:
                 raise ValueError("a text prompt needs the decoder's tokenizer; pass token ids instead")
-            text, ids = prompt, self.decoder.tokenizer.encode(prompt)
+            text, ids = prompt, tokenizer.encode(prompt)
         else:
             ids = list(prompt)
-            text = self.decoder.tokenizer.decode(ids) if self.decoder.tokenizer is not None else ""
-        if self.watcher is not None:
-            self.watcher.poll()  # drains change notifications; re-reads on change or every reconcile_s
-        revision, canary = self._route(routing_key if routing_key is not None else f"{self.rng.random():.12f}")
-        policy = self._policy(revision)
-        rc = policy.classify(text, labels or {}, len(ids))
-        settings = self._settings(policy, rc, revision, canary)
-        method, probe, reason = self._method(rc, settings, temperature)
+            text = tokenizer.decode(ids) if tokenizer is not None else ""
+        self.poll()
+        res = self.resolve(text, len(ids), labels=labels, routing_key=routing_key, temperature=temperature)
         kwargs: dict[str, Any] = {}
-        if method in ("draft", "ngram"):
-            kwargs["gamma"] = settings.gamma
-        elif method == "medusa":
-            kwargs["heads"] = min(settings.medusa_heads, self.decoder.medusa.config.num_heads)
-            kwargs["tree"] = settings.tree_size  # upper bound on the tree's nodes; the runtime may plan fewer
-        out = self.decoder.generate(ids, method=method, max_new_tokens=max_new_tokens, temperature=temperature,
+        if res.method in ("draft", "ngram"):
+            kwargs["gamma"] = res.gamma
+        elif res.method == "medusa":
+            kwargs["heads"] = res.heads
+            kwargs["tree"] = res.tree_size  # upper bound on the tree's nodes; the runtime may plan fewer
+        out = self.decoder.generate(ids, method=res.method, max_new_tokens=max_new_tokens, temperature=temperature,
                                     top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
-                                    deadline_s=rc.deadline_s, **kwargs)
+                                    deadline_s=res.deadline_s, **kwargs)
         stats = out.stats
-        if reason is not None and stats.fallback_reason is None:
-            stats.fallback_reason = reason
-        record = stats.to_record(rc.name)
-        publisher = self.canary_publisher if canary else self.publisher
-        if publisher is not None:
-            publisher.publish(record)
-        if self.exporter is not None:
-            self.exporter.observe(record)
-        return ServedRequest(tokens=list(out.tokens), request_class=rc.name, method=stats.method, revision=revision,
-                             canary=canary, probe=probe, fallback_reason=stats.fallback_reason, stats=stats)
+        if res.fallback_reason is not None and stats.fallback_reason is None:
+            stats.fallback_reason = res.fallback_reason
+        self.record(res, stats.to_record(res.request_class))
+        self.records.flush()
+        return ServedRequest(tokens=list(out.tokens), request_class=res.request_class, method=stats.method,
+                             revision=res.revision, canary=res.canary, probe=res.probe,
+                             fallback_reason=stats.fallback_reason, stats=stats)

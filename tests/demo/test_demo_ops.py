@@ -33,3 +33,22 @@ def test_ops_demo_rolls_back_the_bad_canary(tmp_path):
         applied += (s["gamma"], s["heads"], s["fallback"]) == (
             d["after"]["gamma"], d["after"]["medusa_heads"], d["after"]["fallback_active"])
     assert applied > 0, changes
+
+
+def test_ops_demo_over_http_closes_the_loop(tmp_path):
+    """`specops serve` and `specops controller run` as processes: the server follows the rollout
+    state in Redis, the controller acts on the telemetry the server published, no request fails."""
+    from specops.demo_ops import run_ops_demo_http
+
+    events: list[str] = []
+    reports = run_ops_demo_http(state_dir=tmp_path, rounds=4, canary_round=2, per_kind=2, max_new_tokens=16,
+                                on_event=events.append)
+    assert len(reports) == 4 and all(r.errors == 0 for r in reports)
+    assert all(set(r.served) == {"code", "factual", "general"} for r in reports)
+    assert all(row["canary"] == 0 for r in reports[:2] for row in r.served.values())
+    assert sum(row["canary"] for row in reports[2].served.values()) > 0  # 50% of routing keys on revision 2
+    general = [m for r in reports[2:] for m in r.served["general"]["canary_methods"]]
+    assert not general or set(general) <= {"ngram", "ar"}  # the canary policy's method for hot prompts
+    controller = [e for r in reports for e in r.events]
+    assert any(e["kind"] in ("effective.set", "rollout.analysis") for e in controller), controller
+    assert any("demo-bad-canary.yaml" in e for e in events)

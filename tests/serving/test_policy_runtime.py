@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
 from specops.decoder import Decoder
+from specops.serving.live_policy import LivePolicy
 from specops.serving.policy_runtime import REASON_FALLBACK, REASON_OFF, REASON_TEMPERATURE, PolicyRuntime
 from specops.policies import load_policy
 from specops.policies import rollout as machine
 from specops.policies.store import PolicyStore
-from specops.policies.watcher import SettingsWatcher
 from specops.telemetry.redis_metrics import RedisPublisher, RedisWindowReader
 from tests.decoder.tiny_models import perturbed, tiny_llama
 
@@ -47,13 +48,13 @@ def decoder():
 def runtime(decoder, redis_client):
     store = PolicyStore(redis_client, namespace="rt")
     machine.start_rollout(store, load_policy(POLICY), POLICY)
-    watcher = SettingsWatcher(store, reconcile_s=0.001)
+    live = LivePolicy(store, reconcile_s=0.001)
     pub = RedisPublisher(redis_client, pod="pod-a", namespace="rt")
     canary_pub = RedisPublisher(redis_client, pod="pod-a", namespace="rt:canary")
-    rt = PolicyRuntime(decoder, store=store, watcher=watcher, publisher=pub, canary_publisher=canary_pub,
+    rt = PolicyRuntime(decoder, store=store, live=live, publisher=pub, canary_publisher=canary_pub,
                        rng=random.Random(1))
     yield rt
-    watcher.close()
+    rt.close()
 
 
 PROMPT = [5, 17, 33, 2, 9, 41, 7]
@@ -158,3 +159,115 @@ def test_class_deadline_ends_the_request_in_plain_decoding(monkeypatch, redis_cl
     reader = RedisWindowReader(redis_client, namespace="dl")
     assert reader.window("code", 60).fallbacks == {"deadline": 1}
     assert reader.window("general", 60).fallbacks == {}
+
+
+# -- fail-static (issue 13, bug 6): a real Redis stopped, restarted empty, flushed ------------
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def own_redis(tmp_path):
+    from tests.services import start_redis
+
+    svc = start_redis(tmp_path / "redis")
+    yield svc
+    svc.stop()
+
+
+def _restart_on_same_port(svc, workdir):
+    from tests.services import redis_server_binary, start_service
+
+    argv = [redis_server_binary(), "--port", str(svc.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            "--dir", str(workdir)]
+    return start_service("redis2", argv, svc.port, workdir)
+
+
+def test_live_policy_is_fail_static_with_backoff(own_redis, tmp_path):
+    import time
+
+    import redis
+
+    from specops.serving.live_policy import STALE_EMPTY, STALE_UNREACHABLE, serving_redis
+
+    admin = PolicyStore(redis.Redis(port=own_redis.port), namespace="fs")
+    machine.start_rollout(admin, load_policy(POLICY), POLICY)
+    eff = admin.effective()["code"]
+    admin.set_effective({"code": replace(eff, gamma=7)}, epoch=None, reason="t")
+    clock = FakeClock()
+    store = PolicyStore(serving_redis(f"redis://127.0.0.1:{own_redis.port}/0"), namespace="fs")
+    live = LivePolicy(store, reconcile_s=1.0, clock=clock, backoff_s=(2.0, 4.0))
+    parts = SimpleNamespace(draft=object(), medusa=None)  # a decoder with a draft model loaded
+    rt = PolicyRuntime(parts, live=live, rng=random.Random(0))
+    assert not live.stale and live.settings_for("code").gamma == 7
+
+    own_redis.stop()
+    clock.now += 1.5  # reconcile due
+    started = time.monotonic()
+    assert live.poll() is False
+    assert time.monotonic() - started < 1.5  # one attempt, no redis-py retry loop
+    assert live.stale_reason == STALE_UNREACHABLE and live.failures == 1
+    res = rt.resolve("x", 3, labels={"task": "code"}, temperature=0.0)
+    assert res.request_class == "code" and res.method == "draft" and res.gamma == 7 and res.revision == 1
+    clock.now += 1.0  # inside the 2 s backoff: no attempt at all
+    assert live.poll() is False and live.failures == 1
+    clock.now += 1.5
+    live.poll()
+    assert live.failures == 2  # the next attempt waits 4 s
+    clock.now += 3.0
+    live.poll()
+    assert live.failures == 2
+
+    restarted = _restart_on_same_port(own_redis, tmp_path / "redis2")  # restarted without its data
+    try:
+        clock.now += 5.0
+        assert live.poll() is False
+        assert live.stale_reason == STALE_EMPTY and live.settings_for("code").gamma == 7
+        assert rt.resolve("x", 3, labels={"task": "code"}).gamma == 7
+        admin2 = PolicyStore(redis.Redis(port=own_redis.port), namespace="fs")
+        machine.start_rollout(admin2, load_policy(CANARY), CANARY)  # re-seeded (initial gamma 5)
+        clock.now += 1.5
+        assert live.poll() is True and not live.stale
+        assert rt.resolve("x", 3, labels={"task": "code"}).gamma == 5
+        admin2.redis.flushall()  # data loss again: keep the last good values
+        clock.now += 1.5
+        live.poll()
+        assert live.stale_reason == STALE_EMPTY and live.settings_for("code").gamma == 5
+        assert live.status()["live"] is False and live.status()["stale_reason"] == STALE_EMPTY
+    finally:
+        live.close()
+        restarted.stop()
+
+
+def test_record_buffer_keeps_records_through_an_outage(own_redis, tmp_path):
+    from specops.serving.live_policy import RecordBuffer, serving_redis
+    from specops.telemetry import DecodeRecord
+
+    def rec(n: int) -> DecodeRecord:
+        return DecodeRecord(request_class="code", method="draft", new_tokens=n, drafted=4, accepted=2,
+                            accepted_per_pos=[1, 1], target_forwards=2, draft_s=0.01, verify_s=0.05, wall_s=0.1,
+                            plain_s_estimate=0.2, token_latencies_s=[0.05] * n, head_predictions=[], head_correct=[],
+                            gamma=4, heads=0)
+
+    client = serving_redis(f"redis://127.0.0.1:{own_redis.port}/0")
+    clock = FakeClock()
+    buf = RecordBuffer(RedisPublisher(client, pod="p", namespace="rb"), max_records=5, clock=clock, backoff_s=(1.0,))
+    buf.add(rec(1))
+    assert buf.flush() == 1
+    own_redis.stop()
+    for n in range(2, 9):  # 7 records into a buffer of 5: the 2 oldest are dropped and counted
+        buf.add(rec(n))
+    assert buf.flush() == 0 and len(buf) == 5 and buf.dropped == 2
+    restarted = _restart_on_same_port(own_redis, tmp_path / "redis2")
+    try:
+        assert buf.flush() == 0  # still backing off
+        clock.now += 1.0
+        assert buf.flush() == 5 and len(buf) == 0
+        window = RedisWindowReader(client, namespace="rb").window("code", 60)
+        assert window.requests == 5 and window.new_tokens == sum(range(4, 9))
+    finally:
+        restarted.stop()

@@ -1,0 +1,479 @@
+"""``specops bench serve``: load a running (or self-started) ``specops serve`` over HTTP.
+
+Like ``vllm bench serve``: streaming ``/v1/completions`` requests from a prompt mix,
+arriving all at once or as a Poisson process (``--request-rate``), capped by a
+max-concurrency semaphore. Per mode × concurrency it reports output tokens/s,
+requests/s, TTFT / TPOT / ITL / E2E p50 and p99, errors and goodput under ``--slo``.
+
+Modes switch the server through its Redis, as an operator would:
+
+``off``       every class's effective method set to ``off`` (plain decoding);
+``fixed``     the policy's initial settings (`effective_for`), no controller;
+``adaptive``  the initial settings, then ``specops controller run`` as its own process
+              against the same Redis, adapting from the server's telemetry.
+
+The bench waits until the server's ``/readyz`` shows the settings before measuring.
+Terms: TTFT = arrival → first token; TPOT = (E2E − TTFT) / (output tokens − 1);
+ITL = gaps between streamed chunks; goodput = requests/s meeting every SLO.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import random
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+
+MODES = ("off", "fixed", "adaptive")
+MIX_KINDS = ("code", "prose", "hot")
+
+
+class BenchServeError(RuntimeError):
+    """A configuration or server problem (one readable line)."""
+
+
+@dataclass
+class ServeBenchConfig:
+    base_url: str | None = None
+    redis_url: str | None = None
+    namespace: str = "specops"
+    modes: list[str] = field(default_factory=lambda: list(MODES))
+    concurrency: list[int] = field(default_factory=lambda: [1, 4, 16])
+    num_prompts: int | None = None          # per cell; None: max(8, 4 x concurrency)
+    request_rate: float = math.inf
+    max_tokens: int = 64
+    mix: dict[str, float] = field(default_factory=lambda: {"code": 0.5, "prose": 0.3, "hot": 0.2})
+    prompts_file: str | None = None
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
+    api_key: str | None = None
+    seed: int = 0
+    warmup: int = 2
+    controller_interval_s: float = 2.0
+    adaptive_warmup_s: float = 6.0
+    server_args: list[str] = field(default_factory=list)
+    progress: bool = True
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    output_tokens: int = 0
+    itl_s: list[float] = field(default_factory=list)
+    drafted: int = 0
+    accepted: int = 0
+    error: str = ""
+
+    @property
+    def tpot_s(self) -> float | None:
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+def parse_mix(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for part in text.split(","):
+        name, sep, weight = part.strip().partition(":")
+        if not sep or name not in MIX_KINDS:
+            raise ValueError(f"--mix wants KIND:WEIGHT with KIND in {', '.join(MIX_KINDS)}, got {part!r}")
+        try:
+            out[name] = float(weight)
+        except ValueError:
+            raise ValueError(f"--mix weight of {name} is not a number: {weight!r}") from None
+        if out[name] < 0:
+            raise ValueError(f"--mix weight of {name} must be >= 0")
+    if not out or sum(out.values()) <= 0:
+        raise ValueError("--mix needs a positive total weight")
+    return out
+
+
+def parse_slo(text: str) -> tuple[float | None, float | None]:
+    ttft = tpot = None
+    for part in text.split(","):
+        name, sep, ms = part.strip().partition(":")
+        if not sep or name not in ("ttft", "tpot"):
+            raise ValueError(f"--slo wants ttft:MS,tpot:MS, got {part!r}")
+        try:
+            value = float(ms) / 1000.0
+        except ValueError:
+            raise ValueError(f"--slo {name} is not a number of milliseconds: {ms!r}") from None
+        if value <= 0:
+            raise ValueError(f"--slo {name} must be > 0 ms")
+        ttft, tpot = (value, tpot) if name == "ttft" else (ttft, value)
+    return ttft, tpot
+
+
+def build_prompts(cfg: ServeBenchConfig, count: int) -> list[tuple[str, float]]:
+    """``count`` (prompt, temperature) pairs drawn from the mix (the same list for every mode)."""
+    from specops.bench.suites import HOT_TEMPERATURE, builtin_suite, load_prompts_file
+
+    rng = random.Random(cfg.seed)
+    if cfg.prompts_file:
+        pool = [(p.text, p.temperature) for p in load_prompts_file(cfg.prompts_file)]
+        return [pool[i % len(pool)] for i in range(count)]
+    pools = {"code": [(p.text, 0.0) for p in builtin_suite("code", seed=cfg.seed)],
+             "prose": [(p.text, 0.0) for p in builtin_suite("prose", seed=cfg.seed)],
+             "hot": [(p.text, HOT_TEMPERATURE) for p in builtin_suite("code", seed=cfg.seed + 1)]}
+    kinds = [k for k in MIX_KINDS if cfg.mix.get(k, 0) > 0]
+    weights = [cfg.mix[k] for k in kinds]
+    return [rng.choice(pools[rng.choices(kinds, weights)[0]]) for _ in range(count)]
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summarize(mode: str, concurrency: int, results: list[RequestResult], duration_s: float,
+              cfg: ServeBenchConfig) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    tokens = sum(r.output_tokens for r in ok)
+    tpots = [t for t in (r.tpot_s for r in ok) if t is not None]
+    itls = [x for r in ok for x in r.itl_s]
+    good = [r for r in ok if (cfg.slo_ttft_s is None or r.ttft_s <= cfg.slo_ttft_s)
+            and (cfg.slo_tpot_s is None or (r.tpot_s or 0.0) <= cfg.slo_tpot_s)]
+    drafted = sum(r.drafted for r in ok)
+    row = {
+        "mode": mode, "concurrency": concurrency, "requests": len(results), "errors": len(results) - len(ok),
+        "duration_s": duration_s,
+        "output_tokens_per_s": tokens / duration_s if duration_s > 0 else 0.0,
+        "requests_per_s": len(ok) / duration_s if duration_s > 0 else 0.0,
+        "ttft_p50_s": _percentile([r.ttft_s for r in ok], 0.5), "ttft_p99_s": _percentile([r.ttft_s for r in ok], 0.99),
+        "tpot_p50_s": _percentile(tpots, 0.5), "tpot_p99_s": _percentile(tpots, 0.99),
+        "itl_p50_s": _percentile(itls, 0.5), "itl_p99_s": _percentile(itls, 0.99),
+        "e2e_p50_s": _percentile([r.e2e_s for r in ok], 0.5), "e2e_p99_s": _percentile([r.e2e_s for r in ok], 0.99),
+        "goodput_rps": len(good) / duration_s if duration_s > 0 else 0.0,
+        "acceptance_rate": sum(r.accepted for r in ok) / drafted if drafted else None,
+        "error_samples": sorted({r.error for r in results if not r.ok})[:3],
+    }
+    return row
+
+
+# -- the load generator ---------------------------------------------------------------------
+async def _one(client: Any, url: str, model: str, prompt: str, temperature: float, cfg: ServeBenchConfig,
+               headers: dict[str, str]) -> RequestResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": cfg.max_tokens, "temperature": temperature,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    start = time.perf_counter()
+    res = RequestResult(ok=False)
+    last = None
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    res.error = str(chunk["error"].get("message"))
+                    return res
+                now = time.perf_counter()
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    if last is None:
+                        res.ttft_s = now - start
+                    else:
+                        res.itl_s.append(now - last)
+                    last = now
+                if chunk.get("usage"):
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                    spec = chunk.get("specops") or {}
+                    res.drafted = spec.get("drafted") or 0
+                    res.accepted = spec.get("accepted") or 0
+        res.e2e_s = time.perf_counter() - start
+        res.ok = res.output_tokens > 0
+        if not res.ok:
+            res.error = "no usage chunk"
+    except Exception as exc:  # a failed request is counted, never fatal
+        res.error = f"{type(exc).__name__}: {exc}"[:200]
+    return res
+
+
+async def run_cell(url: str, model: str, prompts: list[tuple[str, float]], concurrency: int, cfg: ServeBenchConfig,
+                   on_done=None) -> tuple[list[RequestResult], float]:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    sem = asyncio.Semaphore(concurrency)
+    rng = random.Random(cfg.seed)
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        async def guarded(prompt: str, temperature: float) -> RequestResult:
+            async with sem:
+                out = await _one(client, url, model, prompt, temperature, cfg, headers)
+            if on_done is not None:
+                on_done()
+            return out
+
+        start = time.perf_counter()
+        tasks = []
+        for prompt, temperature in prompts:
+            tasks.append(asyncio.create_task(guarded(prompt, temperature)))
+            if math.isfinite(cfg.request_rate):
+                await asyncio.sleep(rng.expovariate(cfg.request_rate))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - start
+
+
+# -- modes through Redis ---------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(url: str, timeout_s: float, proc: subprocess.Popen | None = None) -> dict[str, Any]:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise BenchServeError(f"the server exited with code {proc.returncode}")
+        try:
+            r = httpx.get(f"{url}/readyz", timeout=5)
+            if r.status_code == 200:
+                return r.json()
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise BenchServeError(f"{url} not ready after {timeout_s:.0f}s")
+
+
+def _apply_mode(store: Any, mode: str) -> dict[str, str]:
+    """Write the mode's effective settings (an operator action); returns class -> method expected."""
+    from dataclasses import replace
+
+    from specops.policies.rollout import effective_for
+
+    rev = store.current_revision()
+    if rev is None:
+        raise BenchServeError("the server's Redis holds no current policy revision")
+    settings = effective_for(store.get_revision(rev).policy, rev, time.time())
+    if mode == "off":
+        settings = {k: replace(v, method="off") for k, v in settings.items()}
+    store.set_effective(settings, epoch=None, reason=f"bench serve: mode {mode}", replace=True, actor="bench")
+    return {k: v.method for k, v in settings.items()}
+
+
+def _wait_settings(url: str, expected: dict[str, str], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        classes = _wait_ready(url, timeout_s)["policy"].get("classes", {})
+        if all(classes.get(k, {}).get("method") == m for k, m in expected.items()):
+            return
+        time.sleep(0.3)
+    raise BenchServeError(f"the server did not apply the settings within {timeout_s:.0f}s")
+
+
+def _stop(proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout_s)
+
+
+def _start_controller(cfg: ServeBenchConfig, redis_url: str, workdir: Path) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "specops.cli", "controller", "run", "--redis", redis_url, "--namespace",
+            cfg.namespace, "--interval", str(cfg.controller_interval_s), "--window",
+            str(max(5.0, 5 * cfg.controller_interval_s)), "--listen", f"127.0.0.1:{_free_port()}",
+            "--lease-ttl-ms", str(int(max(15_000, 4000 * cfg.controller_interval_s)))]
+    env = dict(os.environ, SPECOPS_WEBHOOK_TOKEN=secrets.token_hex(16))
+    log = open(workdir / "controller.log", "wb")
+    return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+def _start_server(cfg: ServeBenchConfig, redis_url: str, workdir: Path, max_batch: int) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    argv = [sys.executable, "-m", "specops.cli", "serve", "--port", str(port), "--redis", redis_url,
+            "--namespace", cfg.namespace, "--max-batch", str(max_batch), "--log-level", "warning", *cfg.server_args]
+    log = open(workdir / "serve.log", "wb")
+    proc = subprocess.Popen(argv, cwd=workdir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
+    """Run every mode × concurrency cell; returns ``{"config", "results"}``."""
+    import redis as redis_lib
+
+    from specops.policies.redis_backend import close, connect
+    from specops.policies.store import PolicyStore
+
+    if cfg.base_url and not cfg.redis_url:
+        raise BenchServeError("a running server (--base-url) needs --redis, the server's Redis, to switch modes")
+    workdir = Path(tempfile.mkdtemp(prefix="specops-bench-serve-"))
+    embedded = server = controller = None
+    try:
+        redis_url = cfg.redis_url
+        if redis_url is None:
+            embedded = connect(None, workdir / "redis")
+            redis_url = f"unix://{embedded.socket_file}"
+        url = cfg.base_url
+        if url is None:
+            server, url = _start_server(cfg, redis_url, workdir, max(cfg.concurrency))
+            _wait_ready(url, 600, server)
+        url = url.rstrip("/")
+        store = PolicyStore(redis_lib.Redis.from_url(redis_url), namespace=cfg.namespace)
+        ready = _wait_ready(url, 60)
+        model = ready.get("model", "bundled")
+        counts = {c: cfg.num_prompts or max(8, 4 * c) for c in cfg.concurrency}
+        total = sum(counts.values()) * len(cfg.modes)
+        rows = []
+        bar = click.progressbar(length=total, label="bench serve", file=sys.stderr) if cfg.progress else None
+        try:
+            for mode in cfg.modes:
+                expected = _apply_mode(store, mode)
+                _wait_settings(url, expected)
+                if mode == "adaptive":
+                    controller = _start_controller(cfg, redis_url, workdir)
+                warm = build_prompts(cfg, max(cfg.warmup, 1))
+                asyncio.run(run_cell(url, model, warm, min(len(warm), max(cfg.concurrency)), cfg))
+                if mode == "adaptive":  # give the controller a few ticks of this traffic
+                    time.sleep(cfg.adaptive_warmup_s)
+                for c in cfg.concurrency:
+                    prompts = build_prompts(cfg, counts[c])
+                    results, duration = asyncio.run(run_cell(url, model, prompts, c, cfg,
+                                                             on_done=(lambda: bar.update(1)) if bar else None))
+                    rows.append(summarize(mode, c, results, duration, cfg))
+                if controller is not None:
+                    _stop(controller)
+                    controller = None
+        finally:
+            if bar is not None:
+                bar.render_finish()
+        cfg_out = {k: v for k, v in asdict(cfg).items() if k != "api_key"}
+        cfg_out["request_rate"] = None if math.isinf(cfg.request_rate) else cfg.request_rate
+        return {"config": cfg_out, "model": model, "results": rows}
+    finally:
+        if controller is not None:
+            _stop(controller)
+        if server is not None:
+            _stop(server)
+        if embedded is not None:
+            embedded.connection_pool.disconnect()  # idle pooled connections would count as other users
+            close(embedded)
+
+
+def _fmt(value: Any, scale: float = 1.0, digits: int = 1) -> str:
+    return "-" if value is None else f"{value * scale:.{digits}f}"
+
+
+def format_table(report: dict[str, Any]) -> str:
+    head = (f"{'mode':<9}{'conc':>5}{'req':>5}{'err':>4}{'tok/s':>9}{'req/s':>7}{'TTFT p50':>10}{'p99':>8}"
+            f"{'TPOT p50':>10}{'p99':>8}{'ITL p99':>9}{'E2E p99':>9}{'goodput':>9}{'accept':>8}")
+    lines = [head, "  (latencies in ms)"]
+    for r in report["results"]:
+        lines.append(f"{r['mode']:<9}{r['concurrency']:>5}{r['requests']:>5}{r['errors']:>4}"
+                     f"{r['output_tokens_per_s']:>9.1f}{r['requests_per_s']:>7.2f}"
+                     f"{_fmt(r['ttft_p50_s'], 1000):>10}{_fmt(r['ttft_p99_s'], 1000):>8}"
+                     f"{_fmt(r['tpot_p50_s'], 1000):>10}{_fmt(r['tpot_p99_s'], 1000):>8}"
+                     f"{_fmt(r['itl_p99_s'], 1000):>9}{_fmt(r['e2e_p99_s'], 1000):>9}{r['goodput_rps']:>9.2f}"
+                     f"{_fmt(r['acceptance_rate'], 1, 2):>8}")
+    return "\n".join(lines)
+
+
+def plot_report(report: dict[str, Any], path: str | Path) -> Path:
+    """Two panels: output tokens/s and p99 TPOT against concurrency, one line per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for mode in dict.fromkeys(r["mode"] for r in report["results"]):
+        rows = [r for r in report["results"] if r["mode"] == mode]
+        xs = [r["concurrency"] for r in rows]
+        left.plot(xs, [r["output_tokens_per_s"] for r in rows], marker="o", label=mode)
+        right.plot(xs, [(r["tpot_p99_s"] or 0) * 1000 for r in rows], marker="o", label=mode)
+    for ax, title in ((left, "output tokens/s"), (right, "p99 TPOT (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("max concurrency")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+@click.command("serve")
+@click.option("--base-url", default=None, help="A running server (default: start one on the bundled models).")
+@click.option("--redis", "redis_url", envvar="SPECOPS_REDIS", default=None,
+              help="The server's Redis (required with --base-url; default: an embedded one for the started server).")
+@click.option("--namespace", default="specops", show_default=True)
+@click.option("--modes", default=",".join(MODES), show_default=True, help="Comma-separated: off,fixed,adaptive.")
+@click.option("--concurrency", default="1,4,16", show_default=True, help="Comma-separated max concurrencies.")
+@click.option("--num-prompts", type=click.IntRange(min=1), default=None, help="Requests per cell (default 4 x conc, >= 8).")
+@click.option("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default: all at once).")
+@click.option("--max-tokens", type=click.IntRange(min=2), default=64, show_default=True)
+@click.option("--mix", default="code:0.5,prose:0.3,hot:0.2", show_default=True)
+@click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="JSONL with 'prompt' (and 'temperature') or one prompt per line; replaces --mix.")
+@click.option("--slo", default=None, help="Goodput SLO, e.g. ttft:500,tpot:50 (milliseconds).")
+@click.option("--api-key-env", default=None, metavar="VAR", help="Send the key in this environment variable.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--server-arg", "server_args", multiple=True, help="Extra argument for the started server (repeatable).")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def bench_serve_command(base_url, redis_url, namespace, modes, concurrency, num_prompts, request_rate, max_tokens, mix,
+                        prompts_file, slo, api_key_env, json_path, plot_path, seed, server_args, quiet) -> None:
+    """Benchmark a specops server over HTTP: off / fixed / adaptive at several concurrencies."""
+    try:
+        mode_list = [m.strip() for m in modes.split(",") if m.strip()]
+        bad = [m for m in mode_list if m not in MODES]
+        if bad or not mode_list:
+            raise ValueError(f"--modes must be drawn from {', '.join(MODES)}, got {modes!r}")
+        conc = [int(c) for c in concurrency.split(",") if c.strip()]
+        if not conc or min(conc) < 1:
+            raise ValueError("--concurrency wants positive integers")
+        if not request_rate > 0:
+            raise ValueError("--request-rate must be > 0")
+        ttft, tpot = parse_slo(slo) if slo else (None, None)
+        mix_weights = parse_mix(mix)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    api_key = os.environ.get(api_key_env, "").strip() if api_key_env else None
+    cfg = ServeBenchConfig(base_url=base_url, redis_url=redis_url, namespace=namespace, modes=mode_list,
+                           concurrency=conc, num_prompts=num_prompts, request_rate=request_rate, max_tokens=max_tokens,
+                           mix=mix_weights, prompts_file=prompts_file, slo_ttft_s=ttft, slo_tpot_s=tpot,
+                           api_key=api_key, seed=seed, server_args=list(server_args), progress=not quiet)
+    try:
+        report = run_bench_serve(cfg)
+    except BenchServeError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(format_table(report))
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report, indent=2) + "\n")
+        click.echo(f"wrote {json_path}")
+    if plot_path:
+        plot_report(report, plot_path)
+        click.echo(f"wrote {plot_path}")

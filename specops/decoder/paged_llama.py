@@ -1,0 +1,154 @@
+"""A batched, paged forward for Llama-family models, over `FastLlamaRunner`'s fused weights.
+
+Where `FastLlamaRunner` runs one sequence on a contiguous cache, `PagedLlama` runs a
+*ragged batch*: B sequences, each with its own number of new tokens, its own cached
+prefix and its own attention pattern among the new tokens (causal, or a Medusa tree).
+Its KV storage is one tensor of ``num_blocks * block_size`` token slots per layer; which
+slots a sequence owns is the caller's business (`specops.serving.kv_pool`).
+
+One forward:
+
+1. the N new tokens of all sequences are flattened: every linear layer (fused q/k/v,
+   o, gate/up, down, LM head) runs once over ``[N, E]``, so batching pays where the
+   weights are read;
+2. rotary embeddings use each token's own position id (prefix length + depth for
+   tree nodes);
+3. each token's key/value goes to its slot (``write_slots``) before attention;
+4. attention runs per *group* of sequences (the caller groups them so padding stays
+   small: short decode/verify blocks together, a long prefill alone): it pads the
+   group's queries to ``[G, Tq]`` and gathers each sequence's keys/values from its slots
+   into ``[G, Lk]``; a bool mask ``[G, 1, Tq, Lk]`` says which keys each query sees
+   (prefix, then causal or tree); padded rows see slot 0 and are dropped;
+5. logits are computed only for the rows the caller asks for (``logit_rows``).
+
+Compaction of an accepted tree path is `copy_slots` (one gather + one scatter over all
+layers). Results equal `FastLlamaRunner.forward` up to float rounding (different matmul
+row counts and SDPA's masked path round differently).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class AttnGroup:
+    """Sequences whose attention runs as one padded SDPA call."""
+
+    q_index: Tensor  # [G, Tq] long: flat index of sequence g's t-th new token (padding: 0)
+    kv_slots: Tensor  # [G, Lk] long: cache slots of sequence g's keys, prefix then new (padding: 0)
+    mask: Tensor  # [G, 1, Tq, Lk] bool: query t of sequence g may see key j
+    padded_rows: Tensor  # [n_g] long: rows of the padded [G * Tq] output that are real tokens
+    flat_rows: Tensor  # [n_g] long: the flat token index of each of those rows
+
+
+@dataclass
+class PagedBatch:
+    """The flattened inputs of one ragged forward (see the module docstring)."""
+
+    input_ids: Tensor  # [N] long: new tokens of all sequences, sequence by sequence
+    positions: Tensor  # [N] long: rotary position of each token
+    write_slots: Tensor  # [N] long: cache slot each token's key/value goes to
+    groups: list[AttnGroup]  # attention groups; together they cover every flat token once
+    logit_rows: Tensor  # [R] long: flat tokens whose logits (and hidden states) are returned
+
+    def check(self) -> None:
+        n = self.input_ids.shape[0]
+        for name, t in (("positions", self.positions), ("write_slots", self.write_slots)):
+            if tuple(t.shape) != (n,):
+                raise ValueError(f"PagedBatch.{name} must be [{n}], got {list(t.shape)}")
+        covered = 0
+        for g in self.groups:
+            b, tq = g.q_index.shape
+            lk = g.kv_slots.shape[1]
+            if g.kv_slots.shape[0] != b or tuple(g.mask.shape) != (b, 1, tq, lk) or g.mask.dtype != torch.bool:
+                raise ValueError(f"attention group shapes disagree: q {list(g.q_index.shape)}, "
+                                 f"kv {list(g.kv_slots.shape)}, mask {list(g.mask.shape)} {g.mask.dtype}")
+            covered += g.flat_rows.shape[0]
+        if covered != n:
+            raise ValueError(f"attention groups cover {covered} tokens, the batch has {n}")
+
+
+def kv_bytes_per_token(runner) -> int:
+    """Bytes of KV cache one token slot takes in every layer of a `FastLlamaRunner`."""
+    elem = torch.empty((), dtype=runner.dtype).element_size()
+    return len(runner.layers) * 2 * runner.n_kv_heads * runner.head_dim * elem
+
+
+class PagedLlama:
+    """Ragged batched forwards over a `FastLlamaRunner`'s weights and a paged KV store."""
+
+    def __init__(self, runner, num_blocks: int, block_size: int) -> None:
+        self.r = runner
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.slots = num_blocks * block_size
+        self.device = runner.device
+        self.vocab_size = runner.vocab_size
+        self.max_context = runner.max_context
+        self.hidden_size = runner.hidden_size
+        # [NL, 2, S, Hkv, D]: every layer's keys and values, slot-major
+        self.store = torch.zeros(len(runner.layers), 2, self.slots, runner.n_kv_heads, runner.head_dim,
+                                 dtype=runner.dtype, device=runner.device)
+
+    def _rotary(self, positions: Tensor) -> tuple[Tensor, Tensor]:  # [N] -> 2 x [N, Hq+2Hkv, D]
+        r = self.r
+        if r._cos_heads is not None:
+            return r._cos_heads[positions], r._sin_heads[positions]
+        return r._per_head(r._cos[positions][None])[0], r._per_head(r._sin[positions][None], sin=True)[0]
+
+    def forward(self, batch: PagedBatch, need_hidden: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Logits [R, V] float32 (and hidden states [R, E] after the final norm) at ``logit_rows``."""
+        batch.check()
+        r = self.r
+        hq, hkv, d, e = r.n_heads, r.n_kv_heads, r.head_dim, r.hidden_size
+        n = batch.input_ids.shape[0]
+        half = d // 2
+        gqa = hq != hkv
+        with torch.inference_mode():
+            cos, sin = self._rotary(batch.positions)  # [N, H', D] each
+            x = F.embedding(batch.input_ids, r.embed)  # [N, E]
+            for i, layer in enumerate(r.layers):
+                h = F.rms_norm(x, (e,), layer.ln1, r.eps)  # [N, E]
+                qkv = layer.qkv(h).view(n, hq + 2 * hkv, d)  # [N, H', D]
+                qkv = torch.addcmul(qkv * cos, qkv.roll(half, -1), sin)  # rotary on q and k
+                kv_new = qkv[:, hq:].view(n, 2, hkv, d).transpose(0, 1)  # [2, N, Hkv, D]
+                store = self.store[i]  # [2, S, Hkv, D]
+                store.index_copy_(1, batch.write_slots, kv_new)
+                q_all = qkv[:, :hq]  # [N, Hq, D]
+                o = None if len(batch.groups) == 1 else x.new_empty(n, hq * d)  # [N, Hq*D]
+                for g in batch.groups:
+                    b, tq = g.q_index.shape
+                    # index_select, not advanced indexing: ~5x faster on CPU for this gather
+                    kv = store.index_select(1, g.kv_slots.reshape(-1)).view(2, b, -1, hkv, d)  # [2, G, Lk, Hkv, D]
+                    k = kv[0].transpose(1, 2)  # [G, Hkv, Lk, D]
+                    v = kv[1].transpose(1, 2)  # [G, Hkv, Lk, D]
+                    q = q_all.index_select(0, g.q_index.reshape(-1)).view(b, tq, hq, d).transpose(1, 2)  # [G, Hq, Tq, D]
+                    og = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=r.scale, enable_gqa=gqa)
+                    og = og.transpose(1, 2).reshape(b * tq, hq * d)  # [G*Tq, Hq*D]
+                    if og.shape[0] != g.padded_rows.shape[0]:  # drop padded rows
+                        og = og.index_select(0, g.padded_rows)  # [n_g, Hq*D]
+                    if o is None:
+                        o = og  # a single group lists every sequence in flat order
+                    else:
+                        o.index_copy_(0, g.flat_rows, og)
+                x = layer.o.add_to(x, o)  # [N, E]
+                h = F.rms_norm(x, (e,), layer.ln2, r.eps)  # [N, E]
+                gate, up = layer.gate_up(h).chunk(2, dim=-1)  # [N, I] each
+                x = layer.down.add_to(x, layer.act(gate) * up)  # [N, E]
+            rows = x.index_select(0, batch.logit_rows)  # [R, E]
+            rows = F.rms_norm(rows, (e,), r.norm, r.eps)  # [R, E]
+            logits = r.lm_head(rows)  # [R, V]
+            if logits.dtype != torch.float32:
+                logits = logits.float()
+        return logits, (rows if need_hidden else None)
+
+    def copy_slots(self, src: Tensor, dst: Tensor) -> None:  # src, dst: [n] long slot ids
+        """Move the entries of slots ``src`` to slots ``dst`` in every layer (gathered first)."""
+        with torch.inference_mode():
+            moved = self.store.index_select(2, src)  # [NL, 2, n, Hkv, D]
+            self.store.index_copy_(2, dst, moved)

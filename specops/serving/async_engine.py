@@ -1,0 +1,379 @@
+"""The engine client the HTTP layer holds: add / abort / stream over one background step loop.
+
+Threads and ownership::
+
+    event loop (uvicorn)           engine thread                  policy thread
+    --------------------           -------------                  -------------
+    submit(): resolve policy  ──►  commands: add / abort     ◄──  every poll_s: LivePolicy.poll()
+      (in memory), enqueue         engine.step() (blocking)       (notifications, reconcile,
+    RequestStream: per-request ◄── call_soon_threadsafe(push)     backoff), RecordBuffer.flush()
+      asyncio queue, detokenize,   finished: runtime.record()     → Redis; gauges
+      stop strings, metrics        (Prometheus + buffer)
+
+Only the engine thread touches the `Engine` (it is not thread-safe); requests reach
+it as commands between steps. Each request has its own asyncio queue; the engine
+thread fans step outputs out with ``loop.call_soon_threadsafe``. Admission is
+bounded (``max_batch + max_queue`` requests in flight, then `QueueFullError`), so
+overload never means unbounded memory. A stream that is closed before it finishes
+(client gone, stop string matched) aborts its request; the engine frees its blocks
+at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from specops.serving.metrics import ServingMetrics
+from specops.serving.policy_runtime import PolicyRuntime, Resolution
+
+log = logging.getLogger(__name__)
+
+_ADDED = object()  # the engine accepted the request
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests in flight; retry after ``retry_after_s``."""
+
+    def __init__(self, inflight: int, retry_after_s: int = 1) -> None:
+        super().__init__(f"server busy: {inflight} requests in flight (max_batch + max_queue); retry later")
+        self.retry_after_s = retry_after_s
+
+
+class EngineUnavailableError(RuntimeError):
+    """The models are still loading, or the engine stopped."""
+
+
+@dataclass
+class GenerationRequest:
+    """One validated generation, as the HTTP layer hands it over."""
+
+    prompt_ids: list[int]
+    text: str                                   # what the policy classifies (prompt / last user message)
+    params: Any                                 # specops.serving.sequence.SamplingParams
+    stop: list[str] = field(default_factory=list)
+    labels: dict[str, str] = field(default_factory=dict)
+    routing_key: str | None = None
+
+
+@dataclass
+class Delta:
+    """Newly visible output of a stream: text (stop strings already cut) and whether it ended."""
+
+    text: str
+    finish_reason: str | None = None
+
+
+class _Detokenizer:
+    """Incremental text of the committed tokens, holding back what a stop string may still claim."""
+
+    def __init__(self, tokenizer: Any, stop: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.ids: list[int] = []
+        self.sent = 0          # characters already handed out
+        self.text = ""
+
+    def add(self, token_ids: list[int], final: bool) -> tuple[str, bool]:
+        """(new visible text, a stop string matched)."""
+        self.ids.extend(token_ids)
+        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if self.stop:
+            hits = [self.text.find(s, max(0, self.sent - len(s) + 1)) for s in self.stop]
+            hits = [h for h in hits if h >= 0]
+            if hits:
+                cut = max(self.sent, min(hits))
+                out = self.text[self.sent:cut]
+                self.sent = cut
+                return out, True
+        end = len(self.text)
+        if not final:
+            while end > self.sent and self.text[end - 1] == "\ufffd":  # an unfinished UTF-8 sequence
+                end -= 1
+            for s in self.stop:  # the longest tail that is a prefix of a stop string stays back
+                for n in range(min(len(s) - 1, end - self.sent), 0, -1):
+                    if s.startswith(self.text[end - n:end]):
+                        end -= n
+                        break
+        out = self.text[self.sent:end]
+        self.sent = max(self.sent, end)
+        return out, False
+
+
+class RequestStream:
+    """Async iterator of `Delta`s for one request; closing it early aborts the request."""
+
+    def __init__(self, client: AsyncEngine, request_id: str, req: GenerationRequest, resolution: Resolution,
+                 arrived: float) -> None:
+        self.client = client
+        self.request_id = request_id
+        self.resolution = resolution
+        self.prompt_tokens = len(req.prompt_ids)
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.record: Any = None                  # DecodeStats, when the engine finished the request
+        self.arrived = arrived
+        self.first_at: float | None = None
+        self.last_at: float | None = None
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._detok = _Detokenizer(client.tokenizer, req.stop)
+        self._done = False
+
+    def push(self, item: Any) -> None:  # on the event loop (via call_soon_threadsafe)
+        self._queue.put_nowait(item)
+
+    async def _next_item(self) -> Any:
+        return await self._queue.get()
+
+    def specops(self) -> dict[str, Any]:
+        """The ``specops`` object of the response."""
+        body = self.resolution.as_dict()
+        rec = self.record
+        if rec is not None:
+            body["method"] = rec.method
+            body["drafted"] = rec.drafted
+            body["accepted"] = rec.accepted
+            if rec.fallback_reason:
+                body["fallback_reason"] = rec.fallback_reason
+        else:
+            body["drafted"] = body["accepted"] = None
+        return body
+
+    def __aiter__(self) -> AsyncIterator[Delta]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Delta]:
+        metrics = self.client.metrics
+        cls = self.resolution.request_class
+        try:
+            while not self._done:
+                item = await self._next_item()
+                if isinstance(item, BaseException):
+                    raise item
+                now = time.monotonic()
+                n = len(item.new_token_ids)
+                if n:
+                    if self.first_at is None:
+                        self.first_at = now
+                        metrics.ttft.labels(cls).observe(now - self.arrived)
+                    elif self.last_at is not None:
+                        metrics.itl.labels(cls).observe(now - self.last_at)
+                    self.last_at = now
+                    self.completion_tokens += n
+                    metrics.output_tokens.labels(cls).inc(n)
+                text, stopped = self._detok.add(list(item.new_token_ids), final=item.finished)
+                if item.finished:
+                    self.record = item.record
+                if stopped:
+                    self.finish_reason = "stop"
+                    self._done = True
+                    if not item.finished:
+                        self.client.abort(self.request_id)
+                    yield Delta(text, "stop")
+                    break
+                if item.finished:
+                    self._done = True
+                    reason = item.finish_reason if item.finish_reason in ("stop", "length") else "abort"
+                    self.finish_reason = reason
+                    yield Delta(text, reason)
+                    break
+                if text:
+                    yield Delta(text)
+            metrics.requests.labels("ok").inc()
+            if self.last_at is not None:
+                metrics.e2e.labels(cls).observe(self.last_at - self.arrived)
+        finally:
+            if not self._done:
+                self._done = True
+                self.client.abort(self.request_id)
+                metrics.requests.labels("aborted").inc()
+            self.client._release()
+
+
+class AsyncEngine:
+    """Owns the `Engine`, the `PolicyRuntime` and the threads around them (see module docstring)."""
+
+    def __init__(self, engine: Any, runtime: PolicyRuntime, tokenizer: Any, *, metrics: ServingMetrics,
+                 max_batch: int = 16, max_queue: int = 256, poll_s: float = 0.2, vocab_size: int | None = None) -> None:
+        from specops.serving.sequence import SpecSettings  # the engine's request types
+
+        self._spec_type = SpecSettings
+        self.engine = engine
+        self.runtime = runtime
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self.max_inflight = max_batch + max_queue
+        self.vocab_size = int(vocab_size if vocab_size is not None else len(tokenizer))
+        self.poll_s = poll_s
+        self.inflight = 0
+        self._ids = itertools.count()
+        self._commands: list[tuple[str, Any]] = []
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._threads: list[threading.Thread] = []
+        self.engine_error: str | None = None
+        self._stats: Any = None
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.engine.max_model_len)
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._stats = self.engine.stats()  # later snapshots come from the engine thread only
+        for name, target in (("specops-engine", self._engine_loop), ("specops-policy", self._policy_loop)):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        for t in self._threads:
+            t.join(timeout_s)
+        self.runtime.records.flush(force=True)
+        self.runtime.close()
+
+    @property
+    def running(self) -> bool:
+        return bool(self._threads) and all(t.is_alive() for t in self._threads) and not self._stopping
+
+    # -- requests ----------------------------------------------------------------------
+    async def submit(self, req: GenerationRequest) -> RequestStream:
+        """Admit a request; returns its stream once the engine accepted it.
+
+        Raises `QueueFullError`, `EngineUnavailableError`, or the engine's ValueError
+        (e.g. `PromptTooLongError`) for a request it refuses.
+        """
+        if not self.running or self._loop is None:
+            raise EngineUnavailableError("the engine is not running")
+        if self.inflight >= self.max_inflight:
+            self.metrics.requests.labels("rejected").inc()
+            raise QueueFullError(self.inflight)
+        res = self.runtime.resolve(req.text, len(req.prompt_ids), labels=req.labels, routing_key=req.routing_key,
+                                   temperature=req.params.temperature)
+        spec = self._spec_type(method=res.method, gamma=res.gamma, medusa_heads=res.heads, tree_size=res.tree_size,
+                               deadline_s=res.deadline_s)
+        request_id = f"req-{next(self._ids)}"
+        stream = RequestStream(self, request_id, req, res, time.monotonic())
+        self.inflight += 1
+        self.metrics.inflight.set(self.inflight)
+        self.metrics.prompt_tokens.labels(res.request_class).inc(len(req.prompt_ids))
+        self._command("add", (request_id, list(req.prompt_ids), req.params, spec, stream))
+        try:
+            first = await stream._next_item()
+        except BaseException:  # cancelled while waiting: the engine may still add it
+            self.abort(request_id)
+            self._release()
+            raise
+        if first is not _ADDED:
+            self._release()
+            self.metrics.requests.labels("error").inc()
+            raise first
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._command("abort", request_id)
+
+    def _release(self) -> None:
+        self.inflight -= 1
+        self.metrics.inflight.set(self.inflight)
+
+    def _command(self, kind: str, payload: Any) -> None:
+        with self._cond:
+            self._commands.append((kind, payload))
+            self._cond.notify()
+
+    # -- the engine thread ---------------------------------------------------------------
+    def _deliver(self, stream: RequestStream, item: Any) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(stream.push, item)
+        except RuntimeError:  # the loop closed (shutdown)
+            pass
+
+    def _engine_loop(self) -> None:
+        active: dict[str, RequestStream] = {}
+        while True:
+            with self._cond:
+                while not self._commands and not self.engine.has_unfinished() and not self._stopping:
+                    self._cond.wait(0.5)
+                if self._stopping:
+                    break
+                commands, self._commands = self._commands, []
+            for kind, payload in commands:
+                if kind == "add":
+                    request_id, ids, params, spec, stream = payload
+                    try:
+                        self.engine.add(request_id, ids, params, spec)
+                    except ValueError as exc:
+                        self._deliver(stream, exc)
+                        continue
+                    active[request_id] = stream
+                    self._deliver(stream, _ADDED)
+                else:
+                    self.engine.abort(payload)
+            if self.engine.has_unfinished():
+                try:
+                    outputs = self.engine.step()
+                except Exception as exc:  # an engine bug: fail every request, keep the process up
+                    log.exception("engine step failed; failing %d requests", len(active))
+                    self.engine_error = f"{type(exc).__name__}: {exc}"
+                    for rid, stream in active.items():
+                        self.engine.abort(rid)
+                        self._deliver(stream, RuntimeError(f"engine step failed: {self.engine_error}"))
+                    active.clear()
+                    continue
+                for out in outputs:
+                    stream = active.get(out.request_id)
+                    if out.finished:
+                        active.pop(out.request_id, None)
+                        if out.record is not None and stream is not None:
+                            try:
+                                res = stream.resolution
+                                self.runtime.record(res, out.record.to_record(res.request_class))
+                            except Exception:  # telemetry must never fail a request
+                                log.exception("recording telemetry of %s failed", out.request_id)
+                    if stream is not None:
+                        self._deliver(stream, out)
+            try:
+                self._stats = self.engine.stats()
+                self.metrics.engine(self._stats)
+            except Exception:  # pragma: no cover - stats are plain counters
+                log.exception("engine stats failed")
+
+    # -- the policy thread -----------------------------------------------------------------
+    def _policy_loop(self) -> None:
+        while True:
+            with self._cond:
+                if self._stopping:
+                    return
+            try:
+                self.runtime.poll()
+                self.metrics.policy(self.runtime.live, self.runtime.records)
+            except Exception:  # keep polling whatever happens
+                log.exception("policy poll failed")
+            time.sleep(self.poll_s)
+
+    def status(self) -> dict[str, Any]:
+        """Engine and policy details for ``/readyz``."""
+        live = self.runtime.live
+        policy = live.status() if live is not None else {"source": "file", "live": True, "stale_reason": None}
+        policy["records_buffered"] = len(self.runtime.records)
+        policy["records_dropped"] = self.runtime.records.dropped
+        stats = self._stats  # the engine thread's last snapshot (the engine is not thread-safe)
+        return {"engine": {"running": self.running, "error": self.engine_error, "waiting": stats.waiting,
+                           "active": stats.running, "kv_blocks_used": stats.kv_blocks_used,
+                           "kv_blocks_free": stats.kv_blocks_free, "inflight": self.inflight,
+                           "max_inflight": self.max_inflight, "max_model_len": self.max_model_len},
+                "policy": policy}

@@ -1,0 +1,248 @@
+"""One model forward over a ragged batch of sequences: the paged fast path and the generic path.
+
+Every sequence in a step contributes a `FeedItem`: the tokens it feeds (its uncomputed
+committed tokens, then its drafts or tree nodes), their rotary positions, the attention
+pattern among them (causal, or a tree mask) and which of them need logits. A backend
+runs all items and leaves each sequence's KV counter at ``start + len(tokens)``; the
+engine then rolls it back to the accepted prefix (`truncate`) or compacts an accepted
+tree path (`compact`).
+
+* `PagedBackend` (Llama / Mistral / Qwen2 through `FastLlamaRunner`'s weights): ONE
+  batched forward for the whole step over a block-paged cache (`PagedLlama`).
+* `GenericBackend` (any transformers causal LM, e.g. GPT-2): honestly slower — one
+  forward per sequence through a private `HFRunner` (transformers' DynamicCache) per
+  sequence. Memory is still accounted in blocks of the same `BlockPool`, so the budget
+  and preemption rules are the same; the storage is not shared across sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from specops.decoder.hf_runner import HFRunner
+from specops.decoder.paged_llama import AttnGroup, PagedBatch, PagedLlama, kv_bytes_per_token
+from specops.serving.kv_pool import BlockPool, blocks_for
+from specops.serving.sequence import SeqKV
+
+
+SHORT_BLOCK = 16  # items feeding more tokens than this (prefills) get their own attention call
+
+
+@dataclass
+class FeedItem:
+    """What one sequence feeds one model in one forward."""
+
+    kv: SeqKV
+    tokens: list[int]  # T new tokens; they occupy cache positions kv.computed .. kv.computed + T - 1
+    rows: list[int]  # offsets into tokens whose logits are returned, in order
+    positions: list[int] | None = None  # T rotary positions; None: kv.computed + arange(T)
+    intra: Tensor | None = None  # [T, T] bool: token i may see new token j; None: causal
+
+
+@dataclass
+class ItemOutput:
+    logits: Tensor  # [r, V] float32
+    hidden: Tensor | None  # [r, E]
+
+
+class PagedBackend:
+    """A `FastLlamaRunner`'s weights over a paged cache of ``pool.num_blocks`` blocks."""
+
+    paged = True
+
+    def __init__(self, runner, pool: BlockPool) -> None:
+        self.model = PagedLlama(runner, pool.num_blocks, pool.block_size)
+        self.pool = pool
+        self.device = runner.device
+        self.vocab_size = runner.vocab_size
+        self.max_context = runner.max_context
+        self.bs = pool.block_size
+        self._arange = torch.arange(self.bs, device=self.device)  # [bs]
+
+    def _slots(self, kv: SeqKV, positions: list[int]) -> list[int]:
+        bs, table = self.bs, kv.blocks
+        return [table[p // bs] * bs + p % bs for p in positions]
+
+    def forward(self, items: list[FeedItem], need_hidden: bool = False) -> list[ItemOutput]:
+        dev = self.device
+        ids: list[int] = []
+        pos: list[int] = []
+        write: list[int] = []
+        rows: list[int] = []
+        offsets: list[int] = []
+        for it in items:
+            s, t = it.kv.computed, len(it.tokens)
+            if len(it.kv.blocks) * self.bs < s + t:
+                raise RuntimeError(f"sequence needs {s + t} slots but holds {len(it.kv.blocks)} blocks")
+            offsets.append(len(ids))
+            rows.extend(len(ids) + r for r in it.rows)
+            ids.extend(it.tokens)
+            pos.extend(range(s, s + t) if it.positions is None else it.positions)
+            write.extend(self._slots(it.kv, range(s, s + t)))
+        # short blocks (decode steps, drafts, trees) share one padded attention call; each long
+        # prefill gets its own, so one long prompt never pads every other sequence to its length
+        short = [i for i, it in enumerate(items) if len(it.tokens) <= SHORT_BLOCK]
+        groups = [short] if short else []
+        groups += [[i] for i, it in enumerate(items) if len(it.tokens) > SHORT_BLOCK]
+        groups.sort(key=lambda g: g[0])
+        batch = PagedBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(pos, dtype=torch.long, device=dev),
+            write_slots=torch.tensor(write, dtype=torch.long, device=dev),
+            groups=[self._group([items[i] for i in g], [offsets[i] for i in g]) for g in groups],
+            logit_rows=torch.tensor(rows, dtype=torch.long, device=dev),
+        )
+        logits, hidden = self.model.forward(batch, need_hidden)  # [R, V], [R, E]
+        outs: list[ItemOutput] = []
+        r0 = 0
+        for it in items:
+            r = len(it.rows)
+            outs.append(ItemOutput(logits[r0 : r0 + r], None if hidden is None else hidden[r0 : r0 + r]))
+            r0 += r
+            it.kv.computed += len(it.tokens)
+        return outs
+
+    def _group(self, items: list[FeedItem], offsets: list[int]) -> AttnGroup:
+        """One padded attention call over ``items`` (whose flat tokens start at ``offsets``)."""
+        dev = self.device
+        b = len(items)
+        starts = [it.kv.computed for it in items]
+        lens = [len(it.tokens) for it in items]
+        tq = max(lens)
+        lk = max(s + t for s, t in zip(starts, lens))
+        nblk = blocks_for(lk, self.bs)
+        q_rows: list[list[int]] = []
+        table_rows: list[list[int]] = []
+        padded: list[int] = []
+        flat: list[int] = []
+        for i, (it, off) in enumerate(zip(items, offsets)):
+            s, t = starts[i], lens[i]
+            q_rows.append(list(range(off, off + t)) + [0] * (tq - t))
+            padded.extend(range(i * tq, i * tq + t))
+            flat.extend(range(off, off + t))
+            used = it.kv.blocks[: blocks_for(s + t, self.bs)]
+            table_rows.append(used + [0] * (nblk - len(used)))
+        q_index = torch.tensor(q_rows, dtype=torch.long)  # [G, Tq]
+        tables = torch.tensor(table_rows, dtype=torch.long)  # [G, blocks]
+        kv_slots = (tables[:, :, None] * self.bs + self._arange.cpu()).view(b, -1)[:, :lk]  # [G, Lk]
+        return AttnGroup(
+            q_index=q_index.to(dev),
+            kv_slots=kv_slots.to(dev),
+            mask=self._mask(items, starts, lens, tq, lk).to(dev),  # [G, 1, Tq, Lk]
+            padded_rows=torch.tensor(padded, dtype=torch.long, device=dev),
+            flat_rows=torch.tensor(flat, dtype=torch.long, device=dev),
+        )
+
+    @staticmethod
+    def _mask(items: list[FeedItem], starts: list[int], lens: list[int], tq: int, lk: int) -> Tensor:
+        keys = torch.arange(lk)  # [Lk]
+        if tq == 1:  # plain decoding steps: each query sees its prefix and itself
+            ends = torch.tensor([s + 1 for s in starts])  # [G]
+            return (keys[None, :] < ends[:, None])[:, None, None, :]  # [G, 1, 1, Lk]
+        # built for the whole group at once (a per-sequence loop cost ~4 tensor ops per sequence)
+        s = torch.tensor(starts)[:, None, None]  # [G, 1, 1]
+        t = torch.tensor(lens)[:, None, None]  # [G, 1, 1]
+        q = torch.arange(tq)[None, :, None]  # [1, Tq, 1]
+        k = keys[None, None, :]  # [1, 1, Lk]
+        real = q < t  # [G, Tq, 1]
+        mask = real & ((k < s) | ((k >= s) & (k - s <= q)))  # [G, Tq, Lk]: prefix, then causal
+        for i, it in enumerate(items):
+            if it.intra is not None:  # a tree: its own pattern among the new tokens
+                mask[i, : lens[i], starts[i] : starts[i] + lens[i]] = it.intra.cpu()
+        mask[:, :, 0] |= ~real[:, :, 0]  # padded queries: any finite row (their output is dropped)
+        return mask[:, None]
+
+    def truncate(self, kv: SeqKV, length: int) -> None:
+        """Keep the first ``length`` entries; blocks past them go back to the pool at once."""
+        kv.computed = min(kv.computed, length)
+        self.pool.shrink(kv.blocks, kv.computed)
+
+    def compact(self, kv: SeqKV, start: int, keep: list[int]) -> None:
+        """Entry start + keep[i] moves to start + i; the sequence then holds start + len(keep)."""
+        n = len(keep)
+        moves = [(start + k, start + i) for i, k in enumerate(keep) if k != i]
+        if moves:
+            src = torch.tensor(self._slots(kv, [m[0] for m in moves]), dtype=torch.long, device=self.device)
+            dst = torch.tensor(self._slots(kv, [m[1] for m in moves]), dtype=torch.long, device=self.device)
+            self.model.copy_slots(src, dst)
+        self.truncate(kv, start + n)
+
+    def release(self, kv: SeqKV) -> None:
+        self.pool.release(kv.blocks)
+        kv.computed = kv.published = 0
+
+
+class GenericBackend:
+    """Any transformers causal LM: one forward per sequence on its own `HFRunner` (slower)."""
+
+    paged = False
+
+    def __init__(self, model, pool: BlockPool, max_context: int) -> None:
+        self.hf_model = model
+        self.pool = pool
+        self.max_context = max_context
+        first = next(model.parameters())
+        self.device = first.device
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+
+    def forward(self, items: list[FeedItem], need_hidden: bool = False) -> list[ItemOutput]:
+        outs = []
+        for it in items:
+            kv = it.kv
+            if kv.runner is None:
+                kv.runner = HFRunner(self.hf_model, max_context=self.max_context)
+            runner = kv.runner
+            if kv.computed == 0 and runner.cache_len:
+                runner.reset(1)
+            if runner.cache_len != kv.computed:
+                raise RuntimeError(f"generic cache holds {runner.cache_len} entries, expected {kv.computed}")
+            ids = torch.tensor([it.tokens], dtype=torch.long, device=self.device)  # [1, T]
+            pos = None
+            if it.positions is not None:
+                pos = torch.tensor([it.positions], dtype=torch.long, device=self.device)  # [1, T]
+            out = runner.forward(ids, position_ids=pos, tree_mask=it.intra, need_hidden=need_hidden)
+            rows = torch.tensor(it.rows, dtype=torch.long, device=self.device)  # [r]
+            hidden = None if out.hidden is None else out.hidden[0, rows]  # [r, E]
+            outs.append(ItemOutput(out.logits[0, rows], hidden))  # [r, V]
+            kv.computed += len(it.tokens)
+        return outs
+
+    def truncate(self, kv: SeqKV, length: int) -> None:
+        kv.computed = min(kv.computed, length)
+        if kv.runner is not None and kv.runner.cache_len > kv.computed:
+            kv.runner.truncate(kv.computed)
+        self.pool.shrink(kv.blocks, kv.computed)
+
+    def compact(self, kv: SeqKV, start: int, keep: list[int]) -> None:
+        kv.runner.compact(start, torch.tensor(keep, dtype=torch.long))
+        kv.computed = start + len(keep)
+        self.pool.shrink(kv.blocks, kv.computed)
+
+    def release(self, kv: SeqKV) -> None:
+        self.pool.release(kv.blocks)
+        kv.computed = kv.published = 0
+        kv.runner = None
+
+
+def bytes_per_token(runner) -> int:
+    """KV bytes one token slot costs for a runner (fast or generic)."""
+    if hasattr(runner, "layers") and hasattr(runner, "n_kv_heads"):
+        return kv_bytes_per_token(runner)
+    cfg = runner.config
+    layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer")
+    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd")
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head")
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    elem = torch.empty((), dtype=runner.dtype).element_size()
+    return layers * 2 * kv_heads * head_dim * elem
+
+
+def make_backend(runner, pool: BlockPool):
+    """The paged backend for a `FastLlamaRunner`, else the generic one (an `HFRunner`'s model)."""
+    if hasattr(runner, "layers") and hasattr(runner, "lm_head"):
+        return PagedBackend(runner, pool)
+    return GenericBackend(runner.model, pool, runner.max_context)

@@ -1,0 +1,60 @@
+"""``specops serve``: option parsing, then `run_server` (the wiring lives in `specops.serving.server`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import click
+
+
+@click.command("serve")
+@click.option("--model", default="bundled", show_default=True, help="'bundled' or a model folder.")
+@click.option("--draft", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Draft model folder (default: the bundled draft with the bundled target).")
+@click.option("--medusa", type=click.Path(exists=True), default=None, help="Medusa heads (default: bundled heads).")
+@click.option("--policy", "policy_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Bootstrap policy (default: examples/policies/default.yaml); stored when Redis has none.")
+@click.option("--redis", "redis_url", envvar="SPECOPS_REDIS", default=None,
+              help="Redis URL (redis://, rediss://, unix://); none: an embedded Redis in --state-dir.")
+@click.option("--state-dir", default=".specops", show_default=True, help="Data directory of the embedded Redis.")
+@click.option("--namespace", default="specops", show_default=True, help="Key namespace in Redis.")
+@click.option("--pod", default=None, help="Pod name in the telemetry (default: hostname-pid).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--max-batch", type=click.IntRange(1, 1024), default=16, show_default=True,
+              help="Most sequences in one engine step.")
+@click.option("--max-queue", type=click.IntRange(0, 100_000), default=256, show_default=True,
+              help="Requests waiting beyond --max-batch before 429.")
+@click.option("--kv-cache-mb", type=click.FloatRange(min=1.0), default=64.0, show_default=True,
+              help="Memory budget of the paged KV cache.")
+@click.option("--api-key-env", default=None, metavar="VAR",
+              help="Require 'Authorization: Bearer <key>' with the key read from this environment variable.")
+@click.option("--served-model-name", default=None, help="Model id in the API (default: 'bundled' or the folder name).")
+@click.option("--reconcile-s", type=click.FloatRange(min=0.05), default=5.0, show_default=True,
+              help="Re-read the policy settings at least this often (change notifications apply at once).")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads (default: torch's).")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              show_default=True)
+def serve_command(model, draft, medusa, policy_file, redis_url, state_dir, namespace, pod, host, port, max_batch,
+                  max_queue, kv_cache_mb, api_key_env, served_model_name, reconcile_s, threads, log_level) -> None:
+    """Serve the OpenAI-compatible API with continuous batching and the live speculation policy."""
+    from specops.serving.server import ServeConfig, ServeError, run_server
+
+    api_key = None
+    if api_key_env:
+        api_key = os.environ.get(api_key_env, "").strip()
+        if not api_key:
+            raise click.BadParameter(f"environment variable {api_key_env} is unset or empty",
+                                     param_hint="--api-key-env")
+    logging.basicConfig(level=getattr(logging, log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = ServeConfig(model=model, draft=draft, medusa=medusa, policy_file=policy_file, redis_url=redis_url,
+                      state_dir=state_dir, namespace=namespace, pod=pod, host=host, port=port, max_batch=max_batch,
+                      max_queue=max_queue, kv_cache_mb=kv_cache_mb, api_key=api_key,
+                      served_model_name=served_model_name, reconcile_s=reconcile_s, threads=threads,
+                      log_level=log_level)
+    try:
+        run_server(cfg)
+    except ServeError as exc:
+        raise click.ClickException(str(exc)) from None

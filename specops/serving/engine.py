@@ -1,0 +1,535 @@
+"""The synchronous serving engine: continuous batching with ragged speculation over a paged cache.
+
+```python
+eng = Engine(Decoder.from_pretrained("bundled"), max_batch=16, kv_cache_mb=64)
+eng.add("r1", prompt_ids, SamplingParams(max_tokens=64), SpecSettings(method="draft", gamma=4))
+while eng.has_unfinished():
+    for out in eng.step():          # StepOutput(request_id, new_token_ids, finished, finish_reason, record)
+        ...
+```
+
+One `step`: schedule (`scheduler`: running first, admit waiting, preempt the newest
+when blocks run out) → plan (`spec_planner`: each sequence's γ or tree size, 0 when it
+does not pay, from its acceptance estimate and the measured costs: verify forwards per
+(B, T), draft-model rounds per batch width, each method's per-sequence proposal and
+verification overhead, the step's fixed host time) → grant lookahead blocks → propose
+(n-gram lookup, one batched draft-model pass, or Medusa heads on the batch's hidden
+states) → ONE target forward over every sequence's new tokens (prefills, plain
+steps, linear drafts and trees side by side; `batch_forward`) → verify each sequence
+with `specops.decoder.verify` / `tree_verify` (greedy, or lossless rejection sampling
+with the request's own seeded generator) → commit, roll both caches back to the
+accepted prefix (or compact the accepted tree path) and give surplus blocks back.
+
+Requests join and leave between steps. Not thread-safe: one thread calls add / abort /
+step (`specops.serving.async_engine` runs it on its own thread). `step` returns one
+`StepOutput` per request that committed tokens or finished; tokens are never retracted.
+``finish_reason`` is "stop" (EOS, kept in the output), "length" (``max_tokens`` or
+``max_model_len``) or "abort" (one final output with no tokens, at the step after
+`abort`); a finished output carries the request's `DecodeStats` as ``record`` (method
+that ran, drafted, accepted, fallback_reason, per-head Medusa accuracy, timings;
+``record.to_record(request_class)`` is the telemetry `DecodeRecord`).
+`SpecSettings.gamma` / ``tree_size`` are upper bounds: the planner picks 0..bound per
+step. A missing component (no draft model / no Medusa heads) makes `add` raise
+ValueError, except a draft that `Decoder(fallback=True)` dropped, which runs plain
+decoding with ``fallback_reason == "draft_unavailable"``. Llama / Mistral / Qwen2 targets and drafts run batched on the paged cache; other
+transformers models (GPT-2, ...) run through the generic path, one forward per
+sequence (slower, same results). Greedy output equals ``Decoder.generate(method="ar")``
+token for token up to float rounding of the batched matmuls.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+
+from specops.decoder.ngram import NgramIndex
+from specops.decoder.sampling import make_generator, probabilities
+from specops.decoder.speculation import eos_set
+from specops.decoder.stats import DecodeStats
+from specops.decoder.tree_verify import verify_tree_greedy, verify_tree_sampling
+from specops.decoder.verify import verify_greedy, verify_sampling
+from specops.serving.batch_forward import FeedItem, SeqKV, bytes_per_token, make_backend
+from specops.serving.kv_pool import BlockPool
+from specops.serving.proposers import MedusaProposer, draft_blocks
+from specops.serving.scheduler import Scheduler
+from specops.serving.sequence import (
+    DEFAULT_TREE_SIZE,
+    EngineStats,
+    PromptTooLongError,
+    SamplingParams,
+    Sequence,
+    SeqStatus,
+    SpecSettings,
+    StepOutput,
+)
+from specops.serving.spec_planner import DEFAULT_MARGIN, Candidate, CostModel, Meter, linear_gains, plan
+
+log = logging.getLogger(__name__)
+
+ALPHA_PRIOR = {"draft": 0.7, "ngram": 0.6, "medusa": 0.7}
+ALPHA_RECOVERY = 0.05  # per plain step, toward the prior (a switched-off sequence probes again)
+CALIBRATION_PREFIX = 32
+
+
+def cost_clock(device: torch.device) -> Callable[[], float]:
+    """The clock the planner's costs are measured with. On CPU: CPU seconds, not wall time; on a
+    shared, oversubscribed machine a wall-clock interval of a few ms usually includes another
+    process's time slice, which is noise to the choice between plans (both would pay it alike).
+    The engine's own thread when torch runs single-threaded, else the whole process."""
+    if device.type != "cpu":
+        return time.perf_counter
+    return time.thread_time if torch.get_num_threads() == 1 else time.process_time
+
+
+class Engine:
+    """Continuous batching over a `Decoder`'s target (and draft model / Medusa heads)."""
+
+    def __init__(self, decoder: Any, *, max_batch: int = 16, kv_cache_mb: float = 64.0, block_size: int = 16,
+                 clock: Callable[[], float] = time.monotonic, eos_token_id: Any = "model",
+                 max_step_tokens: int = 4096, calibrate: bool = True, prefix_caching: bool = True) -> None:
+        """``kv_cache_mb``: the whole KV budget (target and draft caches together), split so both
+        hold the same number of token slots. ``eos_token_id``: "model" takes the target
+        config's; None never stops early. ``calibrate``: time a few batched forwards now to
+        seed the verify-cost model (it keeps learning from real steps either way).
+        ``prefix_caching``: reuse the target KV of full prompt blocks seen before (paged path)."""
+        for name, value in (("max_batch", max_batch), ("block_size", block_size), ("max_step_tokens", max_step_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(kv_cache_mb, (int, float)) or not kv_cache_mb > 0:
+            raise ValueError(f"kv_cache_mb must be > 0, got {kv_cache_mb!r}")
+        self.decoder = decoder
+        self.clock = clock
+        self.max_batch = max_batch
+        runner, draft = decoder.target, decoder.draft
+        per_slot = bytes_per_token(runner) + (bytes_per_token(draft) if draft is not None else 0)
+        num_blocks = int(kv_cache_mb * 2**20) // (per_slot * block_size)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_mb={kv_cache_mb} holds no block of {block_size} tokens ({per_slot} B/token)")
+        paged = hasattr(runner, "layers") and hasattr(runner, "lm_head")  # prefix sharing needs the paged path
+        self.pool = BlockPool(num_blocks, block_size, prefix_caching=prefix_caching and paged)
+        self.target = make_backend(runner, self.pool)
+        self.draft_pool = BlockPool(num_blocks, block_size) if draft is not None else None
+        self.draft = make_backend(draft, self.draft_pool) if draft is not None else None
+        self.kv_bytes = num_blocks * block_size * per_slot
+        self.max_model_len = min(runner.max_context, self.pool.capacity_slots)
+        self.vocab_size = runner.vocab_size
+        self.device = runner.device
+        self.medusa = MedusaProposer(decoder.medusa, runner.device) if decoder.medusa is not None else None
+        if eos_token_id == "model":
+            eos_token_id = getattr(getattr(getattr(runner, "model", None), "config", None), "eos_token_id", None)
+        self.eos = eos_set(eos_token_id)
+        self.scheduler = Scheduler(self.pool, max_batch=max_batch, max_step_tokens=max_step_tokens,
+                                   draft_pool=self.draft_pool, release=self._release)
+        self.cost_clock = cost_clock(self.device)
+        self.cost = CostModel()  # target forwards (verify)
+        self.draft_cost = CostModel()  # draft-model forwards (one drafting round)
+        self.overhead = {m: Meter() for m in ALPHA_PRIOR}  # per speculating sequence, outside the forwards
+        self.fixed: dict[int, Meter] = {}  # per batch size: the step's host time outside forwards and proposals
+        self._plain_commit = Meter()  # verification + commit of a plain decoding step, per sequence
+        self.margin = DEFAULT_MARGIN
+        self._propose_s = 0.0  # this step's proposal seconds (n-gram lookups, draft rounds, Medusa trees)
+        self._propose_share: dict[str, float] = {}  # request -> its share of them, beyond the draft forwards
+        self._ngram_s: dict[str, float] = {}
+        self.seqs: dict[str, Sequence] = {}
+        self._last_batch = 0
+        if calibrate:
+            self._calibrate()
+
+    # -- requests ------------------------------------------------------------------
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, spec: SpecSettings) -> None:
+        """Queue a request; raises `PromptTooLongError` or ValueError (naming the field) on bad input."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.seqs:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        ids = list(prompt_ids)
+        if not ids:
+            raise ValueError("prompt_ids is empty: give at least one token id")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt token id {t!r} is not an int in [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt of {len(ids)} tokens leaves no room for output: max_model_len is {self.max_model_len}")
+        sampling = params.config()
+        spec.check()
+        limit = self.max_model_len
+        fallback = None
+        if spec.method == "draft" and self.draft is None and getattr(self.decoder, "draft_error", None):
+            # Decoder(fallback=True) dropped an unusable draft: plain decoding, as Decoder.generate does
+            spec, fallback = SpecSettings(method="ar", deadline_s=spec.deadline_s), "draft_unavailable"
+        if spec.method == "draft":
+            if self.draft is None:
+                raise ValueError("method 'draft' needs a draft model and this engine's decoder has none")
+            limit = min(limit, self.draft.max_context)
+        heads = 0
+        if spec.method == "medusa":
+            if self.medusa is None:
+                raise ValueError("method 'medusa' needs Medusa heads and this engine's decoder has none")
+            total = self.medusa.heads.num_heads
+            heads = total if spec.medusa_heads is None else spec.medusa_heads
+            if heads > total:
+                raise ValueError(f"medusa_heads must be in 1..{total} (the heads loaded), got {heads}")
+        stats = DecodeStats(method=spec.method, heads=heads, fallback_reason=fallback)
+        stats.start()
+        now = self.clock()
+        seq = Sequence(
+            request_id=request_id, tokens=ids, prompt_len=len(ids), params=params, spec=spec, sampling=sampling,
+            generator=make_generator(params.seed, self.device), arrival=now,
+            budget=min(params.max_tokens, limit - len(ids)), stats=stats,
+            deadline_at=None if spec.deadline_s is None else now + spec.deadline_s,
+            alpha=ALPHA_PRIOR.get(spec.method, 0.0), heads=heads,
+        )
+        if spec.method == "ngram":
+            seq.ngram = NgramIndex()
+            seq.ngram.extend(ids)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; its blocks are freed and a final "abort" output comes at the next step."""
+        seq = self.seqs.get(request_id)
+        if seq is not None:
+            seq.aborted = True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.seqs)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            waiting=len(self.scheduler.waiting), running=len(self.scheduler.running), batch_size=self._last_batch,
+            kv_blocks_used=self.pool.num_used, kv_blocks_free=self.pool.num_free,
+            kv_blocks_total=self.pool.num_blocks, preemptions=self.scheduler.preemptions)
+
+    def _release(self, seq: Sequence) -> None:
+        self.target.release(seq.target)
+        if self.draft is not None:
+            self.draft.release(seq.draft)
+
+    # -- one step ------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        """Run one batched target forward (plus proposals) and return what it committed."""
+        outputs: list[StepOutput] = []
+        for seq in [s for s in self.seqs.values() if s.aborted]:
+            outputs.append(self._finish(seq, "abort"))
+        t_step = self.cost_clock()
+        batch = self.scheduler.schedule()
+        self._last_batch = len(batch)
+        if not batch:
+            return outputs
+        self._propose_s = 0.0
+        plans = self._plan(batch)
+        items, need_hidden = [], False
+        for seq in batch:
+            item, hidden = self._feed(seq, plans.get(seq.request_id))
+            items.append(item)
+            need_hidden |= hidden
+        t0, c0 = time.perf_counter(), self.cost_clock()
+        outs = self.target.forward(items, need_hidden=need_hidden)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dt = time.perf_counter() - t0
+        forward_cost = self.cost_clock() - c0
+        total = sum(len(it.tokens) for it in items)
+        if not any(seq.target.computed - len(it.tokens) < len(seq.tokens) - 1 for seq, it in zip(batch, items)):
+            self.cost.observe(len(items), total, forward_cost)  # decode / verify steps only: what the planner predicts
+        greedy = self._verify_greedy_batch(batch, plans, outs)
+        plain_commit: list[float] = []
+        spec_commit: list[tuple[Sequence, float]] = []
+        for seq, item, out in zip(batch, items, outs):
+            p = plans.get(seq.request_id)
+            t1 = self.cost_clock()
+            speculated = p is not None and (bool(p.get("drafts")) or "tree_tokens" in p)
+            result = self._commit(seq, item, out, p, dt * len(item.tokens) / total, greedy.get(seq.request_id))
+            spent = self.cost_clock() - t1
+            if speculated:
+                spec_commit.append((seq, spent))
+            elif len(item.tokens) == 1:
+                plain_commit.append(spent)
+            if result is not None:
+                outputs.append(result)
+        self._measure_overheads(len(batch), self.cost_clock() - t_step - forward_cost, plain_commit, spec_commit)
+        return outputs
+
+    def _measure_overheads(self, b: int, host_s: float, plain_commit: list[float],
+                           spec_commit: list[tuple[Sequence, float]]) -> None:
+        """Feed the planner's meters: each speculating sequence's proposal plus the verification
+        time it took beyond a plain sequence's; the rest of the step's host time is fixed cost."""
+        if plain_commit:
+            self._plain_commit.observe(sorted(plain_commit)[len(plain_commit) // 2])
+        plain = self._plain_commit.value()
+        extra = 0.0
+        by_method: dict[str, list[float]] = {}
+        for seq, spent in spec_commit:
+            share = self._propose_share.get(seq.request_id, 0.0)
+            by_method.setdefault(seq.spec.method, []).append(share + max(spent - plain, 0.0))
+            extra += max(spent - plain, 0.0)
+        for method, values in by_method.items():
+            self.overhead[method].observe(sorted(values)[len(values) // 2])
+        self.fixed.setdefault(b, Meter()).observe(max(host_s - self._propose_s - extra, 0.0))
+
+    def _fixed_s(self, b: int) -> float:
+        if not self.fixed:
+            return 0.0
+        near = min(self.fixed, key=lambda x: (abs(x - b), x))
+        return self.fixed[near].value() * b / near  # host time grows with the batch
+
+    def _verify_greedy_batch(self, batch: list[Sequence], plans: dict[str, dict], outs) -> dict[str, tuple[int, int]]:
+        """(accepted, next token) of every greedy linear sequence, from ONE `verify_greedy` call:
+        drafts padded with -1 (never an argmax, so acceptance stops at each real length)."""
+        seqs, rows = [], []
+        for seq, out in zip(batch, outs):
+            p = plans.get(seq.request_id)
+            if seq.sampling.greedy and (p is None or "tree_tokens" not in p):
+                seqs.append((seq, [] if p is None else p["drafts"]))
+                rows.append(out.logits)  # [G+1, V]
+        if not seqs:
+            return {}
+        width = max(len(d) for _, d in seqs)
+        flat = torch.cat(rows)  # [R, V]
+        index, drafts, r0 = [], [], 0
+        for (seq, d), logits in zip(seqs, rows):
+            g = len(d)
+            index.append([r0 + min(j, g) for j in range(width + 1)])  # padded rows repeat the last real one
+            drafts.append(d + [-1] * (width - g))
+            r0 += logits.shape[0]
+        index_t = torch.tensor(index, dtype=torch.long, device=flat.device)  # [B, W+1]
+        drafts_t = torch.tensor(drafts, dtype=torch.long, device=flat.device)  # [B, W]
+        v = verify_greedy(drafts_t, flat[index_t])  # logits [B, W+1, V]
+        accepted, nxt = v.accepted.tolist(), v.next_tokens.tolist()
+        return {seq.request_id: (accepted[i], nxt[i]) for i, (seq, _) in enumerate(seqs)}
+
+    def _plan(self, batch: list[Sequence]) -> dict[str, dict]:
+        """Choose every decoding sequence's speculation, grant its blocks, and propose."""
+        cands, owners = [], []
+        self._ngram_s, self._propose_share = {}, {}
+        now = self.clock()
+        for seq in batch:
+            if seq.spec.method == "ar" or seq.target.computed != len(seq.tokens) - 1:
+                continue  # plain method, or a prefill / recompute step
+            if seq.deadline_at is not None and now > seq.deadline_at:
+                seq.stats.fallback_reason = "deadline"
+                continue
+            room = self.max_model_len - len(seq.tokens)  # speculative slots the context allows
+            bound = min(room, seq.remaining - 1)
+            c = self._candidate(seq, bound)
+            if c is not None:
+                cands.append(c)
+                owners.append(seq)
+        if not cands:
+            return {}
+        base = sum(len(s.tokens) - s.target.computed for s in batch)
+        chosen = plan(cands, self.cost, batch=len(batch), base_tokens=base, draft_cost=self.draft_cost,
+                      fixed_s=self._fixed_s(len(batch)), margin=self.margin)
+        plans: dict[str, dict] = {}
+        drafting, gammas = [], []
+        for seq, c, extra in zip(owners, cands, chosen):
+            method = seq.spec.method
+            seq.stats.gamma = extra
+            if extra == 0 or not self.scheduler.grant(seq, extra, extra - 1 if method == "draft" else None):
+                plans[seq.request_id] = {"drafts": [], "q": None}
+                continue
+            if method == "ngram":
+                plans[seq.request_id] = {"drafts": c.proposal[:extra], "q": None}
+            elif method == "draft":
+                drafting.append(seq)
+                gammas.append(extra)
+            else:
+                plans[seq.request_id] = {"tree": self.medusa.spec(seq.heads, c.max_nodes, extra + 1)}
+        if drafting:
+            t0, c0 = time.perf_counter(), self.cost_clock()
+            before = [s.draft.computed for s in drafting]
+            forwards: list[float] = []
+            blocks = draft_blocks(self.draft, drafting, gammas, observe=self._observe_draft(forwards),
+                                  clock=self.cost_clock)
+            dt = time.perf_counter() - t0
+            spent = self.cost_clock() - c0
+            self._propose_s += spent
+            host = max(spent - sum(forwards), 0.0) / len(drafting)  # sampling and bookkeeping outside the forwards
+            fed = sum(s.draft.computed - b for s, b in zip(drafting, before))
+            for seq, b, (drafted, q) in zip(drafting, before, blocks):
+                plans[seq.request_id] = {"drafts": drafted, "q": q}
+                seq.stats.draft_s += dt * (seq.draft.computed - b) / max(fed, 1)
+                seq.stats.draft_forwards += len(drafted)
+                self._propose_share[seq.request_id] = host
+        trees = [s for s in owners if "tree" in plans.get(s.request_id, {})]
+        if trees:
+            t0, c0 = time.perf_counter(), self.cost_clock()
+            proposals = self.medusa.propose(trees, [plans[s.request_id]["tree"] for s in trees])
+            dt = time.perf_counter() - t0
+            spent = self.cost_clock() - c0
+            self._propose_s += spent
+            for seq, (tokens, buffers) in zip(trees, proposals):
+                plans[seq.request_id].update(tree_tokens=tokens, buffers=buffers)
+                seq.stats.draft_s += dt / len(trees)
+                self._propose_share[seq.request_id] = spent / len(trees)
+        for seq in owners:
+            if seq.spec.method == "ngram" and plans[seq.request_id]["drafts"]:
+                self._propose_share[seq.request_id] = self._ngram_s.get(seq.request_id, 0.0)
+        return plans
+
+    def _observe_draft(self, forwards: list[float]) -> Callable[[int, int, float], None]:
+        def observe(b: int, t: int, seconds: float) -> None:
+            forwards.append(seconds)
+            self.draft_cost.observe(b, t, seconds)
+        return observe
+
+    def _candidate(self, seq: Sequence, bound: int) -> Candidate | None:
+        method = seq.spec.method
+        overhead = self.overhead[method].value()
+        if method == "ngram":
+            t0 = self.cost_clock()
+            proposal = seq.ngram.propose(min(seq.spec.gamma, bound))
+            spent = self.cost_clock() - t0
+            self._ngram_s[seq.request_id] = spent
+            self._propose_s += spent
+            return Candidate(gains=linear_gains(seq.alpha, len(proposal)), overhead_s=overhead, proposal=proposal)
+        if method == "draft":
+            bound = min(bound, self.draft.max_context - len(seq.tokens) + 1)
+            return Candidate(gains=linear_gains(seq.alpha, max(0, min(seq.spec.gamma, bound))), draft_rounds=True,
+                             overhead_s=overhead)
+        if seq.hidden is None:
+            return None
+        max_nodes = seq.spec.tree_size or DEFAULT_TREE_SIZE
+        gains = self.medusa.gains(seq.heads, max_nodes, max_depth=bound)[: max(0, self.max_model_len - len(seq.tokens))]
+        return Candidate(gains=gains, overhead_s=overhead, max_nodes=max_nodes)
+
+    def _feed(self, seq: Sequence, p: dict | None) -> tuple[FeedItem, bool]:
+        """The target tokens this sequence feeds; whether the step needs hidden states for it."""
+        new = seq.tokens[seq.target.computed :]
+        medusa = seq.spec.method == "medusa"
+        if p is not None and "tree_tokens" in p:
+            buffers = p["buffers"]
+            start = len(seq.tokens) - 1  # the root is the pending token
+            positions = (start + buffers.depth).tolist()
+            item = FeedItem(kv=seq.target, tokens=p["tree_tokens"].tolist(), rows=list(range(buffers.num_nodes)),
+                            positions=positions, intra=buffers.attn_mask)
+            return item, True
+        drafts = [] if p is None else p["drafts"]
+        last = len(new) - 1
+        return FeedItem(kv=seq.target, tokens=new + drafts, rows=list(range(last, last + len(drafts) + 1))), medusa
+
+    def _commit(self, seq: Sequence, item: FeedItem, out, p: dict | None, verify_s: float,
+                greedy_result: tuple[int, int] | None = None) -> StepOutput | None:
+        """Verify, append the new tokens, roll caches back; the request's StepOutput (None if none)."""
+        stats = seq.stats
+        old_len = len(seq.tokens)
+        prefill = seq.target.computed - len(item.tokens) < old_len - 1  # fed more than the pending token
+        greedy = seq.sampling.greedy
+        if p is not None and "tree_tokens" in p:
+            tokens, buffers = p["tree_tokens"], p["buffers"]
+            if greedy:
+                v = verify_tree_greedy(tokens, out.logits, buffers)
+            else:
+                v = verify_tree_sampling(tokens, probabilities(out.logits, seq.sampling), buffers, seq.generator)
+            path = v.path
+            new = tokens[path[1:]].tolist() + [v.next_token]
+            drafted, accepted = buffers.spec.depth, len(path) - 1
+            self.target.compact(seq.target, old_len - 1, path)
+            seq.hidden = out.hidden[path[-1]]
+        else:
+            drafts = [] if p is None else p["drafts"]
+            if greedy:
+                n, x = greedy_result  # batched verify_greedy
+            else:
+                d = torch.tensor([drafts], dtype=torch.long, device=out.logits.device)  # [1, G]
+                q = None if p is None or p["q"] is None else p["q"][None]  # [1, G, V]
+                v = verify_sampling(d, probabilities(out.logits[None], seq.sampling), q, seq.generator)
+                n, x = int(v.accepted[0]), int(v.next_tokens[0])
+            new = drafts[:n] + [x]
+            drafted, accepted = len(drafts), n
+            self.target.truncate(seq.target, old_len + n - 1 + 1)  # keep [.., pending, d_1 .. d_n]
+            if seq.spec.method == "medusa":
+                seq.hidden = out.hidden[n]  # [E]: produced the pending token; the heads read it next step
+        gamma = drafted
+        reason = None
+        for k, tok in enumerate(new):
+            if tok in self.eos and not seq.params.ignore_eos:
+                new = new[: k + 1]
+                reason = "stop"
+                if k < accepted:  # EOS among the accepted drafts: later positions are void
+                    drafted = accepted = k + 1
+                break
+        new = new[: seq.remaining]
+        seq.tokens.extend(new)
+        if seq.ngram is not None:
+            seq.ngram.extend(new)
+        if reason is None and seq.remaining <= 0:
+            reason = "length"
+        if seq.target.computed > len(seq.tokens) - 1:
+            self.target.truncate(seq.target, len(seq.tokens) - 1)
+        kv = seq.target
+        kv.published = self.pool.publish(kv.blocks, seq.tokens, kv.computed, kv.published)
+        if self.draft is not None and seq.draft.computed > len(seq.tokens) - 1:
+            self.draft.truncate(seq.draft, len(seq.tokens) - 1)  # the draft rolls back like the target
+        stats.target_forwards += 1
+        stats.verify_s += verify_s
+        if prefill or old_len == seq.prompt_len:
+            stats.prefill_s += verify_s
+        elif seq.spec.method == "ar":
+            stats.steps += 1
+        else:
+            stats.record_step(drafted, accepted, gamma=gamma)
+            if drafted:
+                seq.alpha = 0.8 * seq.alpha + 0.2 * (accepted / drafted)
+            else:  # not speculating: drift back toward the prior, so speculation is probed again later
+                seq.alpha += ALPHA_RECOVERY * (ALPHA_PRIOR[seq.spec.method] - seq.alpha)
+        stats.record_emitted(len(new))
+        if reason is not None:
+            return self._finish(seq, reason, new)
+        return StepOutput(request_id=seq.request_id, new_token_ids=new, finished=False)
+
+    def _finish(self, seq: Sequence, reason: str, new: list[int] | None = None) -> StepOutput:
+        self.scheduler.finish(seq)
+        self.seqs.pop(seq.request_id, None)
+        stats = seq.stats
+        if seq.heads:
+            out = seq.tokens[seq.prompt_len :]
+            stats.head_predictions, stats.head_correct = [0] * seq.heads, [0] * seq.heads
+            for index, k, tok in seq.head_guesses:
+                if index < len(out):
+                    stats.head_predictions[k] += 1
+                    stats.head_correct[k] += int(out[index] == tok)
+        if reason == "stop":
+            stats.finish("eos")
+        else:
+            ctx = seq.budget < seq.params.max_tokens and seq.num_output >= seq.budget
+            stats.finish("context" if ctx else "max_new_tokens")
+        if stats.steps and seq.spec.method == "ar" and stats.verify_s > stats.prefill_s:
+            stats.plain_token_s = (stats.verify_s - stats.prefill_s) / stats.steps
+        return StepOutput(request_id=seq.request_id, new_token_ids=new or [], finished=True,
+                          finish_reason=reason, record=stats)
+
+    # -- cost calibration --------------------------------------------------------------
+    def _calibrate(self) -> None:
+        """Time batched forwards of B sequences x t new tokens (on scratch blocks) to seed the
+        cost models: the target's verify cost (t = 1, 3, 5) and the draft model's round (t = 1, 2)."""
+        sizes = sorted({b for b in (1, 2, 4, 8, 16, 32) if b <= self.max_batch} | {self.max_batch})
+        self._calibrate_one(self.target, self.pool, self.cost, sizes, (1, 3, 5), self.cost_clock)
+        if self.draft is not None:
+            self._calibrate_one(self.draft, self.draft_pool, self.draft_cost, sizes, (1, 2), self.cost_clock)
+
+    @staticmethod
+    def _calibrate_one(backend, pool: BlockPool, cost: CostModel, sizes: list[int], lengths: tuple[int, ...],
+                       clock: Callable[[], float]) -> None:
+        if not getattr(backend, "paged", False):
+            return  # the generic path learns its cost from real steps only
+        for b in sizes:
+            for t in lengths:
+                kvs = [SeqKV(computed=CALIBRATION_PREFIX) for _ in range(b)]
+                if not all(pool.grow(kv.blocks, CALIBRATION_PREFIX + t) for kv in kvs):
+                    for kv in kvs:
+                        pool.release(kv.blocks)
+                    return
+                for _ in range(3):
+                    items = [FeedItem(kv=kv, tokens=[0] * t, rows=list(range(t))) for kv in kvs]
+                    for kv in kvs:
+                        kv.computed = CALIBRATION_PREFIX
+                    t0 = clock()
+                    backend.forward(items)
+                    cost.observe(b, b * t, clock() - t0)
+                for kv in kvs:
+                    backend.release(kv)

@@ -1,0 +1,137 @@
+"""Batched proposals for one engine step: draft-model blocks and Medusa trees.
+
+N-gram proposals need no model (each sequence's `specops.decoder.ngram.NgramIndex`,
+called by the engine). The two model-based proposers run the whole batch at once:
+
+* `draft_blocks`: the draft model drafts γ_i tokens for every sequence i in
+  max(γ_i) batched rounds. Round 0 feeds each sequence what the draft cache lacks (its
+  pending token, ``[d_G, bonus]`` after a fully accepted block, or the whole sequence
+  after admission or preemption); later rounds feed one token each, and a sequence
+  leaves the batch once it has its γ_i tokens (ragged speculation). Its distributions
+  q are filtered exactly like the target's (`specops.decoder.sampling`).
+* `MedusaProposer`: the heads read every sequence's hidden state in one call and each
+  sequence gets its own tree (the best ``n_i`` nodes of the sparse tree built from the
+  heads' measured accuracy, `specops.decoder.tree.ranked_nodes`).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from specops.decoder.sampling import probabilities, sample
+from specops.decoder.tree import TreeBuffers, TreeSpec, build_buffers, make_spec, preset, ranked_nodes
+from specops.serving.batch_forward import FeedItem
+from specops.serving.sequence import Sequence
+
+PRIOR_DEPTH_ACCEPT = 0.6  # per-depth acceptance guess for heads without a measured accuracy table
+
+
+def draft_blocks(backend, seqs: list[Sequence], gammas: list[int],
+                 observe: Callable[[int, int, float], None] | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> list[tuple[list[int], Tensor | None]]:
+    """Per sequence: γ_i drafted tokens and their q rows [γ_i, V] (None when greedy).
+
+    ``observe(B, T, seconds)`` is called after each batched draft forward, timed by ``clock``
+    (the planner's cost)."""
+    drafted: list[list[int]] = [[] for _ in seqs]
+    qs: list[list[Tensor]] = [[] for _ in seqs]
+    items: list[FeedItem] = []
+    active: list[int] = []
+    for i, seq in enumerate(seqs):
+        if gammas[i] > 0:
+            unseen = seq.tokens[seq.draft.computed :]
+            items.append(FeedItem(kv=seq.draft, tokens=unseen, rows=[len(unseen) - 1]))
+            active.append(i)
+    while items:
+        t0 = clock()
+        outs = backend.forward(items)
+        if observe is not None:
+            observe(len(items), sum(len(it.tokens) for it in items), clock() - t0)
+        next_items, next_active = [], []
+        argmax = torch.cat([out.logits for out in outs]).argmax(-1).tolist()  # one call for the round
+        for j, (it, i, out) in enumerate(zip(items, active, outs)):
+            seq = seqs[i]
+            logits = out.logits  # [1, V]
+            if seq.sampling.greedy:
+                tok = argmax[j]
+            else:
+                q = probabilities(logits, seq.sampling)  # [1, V]
+                tok = int(sample(q, seq.generator)[0])
+                qs[i].append(q[0])
+            drafted[i].append(tok)
+            if len(drafted[i]) < gammas[i]:
+                next_items.append(FeedItem(kv=seq.draft, tokens=[tok], rows=[0]))
+                next_active.append(i)
+        items, active = next_items, next_active
+    return [(d, torch.stack(q) if q else None) for d, q in zip(drafted, qs)]
+
+
+@functools.lru_cache(maxsize=256)
+def tree_buffers(spec: TreeSpec, device: str) -> TreeBuffers:
+    """Buffers are immutable: shared per (topology, device)."""
+    return build_buffers(spec, device)
+
+
+class MedusaProposer:
+    """Medusa heads plus the ranked tree nodes per number of heads."""
+
+    def __init__(self, heads, device: torch.device) -> None:
+        self.heads = heads
+        self.device = device
+        self.accuracy = getattr(getattr(heads, "config", None), "head_topk_accuracy", None) or None
+        self._ranked: dict[tuple[int, int], list[tuple[tuple[int, ...], float]]] = {}
+
+    def ranked(self, num_heads: int, max_nodes: int) -> list[tuple[tuple[int, ...], float]]:
+        """Best-first non-root nodes with their estimated acceptance (up to max_nodes - 1)."""
+        key = (num_heads, max_nodes)
+        if key not in self._ranked:
+            if self.accuracy:
+                nodes = ranked_nodes(self.accuracy[:num_heads], max_nodes)
+            else:
+                spec = preset("large", num_heads)
+                scored = [(p, PRIOR_DEPTH_ACCEPT ** len(p) / (1 + sum(p))) for p in spec.paths]
+                nodes = sorted(scored, key=lambda x: (-x[1], len(x[0]), x[0]))[: max_nodes - 1]
+            self._ranked[key] = nodes
+        return self._ranked[key]
+
+    def gains(self, num_heads: int, max_nodes: int, max_depth: int) -> list[float]:
+        """Marginal expected accepted tokens of the 2nd..n-th node (prefix-closed order)."""
+        out = []
+        for path, p in self.ranked(num_heads, max_nodes):
+            if len(path) > max_depth:
+                break  # keep prefix-closed: stop at the first node too deep
+            out.append(p)
+        return out
+
+    def spec(self, num_heads: int, max_nodes: int, nodes: int) -> TreeSpec:
+        paths = [p for p, _ in self.ranked(num_heads, max_nodes)[: nodes - 1]]
+        return make_spec(paths, name=f"sparse{nodes}")
+
+    def propose(self, seqs: list[Sequence], specs: list[TreeSpec]) -> list[tuple[Tensor, TreeBuffers]]:
+        """Per sequence: tree tokens [N] (root = pending token first) and the tree's buffers."""
+        depth = max(s.depth for s in specs)
+        dev = str(self.device)
+        top_all = None
+        if depth:
+            hidden = torch.stack([s.hidden for s in seqs])  # [B, E]
+            with torch.inference_mode():
+                head_logits = self.heads(hidden, depth)  # [D, B, V]
+                k = max(tree_buffers(s, dev).top_k for s in specs)
+                top_all = torch.topk(head_logits, k, dim=-1).indices.to(self.device)  # [D, B, k]
+        out = []
+        for i, (seq, spec) in enumerate(zip(seqs, specs)):
+            buffers = tree_buffers(spec, dev)
+            root = torch.tensor([seq.tokens[-1]], dtype=torch.long, device=self.device)  # [1]
+            if spec.depth == 0:
+                out.append((root, buffers))
+                continue
+            top = top_all[: spec.depth, i, : buffers.top_k]  # [D_i, top_k]
+            base = seq.num_output  # head k guesses output index base + k (the root is output base - 1)
+            seq.head_guesses.extend((base + k, k, t) for k, t in enumerate(top[:, 0].tolist()))
+            out.append((torch.cat([root, top.reshape(-1)[buffers.candidate_index]]), buffers))  # [N]
+        return out

@@ -1,0 +1,182 @@
+"""Per-request state of the serving engine: parameters, counters, block tables.
+
+A `Sequence` moves its KV counters the way vLLM v1 does, with no prefill/decode phases:
+
+* ``tokens``: the committed tokens, prompt then output (clients only ever see these);
+* ``target.computed``: how many leading tokens have their KV in the target cache. While a
+  request runs, ``computed == len(tokens) - 1``: the last committed token (the *pending*
+  one) is fed again with the next step's drafts. A fresh or preempted request has
+  ``computed == 0`` and its first step feeds every token (a prefill, or a recompute).
+* a step feeds ``len(tokens) + len(drafts) - computed`` tokens; after verification
+  ``computed`` is ``len(tokens) - 1`` again, i.e. it dropped by the rejected drafts.
+
+Each model (target, draft) has its own `SeqKV`: the computed count plus the block table
+of that model's paged cache (or, on the generic transformers path, a private runner).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from specops.decoder.sampling import SamplingConfig
+from specops.decoder.stats import DecodeStats
+
+METHODS = ("ar", "draft", "ngram", "medusa")
+FINISH_REASONS = ("stop", "length", "abort")
+DEFAULT_TREE_SIZE = 16
+
+
+class PromptTooLongError(ValueError):
+    """A prompt that leaves no room for output in the engine's ``max_model_len``."""
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How a request samples and when it stops."""
+
+    max_tokens: int
+    """Most new tokens to generate (>= 1)."""
+    temperature: float = 0.0
+    """0 = greedy (argmax); > 0 samples from the filtered distribution."""
+    top_p: float | None = None
+    """Nucleus filter in (0, 1] (sampling only)."""
+    top_k: int | None = None
+    """Keep the k most likely tokens (sampling only)."""
+    seed: int | None = None
+    """Seed of the request's own generator (None: OS entropy)."""
+    ignore_eos: bool = False
+    """Keep generating past EOS until ``max_tokens``."""
+
+    def config(self) -> SamplingConfig:
+        """The validated `SamplingConfig` (raises a ValueError naming the bad field)."""
+        m = self.max_tokens
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {m!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        return SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+
+@dataclass(slots=True)
+class SpecSettings:
+    """Which speculation a request may use; the engine picks the amount per step within it."""
+
+    method: str = "ar"
+    """"ar" | "draft" | "ngram" | "medusa"."""
+    gamma: int = 4
+    """Upper bound on drafted tokens per step (draft, ngram); 0 = plain decoding."""
+    medusa_heads: int | None = None
+    """Medusa heads to use (None: all loaded)."""
+    tree_size: int | None = None
+    """Upper bound on Medusa tree nodes, root included (None: `DEFAULT_TREE_SIZE`)."""
+    deadline_s: float | None = None
+    """Decode deadline in seconds from `Engine.add`; past it plain decoding (tokens kept)."""
+
+    def check(self) -> None:
+        """Raise ValueError naming the bad field."""
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        g = self.gamma
+        if isinstance(g, bool) or not isinstance(g, int) or not 0 <= g <= 32:
+            raise ValueError(f"gamma must be an integer in 0..32, got {g!r}")
+        for name in ("medusa_heads", "tree_size"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 64):
+                raise ValueError(f"{name} must be an integer in 1..64 or None, got {v!r}")
+        d = self.deadline_s
+        if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not d > 0 or math.isinf(d)):
+            raise ValueError(f"deadline_s must be a finite number of seconds > 0 or None, got {d!r}")
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one `Engine.step` produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    """Tokens committed this step (never retracted later)."""
+    finished: bool
+    finish_reason: str | None = None
+    """"stop" (EOS) | "length" (max_tokens or the context) | "abort"; None while running."""
+    record: DecodeStats | None = None
+    """On finish: the request's stats (method that ran, drafted, accepted, fallback_reason,
+    timings); ``record.to_record(request_class)`` gives the telemetry `DecodeRecord`."""
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot of the engine's queues and KV memory."""
+
+    waiting: int
+    running: int
+    batch_size: int
+    """Sequences in the last step's forward."""
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+    preemptions: int = 0
+    """Sequences preempted (blocks freed, recomputed later) since start."""
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class SeqKV:
+    """One model's KV state for one sequence."""
+
+    computed: int = 0
+    """Leading tokens of the sequence whose KV entries are valid in this model's cache."""
+    blocks: list[int] = field(default_factory=list)
+    """Block table: block ids of the paged cache, in position order."""
+    runner: Any = None
+    """Generic path only: the private `HFRunner` holding this sequence's cache."""
+    published: int = 0
+    """Leading blocks registered in the prefix cache."""
+
+
+@dataclass(slots=True)
+class Sequence:
+    """One request inside the engine."""
+
+    request_id: str
+    tokens: list[int]
+    prompt_len: int
+    params: SamplingParams
+    spec: SpecSettings
+    sampling: SamplingConfig
+    generator: Any  # torch.Generator
+    arrival: float
+    budget: int
+    """Most output tokens: min(max_tokens, max_model_len - prompt_len)."""
+    stats: DecodeStats
+    deadline_at: float | None = None
+    status: SeqStatus = SeqStatus.WAITING
+    target: SeqKV = field(default_factory=SeqKV)
+    draft: SeqKV = field(default_factory=SeqKV)
+    aborted: bool = False
+    finish_reason: str | None = None
+    alpha: float = 0.7
+    """Running estimate of the per-token acceptance probability (load-aware γ)."""
+    hidden: Any = None
+    """Medusa: target hidden state [E] that produced the pending token."""
+    ngram: Any = None
+    """Ngram: the request's `NgramIndex`."""
+    heads: int = 0
+    """Medusa: heads in use."""
+    head_guesses: list = field(default_factory=list)
+    """Medusa: (output index, head, top-1 token) of every proposal, for per-head accuracy."""
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def remaining(self) -> int:
+        return self.budget - self.num_output

@@ -1,0 +1,222 @@
+"""Load-aware speculation: per step, how much each sequence speculates.
+
+The cost of a verification forward depends on the whole batch: B sequences feeding T
+tokens in all. At batch 1 a forward over 5 tokens costs little more than over 1 (the
+weights are read once either way), so drafting 4 tokens is almost free; at batch 16
+the same forward is already compute-heavy and every extra drafted token costs real
+time that a rejected draft wastes for everyone in the batch. Speculation also costs
+outside the target forward: draft-model rounds (a forward of the draft model per
+drafted position, batched over the sequences still drafting), Medusa heads and tree
+building, n-gram lookups, and the per-sequence verification and KV compaction.
+
+Every cost is measured on the running machine and kept robust to its noise (a shared,
+loaded CPU gives spikes several times the typical time): observations go into short
+windows and the planner reads their **median**, so one descheduled step neither makes
+speculation look free nor ruins it for the next hundred steps.
+
+* `CostModel`: seconds of one forward as a function of (B, T); the engine keeps one
+  for the target (verify) and one for the draft model (one drafting round).
+* `Meter`: a windowed median of one measured quantity (seconds of per-sequence
+  proposal/verification overhead of a method; the step's fixed host time).
+
+`plan` chooses, for every speculating sequence, how many speculative tokens it feeds
+(γ for a linear draft, extra nodes for a Medusa tree) within its `SpecSettings` bound,
+to maximise the expected batch goodput
+
+    (B + sum of the expected accepted tokens of the chosen drafts)
+    / (fixed + verify(B, T_plain + drafted) + sum_r draft(B_r, B_r) + sum of overheads)
+
+where ``B_r`` is the number of sequences drafting at least r tokens with the draft
+model and the overhead of a sequence is charged once it speculates at all. Each
+sequence offers marginal gains that never increase (the k-th drafted token of a linear
+draft is accepted with probability alpha^k; a tree's k-th best node with its path's
+estimated probability), so the plan takes the best gains of all sequences together, in
+order, and keeps the prefix with the highest goodput. Speculation is chosen only when
+that goodput beats plain decoding by a margin (``margin``, default 3%): gains inside
+the noise are not worth their risk. When the batch is large, acceptance low or the
+proposals dear, the best prefix is short or empty: speculation shrinks or switches off
+by itself (per sequence or for the whole batch), and comes back when it pays again.
+
+How this differs from vLLM's static table (``num_speculative_tokens`` with a per
+batch-size cutoff, ``speculative_disable_by_batch_size``): that table is written by hand
+for one model and one machine and applies one γ to every request. Here the cost is
+measured on the running machine (and keeps being measured), the acceptance is each
+request's own running estimate, and every sequence gets its own γ or tree size.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+
+DEFAULT_MARGIN = 0.03  # speculate only for >= 3% more expected tokens/s than plain decoding
+
+
+class Meter:
+    """The median of the last ``window`` observations of one quantity (seconds)."""
+
+    def __init__(self, window: int = 15) -> None:
+        self.values: deque[float] = deque(maxlen=window)
+
+    def observe(self, value: float) -> None:
+        if value >= 0:
+            self.values.append(value)
+
+    def value(self, default: float = 0.0) -> float:
+        return statistics.median(self.values) if self.values else default
+
+
+class CostModel:
+    """Seconds of one forward as a function of (batch size B, total new tokens T).
+
+    Observations are kept per exact (B, T) in a window of the last ``window``; a point's
+    value is their median (a spike on a shared machine does not move it). A prediction
+    interpolates linearly between the measured T of the batch size (made non-decreasing
+    in T: a bigger forward never costs less, whatever the noise) and extrapolates past
+    the largest T with the last segment's slope; across batch sizes it interpolates
+    linearly between the two nearest batch sizes measured at two T or more (the
+    engine's calibration measures a grid of them). Piecewise, not one least-squares
+    line: the cost of extra tokens near T = B (what the planner asks) must not be bent
+    by far-away points. At B = 1 extra tokens are nearly free, at B = 16 they are not.
+    """
+
+    def __init__(self, window: int = 9, refit_every: int = 32) -> None:
+        self.window = window
+        self.refit_every = refit_every
+        self.samples: dict[tuple[int, int], deque[float]] = {}
+        self._curves: dict[int, tuple[list[int], list[float]]] | None = None  # B -> (T ascending, seconds)
+        self._sizes: list[int] = []
+        self._since_fit = 0
+
+    @property
+    def points(self) -> dict[tuple[int, int], float]:
+        """(B, T) -> median observed seconds."""
+        return {k: statistics.median(v) for k, v in self.samples.items()}
+
+    def observe(self, b: int, t: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        window = self.samples.get((b, t))
+        if window is None:
+            window = self.samples[(b, t)] = deque(maxlen=self.window)
+            self._curves = None  # a new point: refit now
+        window.append(seconds)
+        self._since_fit += 1
+        if self._since_fit >= self.refit_every:
+            self._curves = None
+
+    def _fit(self) -> dict[int, tuple[list[int], list[float]]]:
+        if self._curves is None:
+            self._since_fit = 0
+            by_b: dict[int, list[tuple[int, float]]] = {}
+            for (b, t), sec in self.points.items():
+                by_b.setdefault(b, []).append((t, sec))
+            curves = {}
+            for b, pts in by_b.items():
+                pts.sort()
+                ts, ys, top = [], [], 0.0
+                for t, sec in pts:
+                    top = max(top, sec)  # non-decreasing in T
+                    ts.append(t)
+                    ys.append(top)
+                curves[b] = (ts, ys)
+            self._curves = curves
+            multi = sorted(b for b, (ts, _) in curves.items() if len(ts) >= 2)
+            self._sizes = multi or sorted(curves)
+        return self._curves
+
+    def measured(self) -> bool:
+        return bool(self.samples)
+
+    def predict(self, b: int, t: int) -> float:
+        """Predicted seconds of a forward of B sequences feeding T tokens in all."""
+        curves = self._fit()
+        if not curves:
+            return 1e-3 * (1.0 + 0.05 * t)  # nothing measured yet: a mild slope
+        sizes = self._sizes
+        k = bisect.bisect_left(sizes, b)
+        lo = sizes[max(k - 1, 0)] if k == len(sizes) or sizes[k] != b else b
+        hi = sizes[min(k, len(sizes) - 1)]
+        if hi < b:
+            lo = hi
+
+        def at(x: int) -> float:
+            ts, ys = curves[x]
+            if len(ts) == 1 or t <= ts[0]:
+                return ys[0]
+            m = bisect.bisect_left(ts, t)
+            m = min(max(m, 1), len(ts) - 1)  # the segment [m-1, m] (the last one past the end)
+            slope = (ys[m] - ys[m - 1]) / (ts[m] - ts[m - 1])
+            return max(ys[m - 1] + slope * (t - ts[m - 1]), 1e-9)
+
+        if lo == hi:
+            return at(lo)
+        w = (b - lo) / (hi - lo)
+        return (1 - w) * at(lo) + w * at(hi)
+
+
+@dataclass
+class Candidate:
+    """One sequence's offer: marginal expected accepted tokens of each extra speculative token."""
+
+    gains: list[float]  # non-increasing, len = its bound this step
+    draft_rounds: bool = False  # each token costs one draft-model round (draft method)
+    overhead_s: float = 0.0  # seconds its speculation costs outside the forwards (proposal, verify, compaction)
+    proposal: list[int] = field(default_factory=list)  # n-gram: the proposed tokens
+    max_nodes: int = 0  # Medusa: the tree's node bound
+
+
+def plan(cands: list[Candidate], cost: CostModel, *, batch: int, base_tokens: int,
+         draft_cost: CostModel | None = None, fixed_s: float = 0.0, margin: float = DEFAULT_MARGIN) -> list[int]:
+    """Speculative tokens per candidate that maximise expected tokens per second of the step.
+
+    ``batch``: sequences in the forward (B); ``base_tokens``: tokens they feed without
+    any speculation; ``draft_cost``: seconds of one draft-model forward over (B_r
+    sequences, B_r tokens); ``fixed_s``: the step's host time outside the forwards,
+    paid with or without speculation; ``margin``: the relative goodput gain over
+    plain decoding below which nobody speculates.
+    """
+    chosen = [0] * len(cands)
+    heap = [(-c.gains[0], i) for i, c in enumerate(cands) if c.gains]
+    heapq.heapify(heap)
+    # every cost the loop can ask, predicted once: verify over base + e tokens, a draft round of n sequences
+    verify = [cost.predict(batch, base_tokens + e) for e in range(sum(len(c.gains) for c in cands) + 1)]
+    n_draft = sum(1 for c in cands if c.draft_rounds and c.gains) if draft_cost is not None else 0
+    round_s = [0.0] + [draft_cost.predict(n, n) for n in range(1, n_draft + 1)]
+    plain_rate = batch / (fixed_s + verify[0])
+    tokens = float(batch)
+    extra = 0
+    overhead = 0.0
+    drafting: list[int] = []  # drafting[r]: sequences drafting more than r tokens with the draft model
+    draft_s = 0.0
+    best_rate, best = plain_rate * (1 + margin), list(chosen)
+    while heap:
+        neg, i = heapq.heappop(heap)
+        c = cands[i]
+        if chosen[i] == 0:
+            overhead += c.overhead_s
+        chosen[i] += 1
+        tokens += -neg
+        extra += 1
+        if c.draft_rounds and draft_cost is not None:
+            r = chosen[i] - 1
+            if r == len(drafting):
+                drafting.append(0)
+            n = drafting[r]
+            draft_s += round_s[n + 1] - round_s[n]
+            drafting[r] = n + 1
+        rate = tokens / (fixed_s + verify[extra] + draft_s + overhead)
+        if rate > best_rate:
+            best_rate, best = rate, list(chosen)
+        if chosen[i] < len(c.gains):
+            heapq.heappush(heap, (-c.gains[chosen[i]], i))
+    return best
+
+
+def linear_gains(alpha: float, bound: int) -> list[float]:
+    """Expected acceptance of the 1st..bound-th drafted token when each is accepted w.p. alpha."""
+    return [alpha**k for k in range(1, bound + 1)]

@@ -1,0 +1,102 @@
+"""The HTTP layer's pure parts: request validation, incremental detokenization with stop strings."""
+
+from __future__ import annotations
+
+import pytest
+
+from specops.serving import protocol as p
+from specops.serving.async_engine import _Detokenizer
+from specops.serving.chat_template import render_plain
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from specops.assets import TOKENIZER_DIR
+    from specops.decoder.api import _load_tokenizer
+
+    tok = _load_tokenizer(TOKENIZER_DIR)
+    if tok is None:
+        pytest.skip("bundled tokenizer not loadable")
+    return tok
+
+
+def _stream(tokenizer, text: str, stop: list[str]) -> tuple[list[str], bool]:
+    ids = tokenizer.encode(text)
+    det = _Detokenizer(tokenizer, stop)
+    chunks, stopped = [], False
+    for i, t in enumerate(ids):
+        out, stopped = det.add([t], final=i == len(ids) - 1)
+        chunks.append(out)
+        if stopped:
+            break
+    return chunks, stopped
+
+
+@pytest.mark.parametrize("stop", ["world", "orl", "d. b", "\n", "hello"])
+def test_stop_strings_truncate_and_never_leak(tokenizer, stop):
+    text = "hello world. bye\nagain"
+    chunks, stopped = _stream(tokenizer, text, [stop, "zzz-never"])
+    assert stopped
+    assert "".join(chunks) == text[:text.find(stop)]
+    assert all(stop not in "".join(chunks[: i + 1]) for i in range(len(chunks)))
+
+
+def test_partial_utf8_is_held_back_and_all_text_arrives(tokenizer):
+    text = "hé 😀 ok ünïcødé"
+    chunks, stopped = _stream(tokenizer, text, [])
+    assert not stopped
+    assert all("\ufffd" not in c for c in chunks)
+    assert "".join(chunks) == text
+
+
+def test_unknown_fields_are_ignored_unless_they_change_the_output():
+    ok = p.CompletionRequest.model_validate({"prompt": "x", "repetition_penalty": 1.0, "logprobs": None,
+                                             "best_of": 1, "some_vendor_flag": {"a": 1}})
+    ok.check()
+    for field, value in (("repetition_penalty", 1.1), ("logprobs", 2), ("echo", True), ("best_of", 3),
+                         ("logit_bias", {"5": 10}), ("min_tokens", 4), ("repetition_penalty", True)):
+        req = p.CompletionRequest.model_validate({"prompt": "x", field: value})
+        with pytest.raises(p.ProtocolError) as err:
+            req.check()
+        assert err.value.param == field and err.value.status == 400
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "n": 3}, "n"),
+    ({"prompt": "x", "stop": ["a"] * 9}, "stop"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "top_k": -5}, "top_k"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+])
+def test_checks_name_the_field(body, param):
+    with pytest.raises(p.ProtocolError) as err:
+        p.CompletionRequest.model_validate(body).check()
+    assert err.value.param == param
+
+
+def test_prompt_forms():
+    assert p.CompletionRequest(prompt="a").prompt_value() == "a"
+    assert p.CompletionRequest(prompt=["a"]).prompt_value() == "a"
+    assert p.CompletionRequest(prompt=[1, 2]).prompt_value() == [1, 2]
+    assert p.CompletionRequest(prompt=[[1, 2]]).prompt_value() == [1, 2]
+    with pytest.raises(p.ProtocolError):
+        p.CompletionRequest(prompt=["a", "b"]).prompt_value()
+    with pytest.raises(p.ProtocolError):
+        p.CompletionRequest(prompt=[]).prompt_value()
+
+
+def test_chat_limits_and_template():
+    req = p.ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                                 "max_completion_tokens": 5})
+    req.check()
+    assert req.token_limit == 5
+    bad = p.ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                                 "max_tokens": 4, "max_completion_tokens": 5})
+    with pytest.raises(p.ProtocolError):
+        bad.check()
+    text = render_plain([("system", "Be brief."), ("user", "hi"), ("assistant", "hello"), ("user", "and?")], "<|eos|>")
+    assert text == "Be brief.\n\nUser: hi\nAssistant: hello<|eos|>\nUser: and?\nAssistant:"
+    parts = p.ChatMessage(role="user", content=[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}])
+    assert parts.text() == "ab"
+    with pytest.raises(p.ProtocolError):
+        p.ChatMessage(role="user", content=[{"type": "image_url", "image_url": {}}]).text()

@@ -1,0 +1,51 @@
+"""``specops bench serve``: option parsing and the per-cell figures (the live run is in test_openai_server)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from specops.bench.serve import RequestResult, ServeBenchConfig, build_prompts, parse_mix, parse_slo, summarize
+
+
+def test_parse_mix_and_slo():
+    assert parse_mix("code:0.5,prose:0.3,hot:0.2") == {"code": 0.5, "prose": 0.3, "hot": 0.2}
+    for bad in ("code", "poetry:1", "code:x", "code:-1", "code:0"):
+        with pytest.raises(ValueError):
+            parse_mix(bad)
+    assert parse_slo("ttft:500,tpot:50") == (0.5, 0.05)
+    assert parse_slo("tpot:20") == (None, 0.02)
+    for bad in ("ttft", "e2e:5", "ttft:0", "tpot:abc"):
+        with pytest.raises(ValueError):
+            parse_slo(bad)
+
+
+def test_summary_figures_and_goodput():
+    cfg = ServeBenchConfig(slo_ttft_s=0.2, slo_tpot_s=0.05)
+    results = [
+        RequestResult(ok=True, ttft_s=0.1, e2e_s=0.1 + 9 * 0.04, output_tokens=10, itl_s=[0.04] * 9, drafted=10,
+                      accepted=5),                                    # meets both SLOs
+        RequestResult(ok=True, ttft_s=0.3, e2e_s=0.3 + 9 * 0.02, output_tokens=10, itl_s=[0.02] * 9),  # TTFT miss
+        RequestResult(ok=True, ttft_s=0.1, e2e_s=0.1 + 9 * 0.1, output_tokens=10, itl_s=[0.1] * 9),    # TPOT miss
+        RequestResult(ok=False, error="HTTP 429"),
+    ]
+    row = summarize("fixed", 4, results, 2.0, cfg)
+    assert row["requests"] == 4 and row["errors"] == 1
+    assert row["output_tokens_per_s"] == pytest.approx(15.0) and row["requests_per_s"] == pytest.approx(1.5)
+    assert row["goodput_rps"] == pytest.approx(0.5)
+    assert row["tpot_p50_s"] == pytest.approx(0.04) and row["tpot_p99_s"] == pytest.approx(0.0988, rel=1e-3)
+    assert row["ttft_p50_s"] == pytest.approx(0.1) and row["acceptance_rate"] == pytest.approx(0.5)
+    assert row["error_samples"] == ["HTTP 429"]
+    for key in ("mode", "concurrency", "requests", "errors", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
+                "tpot_p50_s", "tpot_p99_s", "itl_p99_s", "goodput_rps"):
+        assert key in row
+
+
+def test_prompts_follow_the_mix_and_repeat_across_modes():
+    cfg = ServeBenchConfig(mix={"code": 1.0, "hot": 1.0}, seed=3)
+    a, b = build_prompts(cfg, 40), build_prompts(cfg, 40)
+    assert a == b  # every mode gets the same requests
+    hot = sum(1 for _, t in a if t > 0)
+    assert 8 <= hot <= 32 and all(t in (0.0, 1.0) for _, t in a)
+    assert math.isinf(ServeBenchConfig().request_rate)

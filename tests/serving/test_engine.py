@@ -1,0 +1,237 @@
+"""Greedy exactness of the engine: concurrent requests (mixed methods, joining mid-batch) emit
+exactly the tokens of a single-request ``Decoder.generate(method="ar")``, on the bundled
+models (fast paged path), a random Qwen2 pair (fast paged path) and a random GPT-2 pair
+(generic transformers path)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specops.decoder import Decoder
+from specops.decoder.medusa_heads import MedusaHeads
+from specops.serving.batch_forward import GenericBackend, PagedBackend
+from specops.serving.engine import Engine
+from specops.serving.sequence import PromptTooLongError, SamplingParams, SpecSettings
+from specops.serving.spec_planner import CostModel
+from tests.decoder.tiny_models import perturbed, tiny_gpt2, tiny_other
+
+METHODS = ("ar", "draft", "ngram", "medusa")
+
+
+class FlatCost(CostModel):
+    """Every forward costs the same: the planner then always speculates up to each bound."""
+
+    def predict(self, b: int, t: int) -> float:
+        return 1.0
+
+
+def full_speculation(eng: Engine) -> Engine:
+    eng.cost = FlatCost()
+    return eng
+
+
+def run_staggered(eng: Engine, requests: list[tuple[str, list[int], SamplingParams, SpecSettings]],
+                  join_every: int = 2) -> tuple[dict[str, list[int]], dict[str, object], int]:
+    """Add one request every ``join_every`` steps (so requests join a running batch); run to the end."""
+    got: dict[str, list[int]] = {}
+    records: dict[str, object] = {}
+    pending = list(requests)
+    steps = max_batch = 0
+    while pending or eng.has_unfinished():
+        if pending and steps % join_every == 0:
+            rid, prompt, params, spec = pending.pop(0)
+            eng.add(rid, prompt, params, spec)
+        for out in eng.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                records[out.request_id] = out.record
+        max_batch = max(max_batch, eng.stats().batch_size)
+        steps += 1
+        assert steps < 10_000
+    return got, records, max_batch
+
+
+def check_exact(dec: Decoder, eng: Engine, prompts: list[list[int]], max_tokens: int, eos,
+                methods=METHODS, spec_kw=None, need_accept: bool = True) -> dict[str, object]:
+    requests, want = [], {}
+    for i, prompt in enumerate(prompts):
+        method = methods[i % len(methods)]
+        rid = f"{method}-{i}"
+        kw = dict(gamma=1 + i % 5, tree_size=4 + 3 * (i % 4)) | (spec_kw or {})
+        requests.append((rid, prompt, SamplingParams(max_tokens=max_tokens), SpecSettings(method=method, **kw)))
+        want[rid] = dec.generate(prompt, method="ar", max_new_tokens=max_tokens, eos_token_id=eos).tokens
+    got, records, max_batch = run_staggered(eng, requests)
+    for rid in want:
+        assert got[rid] == want[rid], rid
+        assert records[rid].method == rid.split("-")[0]
+        assert records[rid].new_tokens == len(want[rid])
+    assert max_batch > 1  # requests really ran together
+    if isinstance(eng.cost, FlatCost):  # every speculative method really drafted and got some accepted
+        for method in set(methods) - {"ar"}:
+            mine = [r for rid, r in records.items() if rid.startswith(method)]
+            assert sum(r.drafted for r in mine) > 0, method
+            assert sum(r.accepted for r in mine) > 0 or not need_accept, method
+    assert eng.stats().kv_blocks_used == 0  # everything given back
+    return records
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    torch.set_num_threads(1)
+    return Decoder.from_pretrained("bundled")
+
+
+def test_bundled_mixed_methods_join_mid_batch_equal_single_request_ar(bundled):
+    tok = bundled.tokenizer
+    texts = ["def add(a, b):\n    return a + b\n\ndef", "The capital of France is", "Once upon a time, there",
+             "for i in range(10):\n    print(i)\nfor", "Q: What is two plus two?\nA:", "import os\nimport",
+             "The cat sat on the mat. The cat", "class Stack:\n    def push(self, x):\n"]
+    prompts = [tok.encode(t) for t in texts]
+    eng = Engine(bundled, max_batch=8, kv_cache_mb=8)
+    records = check_exact(bundled, eng, prompts, max_tokens=48, eos=1)
+    spec = [r for r in records.values() if r.method != "ar"]
+    assert sum(r.accepted for r in spec) > 0  # speculation really ran and was accepted
+    assert all(r.target_forwards <= r.new_tokens for r in records.values())
+    medusa = [r for r in records.values() if r.method == "medusa"]
+    assert all(len(r.head_predictions) == r.heads == bundled.medusa.num_heads for r in medusa)
+    assert sum(r.head_correct[0] for r in medusa) > 0  # per-head accuracy is measured
+
+
+@pytest.fixture(scope="module")
+def qwen2():
+    torch.set_num_threads(1)
+    target = tiny_other("qwen2", seed=5, vocab=96)
+    draft = perturbed(target, noise=0.3, seed=6)
+    heads = MedusaHeads.from_model(target, 3)
+    return Decoder(target, draft=draft, medusa=heads)
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    torch.set_num_threads(1)
+    target = tiny_gpt2(seed=7, vocab=96)
+    draft = perturbed(target, noise=0.3, seed=8)
+    heads = MedusaHeads.from_model(target, 3)
+    return Decoder(target, draft=draft, medusa=heads)
+
+
+def _random_prompts(n: int, seed: int, vocab: int = 96) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        motif = [rng.randrange(vocab) for _ in range(rng.randint(2, 5))]
+        out.append((motif * 6)[: rng.randint(3, 20)] if i % 2 else [rng.randrange(vocab) for _ in range(rng.randint(1, 20))])
+    return out
+
+
+def test_qwen2_fast_path_is_paged_and_exact(qwen2):
+    eng = full_speculation(Engine(qwen2, max_batch=6, kv_cache_mb=1))
+    assert isinstance(eng.target, PagedBackend) and isinstance(eng.draft, PagedBackend)
+    check_exact(qwen2, eng, _random_prompts(12, seed=1), max_tokens=30, eos=None)
+
+
+def test_qwen2_with_eos_stops_like_ar(qwen2):
+    eng = full_speculation(Engine(qwen2, max_batch=4, kv_cache_mb=1, eos_token_id=[5, 17]))
+    records = check_exact(qwen2, eng, _random_prompts(8, seed=2), max_tokens=40, eos=[5, 17], need_accept=False)
+    assert any(r.stop_reason == "eos" for r in records.values())
+
+
+def test_gpt2_generic_path_is_exact(gpt2):
+    eng = full_speculation(Engine(gpt2, max_batch=4, kv_cache_mb=1))
+    assert isinstance(eng.target, GenericBackend)
+    check_exact(gpt2, eng, _random_prompts(8, seed=3), max_tokens=24, eos=None)
+
+
+def test_bad_requests_raise_value_errors_naming_the_problem(qwen2):
+    eng = Engine(qwen2, max_batch=2, kv_cache_mb=1, calibrate=False)
+    with pytest.raises(PromptTooLongError, match=rf"{eng.max_model_len}.*max_model_len is {eng.max_model_len}"):
+        eng.add("long", [1] * eng.max_model_len, SamplingParams(max_tokens=4), SpecSettings())
+    assert issubclass(PromptTooLongError, ValueError)
+    cases = [
+        ({"params": SamplingParams(max_tokens=0)}, "max_tokens"),
+        ({"params": SamplingParams(max_tokens=4, temperature=-1.0)}, "temperature"),
+        ({"params": SamplingParams(max_tokens=4, top_p=1.5)}, "top_p"),
+        ({"spec": SpecSettings(method="eagle")}, "method"),
+        ({"spec": SpecSettings(method="draft", gamma=-1)}, "gamma"),
+        ({"spec": SpecSettings(method="medusa", medusa_heads=9)}, "medusa_heads"),
+        ({"spec": SpecSettings(deadline_s=0)}, "deadline_s"),
+        ({"prompt": [1, 96]}, "96"),
+        ({"prompt": []}, "empty"),
+    ]
+    for change, needle in cases:
+        args = {"prompt": [1, 2], "params": SamplingParams(max_tokens=4), "spec": SpecSettings()} | change
+        with pytest.raises(ValueError, match=needle):
+            eng.add("x", args["prompt"], args["params"], args["spec"])
+    eng.add("dup", [1, 2], SamplingParams(max_tokens=2), SpecSettings())
+    with pytest.raises(ValueError, match="already"):
+        eng.add("dup", [1, 2], SamplingParams(max_tokens=2), SpecSettings())
+
+
+def test_deadline_falls_back_to_plain_decoding_and_stays_exact(qwen2):
+    now = [0.0]
+    eng = full_speculation(Engine(qwen2, max_batch=4, kv_cache_mb=1, clock=lambda: now[0]))
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4]
+    want = qwen2.generate(prompt, method="ar", max_new_tokens=30).tokens
+    eng.add("d", prompt, SamplingParams(max_tokens=30), SpecSettings(method="ngram", gamma=4, deadline_s=1.0))
+    got, drafted_at_deadline = [], None
+    while eng.has_unfinished():
+        if len(got) >= 10 and drafted_at_deadline is None:
+            now[0] = 2.0  # past the deadline
+            drafted_at_deadline = eng.seqs["d"].stats.drafted
+        for out in eng.step():
+            got.extend(out.new_token_ids)
+            record = out.record
+    assert got == want
+    assert record.fallback_reason == "deadline"
+    assert 0 < drafted_at_deadline == record.drafted  # it speculated, then nothing past the deadline
+
+
+def test_unusable_draft_falls_back_to_plain_decoding_like_the_decoder():
+    target = tiny_other("qwen2", seed=5, vocab=96)
+    with pytest.warns(RuntimeWarning, match="draft model unusable"):
+        dec = Decoder(target, draft=tiny_other("qwen2", seed=6, vocab=64), fallback=True)
+    eng = Engine(dec, max_batch=2, kv_cache_mb=1, calibrate=False)
+    eng.add("r", [1, 2, 3], SamplingParams(max_tokens=12), SpecSettings(method="draft"))
+    got, record = [], None
+    while eng.has_unfinished():
+        for out in eng.step():
+            got.extend(out.new_token_ids)
+            record = out.record or record
+    assert got == dec.generate([1, 2, 3], method="ar", max_new_tokens=12).tokens
+    assert record.method == "ar" and record.fallback_reason == "draft_unavailable"
+    with pytest.raises(ValueError, match="Medusa heads"):
+        eng.add("m", [1, 2], SamplingParams(max_tokens=2), SpecSettings(method="medusa"))
+
+
+def test_long_prefills_joining_decoding_sequences_stay_exact(qwen2):
+    rng = random.Random(5)
+    prompts = [[rng.randrange(96) for _ in range(n)] for n in (3, 120, 7, 64, 2, 90)]
+    eng = full_speculation(Engine(qwen2, max_batch=6, kv_cache_mb=1))
+    check_exact(qwen2, eng, prompts, max_tokens=20, eos=None, need_accept=False)
+
+
+class SteepCost(CostModel):
+    """Extra tokens are nearly free below batch 4 and cost a whole forward each from batch 4 on."""
+
+    def predict(self, b: int, t: int) -> float:
+        return 1.0 + (t - b) * (0.001 if b < 4 else 1.0)
+
+
+def test_speculation_shrinks_and_switches_off_by_itself_at_high_load(qwen2):
+    def run(n: int) -> list:
+        eng = Engine(qwen2, max_batch=8, kv_cache_mb=1, calibrate=False)
+        eng.cost = SteepCost()
+        for i in range(n):
+            eng.add(f"r{i}", [3, 4, 5] * 5, SamplingParams(max_tokens=20), SpecSettings(method="ngram", gamma=4))
+        records = []
+        while eng.has_unfinished():
+            records += [o.record for o in eng.step() if o.finished]
+        return records
+
+    alone = run(1)
+    assert alone[0].drafted > 0 and max(alone[0].gamma_trace) == 4  # cheap: drafts up to its bound
+    crowded = run(8)
+    assert all(r.drafted == 0 for r in crowded)  # the same requests at batch 8: speculation off

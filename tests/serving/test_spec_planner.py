@@ -1,0 +1,156 @@
+"""The planner's objective with measured proposal costs: speculation is chosen only when
+its expected goodput beats plain decoding by the margin, per sequence or for the whole
+batch; the cost measurements shrug off spikes. Costs are synthetic, so every plan here
+is deterministic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specops.decoder import Decoder
+from specops.decoder.medusa_heads import MedusaHeads
+from specops.serving.engine import Engine
+from specops.serving.sequence import SamplingParams, SpecSettings
+from specops.serving.spec_planner import Candidate, CostModel, Meter, linear_gains, plan
+from tests.decoder.tiny_models import perturbed, tiny_other
+
+
+class LineCost(CostModel):
+    """seconds = base + per_token * (t - b) (+ per_seq * b): a chosen, noiseless cost."""
+
+    def __init__(self, base: float, per_token: float, per_seq: float = 0.0) -> None:
+        super().__init__()
+        self.base, self.per_token, self.per_seq = base, per_token, per_seq
+
+    def predict(self, b: int, t: int) -> float:
+        return self.base + self.per_seq * b + self.per_token * max(t - b, 0)
+
+
+VERIFY = LineCost(10e-3, 0.1e-3)  # batch 1: extra verified tokens are nearly free
+
+
+def test_cheap_proposals_speculate_up_to_the_bound():
+    assert plan([Candidate(gains=linear_gains(0.8, 5))], VERIFY, batch=1, base_tokens=1) == [5]
+    cheap_draft = LineCost(0.3e-3, 0.0)  # a draft round costs 3% of a verify
+    got = plan([Candidate(gains=linear_gains(0.8, 5), draft_rounds=True)], VERIFY, batch=1, base_tokens=1,
+               draft_cost=cheap_draft)
+    assert got[0] >= 3
+
+
+def test_an_expensive_draft_model_switches_speculation_off():
+    # each draft round costs as much as the verify forward: 1 + 0.7 tokens for 2 forwards is a loss
+    dear = LineCost(10e-3, 0.0)
+    got = plan([Candidate(gains=linear_gains(0.7, 6), draft_rounds=True)], VERIFY, batch=1, base_tokens=1,
+               draft_cost=dear)
+    assert got == [0]
+    # the same candidate without the draft cost charged would speculate: the charge is what decides
+    assert plan([Candidate(gains=linear_gains(0.7, 6), draft_rounds=True)], VERIFY, batch=1, base_tokens=1)[0] > 0
+
+
+def test_draft_gamma_shrinks_as_rounds_get_dearer():
+    gammas = []
+    for round_s in (0.2e-3, 2e-3, 5e-3):
+        got = plan([Candidate(gains=linear_gains(0.8, 8), draft_rounds=True)], VERIFY, batch=1, base_tokens=1,
+                   draft_cost=LineCost(round_s, 0.0))
+        gammas.append(got[0])
+    assert gammas[0] > gammas[1] > gammas[2] >= 1
+
+
+def test_per_sequence_overhead_makes_speculation_a_loss():
+    # proposal + verification overhead of 15 ms per speculating sequence against a 10 ms step
+    dear = [Candidate(gains=linear_gains(0.6, 4), overhead_s=15e-3)]
+    assert plan(dear, VERIFY, batch=1, base_tokens=1) == [0]
+    cheap = [Candidate(gains=linear_gains(0.6, 4), overhead_s=0.2e-3)]
+    assert plan(cheap, VERIFY, batch=1, base_tokens=1)[0] > 0
+
+
+def test_overhead_picks_which_sequences_speculate_in_a_batch():
+    # batch of 4: per-token verify cost is moderate; overhead per speculating sequence 2 ms
+    cost = LineCost(10e-3, 1e-3)
+    cands = [Candidate(gains=linear_gains(0.9, 4), overhead_s=2e-3)] + [
+        Candidate(gains=linear_gains(0.15, 4), overhead_s=2e-3) for _ in range(3)]
+    got = plan(cands, cost, batch=4, base_tokens=4)
+    assert got[0] > 0 and got[1:] == [0, 0, 0]  # only the good acceptor pays for its overhead
+
+
+def test_batched_draft_rounds_are_charged_once_per_round_not_per_sequence():
+    # 8 sequences drafting: one batched round costs 1 ms whatever its width
+    cost = LineCost(10e-3, 0.2e-3)
+    cands = [Candidate(gains=linear_gains(0.8, 4), draft_rounds=True) for _ in range(8)]
+    got = plan(cands, cost, batch=8, base_tokens=8, draft_cost=LineCost(1e-3, 0.0))
+    assert all(g > 0 for g in got)
+    # if every sequence cost a round of its own (per_seq), drafting the whole batch would not pay as much
+    per_seq = plan(cands, cost, batch=8, base_tokens=8, draft_cost=LineCost(0.0, 0.0, per_seq=4e-3))
+    assert sum(per_seq) < sum(got)
+
+
+def test_margin_keeps_marginal_gains_out():
+    # speculation worth about +2% expected tokens/s: inside the default 3% margin
+    c = [Candidate(gains=[0.12], overhead_s=0.0)]
+    cost = LineCost(10e-3, 1e-3)
+    assert plan(c, cost, batch=1, base_tokens=1) == [0]
+    assert plan(c, cost, batch=1, base_tokens=1, margin=0.0) == [1]
+
+
+def test_fixed_host_time_counts_in_the_rate():
+    # the same 5 ms per-sequence overhead: a loss on a bare 10 ms step, a gain once the step
+    # also carries 30 ms of host time that plain decoding pays as well
+    c = [Candidate(gains=linear_gains(0.3, 2), overhead_s=5e-3)]
+    assert plan(c, VERIFY, batch=1, base_tokens=1) == [0]
+    assert plan(c, VERIFY, batch=1, base_tokens=1, fixed_s=30e-3)[0] > 0
+
+
+def test_meter_and_cost_model_ignore_spikes():
+    m = Meter(window=5)
+    for v in (1.0, 1.1, 50.0, 0.9, 1.0):
+        m.observe(v)
+    assert m.value() == 1.0
+    cost = CostModel()
+    for t in (1, 3, 5):
+        for k in range(5):
+            cost.observe(1, t, 10e-3 + 1e-3 * t + (0.5 if (k == 2 and t == 3) else 0.0))  # one 0.5 s spike
+    assert abs(cost.predict(1, 3) - 13e-3) < 1e-6
+
+
+@pytest.fixture(scope="module")
+def qwen2():
+    torch.set_num_threads(1)
+    target = tiny_other("qwen2", seed=5, vocab=96)
+    draft = perturbed(target, noise=0.3, seed=6)
+    return Decoder(target, draft=draft, medusa=MedusaHeads.from_model(target, 3))
+
+
+def _run(dec: Decoder, method: str, verify: CostModel, draft: CostModel, n: int = 3):
+    eng = Engine(dec, max_batch=4, kv_cache_mb=1, calibrate=False)
+    eng.cost, eng.draft_cost = verify, draft
+    prompt = [3, 4, 5] * 5
+    for i in range(n):
+        eng.add(f"r{i}", prompt, SamplingParams(max_tokens=16), SpecSettings(method=method, gamma=4))
+    got, records = {}, []
+    while eng.has_unfinished():
+        for o in eng.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                records.append(o.record)
+    want = dec.generate(prompt, method="ar", max_new_tokens=16, eos_token_id=None).tokens
+    return got, records, want
+
+
+def test_engine_drafts_only_when_the_measured_draft_cost_allows(qwen2):
+    # a verify step of 1 s, so the engine's own measured host overheads (ms) do not matter
+    slow_verify = LineCost(1.0, 1e-3)
+    got, records, want = _run(qwen2, "draft", slow_verify, LineCost(2.0, 0.0))  # a draft round: 2 s
+    assert all(r.drafted == 0 and r.draft_forwards == 0 for r in records)  # never drafted: a loss
+    assert all(g == want for g in got.values())
+    got, records, want = _run(qwen2, "draft", slow_verify, LineCost(1e-3, 0.0))  # a draft round: 1 ms
+    assert all(r.drafted > 0 for r in records)
+    assert all(g == want for g in got.values())
+
+
+def test_cost_near_the_batch_width_is_not_bent_by_far_points():
+    cost = CostModel()
+    for t, sec in ((16, 50e-3), (48, 80e-3), (400, 120e-3)):  # a far, flat point (e.g. a long forward)
+        cost.observe(16, t, sec)
+    assert abs(cost.predict(16, 32) - 65e-3) < 1e-9  # between its neighbours, not on a global line
+    assert abs(cost.predict(16, 16) - 50e-3) < 1e-9
