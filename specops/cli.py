@@ -17,6 +17,7 @@ COMMANDS: dict[tuple[str, ...], dict[str, str]] = {
     (): {
         "demo": "specops.demo:demo_command",
         "serve": "specops.serving.cli:serve_command",
+        "sidecar": "specops.sidecar.cli:sidecar_command",
         "simulate": "specops.controller.cli:simulate_command",
     },
     ("train",): {
