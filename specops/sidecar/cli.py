@@ -60,6 +60,7 @@ def sidecar_command(engine, upstreams, policy_file, redis_url, namespace, pod, l
     host, port = _listen(listen)
     logging.basicConfig(level=getattr(logging, log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request otherwise
     opts = SidecarOptions(engine=engine, upstreams=_upstreams(upstreams), policy_file=policy_file,
                           redis_url=redis_url, namespace=namespace, pod=pod, host=host, port=port,
                           reconcile_s=reconcile_s, connect_timeout_s=connect_timeout_s,

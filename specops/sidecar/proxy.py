@@ -139,7 +139,9 @@ class Sidecar:
                     self.metrics.policy_stale.set(1 if live.stale else 0)
                 if self.records is not None:
                     await asyncio.to_thread(self.records.flush)
-                if time.monotonic() >= next_scrape and self.client is not None:
+                if next_scrape == 0.0:
+                    next_scrape = time.monotonic() + self.cfg.scrape_s
+                elif time.monotonic() >= next_scrape and self.client is not None:
                     next_scrape = time.monotonic() + self.cfg.scrape_s
                     await self.scraper.scrape(self.client)
             except asyncio.CancelledError:
@@ -252,6 +254,7 @@ def build_app(sidecar: Sidecar) -> FastAPI:
     async def lifespan(app: FastAPI):
         sidecar.client = httpx.AsyncClient(timeout=sidecar.timeout(),
                                            limits=httpx.Limits(max_connections=512, max_keepalive_connections=64))
+        await sidecar.scraper.scrape(sidecar.client)  # /readyz knows the pools from the start
         task = asyncio.create_task(sidecar.background())
         try:
             yield

@@ -9,7 +9,8 @@ vLLM V1 (docs.vllm.ai "Metrics" design page; vllm/v1/spec_decode/metrics.py)
 SGLang (python/sglang/srt/metrics/collector.py)
     ``sglang:spec_accept_length``, ``sglang:spec_accept_rate``
 specops serve
-    ``specops_*`` engine families (the contract's own names)
+    ``specops_*`` engine families, renamed ``specops_engine_*`` (the sidecar exports the
+    contract's per-class ``specops_*`` families itself; one name cannot hold both)
 
 A scrape also records each pool's health for ``/readyz``: up when ``/metrics``
 answered 200 within the timeout. A pool whose text does not parse keeps its last
@@ -83,16 +84,23 @@ class EngineScraper:
             except (ValueError, TypeError, IndexError) as exc:
                 self._health[pool] = {"up": True, "error": f"parse_error: {exc}"[:200], "at": at}
 
+    def public_name(self, name: str) -> str:
+        """The republished name (specops engines' families move to ``specops_engine_*``)."""
+        if self.engine == "specops" and name.startswith("specops_"):
+            return "specops_engine_" + name[len("specops_"):]
+        return name
+
     def collect(self):
         merged: dict[tuple[str, str], Metric] = {}
         for pool, families in self._families.items():
             for fam in families:
-                key = (fam.name, fam.type)
+                name = self.public_name(fam.name)
+                key = (name, fam.type)
                 out = merged.get(key)
                 if out is None:
-                    out = merged[key] = Metric(fam.name, fam.documentation, fam.type)
+                    out = merged[key] = Metric(name, fam.documentation, fam.type)
                 for s in fam.samples:
                     if s.name.endswith("_created"):
                         continue
-                    out.add_sample(s.name, dict(s.labels, pool=pool), s.value)
+                    out.add_sample(self.public_name(s.name), dict(s.labels, pool=pool), s.value)
         yield from merged.values()
