@@ -12,9 +12,9 @@ Responses carry ``x-specops-class`` and ``x-specops-pool`` headers.
 Failure handling (nothing hangs: every upstream call has a connect and a per-read
 timeout, and a stream a total deadline):
 - a client mistake (bad JSON, body not an object, over 4 MiB) → 4xx in OpenAI's shape;
-- the pool cannot be reached / times out before answering / answers 502-504 → the
-  other pool when the policy's ``upstreams.failover`` allows, else 502 (504 for a
-  timeout) in OpenAI's shape;
+- the pool cannot be reached or answers 502-504 → the other pool when the policy's
+  ``upstreams.failover`` allows, else 502 in OpenAI's shape; no answer within the
+  read timeout → 504 at once (the engine may still be running it: no second copy);
 - a non-JSON 200 body → 502 ``upstream_malformed``;
 - a stream that breaks, stalls past the read timeout or passes the deadline → an
   SSE ``data: {"error": ...}`` event, then the stream ends (the status line is gone).
@@ -315,7 +315,8 @@ def build_app(sidecar: Sidecar) -> FastAPI:
             if kind is None:
                 break
             sidecar.metrics.upstream_errors.labels(pool, kind).inc()
-            other = sidecar.router.failover_pool(pool)
+            # a timed-out request may still be running there: sending it again would double the load
+            other = sidecar.router.failover_pool(pool) if kind != "timeout" else None
             if other is not None and other not in tried:
                 log.warning("pool %s %s; failing over to %s", pool, detail, other)
                 sidecar.metrics.failovers.labels(pool).inc()
@@ -414,6 +415,8 @@ async def _send(client: httpx.AsyncClient, url: str, raw: bytes, headers: dict[s
             finally:
                 await resp.aclose()
         return None, "", resp
+    except (httpx.ConnectTimeout, httpx.PoolTimeout):
+        return "unreachable", "could not be connected to in time", None
     except httpx.TimeoutException:
         return "timeout", "did not answer in time", None
     except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
@@ -422,14 +425,16 @@ async def _send(client: httpx.AsyncClient, url: str, raw: bytes, headers: dict[s
         return "unreachable", f"failed ({type(exc).__name__})", None
 
 
-def _sse_error(message: str, code: str) -> bytes:
-    return b"data: " + json.dumps(error_body(message, "upstream_error", code)).encode() + b"\n\n"
-
-
 async def _relay(sidecar: Sidecar, resp: httpx.Response, route: Route, pool: str, spec_pool: bool,
                  started: float):
     """Pass the upstream's bytes on as they come, timing the events (see `_StreamWatcher`)."""
     watcher = _StreamWatcher(sidecar.cfg.engine, started)
+
+    def _sse_error(message: str, code: str) -> bytes:
+        # a partial event the engine left unfinished is closed first, so the error is its own event
+        sep = b"\n\n" if watcher.buffer.strip() else b""
+        return sep + b"data: " + json.dumps(error_body(message, "upstream_error", code)).encode() + b"\n\n"
+
     deadline = started + sidecar.cfg.request_timeout_s
     outcome = "ok"
     try:
