@@ -70,3 +70,39 @@ def sidecar_command(engine, upstreams, policy_file, redis_url, namespace, pod, l
         run_sidecar(opts)
     except SidecarError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+@click.command("engine-config")
+@click.option("--engine", type=click.Choice(["vllm", "sglang"]), required=True)
+@click.option("--policy", "policy_file", type=click.Path(exists=True, dir_okay=False), required=True)
+@click.option("--measured", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="`specops bench serve --json` report: derive vLLM's per-batch-size K table from it.")
+@click.option("--method", type=click.Choice(["draft", "ngram", "medusa"]), default=None,
+              help="The pool's method when the policy's classes use several.")
+@click.option("--model", default=None, help="Draft model / Medusa heads path or id for the engine.")
+@click.option("--format", "fmt", type=click.Choice(["shell", "json"]), default="shell", show_default=True,
+              help="shell: one quoted line; json: the argv list.")
+def engine_config_command(engine, policy_file, measured, method, model, fmt) -> None:
+    """Print the launch arguments of a speculative vLLM / SGLang pool, rendered from the policy."""
+    import json
+    import shlex
+
+    from specops.policies import PolicyError, load_policy
+    from specops.sidecar.engine_config import EngineConfigError, render
+
+    try:
+        policy = load_policy(policy_file)
+    except PolicyError as exc:
+        raise click.ClickException(str(exc)) from None
+    report = None
+    if measured:
+        try:
+            with open(measured, encoding="utf-8") as fh:
+                report = json.load(fh)
+        except (OSError, ValueError) as exc:
+            raise click.BadParameter(f"{measured}: {exc}", param_hint="--measured") from None
+    try:
+        args = render(engine, policy, method=method, model=model, measured=report)
+    except EngineConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(json.dumps(args) if fmt == "json" else " ".join(shlex.quote(a) for a in args))
