@@ -47,6 +47,7 @@ LABEL_HEADER = "x-specops-label-"
 ROUTING_HEADER = "x-specops-routing-key"
 FORWARD_HEADERS = ("authorization", "content-type", "accept", "x-request-id", "openai-organization")
 RETRY_STATUS = (502, 503, 504)
+MAX_EVENT_BYTES = 1024 * 1024  # the watcher's parse buffer; the relayed bytes are never held
 
 
 def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
@@ -214,6 +215,10 @@ class _StreamWatcher:
 
     def feed(self, data: bytes, now: float) -> None:
         self.buffer += data.replace(b"\r\n", b"\n")
+        if len(self.buffer) > MAX_EVENT_BYTES and b"\n\n" not in self.buffer:
+            self.malformed += 1  # not SSE (or one giant event): stop parsing it, keep relaying it
+            self.buffer = b""
+            return
         while b"\n\n" in self.buffer:
             event, self.buffer = self.buffer.split(b"\n\n", 1)
             payload = b"\n".join(line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:"))

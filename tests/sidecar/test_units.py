@@ -162,3 +162,18 @@ def test_engine_metrics_republished_with_pool_label(engine, fixture, kept, dropp
         assert pos[("plain", "2")] == 7.0
     with pytest.raises(ValueError):
         scraper.parse("spec", "vllm:spec_decode_num_drafts_total{engine=\"0\" 1 2 3 garbage\n")
+
+
+def test_stream_watcher_times_content_events_and_bounds_its_buffer():
+    from specops.sidecar.proxy import _StreamWatcher
+
+    w = _StreamWatcher("vllm", started=0.0)
+    w.feed(b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\ndata: {"choi', 0.1)
+    w.feed(b'ces":[{"delta":{"content":"a"}}]}\r\n\r\n', 0.3)
+    w.feed(b'data: {"choices":[{"delta":{"content":"b"}}]}\n\n: comment\n\ndata: not json\n\n', 0.5)
+    final = dict(_json("vllm_response.json"), choices=[])
+    w.feed(b"data: " + json.dumps(final).encode() + b"\n\ndata: [DONE]\n\n", 0.6)
+    assert (w.chunks, w.first, w.last, w.gaps, w.malformed, w.done) == (2, 0.3, 0.5, [pytest.approx(0.2)], 1, True)
+    assert w.usage == 53 and w.counts.drafted == 129
+    w.feed(b"x" * (2 * 1024 * 1024), 0.7)  # no event boundary in 2 MiB: not SSE
+    assert w.malformed == 2 and w.buffer == b""
