@@ -160,7 +160,7 @@ def _prompt_text(path: str, body: dict[str, Any]) -> str:
             if isinstance(content, str):
                 parts.append(content)
             elif isinstance(content, list):
-                parts.extend(c.get("text", "") for c in content if isinstance(c, dict) and isinstance(c.get("text"), str))
+                parts.extend(c["text"] for c in content if isinstance(c, dict) and isinstance(c.get("text"), str))
         return "\n".join(parts)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
@@ -283,7 +283,8 @@ def build_app(sidecar: Sidecar) -> FastAPI:
         return raw
 
     def forward_headers(request: Request) -> dict[str, str]:
-        out = {k: v for k, v in request.headers.items() if k.lower() in FORWARD_HEADERS or k.lower().startswith("x-specops-")}
+        out = {k: v for k, v in request.headers.items()
+               if k.lower() in FORWARD_HEADERS or k.lower().startswith("x-specops-")}
         out.setdefault("content-type", "application/json")
         return out
 

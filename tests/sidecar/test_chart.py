@@ -54,5 +54,6 @@ def test_single_engine_pool_values_render():
     assert out.returncode == 0, out.stderr
     docs = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(out.stdout) if d}
     side = docs[("Deployment", "rel-specops-inference-example")]["spec"]["template"]["spec"]["containers"][-1]
-    ctx = sidecar_command.make_context("sidecar", [a.replace("/etc/specops/policy.yaml", __file__) for a in side["args"]])
+    args = [a.replace("/etc/specops/policy.yaml", __file__) for a in side["args"]]
+    ctx = sidecar_command.make_context("sidecar", args)
     assert ctx.params["engine"] == "sglang" and ctx.params["upstreams"] == ("spec=http://127.0.0.1:30000",)

@@ -54,7 +54,8 @@ def test_sglang_flags_and_cli():
     assert args == ["--speculative-algorithm", "STANDALONE", "--speculative-num-steps", "6", "--speculative-eagle-topk",
                     "1", "--speculative-num-draft-tokens", "7", "--speculative-draft-model-path", "org/draft"]
     out = subprocess.run([sys.executable, "-m", "specops.cli", "engine-config", "--engine", "vllm", "--policy",
-                          str(DEFAULT), "--method", "medusa", "--model", "heads", "--format", "json"], capture_output=True, text=True,
+                          str(DEFAULT), "--method", "medusa", "--model", "heads", "--format", "json"],
+                         capture_output=True, text=True,
                          timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     # medusa: heads 1..4 in the factual class

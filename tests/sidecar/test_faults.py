@@ -53,8 +53,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         if self.path == "/metrics":
-            self._send(200, b"# TYPE specops_requests_total counter\nspecops_requests_total{class=\"a\",method=\"ar\"} 1\n",
-                       "text/plain")
+            self._send(200, b"# TYPE specops_requests_total counter\n"
+                       b'specops_requests_total{class="a",method="ar"} 1\n', "text/plain")
         else:
             self._send(200, json.dumps({"object": "list", "data": [{"id": self.server.name}]}).encode())
 

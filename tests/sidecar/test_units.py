@@ -119,7 +119,8 @@ def test_single_pool_reports_but_cannot_enforce():
     r = Router(policy, {"spec": "http://a"}, live=_live(policy, code={"fallback_active": True, "probe_fraction": 0}))
     assert r.single
     route = r.route("def f(x):", temperature=0)
-    assert (route.pool, route.fallback_reason, route.enforced, route.method) == ("spec", REASON_FALLBACK, False, "draft")
+    got = (route.pool, route.fallback_reason, route.enforced, route.method)
+    assert got == ("spec", REASON_FALLBACK, False, "draft")
     assert r.failover_pool("spec") is None
     with pytest.raises(ValueError, match="plain"):
         Router(policy, {"spec": "http://a", "other": "http://b"})
