@@ -54,7 +54,7 @@ GROUP_HELP = {
     ("train",): "Train the bundled models, distil drafts, train Medusa heads.",
     ("bench",): "Benchmarks: decoding methods vs peers, kernels.",
     ("policy",): "Validate and roll out YAML speculation policies.",
-    ("controller",): "The adaptive control loop (sidecar).",
+    ("controller",): "The adaptive control loop (fleet controller; the per-pod proxy is `specops sidecar`).",
     ("alerts",): "Render alert rules for Prometheus and Grafana.",
 }
 
