@@ -17,6 +17,8 @@ COMMANDS: dict[tuple[str, ...], dict[str, str]] = {
     (): {
         "demo": "specops.demo:demo_command",
         "serve": "specops.serving.cli:serve_command",
+        "sidecar": "specops.sidecar.cli:sidecar_command",
+        "engine-config": "specops.sidecar.cli:engine_config_command",
         "simulate": "specops.controller.cli:simulate_command",
     },
     ("train",): {
@@ -58,7 +60,7 @@ GROUP_HELP = {
     ("train",): "Train the bundled models, distil drafts, train Medusa heads.",
     ("bench",): "Benchmarks: decoding methods vs peers, kernels.",
     ("policy",): "Validate and roll out YAML speculation policies.",
-    ("controller",): "The adaptive control loop (sidecar).",
+    ("controller",): "The adaptive control loop (fleet controller; the per-pod proxy is `specops sidecar`).",
     ("alerts",): "Render alert rules for Prometheus and Grafana.",
     ("dashboard",): "The Grafana dashboard's queries against a live Prometheus: check them, render a PNG.",
 }

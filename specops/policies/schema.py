@@ -279,6 +279,17 @@ class Rollout(_Model):
         return steps
 
 
+class Upstreams(_Model):
+    """Engine pools behind ``specops sidecar`` (names given with ``--upstream NAME=URL``)."""
+
+    spec: str = Field(default="spec", pattern=NAME_PATTERN)
+    """Pool that runs the engine with speculation on: speculating classes and probes go here."""
+    plain: str = Field(default="plain", pattern=NAME_PATTERN)
+    """Pool that decodes plainly: fallen-back classes, ``method: off`` and out-of-range temperatures."""
+    failover: bool = True
+    """When a pool is down, send its requests to the other pool (else answer 502)."""
+
+
 class Policy(_Model):
     """A versioned speculation policy for a fleet."""
 
@@ -294,6 +305,8 @@ class Policy(_Model):
     """Alert rules."""
     rollout: Rollout = Rollout()
     """Canary rollout of this policy."""
+    upstreams: Upstreams | None = None
+    """Engine pools for ``specops sidecar`` (vLLM / SGLang pods); None: pools named ``spec`` and ``plain``."""
 
     @field_validator("version", mode="before")
     @classmethod

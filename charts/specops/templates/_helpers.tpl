@@ -61,14 +61,15 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - name: specops-sidecar
   image: {{ include "specops.image" . }}
   imagePullPolicy: {{ .Values.image.pullPolicy }}
-  command: ["specops", "controller", "run"]
+  command: ["specops", "sidecar"]
   args:
-    - --listen=0.0.0.0:{{ .Values.sidecar.port }}
-    - --policy=/etc/specops/policy.yaml
-    - --interval={{ .Values.controller.tickSeconds }}
-    {{- with .Values.prometheus.url }}
-    - --prometheus={{ . }}
+    - --engine={{ .Values.sidecar.engine }}
+    {{- range .Values.sidecar.upstreams }}
+    - --upstream={{ .name }}={{ .url }}
     {{- end }}
+    - --policy=/etc/specops/policy.yaml
+    - --listen=0.0.0.0:{{ .Values.sidecar.port }}
+    - --reconcile-s={{ .Values.sidecar.reconcileSeconds }}
     {{- range .Values.sidecar.args }}
     - {{ . | quote }}
     {{- end }}
@@ -78,6 +79,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
     - name: specops
       containerPort: {{ .Values.sidecar.port }}
   readinessProbe:
+    httpGet: {path: /readyz, port: specops}
+    periodSeconds: 5
+  livenessProbe:
     httpGet: {path: /healthz, port: specops}
     periodSeconds: 10
   resources:

@@ -1,0 +1,131 @@
+"""Launch arguments for a vLLM / SGLang speculative pool, rendered from the policy.
+
+Neither engine can change its speculative settings at runtime or per request, so
+the policy's choices become start-up flags, and a change is a rolling update of the
+pods (the chart's checksum annotation on the rendered config).
+
+vLLM (``--speculative-config`` JSON; dynamic table from vLLM PR #32374)
+    ``method`` (``draft_model`` | ``ngram`` | ``medusa``), ``model`` (draft / heads),
+    ``num_speculative_tokens`` = the largest γ any class of that method may use (the
+    engine's buffer size), and ``num_speculative_tokens_per_batch_size``: inclusive
+    ``"lo-hi": K`` ranges. Without measurements there is no table (vLLM: dynamic
+    speculation off) — guessing one is worse than none. With ``--measured`` (the JSON
+    report of ``specops bench serve``, modes ``off`` and ``fixed``/``adaptive``) each
+    measured concurrency keeps K when speculation's goodput (requests/s within the
+    SLO when the bench had one, else output tokens/s) beat plain decoding's, else 0.
+SGLang (``--speculative-*`` flags)
+    ``--speculative-algorithm`` (``STANDALONE`` for a draft model, ``NGRAM``; SGLang has
+    no Medusa), ``--speculative-draft-model-path``, ``--speculative-num-steps`` = γ,
+    ``--speculative-num-draft-tokens`` = γ + 1, ``--speculative-eagle-topk 1``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from specops.policies.schema import Policy
+
+VLLM_METHODS = {"draft": "draft_model", "ngram": "ngram", "medusa": "medusa"}
+SGLANG_METHODS = {"draft": "STANDALONE", "ngram": "NGRAM"}
+MAX_BATCH = 4096
+
+
+class EngineConfigError(ValueError):
+    """The policy / measurements cannot be rendered for this engine (one readable line)."""
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    method: str            # policy method: draft | ngram | medusa
+    gamma_max: int
+    gamma_initial: int
+    classes: list[str]
+
+
+def plan(policy: Policy, method: str | None = None) -> PoolPlan:
+    """The speculative pool's method and γ bounds from the policy's speculating classes."""
+    speculating = [c for c in policy.classes if c.method != "off"]
+    if not speculating:
+        raise EngineConfigError("no class speculates (every method is off): the pool needs no speculative config")
+    methods = sorted({c.method for c in speculating})
+    if method is None:
+        if len(methods) > 1:
+            by = {m: [c.name for c in speculating if c.method == m] for m in methods}
+            raise EngineConfigError("a pool runs one method, the policy uses "
+                                    + "; ".join(f"{m} ({', '.join(n)})" for m, n in by.items())
+                                    + ": choose one with --method")
+        method = methods[0]
+    chosen = [c for c in speculating if c.method == method]
+    if not chosen:
+        raise EngineConfigError(f"no class uses method {method!r} (methods: {', '.join(methods)})")
+    if method == "medusa":
+        return PoolPlan(method, max(c.medusa_heads.max for c in chosen), max(c.medusa_heads.initial for c in chosen),
+                        [c.name for c in chosen])
+    return PoolPlan(method, max(c.gamma.max for c in chosen), max(c.gamma.initial for c in chosen),
+                    [c.name for c in chosen])
+
+
+def batch_table(measured: dict[str, Any], k: int) -> dict[str, int]:
+    """``"lo-hi": K`` ranges from a ``specops bench serve`` report (see module docstring)."""
+    rows = measured.get("results") if isinstance(measured, dict) else None
+    if not isinstance(rows, list):
+        raise EngineConfigError("measured file has no 'results' list (expected `specops bench serve --json`)")
+    cfg = measured.get("config") if isinstance(measured.get("config"), dict) else {}
+    use_goodput = bool(cfg.get("slo_ttft_s") or cfg.get("slo_tpot_s"))
+    metric = "goodput_rps" if use_goodput else "output_tokens_per_s"
+    plain: dict[int, float] = {}
+    spec: dict[int, float] = {}
+    for row in rows:
+        if not isinstance(row, dict) or not isinstance(row.get("concurrency"), int):
+            continue
+        value = row.get(metric)
+        if not isinstance(value, (int, float)) or row.get("errors"):
+            continue
+        if row.get("mode") == "off":
+            plain[row["concurrency"]] = float(value)
+        elif row.get("mode") in ("fixed", "adaptive"):
+            spec[row["concurrency"]] = max(spec.get(row["concurrency"], 0.0), float(value))
+    points = sorted(set(plain) & set(spec))
+    if not points:
+        raise EngineConfigError(f"measured file has no concurrency with both an 'off' and a speculative row "
+                                f"(error-free, with {metric})")
+    table: dict[str, int] = {}
+    lo = 1
+    for i, c in enumerate(points):
+        hi = MAX_BATCH if i == len(points) - 1 else c
+        table[f"{lo}-{hi}"] = k if spec[c] > plain[c] else 0
+        lo = hi + 1
+    return table
+
+
+def render(engine: str, policy: Policy, *, method: str | None = None, model: str | None = None,
+           measured: dict[str, Any] | None = None) -> list[str]:
+    """The pool's launch arguments, one argv item per element."""
+    p = plan(policy, method)
+    if engine == "vllm":
+        spec: dict[str, Any] = {"method": VLLM_METHODS[p.method], "num_speculative_tokens": p.gamma_max}
+        if p.method in ("draft", "medusa"):
+            if not model:
+                raise EngineConfigError(f"method {p.method} needs --model (the draft model / Medusa heads)")
+            spec["model"] = model
+        elif p.method == "ngram":
+            spec["prompt_lookup_max"] = 4
+            spec["prompt_lookup_min"] = 1
+        if measured is not None:
+            spec["num_speculative_tokens_per_batch_size"] = batch_table(measured, p.gamma_initial)
+        return ["--speculative-config", json.dumps(spec, sort_keys=True)]
+    if engine == "sglang":
+        if p.method not in SGLANG_METHODS:
+            raise EngineConfigError(f"SGLang has no {p.method} speculation (use draft or ngram for this pool)")
+        if measured is not None:
+            raise EngineConfigError("SGLang takes no per-batch-size table: drop --measured for sglang")
+        args = ["--speculative-algorithm", SGLANG_METHODS[p.method], "--speculative-num-steps", str(p.gamma_initial),
+                "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(p.gamma_initial + 1)]
+        if p.method == "draft":
+            if not model:
+                raise EngineConfigError("method draft needs --model (the draft model)")
+            args += ["--speculative-draft-model-path", model]
+        return args
+    raise EngineConfigError(f"unknown engine {engine!r}")

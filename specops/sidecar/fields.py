@@ -1,0 +1,124 @@
+"""Per-request speculation data from the engines' own response fields → `SpecCounts`.
+
+Where each engine reports it (a response body, or any chunk of a stream):
+
+vLLM (``--per-request-spec-decode-metrics summary|detailed``, vLLM PR #48915, as quoted
+in mostlygeek/llama-swap issue #1032)
+    ``metrics.speculative_decoding``: ``num_draft_tokens``, ``num_accepted_draft_tokens``,
+    ``num_spec_steps`` (verify forwards), ``num_spec_tokens`` (γ),
+    ``acceptance_histogram`` (index i = steps that accepted exactly i drafts),
+    ``mean_acceptance_length``, ``draft_acceptance_rate``.
+SGLang (``meta_info`` of the native API; also returned on OpenAI responses by builds
+that expose it)
+    ``spec_verify_ct`` (verify forwards), ``completion_tokens``, ``spec_accept_length``
+    (tokens per verify forward), and where present ``spec_accept_token_num`` /
+    ``spec_draft_token_num`` / ``spec_accept_rate``.
+specops (``specops serve``)
+    the ``specops`` object: ``method``, ``drafted``, ``accepted``, ``gamma``.
+
+Anything missing, of the wrong type, negative or inconsistent gives None —
+*inconclusive*: the request still counts (tokens, time), but adds no drafted /
+accepted volume, so it can never trigger an acceptance alert or a fallback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+ENGINES = ("vllm", "sglang", "specops")
+
+
+@dataclass(frozen=True)
+class SpecCounts:
+    """Speculation counts of one request as its engine reported them."""
+
+    drafted: int
+    accepted: int
+    accepted_per_pos: list[int] = field(default_factory=list)
+    verify_forwards: int | None = None   # None: not reported
+    gamma: int = 0
+    method: str | None = None             # specops only: the method that ran
+
+
+def _int(value: Any) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if value != value or value < 0 or value != int(value):  # NaN, negative, fractional
+        return None
+    return int(value)
+
+
+def _valid(counts: SpecCounts) -> SpecCounts | None:
+    if counts.accepted > counts.drafted:
+        return None
+    if counts.accepted_per_pos and sum(counts.accepted_per_pos) != counts.accepted:
+        counts = SpecCounts(counts.drafted, counts.accepted, [], counts.verify_forwards, counts.gamma, counts.method)
+    return counts
+
+
+def from_vllm(body: dict[str, Any]) -> SpecCounts | None:
+    metrics = body.get("metrics")
+    sd = metrics.get("speculative_decoding") if isinstance(metrics, dict) else None
+    if not isinstance(sd, dict):
+        return None
+    drafted, accepted = _int(sd.get("num_draft_tokens")), _int(sd.get("num_accepted_draft_tokens"))
+    if drafted is None or accepted is None:
+        return None
+    per_pos: list[int] = []
+    hist = sd.get("acceptance_histogram")
+    if isinstance(hist, list) and hist and all(_int(h) is not None for h in hist):
+        counts = [int(h) for h in hist]
+        # position p accepted in every step that accepted more than p drafts
+        per_pos = [sum(counts[p + 1:]) for p in range(len(counts) - 1)]
+    return _valid(SpecCounts(drafted, accepted, per_pos, _int(sd.get("num_spec_steps")),
+                             _int(sd.get("num_spec_tokens")) or 0))
+
+
+def from_sglang(body: dict[str, Any]) -> SpecCounts | None:
+    meta = body.get("meta_info")
+    if not isinstance(meta, dict):
+        return None
+    verify = _int(meta.get("spec_verify_ct"))
+    if verify is None or verify == 0:
+        return None
+    accepted = _int(meta.get("spec_accept_token_num"))
+    if accepted is None:
+        tokens = _int(meta.get("completion_tokens"))
+        if tokens is None:
+            return None
+        accepted = max(0, tokens - verify)  # each verify forward emits its accepted drafts + one token
+    drafted = _int(meta.get("spec_draft_token_num"))
+    if drafted is None:
+        rate = meta.get("spec_accept_rate")
+        if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 < rate <= 1:
+            return None
+        drafted = round(accepted / rate)
+    return _valid(SpecCounts(drafted, accepted, [], verify))
+
+
+def from_specops(body: dict[str, Any]) -> SpecCounts | None:
+    info = body.get("specops")
+    if not isinstance(info, dict):
+        return None
+    drafted, accepted = _int(info.get("drafted")), _int(info.get("accepted"))
+    if drafted is None or accepted is None:
+        return None
+    method = info.get("method") if isinstance(info.get("method"), str) else None
+    return _valid(SpecCounts(drafted, accepted, [], None, _int(info.get("gamma")) or 0, method))
+
+
+_PARSERS = {"vllm": from_vllm, "sglang": from_sglang, "specops": from_specops}
+
+
+def extract(engine: str, body: Any) -> SpecCounts | None:
+    """The counts in one response body / stream chunk, or None (inconclusive)."""
+    if not isinstance(body, dict):
+        return None
+    return _PARSERS[engine](body)
+
+
+def completion_tokens(body: Any) -> int | None:
+    """``usage.completion_tokens`` of a body / usage chunk, if present."""
+    usage = body.get("usage") if isinstance(body, dict) else None
+    return _int(usage.get("completion_tokens")) if isinstance(usage, dict) else None
