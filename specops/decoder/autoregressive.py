@@ -11,7 +11,7 @@ import torch
 from specops.decoder.errors import ContextLengthError, InvalidRequestError
 from specops.decoder.runner import ModelRunner
 from specops.decoder.sampling import SamplingConfig, next_token
-from specops.decoder.speculation import device_clock, eos_set, prompt_list
+from specops.decoder.speculation import device_clock, eos_set, prompt_list, stop_reason
 from specops.decoder.stats import DecodeStats
 
 
@@ -71,9 +71,5 @@ def generate_ar(
 
     if stats.steps:
         stats.plain_token_s = step_s / stats.steps
-    if out[-1] in eos:
-        reason = "eos"
-    else:
-        reason = "context" if budget < max_new_tokens else "max_new_tokens"
-    stats.finish(reason)
+    stats.finish(stop_reason(out[-1] in eos, budget, max_new_tokens))
     return out, stats
