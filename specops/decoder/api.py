@@ -240,6 +240,11 @@ class Decoder:
         from specops.decoder.auto import AutoEstimates
 
         self.auto_estimates = AutoEstimates()  # method "auto": running estimates across requests
+        if draft is not None and draft is target:
+            raise InvalidRequestError(
+                "draft and target are the same runner, which would share one KV cache; "
+                "pass the model (each gets its own runner) or a second runner"
+            )
         if draft is not None:
             from specops.decoder.draft import check_vocab
 
@@ -400,6 +405,9 @@ class Decoder:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         sched = make_schedule(schedule, gamma, gamma_min, gamma_max)
+        if method != "medusa" and (heads is not None or tree is not None):
+            given = " and ".join(n for n, v in (("heads", heads), ("tree", tree)) if v is not None)
+            raise InvalidRequestError(f"{given} apply to method 'medusa' only, not {method!r}")
         unknown = sorted(set(options) - OPTIONS.get(method, frozenset()))
         if unknown:
             allowed = ", ".join(sorted(OPTIONS.get(method, ()))) or "none"

@@ -13,8 +13,8 @@ For each option the request keeps an exponentially weighted mean of the tokens a
 emitted and of the seconds it took (measured here, so machine load, model size and
 acceptance are all in it); each step runs the option with the most tokens per second.
 An option that looks worse is still tried now and then, the rarer the worse it looks
-(every ``PROBE_EVERY × best_rate / its_rate`` steps), so the choice follows the text as
-it changes; the estimates start from the decoder's running estimates of earlier
+(so that its probes cost at most ``PROBE_BUDGET`` of the time), and the choice follows
+the text as it changes; the estimates start from the decoder's running estimates of earlier
 requests (greedy and sampling kept apart: acceptance differs) and are handed back at
 the end. Past the deadline every step is ``plain``.
 
@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 OPTIONS = ("plain", "ngram", "draft", "medusa")
 STEP_WEIGHT = 0.2  # weight of the newest step in a request's running acceptance
 PROBE_EVERY = 24  # steps between tries of an option as good as the best; worse ones wait longer
+PROBE_BUDGET = 0.005  # time probes of one worse option may cost, as a share of the best option's
 PROBE_MAX_WAIT = 400  # no option waits longer than this many steps for its next try
 PRIOR_ALPHA, PRIOR_TRIALS = 0.5, 3.0  # acceptance before any measurement: worth 3 trials
 PRIOR_TREE_TOKENS = 2.0  # tokens per Medusa step before any measurement
@@ -156,7 +157,8 @@ class Chooser:
         for option, rate in rates.items():
             if option == best:
                 continue
-            wait = min(PROBE_EVERY * rates[best] / max(rate, 1e-12), PROBE_MAX_WAIT)
+            loss = rates[best] / max(rate, 1e-12) - 1.0  # a probe's time lost, in best steps
+            wait = min(max(PROBE_EVERY, loss / PROBE_BUDGET), PROBE_MAX_WAIT)
             if self.step - self.last_used[option] >= wait:
                 return option
         return best

@@ -39,7 +39,16 @@ from torch import Tensor
 from specops.decoder.errors import InvalidRequestError
 from specops.decoder.runner import ModelRunner
 from specops.decoder.sampling import SamplingConfig, next_token, probabilities
-from specops.decoder.speculation import check_deadline, cost_clock, device_clock, eos_cut, eos_set, prompt_list, stop_reason
+from specops.decoder.speculation import (
+    check_deadline,
+    check_room,
+    cost_clock,
+    device_clock,
+    eos_cut,
+    eos_set,
+    prompt_list,
+    stop_reason,
+)
 from specops.decoder.stats import DecodeStats
 from specops.decoder.tree import TreeBuffers, TreeError, TreeSpec, build_buffers, preset, resolve_tree
 from specops.decoder.tree_size import DEFAULT_SIZES, TreeChoice, VerifyCostCurve, choose_tree, measure_verify_cost
@@ -131,6 +140,8 @@ def generate_medusa(
     temperature > 0). ``deadline_s``: past it every step verifies the root alone, i.e. plain decoding on the same cache
     (``stats.fallback_reason == "deadline"``).
     """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     deadline = None if deadline_s is None else time.perf_counter() + check_deadline(deadline_s)
     prompt = prompt_list(prompt_ids)
     eos = eos_set(eos_token_id)
@@ -153,11 +164,7 @@ def generate_medusa(
     if typical is not None and sampling.greedy:
         raise InvalidRequestError("typical acceptance applies to sampling (temperature > 0); greedy is exact already")
     limit = target.max_context
-    if len(prompt) >= limit:
-        raise InvalidRequestError(
-            f"prompt of {len(prompt)} tokens leaves no room in the model's context of {limit} positions"
-        )
-    budget = min(max_new_tokens, limit - len(prompt))
+    budget = check_room(len(prompt), limit, max_new_tokens)
     state = MedusaState(target, heads, spec, k)
     stats = DecodeStats(method="medusa", heads=k)
     device = target.device

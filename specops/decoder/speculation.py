@@ -78,6 +78,16 @@ def eos_set(eos_token_id: int | list[int] | tuple[int, ...] | None) -> frozenset
     return frozenset(ids)
 
 
+def check_room(prompt_len: int, limit: int, max_new_tokens: int) -> int:
+    """The output budget of a request: ``max_new_tokens`` clamped to the context window of
+    ``limit`` positions; `ContextLengthError` when the prompt leaves no room."""
+    if prompt_len >= limit:
+        raise ContextLengthError(
+            f"prompt of {prompt_len} tokens leaves no room in the model's context of {limit} positions"
+        )
+    return min(max_new_tokens, limit - prompt_len)
+
+
 def check_deadline(deadline_s: float) -> float:
     """Validate a decode deadline in seconds (> 0)."""
     if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) or not deadline_s > 0:
@@ -123,11 +133,7 @@ class TargetVerifier:
         self.prompt_len = len(prompt)
         self.output: list[int] = []
         limit = target.max_context if context_limit is None else min(target.max_context, context_limit)
-        if self.prompt_len >= limit:
-            raise ContextLengthError(
-                f"prompt of {self.prompt_len} tokens leaves no room in the model's context of {limit} positions"
-            )
-        self.budget = min(max_new_tokens, limit - self.prompt_len)
+        self.budget = check_room(self.prompt_len, limit, max_new_tokens)
         self.max_new_tokens = max_new_tokens
         self.stopped_by_eos = False
         self.device = target.device
