@@ -16,7 +16,7 @@ IMAGE_TARGETS ?= controller runtime
 BUILDER ?=
 BUILD_ARGS ?=
 
-.PHONY: venv install demo test bench lint clean image image-names
+.PHONY: venv install demo test bench gpu-check lint clean image image-names
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +67,9 @@ image:
 	  echo "make image: $$builder build --target $$target -t $$name"; \
 	  $$builder build --target "$$target" -t "$$name" $(BUILD_ARGS) . || exit 1; \
 	done
+
+gpu-check: $(STAMP)
+	$(PY) -m specops.bench.gpu_check --json out/gpu_check.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import click
 
-METHOD_HELP = "hf-greedy,hf-assisted,hf-lookup,ar,draft,ngram[,medusa]"
+METHOD_HELP = "hf-greedy,hf-assisted,hf-lookup,ar,draft,ngram,medusa,auto"
 
 
 @click.command("decode")
 @click.option("--suite", type=click.Choice(["code", "prose", "mixed"]), default="code", show_default=True)
-@click.option("--methods", default="hf-greedy,hf-assisted,hf-lookup,ar,draft,ngram,medusa", show_default=True,
+@click.option("--methods", default="hf-greedy,hf-assisted,hf-lookup,ar,draft,ngram,medusa,auto", show_default=True,
               help=f"Comma-separated: {METHOD_HELP}.")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--repeats", type=int, default=3, show_default=True)

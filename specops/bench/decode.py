@@ -4,7 +4,8 @@ Protocol (mission.md, "Evaluating speed honestly"): one process, same prompts, s
 models; every method is warmed up first; then ``repeats`` rounds over all prompts, each
 prompt decoded by every method in turn (interleaved, so drifting machine load hits all
 methods alike). Per method: ``tokens_per_s`` (median over rounds of new tokens / seconds
-over all prompts), ``speedup`` (vs ``hf-greedy``), ``acceptance_rate`` (accepted /
+over all prompts), ``speedup`` (vs ``hf-greedy``), ``speedup_vs_ar`` (vs our own plain
+decoding, ``ar``), ``acceptance_rate`` (accepted /
 drafted), ``mean_accepted_len`` (new tokens per target forward), ``exact_match``
 (greedy outputs identical to ``hf-greedy`` on every greedy prompt).
 
@@ -86,6 +87,7 @@ class MethodResult:
     method: str
     tokens_per_s: float
     speedup: float | None
+    speedup_vs_ar: float | None       # tokens/s over ``ar``'s in the same run (None without ar)
     acceptance_rate: float | None
     mean_accepted_len: float
     exact_match: bool | None          # None: no greedy prompt, or no hf-greedy reference
@@ -124,12 +126,13 @@ def load_models(cfg: BenchConfig) -> Models:
     target = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype).eval()
     needs_draft = any(m in ("draft", "hf-assisted") for m in cfg.methods)
     draft = None
-    if needs_draft:
+    if needs_draft or ("auto" in cfg.methods and draft_path is not None):  # auto uses a draft when there is one
         if draft_path is None:
             raise BenchError("methods draft / hf-assisted need --draft PATH with a custom --model")
         draft = AutoModelForCausalLM.from_pretrained(str(draft_path), dtype=dtype).eval()
     medusa = None
-    if "medusa" in cfg.methods:
+    auto_heads = "auto" in cfg.methods and (cfg.medusa is not None or (cfg.model is None and MEDUSA_DIR.exists()))
+    if "medusa" in cfg.methods or auto_heads:
         from specops.decoder import MedusaHeads
 
         if cfg.medusa is None and cfg.model is not None:
@@ -152,7 +155,7 @@ def build_methods(cfg: BenchConfig, models: Models) -> list[BenchMethod]:
     if ours:
         from specops.decoder import Decoder
 
-        decoder = Decoder(models.target, draft=models.draft if "draft" in ours else None,
+        decoder = Decoder(models.target, draft=models.draft if {"draft", "auto"} & set(ours) else None,
                           medusa=models.medusa, tokenizer=models.tokenizer)
     methods: list[BenchMethod] = []
     for name in names:
@@ -218,8 +221,36 @@ def run_benchmark(cfg: BenchConfig, *, models: Models | None = None,
         "prompt_kinds": sorted({p.kind for p in prompts}),
         "results": [asdict(r) for r in results],
         "divergences": divergences(runs, prompts, prompt_ids, models.target),
+        "costs": measure_costs(methods),
     }
     return report
+
+
+COST_SIZES = (1, 2, 4, 8)  # verify widths T whose cost c(T)/c(1) the report prints
+COST_PREFIX = 256  # cached positions under the timed forwards (issue 8's protocol)
+
+
+def measure_costs(methods: Sequence[BenchMethod]) -> dict | None:
+    """Our target's verify cost c(T)/c(1) after a 256-token prefix, and one draft-model token
+    relative to one target T = 1 forward (fastest of several timings; None without our methods)."""
+    decoder = next((m.decoder for m in methods if isinstance(m, DecoderMethod)), None)
+    if decoder is None:
+        return None
+    from specops.decoder.auto import draft_token_s
+    from specops.decoder.tree_size import measure_verify_cost
+
+    target = decoder.target
+    prefix = min(COST_PREFIX, target.max_context - COST_SIZES[-1])
+    with torch.inference_mode():
+        curve = measure_verify_cost(target, sizes=COST_SIZES, prefix_len=prefix, repeats=15)
+        draft_s = draft_token_s(decoder.draft) if decoder.draft is not None else None
+    return {
+        "prefix": prefix,
+        "target_token_s": curve.at(1),
+        "verify_relative": {str(t): round(curve.relative(t), 3) for t in COST_SIZES},
+        "draft_token_s": draft_s,
+        "draft_token_relative": None if draft_s is None else round(draft_s / curve.at(1), 3),
+    }
 
 
 def _acceptance(rs: Sequence[MethodRun]) -> float | None:
@@ -259,15 +290,18 @@ def summarize(runs: dict[str, list[list[MethodRun]]], prompts: Sequence[BenchPro
                 "mean_accepted_len": round(sum(len(r.tokens) for r in rs) / max(1, sum(r.target_forwards for r in rs)), 3),
             }
         results.append(MethodResult(
-            method=name, tokens_per_s=round(tps, 2), speedup=None, acceptance_rate=_round(_acceptance(flat)),
+            method=name, tokens_per_s=round(tps, 2), speedup=None, speedup_vs_ar=None,
+            acceptance_rate=_round(_acceptance(flat)),
             mean_accepted_len=round(new_tokens / max(1, sum(r.target_forwards for r in flat)), 3),
             exact_match=exact_match, exact_prompts=exact_prompts, new_tokens=new_tokens,
             tokens_per_s_runs=[round(t, 2) for t in tps_runs],
             acceptance_by_pos=[round(a / d, 4) if d else 0.0 for a, d in zip(accepted_pos, drafted_pos)],
             by_kind=by_kind,
         ))
+    ar_tps = next((r.tokens_per_s for r in results if r.method == "ar"), None)
     for r in results:
         r.speedup = round(r.tokens_per_s / ref_tps, 3) if ref_tps else None
+        r.speedup_vs_ar = round(r.tokens_per_s / ar_tps, 3) if ar_tps else None
     return results
 
 
@@ -307,13 +341,23 @@ def divergences(runs: dict[str, list[list[MethodRun]]], prompts: Sequence[BenchP
 
 def format_table(report: dict) -> str:
     """A fixed-width text table of the report's results."""
-    head = f"{'method':<12} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'tok/fwd':>8} {'exact':>7}"
+    head = (f"{'method':<12} {'tok/s':>8} {'vs hf-greedy':>12} {'vs ar':>7} {'accept':>7} {'tok/fwd':>8} "
+            f"{'exact':>7}")
     lines = [head, "-" * len(head)]
     for r in report["results"]:
         acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.3f}"
         spd = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        vs_ar = "-" if r.get("speedup_vs_ar") is None else f"{r['speedup_vs_ar']:.2f}x"
         exact = "-" if r["exact_match"] is None else ("yes" if r["exact_match"] else f"{r['exact_prompts']}")
-        lines.append(f"{r['method']:<12} {r['tokens_per_s']:>8.1f} {spd:>8} {acc:>7} {r['mean_accepted_len']:>8.2f} {exact:>7}")
+        lines.append(f"{r['method']:<12} {r['tokens_per_s']:>8.1f} {spd:>12} {vs_ar:>7} {acc:>7} "
+                     f"{r['mean_accepted_len']:>8.2f} {exact:>7}")
+    costs = report.get("costs")
+    if costs:
+        curve = " ".join(f"c({t})/c(1)={rel:.2f}" for t, rel in costs["verify_relative"].items())
+        line = f"target T=1 forward {costs['target_token_s'] * 1e3:.2f} ms; verify cost {curve}"
+        if costs.get("draft_token_relative") is not None:
+            line += f"; one draft token = {costs['draft_token_relative']:.3f} of a target T=1 forward"
+        lines.append(line)
     div = report.get("divergences") or []
     if div:
         gaps = sorted(d["top2_gap"] for d in div)

@@ -13,7 +13,7 @@ forward proposes one token, so ``drafted = assistant_forwards`` (an approximatio
 includes the assistant's prompt prefill). ``hf-lookup`` drafts without forwards, so
 its acceptance rate is unknown (None); its mean accepted length is still measured.
 
-Ours (``ar``, ``draft``, ``ngram``, ``medusa``) run through `specops.decoder.Decoder`
+Ours (``ar``, ``draft``, ``ngram``, ``medusa``, ``auto``) run through `specops.decoder.Decoder`
 and report the decoder's own exact counters.
 """
 
@@ -26,7 +26,7 @@ from typing import Protocol, Sequence
 import torch
 
 HF_METHODS = ("hf-greedy", "hf-assisted", "hf-lookup")
-OUR_METHODS = ("ar", "draft", "ngram", "medusa")
+OUR_METHODS = ("ar", "draft", "ngram", "medusa", "auto")
 ALL_METHODS = HF_METHODS + OUR_METHODS
 LOOKUP_TOKENS = 10  # transformers' documented example value for prompt_lookup_num_tokens
 

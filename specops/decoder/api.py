@@ -140,12 +140,32 @@ def _run_medusa(dec: Decoder, req: DecodeRequest) -> tuple[list[int], DecodeStat
     )
 
 
+def _run_auto(dec: Decoder, req: DecodeRequest) -> tuple[list[int], DecodeStats]:
+    from specops.decoder.auto import generate_auto
+
+    return generate_auto(
+        dec.target,
+        req.prompt_ids,
+        draft=dec.draft,
+        heads=dec.medusa,
+        sampling=req.sampling,
+        generator=req.generator,
+        max_new_tokens=req.max_new_tokens,
+        estimates=dec.auto_estimates,
+        eos_token_id=req.eos_token_id,
+        schedule=req.schedule,
+        deadline_s=req.deadline_s,
+        **req.options,
+    )
+
+
 # method name -> function(decoder, request) -> (tokens, stats). One entry per method.
 METHODS: dict[str, Callable[[Decoder, DecodeRequest], tuple[list[int], DecodeStats]]] = {
     "ar": _run_ar,
     "draft": _run_draft,
     "ngram": _run_ngram,
     "medusa": _run_medusa,
+    "auto": _run_auto,
 }
 # methods that need a component, and the component's attribute on the Decoder
 REQUIRES: dict[str, str] = {"draft": "draft", "medusa": "medusa"}
@@ -153,6 +173,7 @@ REQUIRES: dict[str, str] = {"draft": "draft", "medusa": "medusa"}
 OPTIONS: dict[str, frozenset[str]] = {
     "ngram": frozenset({"max_ngram", "min_ngram"}),
     "medusa": frozenset({"typical"}),
+    "auto": frozenset({"max_ngram", "min_ngram"}),
 }
 
 
@@ -216,6 +237,14 @@ class Decoder:
         self.medusa = medusa
         self.tokenizer = tokenizer
         self.plain_token_s: float | None = None
+        from specops.decoder.auto import AutoEstimates
+
+        self.auto_estimates = AutoEstimates()  # method "auto": running estimates across requests
+        if draft is not None and draft is target:
+            raise InvalidRequestError(
+                "draft and target are the same runner, which would share one KV cache; "
+                "pass the model (each gets its own runner) or a second runner"
+            )
         if draft is not None:
             from specops.decoder.draft import check_vocab
 
@@ -358,7 +387,8 @@ class Decoder:
         """Generate up to ``max_new_tokens`` new tokens after ``prompt_ids``.
 
         ``prompt_ids``: list of ints or a 1-D LongTensor (or text, with a tokenizer).
-        ``method``: "ar" | "draft" | "ngram" | "medusa". ``gamma`` and ``schedule``
+        ``method``: "ar" | "draft" | "ngram" | "medusa" | "auto" (per step, whichever of
+        plain / ngram / draft / medusa the running estimates say pays most; lossless). ``gamma`` and ``schedule``
         ("constant" | "heuristic" | "goodput", bounded by ``gamma_min``..``gamma_max``)
         set the draft length of speculative methods. ``temperature == 0`` is greedy;
         otherwise top-k / top-p filter target and draft alike. ``seed`` makes sampling
@@ -375,6 +405,9 @@ class Decoder:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         sched = make_schedule(schedule, gamma, gamma_min, gamma_max)
+        if method != "medusa" and (heads is not None or tree is not None):
+            given = " and ".join(n for n, v in (("heads", heads), ("tree", tree)) if v is not None)
+            raise InvalidRequestError(f"{given} apply to method 'medusa' only, not {method!r}")
         unknown = sorted(set(options) - OPTIONS.get(method, frozenset()))
         if unknown:
             allowed = ", ".join(sorted(OPTIONS.get(method, ()))) or "none"

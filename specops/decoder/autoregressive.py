@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from specops.decoder.errors import ContextLengthError, InvalidRequestError
+from specops.decoder.errors import InvalidRequestError
 from specops.decoder.runner import ModelRunner
 from specops.decoder.sampling import SamplingConfig, next_token
-from specops.decoder.speculation import device_clock, eos_set, prompt_list
+from specops.decoder.speculation import check_room, device_clock, eos_set, prompt_list, stop_reason
 from specops.decoder.stats import DecodeStats
 
 
@@ -34,12 +34,7 @@ def generate_ar(
         raise InvalidRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     prompt = prompt_list(prompt_ids)
     eos = eos_set(eos_token_id)
-    limit = target.max_context
-    if len(prompt) >= limit:
-        raise ContextLengthError(
-            f"prompt of {len(prompt)} tokens leaves no room in the model's context of {limit} positions"
-        )
-    budget = min(max_new_tokens, limit - len(prompt))
+    budget = check_room(len(prompt), target.max_context, max_new_tokens)
     stats = DecodeStats(method=method)
     device = target.device
     stats.start()
@@ -71,9 +66,5 @@ def generate_ar(
 
     if stats.steps:
         stats.plain_token_s = step_s / stats.steps
-    if out[-1] in eos:
-        reason = "eos"
-    else:
-        reason = "context" if budget < max_new_tokens else "max_new_tokens"
-    stats.finish(reason)
+    stats.finish(stop_reason(out[-1] in eos, budget, max_new_tokens))
     return out, stats

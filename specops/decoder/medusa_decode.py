@@ -39,7 +39,16 @@ from torch import Tensor
 from specops.decoder.errors import InvalidRequestError
 from specops.decoder.runner import ModelRunner
 from specops.decoder.sampling import SamplingConfig, next_token, probabilities
-from specops.decoder.speculation import check_deadline, device_clock, eos_set, prompt_list
+from specops.decoder.speculation import (
+    check_deadline,
+    check_room,
+    cost_clock,
+    device_clock,
+    eos_cut,
+    eos_set,
+    prompt_list,
+    stop_reason,
+)
 from specops.decoder.stats import DecodeStats
 from specops.decoder.tree import TreeBuffers, TreeError, TreeSpec, build_buffers, preset, resolve_tree
 from specops.decoder.tree_size import DEFAULT_SIZES, TreeChoice, VerifyCostCurve, choose_tree, measure_verify_cost
@@ -131,6 +140,8 @@ def generate_medusa(
     temperature > 0). ``deadline_s``: past it every step verifies the root alone, i.e. plain decoding on the same cache
     (``stats.fallback_reason == "deadline"``).
     """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     deadline = None if deadline_s is None else time.perf_counter() + check_deadline(deadline_s)
     prompt = prompt_list(prompt_ids)
     eos = eos_set(eos_token_id)
@@ -153,11 +164,7 @@ def generate_medusa(
     if typical is not None and sampling.greedy:
         raise InvalidRequestError("typical acceptance applies to sampling (temperature > 0); greedy is exact already")
     limit = target.max_context
-    if len(prompt) >= limit:
-        raise InvalidRequestError(
-            f"prompt of {len(prompt)} tokens leaves no room in the model's context of {limit} positions"
-        )
-    budget = min(max_new_tokens, limit - len(prompt))
+    budget = check_room(len(prompt), limit, max_new_tokens)
     state = MedusaState(target, heads, spec, k)
     stats = DecodeStats(method="medusa", heads=k)
     device = target.device
@@ -190,14 +197,10 @@ def generate_medusa(
         stats.draft_s += t1 - t0
         step = _verify_step(target, tree_tokens, buffers, sampling, generator, typical)
         path = step.verification.path
-        new = tree_tokens[path[1:]].tolist() + [step.verification.next_token]
         drafted, accepted = step_spec.depth, len(path) - 1
-        for i, tok in enumerate(new):
-            if tok in eos:
-                new = new[: i + 1]
-                if i < accepted:  # EOS was an accepted candidate: the deeper positions are void
-                    drafted = accepted = i + 1
-                break
+        new = eos_cut(tree_tokens[path[1:]].tolist() + [step.verification.next_token], eos)
+        if len(new) <= accepted:  # EOS was an accepted candidate: the deeper positions are void
+            drafted = accepted = len(new)
         hidden = step.hidden
         root = new[-1]
         output.extend(new)
@@ -207,11 +210,7 @@ def generate_medusa(
         stats.record_emitted(len(new))
 
     stats.head_predictions, stats.head_correct = state.head_accuracy(output)
-    if output[-1] in eos:
-        reason = "eos"
-    else:
-        reason = "context" if budget < max_new_tokens else "max_new_tokens"
-    stats.finish(reason)
+    stats.finish(stop_reason(output[-1] in eos, budget, max_new_tokens))
     return output, stats
 
 
@@ -262,11 +261,12 @@ def heads_overhead_s(heads: HeadsLike, target: ModelRunner, num_heads: int, repe
         return 0.0
     hidden = torch.zeros(hidden_size, device=target.device, dtype=target.dtype)  # [E]
     samples = []
+    clock = cost_clock(target.device)
     with torch.inference_mode():
         for _ in range(repeats + 1):
-            t0 = device_clock(target.device)
+            t0 = clock()
             torch.topk(heads(hidden, num_heads), 4, dim=-1)
-            samples.append(device_clock(target.device) - t0)
+            samples.append(clock() - t0)
     return min(samples[1:])
 
 

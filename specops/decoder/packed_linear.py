@@ -1,11 +1,12 @@
 """Linear layers with their weights pre-arranged for the CPU kernels that run them fastest.
 
-Measured on this project's CPU (fp32, one thread, hidden 256): for ONE row (a decoding
-step) MKL's `mm` against an input-major [in, out] contiguous weight is the fastest option,
-about 2x `F.linear`'s [out, in] layout and 2x oneDNN; for SEVERAL rows (a verification
-forward of γ+1 positions, a tree, a prefill) oneDNN with a prepacked weight wins, up to
-2.7x for the [E, V] LM head at 5 rows. `PackedLinear` keeps both layouts and picks per
-call by the number of rows. In bfloat16 (AVX512-BF16) oneDNN wins from one row on: a decode
+Measured on this project's CPU (fp32, one thread, hidden 256): for one or two rows (a
+decoding step, a one-token verification) MKL's `mm` against an input-major [in, out]
+contiguous weight is the fastest option, about 2x `F.linear`'s [out, in] layout and 2x
+oneDNN; from three rows on (a verification forward of γ+1 positions, a tree, a prefill)
+oneDNN with a prepacked weight wins, up to 2.7x for the [E, V] LM head at 5 rows.
+`PackedLinear` keeps both layouts and picks per call by the number of rows. In bfloat16
+(AVX512-BF16) oneDNN wins from one row on: a decode
 step of a 6.8M Llama took 2.4 ms against 3.1 ms through `mm`.
 
 oneDNN's prepacked linear (`torch.ops.mkldnn._linear_pointwise`) is a private PyTorch op
@@ -24,6 +25,7 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+FP32_ONEDNN_FROM_ROWS = 3
 _probe_cache: dict[tuple[str, torch.dtype], bool] = {}
 
 
@@ -75,7 +77,9 @@ class PackedLinear:
             self.bias = None if bias is None else bias.detach().clone()  # [out]
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None) if onednn else None
         self.out_features = weight.shape[0]
-        self.packed_from_rows = 1 if weight.dtype == torch.bfloat16 else 2  # rows from which oneDNN is used
+        # rows from which oneDNN is used: fp32 measured (thread CPU time, the bundled target's 33
+        # matrices, 1 thread): 2 rows mm 2.82 ms vs oneDNN 3.05; 3 rows 3.20 vs 2.45; 4 rows 3.28 vs 2.31
+        self.packed_from_rows = 1 if weight.dtype == torch.bfloat16 else FP32_ONEDNN_FROM_ROWS
 
     @classmethod
     def fuse(cls, linears, *, onednn: bool) -> PackedLinear:

@@ -20,6 +20,10 @@ import torch
 from specops.decoder.errors import InvalidRequestError
 
 
+# smallest sampling temperature: float32 logits of a few hundred divided by it stay finite
+MIN_TEMPERATURE = 1e-6
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How the next token is chosen from a model's logits."""
@@ -37,6 +41,11 @@ class SamplingConfig:
             raise InvalidRequestError(f"temperature must be a finite number >= 0, got {t!r}")
         if t < 0:
             raise InvalidRequestError(f"temperature must be >= 0 (0 = greedy), got {t!r}")
+        if 0 < t < MIN_TEMPERATURE:
+            raise InvalidRequestError(
+                f"temperature {t!r} is below {MIN_TEMPERATURE} (the logits / temperature would overflow); "
+                "use 0 for greedy decoding"
+            )
         if self.top_k is not None:
             if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
                 raise InvalidRequestError(f"top_k must be an integer >= 1 or None, got {self.top_k!r}")
@@ -106,6 +115,8 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     """A generator for one request: seeded when ``seed`` is given, else from OS entropy."""
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise InvalidRequestError(f"seed must be an integer or None, got {seed!r}")
+    if seed is not None and not -(2**63) <= seed < 2**64:
+        raise InvalidRequestError(f"seed must fit in 64 bits ([-2**63, 2**64)), got {seed!r}")
     gen = torch.Generator(device=device)
     if seed is None:
         gen.seed()

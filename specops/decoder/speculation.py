@@ -47,6 +47,17 @@ def device_clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
+def cost_clock(device: torch.device):
+    """The clock to time a runner's cost with (the fastest of several timings is kept): this
+    thread's CPU time on a CPU running torch on one thread, so that other processes on a
+    shared machine do not inflate one measurement against another (under a load of 14 on 2
+    cores, wall-clock minima of 7 runs made a 3-position forward look 1.6x a 1-position
+    one); otherwise `device_clock` (wall time after the device's queued work)."""
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return time.thread_time
+    return lambda: device_clock(device)
+
+
 def prompt_list(prompt_ids: torch.Tensor) -> list[int]:  # prompt_ids: [B, T] long, B == 1
     """The single sequence of a [1, T] prompt as Python ints."""
     if prompt_ids.dim() != 2 or prompt_ids.shape[1] == 0:
@@ -65,6 +76,16 @@ def eos_set(eos_token_id: int | list[int] | tuple[int, ...] | None) -> frozenset
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
             raise InvalidRequestError(f"eos_token_id must be a non-negative int or a list of them, got {eos_token_id!r}")
     return frozenset(ids)
+
+
+def check_room(prompt_len: int, limit: int, max_new_tokens: int) -> int:
+    """The output budget of a request: ``max_new_tokens`` clamped to the context window of
+    ``limit`` positions; `ContextLengthError` when the prompt leaves no room."""
+    if prompt_len >= limit:
+        raise ContextLengthError(
+            f"prompt of {prompt_len} tokens leaves no room in the model's context of {limit} positions"
+        )
+    return min(max_new_tokens, limit - prompt_len)
 
 
 def check_deadline(deadline_s: float) -> float:
@@ -99,7 +120,10 @@ class TargetVerifier:
         stats: DecodeStats,
         context_limit: int | None = None,
         deadline_s: float | None = None,
+        keep_hidden: bool = False,
     ) -> None:
+        """``keep_hidden``: keep the target's last hidden state after every forward (``hidden``),
+        for a Medusa step that follows (`specops.decoder.auto`)."""
         self.target = target
         self.sampling = sampling
         self.generator = generator
@@ -109,15 +133,13 @@ class TargetVerifier:
         self.prompt_len = len(prompt)
         self.output: list[int] = []
         limit = target.max_context if context_limit is None else min(target.max_context, context_limit)
-        if self.prompt_len >= limit:
-            raise ContextLengthError(
-                f"prompt of {self.prompt_len} tokens leaves no room in the model's context of {limit} positions"
-            )
-        self.budget = min(max_new_tokens, limit - self.prompt_len)
-        self.context_bound = self.budget < max_new_tokens
+        self.budget = check_room(self.prompt_len, limit, max_new_tokens)
+        self.max_new_tokens = max_new_tokens
         self.stopped_by_eos = False
         self.device = target.device
         self.deadline = None if deadline_s is None else time.perf_counter() + check_deadline(deadline_s)
+        self.keep_hidden = keep_hidden
+        self.hidden: torch.Tensor | None = None  # [E] target hidden state at the last cached position (keep_hidden)
 
     # -- state -----------------------------------------------------------------------
     @property
@@ -136,9 +158,7 @@ class TargetVerifier:
         return max(self.remaining - 1, 0)
 
     def stop_reason(self) -> str:
-        if self.stopped_by_eos:
-            return "eos"
-        return "context" if self.context_bound else "max_new_tokens"
+        return stop_reason(self.stopped_by_eos, self.budget, self.max_new_tokens)
 
     # -- steps -----------------------------------------------------------------------
     def prefill(self) -> None:
@@ -147,7 +167,9 @@ class TargetVerifier:
         if self.prompt_len > 1:
             t0 = device_clock(self.device)
             ids = torch.tensor([self.tokens[:-1]], dtype=torch.long, device=self.device)  # [1, P-1]
-            self.target.forward(ids)
+            out = self.target.forward(ids, need_hidden=self.keep_hidden)
+            if self.keep_hidden:
+                self.hidden = out.hidden[0, -1]  # [E]
             dt = device_clock(self.device) - t0
             self.stats.target_forwards += 1
             self.stats.verify_s += dt
@@ -164,7 +186,8 @@ class TargetVerifier:
             raise ValueError(f"block of {g} drafted tokens exceeds the {self.max_draft()} the budget allows")
         t0 = device_clock(self.device)
         block = torch.tensor([[self.tokens[-1], *drafted]], dtype=torch.long, device=self.device)  # [1, G+1]
-        logits = self.target.forward(block).logits  # [1, G+1, V]
+        out = self.target.forward(block, need_hidden=self.keep_hidden)
+        logits = out.logits  # [1, G+1, V]
         draft_t = block[:, 1:]  # [1, G]
         if self.sampling.greedy:
             result = verify_greedy(draft_t, logits)
@@ -173,21 +196,44 @@ class TargetVerifier:
             q = None if draft_probs is None else draft_probs.to(p.device)
             result = verify_sampling(draft_t, p, q, self.generator)
         n = int(result.accepted[0])
-        new = [*drafted[:n], int(result.next_tokens[0])]
-        counted_drafted, counted_accepted = g, n
-        for k, tok in enumerate(new):
-            if tok in self.eos:
-                new = new[: k + 1]
-                self.stopped_by_eos = True
-                if k < n:  # EOS was an accepted draft token: the rest of the block is void
-                    counted_drafted, counted_accepted = k + 1, k + 1
-                break
-        self.tokens.extend(new)
-        self.output.extend(new)
+        if self.keep_hidden:
+            self.hidden = out.hidden[0, n]  # [E] at d_n, whose logits chose the next token
+        step = self.commit(drafted[:n], int(result.next_tokens[0]), drafted=g)
         if not self.stopped_by_eos:
             self.target.truncate(len(self.tokens) - 1)  # keep [.., pending, d_1 .. d_n]
         self.stats.verify_s += device_clock(self.device) - t0
         self.stats.target_forwards += 1
-        self.stats.record_step(counted_drafted, counted_accepted, gamma=g)
+        return step
+
+    def commit(self, accepted: list[int], next_token: int, *, drafted: int) -> StepResult:
+        """Append one verified step: the ``accepted`` drafted tokens, then the recovered or
+        bonus ``next_token``, cut after the first EOS; count it in the stats. ``drafted``:
+        tokens speculated this step (a block's G, a tree's depth). The caller has already
+        put the target's cache in shape (truncate or compact)."""
+        n = len(accepted)
+        new = eos_cut([*accepted, next_token], self.eos)
+        self.stopped_by_eos = new[-1] in self.eos
+        counted_drafted, counted_accepted = drafted, n
+        if len(new) <= n:  # EOS was an accepted draft token: the rest of the block is void
+            counted_drafted = counted_accepted = len(new)
+        self.tokens.extend(new)
+        self.output.extend(new)
+        self.stats.record_step(counted_drafted, counted_accepted, gamma=drafted)
         self.stats.record_emitted(len(new))
         return StepResult(drafted=counted_drafted, accepted=counted_accepted, emitted=new, raw_accepted=n)
+
+
+def eos_cut(tokens: list[int], eos: frozenset[int]) -> list[int]:
+    """``tokens`` up to and including the first EOS (all of them when none is there)."""
+    for k, tok in enumerate(tokens):
+        if tok in eos:
+            return tokens[: k + 1]
+    return tokens
+
+
+def stop_reason(stopped_by_eos: bool, budget: int, max_new_tokens: int) -> str:
+    """Why a request ended: ``eos``, else ``context`` when the context window cut the budget,
+    else ``max_new_tokens``."""
+    if stopped_by_eos:
+        return "eos"
+    return "context" if budget < max_new_tokens else "max_new_tokens"

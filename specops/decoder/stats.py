@@ -31,7 +31,7 @@ class DecodeStats:
     """Counters and timings of one request (see the module docstring for the invariants)."""
 
     method: str
-    """Method that actually ran: ``ar`` | ``draft`` | ``ngram`` | ``medusa``."""
+    """Method that actually ran: ``ar`` | ``draft`` | ``ngram`` | ``medusa`` | ``auto``."""
     new_tokens: int = 0
     """Tokens generated (prompt excluded)."""
     drafted: int = 0
@@ -79,6 +79,8 @@ class DecodeStats:
     """``eos`` | ``max_new_tokens`` | ``context`` (the model's context window filled up)."""
     plain_token_s: float | None = None
     """Measured seconds of one single-token target forward, used for the speed-up estimate."""
+    auto_steps: dict[str, int] = field(default_factory=dict)
+    """``auto``: steps run per option (plain, ngram, draft, medusa); empty for other methods."""
     _start: float = field(default=0.0, init=False, repr=False, compare=False)
     _last_emit: float = field(default=0.0, init=False, repr=False, compare=False)
 

@@ -39,6 +39,16 @@ class TreeSpec:
     paths: tuple[TreePath, ...]
     name: str = "custom"
 
+    def __post_init__(self) -> None:
+        """A hand-built spec must already be what `make_spec` builds: valid nodes, sorted by
+        (depth, path), prefix-closed; anything else would give wrong parents and masks."""
+        spec = make_spec(self.paths, self.name)  # raises TreeError naming the bad node
+        if spec.paths != tuple(tuple(p) for p in self.paths):
+            raise TreeError(
+                f"tree {self.name!r}: paths must be sorted by (depth, path); build it with make_spec({list(self.paths)!r})"
+            )
+        object.__setattr__(self, "paths", spec.paths)
+
     @property
     def num_nodes(self) -> int:
         """N: tree nodes including the root."""
@@ -64,7 +74,7 @@ class TreeSpec:
             paths = paths[: max_nodes - 1]
         if paths == self.paths:
             return self
-        return TreeSpec(paths=paths, name=f"{self.name}[{1 + len(paths)}]")
+        return make_spec(paths, name=f"{self.name}[{1 + len(paths)}]")  # a prefix of a sorted tree stays valid
 
 
 def make_spec(paths: Sequence[Sequence[int]], name: str = "custom") -> TreeSpec:
@@ -84,7 +94,11 @@ def make_spec(paths: Sequence[Sequence[int]], name: str = "custom") -> TreeSpec:
     for path in seen:
         if len(path) > 1 and path[:-1] not in seen:
             raise TreeError(f"tree {name!r}: node {path} has no parent {path[:-1]} (trees must be prefix-closed)")
-    return TreeSpec(paths=tuple(sorted(seen, key=lambda p: (len(p), p))), name=name)
+    ordered = tuple(sorted(seen, key=lambda p: (len(p), p)))
+    spec = object.__new__(TreeSpec)  # validated here: skip __post_init__'s second check
+    object.__setattr__(spec, "paths", ordered)
+    object.__setattr__(spec, "name", name)
+    return spec
 
 
 # Presets: hand-shaped trees, deepest first along rank-0 chains (heads' top-1 is by

@@ -15,7 +15,6 @@ where the per-step overhead (running the heads, building the tree) is measured t
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -84,12 +83,15 @@ def measure_verify_cost(runner, *, sizes: Sequence[int] = DEFAULT_SIZES, prefix_
         mask = torch.ones(n, n, dtype=torch.bool, device=runner.device).tril()  # [n, n]
         positions = (prefix_len + torch.arange(n, device=runner.device))[None]  # [1, n]
         inputs.append((ids, mask, positions))
+    from specops.decoder.speculation import cost_clock
+
+    clock = cost_clock(runner.device)
     best = [float("inf")] * len(sizes)
     for rep in range(repeats + 1):  # sizes interleaved, so drifting load hits all of them alike
         for i, (ids, mask, positions) in enumerate(inputs):
-            start = time.perf_counter()
+            start = clock()
             runner.forward(ids, position_ids=positions, tree_mask=mask, need_hidden=True)
-            elapsed = time.perf_counter() - start
+            elapsed = clock() - start
             runner.truncate(prefix_len)
             if rep:  # the first round warms caches and allocators
                 best[i] = min(best[i], elapsed)

@@ -88,8 +88,9 @@ def verify_tree_sampling(
 ) -> TreeVerification:
     """Lossless recursive rejection sampling down the tree (see the module docstring).
 
-    Random numbers come from ``generator`` in a fixed order (one uniform per child
-    tried, then one categorical draw), so a seeded request is reproducible.
+    Random numbers come from ``generator`` in a fixed order (at each node one uniform per
+    child, drawn together on the generator's device, then one categorical draw), so a
+    seeded request is reproducible.
     """
     _check(tokens, target_probs, buffers, "target_probs")
     if draft_probs is not None and draft_probs.shape != target_probs.shape:
@@ -99,10 +100,13 @@ def verify_tree_sampling(
     while True:
         residual = target_probs[node].double()  # [V]
         accepted = None
-        for child in buffers.children[node]:
+        children = buffers.children[node]
+        # one uniform per sibling, drawn together on the generator's device (one sync, not one per child)
+        uniforms = torch.rand(len(children), generator=generator, dtype=torch.float64,
+                              device=generator.device).tolist() if children else []
+        for child, u in zip(children, uniforms):
             x = toks[child]
             q_x = 1.0 if draft_probs is None else float(draft_probs[child, x])
-            u = float(torch.rand((), generator=generator, dtype=torch.float64))
             if u * q_x < float(residual[x]):
                 accepted = child
                 break

@@ -20,6 +20,15 @@ head, a slice of D) of every kept row, loads a block of rows into registers,
 synchronises the program's threads, then writes them, block by block in
 increasing order.
 
+Why the runtime does not call it: `specops.decoder.kv_cache.KVCache.compact` keeps all
+layers' keys and values in one tensor ``[NL, 2, B, Hkv, S, D]`` and compacts every layer
+at once with one ``index_select`` and one copy — two launches per verification step,
+whatever the depth. This kernel works on one (k, v) pair of ``[B, Hkv, Lmax, D]`` caches,
+so the runtime would launch it once per layer (``NL`` launches); the path it moves is
+at most a few rows (≤ tree depth + 1), where launch count, not bandwidth, sets the cost.
+It stays the reference for a per-layer paged cache (the serving engine's layout), and
+`specops bench kernels` measures its bandwidth on a GPU.
+
 This file holds, in order: the PyTorch reference, the Triton kernel and the
 checked wrapper ``kv_compact``.
 """

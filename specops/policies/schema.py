@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
 
-Method = Literal["draft", "medusa", "ngram", "off"]
+Method = Literal["draft", "medusa", "ngram", "auto", "off"]
 AdaptationMode = Literal["fixed", "goodput", "bandit"]
 AlertMetric = Literal["acceptance_rate", "speedup", "head_accuracy", "tokens_per_s", "p99_token_latency_s"]
 AlertOp = Literal["<", "<=", ">", ">="]
@@ -157,7 +157,8 @@ class RequestClass(_Model):
     """Rules that put a request in this class (checked in class order; first match wins).
     Empty: only requests that fall through to the default class."""
     method: Method = "draft"
-    """Speculation method: ``draft`` model, ``medusa`` heads, ``ngram`` prompt lookup, or ``off``."""
+    """Speculation method: ``draft`` model, ``medusa`` heads, ``ngram`` prompt lookup, ``auto``
+    (per request and step, whichever of those pays; lossless), or ``off``."""
     gamma: IntRange = IntRange(initial=4, min=1, max=8)
     """Speculation length γ (draft and n-gram methods); min must be at least 1."""
     medusa_heads: IntRange = IntRange(initial=3, min=1, max=4)

@@ -103,7 +103,7 @@ CASES = [
     ("        min_prompt_tokens: 1", "        min_prompt_tokens: -1", "classes[0].match[0].min_prompt_tokens", "greater than or equal to 0"),
     ("        max_prompt_tokens: 100", "        max_prompt_tokens: x", "classes[0].match[0].max_prompt_tokens", "valid integer"),
     ("        max_prompt_tokens: 100", "        max_prompt_tokens: 0", "classes[0].match[0]", "min_prompt_tokens (1) must be <= max_prompt_tokens (0)"),
-    ("    method: draft", "    method: drafty", "classes[0].method", "'draft', 'medusa', 'ngram' or 'off'"),
+    ("    method: draft", "    method: drafty", "classes[0].method", "'draft', 'medusa', 'ngram', 'auto' or 'off'"),
     ("      initial: 4", "      initial: 9", "classes[0].gamma", "initial (9) must lie within min..max (1..8)"),
     ("      initial: 4", "      initial: 4.5", "classes[0].gamma.initial", "valid integer"),
     ("      max: 8", "      max: 0", "classes[0].gamma", "min (1) must be <= max (0)"),

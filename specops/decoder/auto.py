@@ -1,0 +1,327 @@
+"""``method="auto"``: pick the drafter per step from running estimates of what each one pays.
+
+Every step of a request is one target verification on the same cache, whichever
+drafter proposed it (`speculation.TargetVerifier` holds the sequence; the cache always
+holds all of it but the pending token). The options are
+
+* ``plain``  — nothing drafted: one single-token target forward (plain decoding);
+* ``ngram``  — the prompt-lookup proposal (only when the context offers a match);
+* ``draft``  — γ tokens from the draft model (it first feeds the tokens it has not seen);
+* ``medusa`` — the Medusa heads' tree on the target's last hidden state.
+
+For each option the request keeps an exponentially weighted mean of the tokens a step
+emitted and of the seconds it took (measured here, so machine load, model size and
+acceptance are all in it); each step runs the option with the most tokens per second.
+An option that looks worse is still tried now and then, the rarer the worse it looks
+(so that its probes cost at most ``PROBE_BUDGET`` of the time), and the choice follows
+the text as it changes; the estimates start from the decoder's running estimates of earlier
+requests (greedy and sampling kept apart: acceptance differs) and are handed back at
+the end. Past the deadline every step is ``plain``.
+
+Lossless: each step verifies its proposal exactly (greedy argmax, or rejection
+sampling with the drafter's own q), and which drafter proposes depends only on what
+happened before the step, so the output is the target's greedy output, or distributed
+as sampling the target alone. Because the choice depends on measured time, a seeded
+sampled request is not reproducible token for token (its distribution is).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from specops.decoder.draft import _draft_block, check_vocab
+from specops.decoder.errors import InvalidRequestError
+from specops.decoder.medusa_decode import (
+    HeadsLike,
+    MedusaState,
+    _verify_step,
+    heads_overhead_s,
+    plan_tree,
+    verify_cost_curve,
+)
+from specops.decoder.ngram import NgramIndex
+from specops.decoder.runner import ModelRunner
+from specops.decoder.sampling import SamplingConfig
+from specops.decoder.schedule import ConstantSchedule, GammaSchedule, expected_tokens
+from specops.decoder.speculation import StepResult, TargetVerifier, cost_clock, device_clock, prompt_list
+from specops.decoder.stats import DecodeStats
+from specops.decoder.tree_size import VerifyCostCurve
+
+log = logging.getLogger(__name__)
+
+OPTIONS = ("plain", "ngram", "draft", "medusa")
+STEP_WEIGHT = 0.2  # weight of the newest step in a request's running acceptance
+PROBE_EVERY = 24  # steps between tries of an option as good as the best; worse ones wait longer
+PROBE_BUDGET = 0.005  # time probes of one worse option may cost, as a share of the best option's
+PROBE_MAX_WAIT = 400  # no option waits longer than this many steps for its next try
+PRIOR_ALPHA, PRIOR_TRIALS = 0.5, 3.0  # acceptance before any measurement: worth 3 trials
+PRIOR_TREE_TOKENS = 2.0  # tokens per Medusa step before any measurement
+COST_REPEATS = 5  # timings of a draft token (the fastest is kept)
+
+
+@dataclass
+class OptionEstimate:
+    """Running acceptance of one drafting option: of the drafted tokens tried (each up to
+    the first rejection is a Bernoulli trial), the share accepted; for a tree, the mean
+    tokens a step emitted."""
+
+    successes: float = PRIOR_ALPHA * PRIOR_TRIALS
+    trials: float = PRIOR_TRIALS
+    tokens: float = PRIOR_TREE_TOKENS
+    steps: int = 0
+
+    @property
+    def alpha(self) -> float:
+        """Per-token acceptance of a linear block (the prior before any step)."""
+        return self.successes / self.trials
+
+    def update(self, drafted: int, accepted: int, emitted: int, weight: float = STEP_WEIGHT) -> None:
+        trials = accepted + (1 if accepted < drafted else 0)
+        self.successes = (1.0 - weight) * self.successes + accepted
+        self.trials = (1.0 - weight) * self.trials + trials
+        self.tokens += weight * (emitted - self.tokens)
+        self.steps += 1
+
+
+@dataclass
+class AutoEstimates:
+    """A decoder's running estimates per option, one set for greedy and one for sampling."""
+
+    greedy: dict[str, OptionEstimate] = field(default_factory=dict)
+    sampling: dict[str, OptionEstimate] = field(default_factory=dict)
+
+    def start(self, greedy: bool) -> dict[str, OptionEstimate]:
+        """A request's copy to work on."""
+        table = self.greedy if greedy else self.sampling
+        return {name: copy.copy(table.get(name, OptionEstimate())) for name in OPTIONS}
+
+    def finish(self, greedy: bool, request: dict[str, OptionEstimate]) -> None:
+        """Keep a request's final estimates for the next request."""
+        table = self.greedy if greedy else self.sampling
+        for name, est in request.items():
+            if est.steps:
+                table[name] = copy.copy(est)
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds of each option's step, from the runners' measured costs (the fastest of
+    several timings, so load on the machine does not bias one option against another)."""
+
+    verify: VerifyCostCurve  # target forward over T new positions
+    draft_token_s: float  # one draft-model token (forward + argmax)
+    heads_s: float  # one Medusa proposal
+    tree_nodes: int  # N of the Medusa tree
+
+    def seconds(self, option: str, drafted: int) -> float:
+        if option == "draft":
+            return self.verify.at(drafted + 1) + drafted * self.draft_token_s
+        if option == "medusa":
+            return self.verify.at(self.tree_nodes) + self.heads_s
+        return self.verify.at(drafted + 1)  # plain (drafted 0), ngram
+
+
+class Chooser:
+    """Picks the option of each step: expected tokens over modelled seconds, with probes."""
+
+    def __init__(self, estimates: dict[str, OptionEstimate], costs: Costs) -> None:
+        self.estimates = estimates
+        self.costs = costs
+        self.step = 0
+        self.last_used = {name: 0 for name in OPTIONS}
+        self.counts = {name: 0 for name in OPTIONS}
+
+    def rate(self, option: str, drafted: int) -> float:
+        """Expected tokens per second of ``option`` drafting ``drafted`` tokens."""
+        est = self.estimates[option]
+        if option == "plain":
+            tokens = 1.0
+        elif option == "medusa":
+            tokens = est.tokens
+        else:
+            tokens = expected_tokens(est.alpha, drafted)
+        return tokens / self.costs.seconds(option, drafted)
+
+    def choose(self, available: dict[str, int]) -> str:  # option -> tokens it would draft
+        self.step += 1
+        untried = [o for o in available if o != "plain" and not self.estimates[o].steps]
+        if untried:
+            return untried[-1]
+        rates = {o: self.rate(o, g) for o, g in available.items()}
+        best = max(rates, key=rates.__getitem__)
+        for option, rate in rates.items():
+            if option == best:
+                continue
+            loss = rates[best] / max(rate, 1e-12) - 1.0  # a probe's time lost, in best steps
+            wait = min(max(PROBE_EVERY, loss / PROBE_BUDGET), PROBE_MAX_WAIT)
+            if self.step - self.last_used[option] >= wait:
+                return option
+        return best
+
+    def record(self, option: str, result: StepResult) -> None:
+        if option != "plain":
+            self.estimates[option].update(result.drafted, result.raw_accepted, len(result.emitted))
+        self.last_used[option] = self.step
+        self.counts[option] += 1
+
+
+_DRAFT_COSTS: "weakref.WeakKeyDictionary[object, float]" = weakref.WeakKeyDictionary()
+
+
+def draft_token_s(draft: ModelRunner) -> float:
+    """Seconds of one draft-model token after a short prefix (fastest of COST_REPEATS),
+    measured once per runner. Leaves the draft's cache empty."""
+    cached = _DRAFT_COSTS.get(draft)
+    if cached is None:
+        draft.reset(1)
+        draft.forward(torch.zeros(1, 16, dtype=torch.long, device=draft.device))  # [1, 16]
+        ids = torch.zeros(1, 1, dtype=torch.long, device=draft.device)  # [1, 1]
+        samples = []
+        clock = cost_clock(draft.device)
+        for _ in range(COST_REPEATS + 1):
+            t0 = clock()
+            int(torch.argmax(draft.forward(ids).logits[0, -1]))
+            samples.append(clock() - t0)
+            draft.truncate(16)
+        draft.reset(1)
+        cached = _DRAFT_COSTS[draft] = min(samples[1:])
+    return cached
+
+
+def generate_auto(
+    target: ModelRunner,
+    prompt_ids: torch.Tensor,  # [B, T] long, B == 1
+    *,
+    draft: ModelRunner | None,
+    heads: HeadsLike | None,
+    sampling: SamplingConfig,
+    generator: torch.Generator,
+    max_new_tokens: int,
+    estimates: AutoEstimates,
+    eos_token_id: int | list[int] | None = None,
+    schedule: GammaSchedule | None = None,
+    deadline_s: float | None = None,
+    max_ngram: int = 3,
+    min_ngram: int = 1,
+) -> tuple[list[int], DecodeStats]:
+    """Decode with the per-step choice of drafter; returns ``(tokens, DecodeStats)``.
+
+    ``draft`` / ``heads``: the components available (None: that option is off). γ for the
+    draft model and the n-gram lookup comes from ``schedule`` (default 4; it learns from the
+    draft model's steps); the Medusa
+    tree is `medusa_decode.plan_tree`'s. ``stats.auto_steps`` counts the steps per option.
+    """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if draft is not None:
+        check_vocab(target, draft)
+    schedule = schedule if schedule is not None else ConstantSchedule(4)
+    prompt = prompt_list(prompt_ids)
+    stats = DecodeStats(method="auto")
+    stats.start()
+    index = NgramIndex(max_ngram=max_ngram, min_ngram=min_ngram)
+    index.extend(prompt)
+    medusa = None
+    heads_s = 0.0
+    if heads is not None:
+        medusa = MedusaState(target, heads, plan_tree(target, heads, heads.num_heads), heads.num_heads)
+        heads_s = heads_overhead_s(heads, target, heads.num_heads)
+        stats.heads = heads.num_heads
+    costs = Costs(verify=verify_cost_curve(target), draft_token_s=0.0 if draft is None else draft_token_s(draft),
+                  heads_s=heads_s, tree_nodes=1 if medusa is None else medusa.spec.num_nodes)
+    v = TargetVerifier(
+        target,
+        prompt,
+        sampling=sampling,
+        generator=generator,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos_token_id,
+        stats=stats,
+        context_limit=None if draft is None else draft.max_context,
+        deadline_s=deadline_s,
+        keep_hidden=medusa is not None,
+    )
+    v.prefill()
+    if draft is not None:
+        draft.reset(1)
+        if len(prompt) > 1:
+            t0 = device_clock(draft.device)
+            draft.forward(torch.tensor([prompt[:-1]], dtype=torch.long, device=draft.device))  # [1, P-1]
+            dt = device_clock(draft.device) - t0
+            stats.draft_forwards += 1
+            stats.draft_s += dt
+            stats.prefill_s += dt
+    request = estimates.start(sampling.greedy)
+    chooser = Chooser(request, costs)
+
+    while not v.done:
+        stats.gamma = schedule.next_gamma()
+        room = v.max_draft()
+        gamma = min(stats.gamma, room)
+        proposal = index.propose(gamma) if gamma else []
+        available = {"plain": 0}  # option -> tokens it would draft
+        if proposal:
+            available["ngram"] = len(proposal)
+        if draft is not None and gamma:
+            available["draft"] = gamma
+        if medusa is not None and room and v.hidden is not None:
+            available["medusa"] = min(room, medusa.spec.depth)
+        option = chooser.choose(available) if len(available) > 1 else "plain"
+        draft_before, verify_before = stats.draft_s, stats.verify_s
+        if option == "ngram":
+            result = v.verify(proposal, None)
+        elif option == "draft":
+            result = _draft_step(v, draft, gamma, sampling, generator)
+        elif option == "medusa":
+            result = _medusa_step(v, medusa, room, sampling, generator)
+        else:
+            result = v.verify([], None)
+        chooser.record(option, result)
+        index.extend(result.emitted)
+        if option == "draft":  # γ schedules model a draft model's cost
+            schedule.update(result.drafted, result.raw_accepted, stats.draft_s - draft_before,
+                            stats.verify_s - verify_before)
+
+    estimates.finish(sampling.greedy, request)
+    stats.auto_steps = {name: n for name, n in chooser.counts.items() if n}
+    if medusa is not None:
+        stats.head_predictions, stats.head_correct = medusa.head_accuracy(v.output)
+    stats.finish(v.stop_reason())
+    return v.output, stats
+
+
+def _draft_step(v: TargetVerifier, draft: ModelRunner, gamma: int, sampling: SamplingConfig,
+                generator: torch.Generator) -> StepResult:
+    """Draft γ tokens with the draft model (after the tokens it has not seen) and verify them."""
+    t0 = device_clock(draft.device)
+    drafted, q = _draft_block(draft, v.tokens, gamma, sampling, generator, v.device)  # q: [1, G, V] | None
+    v.stats.draft_s += device_clock(draft.device) - t0
+    v.stats.draft_forwards += gamma
+    result = v.verify(drafted, q)
+    if not v.done:
+        draft.truncate(min(draft.cache_len, len(v.tokens) - 1))
+    return result
+
+
+def _medusa_step(v: TargetVerifier, state: MedusaState, room: int, sampling: SamplingConfig,
+                 generator: torch.Generator) -> StepResult:
+    """Propose the Medusa tree from the target's last hidden state and verify it in one forward."""
+    target = v.target
+    step_spec = state.spec.limit(max_depth=room, max_nodes=target.max_context - target.cache_len)
+    t0 = device_clock(v.device)
+    assert v.hidden is not None
+    tree_tokens, buffers = state.propose(v.hidden, step_spec, v.tokens[-1], len(v.output) - 1)  # [N]
+    t1 = device_clock(v.device)
+    v.stats.draft_s += t1 - t0
+    step = _verify_step(target, tree_tokens, buffers, sampling, generator, None)
+    path = step.verification.path
+    v.hidden = step.hidden  # [E]
+    result = v.commit(tree_tokens[path[1:]].tolist(), step.verification.next_token, drafted=step_spec.depth)
+    v.stats.verify_s += device_clock(v.device) - t1
+    v.stats.target_forwards += 1
+    return result

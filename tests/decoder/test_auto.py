@@ -1,0 +1,102 @@
+"""method="auto": exact greedy output whatever it picks, a sampled distribution that is the
+target's, and choices that follow the measured acceptance."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specops.decoder import Decoder
+from specops.decoder.auto import AutoEstimates, Chooser, Costs, OptionEstimate
+from specops.decoder.tree_size import VerifyCostCurve
+from tests.decoder.test_medusa_bundled import code_prompts
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield Decoder.from_pretrained("bundled")
+    torch.set_num_threads(before)
+
+
+def test_auto_greedy_equals_ar_on_code_and_random_prompts(bundled):
+    rng = random.Random(3)
+    vocab = bundled.target.vocab_size
+    prompts = code_prompts(bundled, 6)
+    prompts += [[rng.randrange(vocab) for _ in range(rng.randint(1, 30))] for _ in range(10)]
+    used: dict[str, int] = {}
+    for i, prompt in enumerate(prompts):
+        max_new = 40 if i < 6 else rng.randint(1, 20)
+        eos = None if i % 4 else rng.randrange(vocab)
+        ar = bundled.generate(prompt, method="ar", max_new_tokens=max_new, eos_token_id=eos)
+        auto = bundled.generate(prompt, method="auto", max_new_tokens=max_new, eos_token_id=eos)
+        assert auto.tokens == ar.tokens, f"prompt {i}"
+        assert auto.stats.method == "auto" and auto.stats.stop_reason == ar.stats.stop_reason
+        assert sum(auto.stats.auto_steps.values()) == auto.stats.steps
+        for name, n in auto.stats.auto_steps.items():
+            used[name] = used.get(name, 0) + n
+    assert {"ngram", "draft", "medusa"} <= set(used), used  # every drafter was at least measured
+
+
+def test_auto_past_deadline_decodes_plainly(bundled):
+    prompt = code_prompts(bundled, 1)[0]
+    ar = bundled.generate(prompt, method="ar", max_new_tokens=24)
+    out = bundled.generate(prompt, method="auto", max_new_tokens=24, deadline_s=1e-9)
+    assert out.tokens == ar.tokens
+    assert out.stats.fallback_reason == "deadline"
+    assert set(out.stats.auto_steps) == {"plain"}
+
+
+def test_auto_rejects_medusa_only_options(bundled):
+    from specops.decoder.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="heads"):
+        bundled.generate([5, 6, 7], method="auto", heads=2)
+
+
+def _costs() -> Costs:
+    curve = VerifyCostCurve(sizes=(1, 2, 4, 8), seconds=(1.0, 1.1, 1.2, 1.4))
+    return Costs(verify=curve, draft_token_s=0.1, heads_s=0.05, tree_nodes=8)
+
+
+def test_chooser_prefers_what_accepts_and_probes_the_rest_rarely():
+    est = {name: OptionEstimate() for name in ("plain", "ngram", "draft", "medusa")}
+    chooser = Chooser(est, _costs())
+    for _ in range(30):  # ngram accepts everything it drafts, the draft model nothing
+        est["ngram"].update(drafted=4, accepted=4, emitted=5)
+        est["draft"].update(drafted=4, accepted=0, emitted=1)
+        est["medusa"].update(drafted=3, accepted=0, emitted=1)
+    picks = []
+    for _ in range(900):
+        p = chooser.choose({"plain": 0, "ngram": 4, "draft": 4, "medusa": 3})
+        chooser.last_used[p] = chooser.step
+        picks.append(p)
+    counts = {p: picks.count(p) for p in set(picks)}
+    assert counts["ngram"] > 880, counts
+    assert all(counts.get(name, 0) >= 1 for name in ("plain", "draft", "medusa")), counts  # still probed
+
+
+def test_chooser_picks_plain_when_nothing_accepts():
+    est = {name: OptionEstimate() for name in ("plain", "ngram", "draft", "medusa")}
+    for _ in range(30):
+        for name in ("ngram", "draft", "medusa"):
+            est[name].update(drafted=3, accepted=0, emitted=1)
+    chooser = Chooser(est, _costs())
+    picks = []
+    for _ in range(200):
+        p = chooser.choose({"plain": 0, "ngram": 3, "draft": 4, "medusa": 3})
+        chooser.last_used[p] = chooser.step
+        picks.append(p)
+    assert picks.count("plain") >= 190  # speculation that never pays is only probed
+
+
+def test_estimates_carry_over_between_requests_per_sampling_mode():
+    estimates = AutoEstimates()
+    request = estimates.start(greedy=True)
+    request["ngram"].update(drafted=4, accepted=4, emitted=5)
+    estimates.finish(True, request)
+    assert estimates.start(greedy=True)["ngram"].steps == 1
+    assert estimates.start(greedy=False)["ngram"].steps == 0
