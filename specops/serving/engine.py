@@ -72,6 +72,7 @@ log = logging.getLogger(__name__)
 ALPHA_PRIOR = {"draft": 0.7, "ngram": 0.6, "medusa": 0.7}
 ALPHA_RECOVERY = 0.05  # per plain step, toward the prior (a switched-off sequence probes again)
 CALIBRATION_PREFIX = 32
+DRAFT_LAG_CHARGE = 4  # at most this many catch-up tokens of a lagging draft cache are charged to one step
 
 
 def cost_clock(device: torch.device) -> Callable[[], float]:
@@ -391,8 +392,9 @@ class Engine:
         if method == "draft":
             bound = min(bound, self.draft.max_context - len(seq.tokens) + 1)
             lag = len(seq.tokens) - seq.draft.computed  # the first round feeds what the draft cache lacks
-            if lag > 1:  # after steps without drafting: a catch-up forward, charged to speculating now
-                overhead += self.draft_cost.predict(1, lag) - self.draft_cost.predict(1, 1)
+            if lag > 1:  # after steps without drafting: a catch-up forward, charged to speculating now,
+                # bounded (it is paid once for all later drafting, so a long pause must not lock drafting out)
+                overhead += self.draft_cost.predict(1, min(lag, DRAFT_LAG_CHARGE)) - self.draft_cost.predict(1, 1)
             return Candidate(gains=linear_gains(seq.alpha, max(0, min(seq.spec.gamma, bound))), draft_rounds=True,
                              overhead_s=overhead)
         if seq.hidden is None:
