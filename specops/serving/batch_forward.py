@@ -29,6 +29,7 @@ from specops.serving.sequence import SeqKV
 
 
 SHORT_BLOCK = 16  # items feeding more tokens than this (prefills) get their own attention call
+SHORT_BUCKETS = (1, 8, SHORT_BLOCK)  # short items share a padded attention call per length bucket
 
 
 @dataclass
@@ -82,11 +83,18 @@ class PagedBackend:
             ids.extend(it.tokens)
             pos.extend(range(s, s + t) if it.positions is None else it.positions)
             write.extend(self._slots(it.kv, range(s, s + t)))
-        # short blocks (decode steps, drafts, trees) share one padded attention call; each long
-        # prefill gets its own, so one long prompt never pads every other sequence to its length
-        short = [i for i, it in enumerate(items) if len(it.tokens) <= SHORT_BLOCK]
-        groups = [short] if short else []
-        groups += [[i] for i, it in enumerate(items) if len(it.tokens) > SHORT_BLOCK]
+        # short blocks share padded attention calls by length bucket (plain steps, short drafts,
+        # trees): one sequence speculating never pads every plain step of a large batch to its
+        # draft length. Each long prefill gets its own call.
+        buckets: dict[int, list[int]] = {}
+        groups = []
+        for i, it in enumerate(items):
+            t = len(it.tokens)
+            if t > SHORT_BLOCK:
+                groups.append([i])
+            else:
+                buckets.setdefault(next(k for k, top in enumerate(SHORT_BUCKETS) if t <= top), []).append(i)
+        groups += buckets.values()
         groups.sort(key=lambda g: g[0])
         batch = PagedBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),

@@ -72,6 +72,7 @@ log = logging.getLogger(__name__)
 ALPHA_PRIOR = {"draft": 0.7, "ngram": 0.6, "medusa": 0.7}
 ALPHA_RECOVERY = 0.05  # per plain step, toward the prior (a switched-off sequence probes again)
 CALIBRATION_PREFIX = 32
+DRAFT_LAG_CHARGE = 4  # at most this many catch-up tokens of a lagging draft cache are charged to one step
 
 
 def cost_clock(device: torch.device) -> Callable[[], float]:
@@ -338,7 +339,8 @@ class Engine:
                 drafting.append(seq)
                 gammas.append(extra)
             else:
-                plans[seq.request_id] = {"tree": self.medusa.spec(seq.heads, c.max_nodes, extra + 1)}
+                plans[seq.request_id] = {"tree": self.medusa.spec(seq.heads, c.max_nodes, extra + 1),
+                                         "expected": sum(c.gains[:extra]) / max(seq.accept_scale, 1e-3)}
         if drafting:
             t0, c0 = time.perf_counter(), self.cost_clock()
             before = [s.draft.computed for s in drafting]
@@ -389,12 +391,17 @@ class Engine:
             return Candidate(gains=linear_gains(seq.alpha, len(proposal)), overhead_s=overhead, proposal=proposal)
         if method == "draft":
             bound = min(bound, self.draft.max_context - len(seq.tokens) + 1)
+            lag = len(seq.tokens) - seq.draft.computed  # the first round feeds what the draft cache lacks
+            if lag > 1:  # after steps without drafting: a catch-up forward, charged to speculating now,
+                # bounded (it is paid once for all later drafting, so a long pause must not lock drafting out)
+                overhead += self.draft_cost.predict(1, min(lag, DRAFT_LAG_CHARGE)) - self.draft_cost.predict(1, 1)
             return Candidate(gains=linear_gains(seq.alpha, max(0, min(seq.spec.gamma, bound))), draft_rounds=True,
                              overhead_s=overhead)
         if seq.hidden is None:
             return None
         max_nodes = seq.spec.tree_size or DEFAULT_TREE_SIZE
         gains = self.medusa.gains(seq.heads, max_nodes, max_depth=bound)[: max(0, self.max_model_len - len(seq.tokens))]
+        gains = [min(g * seq.accept_scale, 1.0) for g in gains]  # this request's own acceptance so far
         return Candidate(gains=gains, overhead_s=overhead, max_nodes=max_nodes)
 
     def _feed(self, seq: Sequence, p: dict | None) -> tuple[FeedItem, bool]:
@@ -428,6 +435,8 @@ class Engine:
             path = v.path
             new = tokens[path[1:]].tolist() + [v.next_token]
             drafted, accepted = buffers.spec.depth, len(path) - 1
+            if p.get("expected"):  # what the accuracy table expected of this tree vs what came
+                seq.accept_scale = 0.8 * seq.accept_scale + 0.2 * accepted / p["expected"]
             self.target.compact(seq.target, old_len - 1, path)
             seq.hidden = out.hidden[path[-1]]
         else:
@@ -477,6 +486,7 @@ class Engine:
                 seq.alpha = 0.8 * seq.alpha + 0.2 * (accepted / drafted)
             else:  # not speculating: drift back toward the prior, so speculation is probed again later
                 seq.alpha += ALPHA_RECOVERY * (ALPHA_PRIOR[seq.spec.method] - seq.alpha)
+                seq.accept_scale += ALPHA_RECOVERY * (1.0 - seq.accept_scale)
         stats.record_emitted(len(new))
         if reason is not None:
             return self._finish(seq, reason, new)

@@ -164,6 +164,9 @@ class Sequence:
     finish_reason: str | None = None
     alpha: float = 0.7
     """Running estimate of the per-token acceptance probability (load-aware γ)."""
+    accept_scale: float = 1.0
+    """Medusa: running ratio of accepted tokens to the tree's expected accepted tokens (the
+    heads' accuracy table is an average; this request may do better or worse)."""
     hidden: Any = None
     """Medusa: target hidden state [E] that produced the pending token."""
     ngram: Any = None

@@ -76,8 +76,8 @@ class CostModel:
     Observations are kept per exact (B, T) in a window of the last ``window``; a point's
     value is their median (a spike on a shared machine does not move it). A prediction
     interpolates linearly between the measured T of the batch size (made non-decreasing
-    in T: a bigger forward never costs less, whatever the noise) and extrapolates past
-    the largest T with the last segment's slope; across batch sizes it interpolates
+    in T by isotonic regression: a bigger forward never costs less, whatever the noise)
+    and extrapolates past the largest T with the last segment's slope; across batch sizes it interpolates
     linearly between the two nearest batch sizes measured at two T or more (the
     engine's calibration measures a grid of them). Piecewise, not one least-squares
     line: the cost of extra tokens near T = B (what the planner asks) must not be bent
@@ -118,12 +118,7 @@ class CostModel:
             curves = {}
             for b, pts in by_b.items():
                 pts.sort()
-                ts, ys, top = [], [], 0.0
-                for t, sec in pts:
-                    top = max(top, sec)  # non-decreasing in T
-                    ts.append(t)
-                    ys.append(top)
-                curves[b] = (ts, ys)
+                curves[b] = ([t for t, _ in pts], isotonic([sec for _, sec in pts]))
             self._curves = curves
             multi = sorted(b for b, (ts, _) in curves.items() if len(ts) >= 2)
             self._sizes = multi or sorted(curves)
@@ -157,6 +152,22 @@ class CostModel:
             return at(lo)
         w = (b - lo) / (hi - lo)
         return (1 - w) * at(lo) + w * at(hi)
+
+
+def isotonic(ys: list[float]) -> list[float]:
+    """The closest non-decreasing sequence (pool adjacent violators, equal weights): a noisy
+    point above its right neighbours is averaged with them, not copied onto all of them."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for y in ys:
+        blocks.append([y, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    out: list[float] = []
+    for total, count in blocks:
+        out += [total / count] * int(count)
+    return out
 
 
 @dataclass

@@ -154,3 +154,12 @@ def test_cost_near_the_batch_width_is_not_bent_by_far_points():
         cost.observe(16, t, sec)
     assert abs(cost.predict(16, 32) - 65e-3) < 1e-9  # between its neighbours, not on a global line
     assert abs(cost.predict(16, 16) - 50e-3) < 1e-9
+
+
+def test_a_noisy_low_point_is_averaged_not_copied_onto_larger_forwards():
+    cost = CostModel()
+    for t, sec in ((16, 40e-3), (48, 20e-3), (80, 30e-3)):  # T = 16 came out too dear
+        cost.observe(16, t, sec)
+    assert cost.predict(16, 16) == cost.predict(16, 48) == pytest.approx(30e-3)  # pooled, not 40 ms flat
+    assert cost.predict(16, 80) == pytest.approx(30e-3)
+    assert cost.predict(16, 200) >= cost.predict(16, 80)
