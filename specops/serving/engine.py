@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -51,6 +52,7 @@ from specops.decoder.speculation import eos_set
 from specops.decoder.stats import DecodeStats
 from specops.decoder.tree_verify import verify_tree_greedy, verify_tree_sampling
 from specops.decoder.verify import verify_greedy, verify_sampling
+from specops.serving.auto_method import MethodChooser
 from specops.serving.batch_forward import FeedItem, SeqKV, bytes_per_token, make_backend
 from specops.serving.kv_pool import BlockPool
 from specops.serving.proposers import MedusaProposer, draft_blocks
@@ -135,6 +137,7 @@ class Engine:
         self._propose_share: dict[str, float] = {}  # request -> its share of them, beyond the draft forwards
         self._ngram_s: dict[str, float] = {}
         self.seqs: dict[str, Sequence] = {}
+        self.auto = MethodChooser()  # method="auto": the admission choice from finished requests
         self._last_batch = 0
         if calibrate:
             self._calibrate()
@@ -157,6 +160,8 @@ class Engine:
                 f"prompt of {len(ids)} tokens leaves no room for output: max_model_len is {self.max_model_len}")
         sampling = params.config()
         spec.check()
+        if spec.method == "auto":
+            spec = replace(spec, method=self.auto.choose(self.speculative_methods))
         limit = self.max_model_len
         fallback = None
         if spec.method == "draft" and self.draft is None and getattr(self.decoder, "draft_error", None):
@@ -189,6 +194,11 @@ class Engine:
             seq.ngram.extend(ids)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
+
+    @property
+    def speculative_methods(self) -> tuple[str, ...]:
+        """The speculative methods this engine can run (n-gram always; draft / Medusa when loaded)."""
+        return ("ngram",) + (("draft",) if self.draft is not None else ()) + (("medusa",) if self.medusa is not None else ())
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its blocks are freed and a final "abort" output comes at the next step."""
@@ -503,6 +513,8 @@ class Engine:
                 if index < len(out):
                     stats.head_predictions[k] += 1
                     stats.head_correct[k] += int(out[index] == tok)
+        if seq.spec.method in ALPHA_PRIOR and stats.fallback_reason is None and not seq.aborted:
+            self.auto.observe(seq.spec.method, stats.new_tokens, stats.target_forwards)
         if reason == "stop":
             stats.finish("eos")
         else:

@@ -24,7 +24,7 @@ from typing import Any
 from specops.decoder.sampling import SamplingConfig
 from specops.decoder.stats import DecodeStats
 
-METHODS = ("ar", "draft", "ngram", "medusa")
+METHODS = ("ar", "draft", "ngram", "medusa", "auto")
 FINISH_REASONS = ("stop", "length", "abort")
 DEFAULT_TREE_SIZE = 16
 
@@ -65,7 +65,8 @@ class SpecSettings:
     """Which speculation a request may use; the engine picks the amount per step within it."""
 
     method: str = "ar"
-    """"ar" | "draft" | "ngram" | "medusa"."""
+    """"ar" | "draft" | "ngram" | "medusa" | "auto" (the engine picks one of the loaded
+    speculative methods at admission from live results: `specops.serving.auto_method`)."""
     gamma: int = 4
     """Upper bound on drafted tokens per step (draft, ngram); 0 = plain decoding."""
     medusa_heads: int | None = None

@@ -1,0 +1,54 @@
+"""method="auto" in the engine: a loaded method per request from live results; output stays exact."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specops.serving.auto_method import MethodChooser
+from specops.serving.engine import Engine
+from specops.serving.sequence import SamplingParams, SpecSettings
+from tests.serving.test_engine import full_speculation, qwen2, run_staggered  # noqa: F401  (fixture)
+
+
+def test_chooser_tries_every_method_then_prefers_the_best_and_keeps_exploring():
+    ch = MethodChooser(min_samples=2, explore=0.1, rng=random.Random(3))
+    methods = ("ngram", "draft", "medusa")
+    tried = [ch.choose(methods) for _ in range(6)]
+    assert set(tried) == set(methods)  # untried methods first, round robin
+    per_forward = {"ngram": 1.2, "draft": 1.6, "medusa": 2.4}
+    for m, value in per_forward.items():
+        for _ in range(2):
+            ch.observe(m, new_tokens=1 + int(value * 40), target_forwards=41)
+    picks = [ch.choose(methods) for _ in range(1000)]
+    share = picks.count("medusa") / len(picks)
+    assert 0.85 < share < 0.95  # the best, except the ~10% exploration
+    assert picks.count("ngram") > 0 and picks.count("draft") > 0
+    # The score follows the traffic: medusa stops paying, the others take over.
+    for _ in range(20):
+        ch.observe("medusa", new_tokens=41, target_forwards=41)
+    assert max(methods, key=lambda m: ch.scores[m]) == "draft"
+
+
+def test_chooser_rejects_nothing_to_choose_and_ignores_empty_requests():
+    ch = MethodChooser()
+    with pytest.raises(ValueError, match="at least one"):
+        ch.choose(())
+    ch.observe("ngram", new_tokens=1, target_forwards=1)  # prefill only: no decode forward to score
+    assert ch.samples == {}
+
+
+def test_auto_requests_run_loaded_methods_and_equal_ar(qwen2):  # noqa: F811
+    rng = random.Random(11)
+    prompts = [[rng.randrange(96) for _ in range(rng.randrange(4, 20))] for _ in range(9)]
+    eng = full_speculation(Engine(qwen2, max_batch=4, kv_cache_mb=4, eos_token_id=None))
+    want = {f"a{i}": qwen2.generate(p, method="ar", max_new_tokens=24, eos_token_id=None).tokens
+            for i, p in enumerate(prompts)}
+    reqs = [(f"a{i}", p, SamplingParams(max_tokens=24), SpecSettings(method="auto", gamma=4, tree_size=8))
+            for i, p in enumerate(prompts)]
+    got, records, _ = run_staggered(eng, reqs)
+    assert got == want
+    ran = {r.method for r in records.values()}
+    assert ran <= {"ngram", "draft", "medusa"} and len(ran) == 3  # every loaded method was tried
+    assert sum(eng.auto.samples.values()) == len(prompts)
