@@ -26,7 +26,8 @@ Two layout facts carry the conversion:
   two computations identical (`interleave_rope_rows`).
 
 `ensure_gguf` caches the file next to the model (``model-<type>.gguf``) or, when that
-folder is not writable, under ``$SPECOPS_CACHE_DIR`` (default ``~/.cache/specops``).
+folder is not writable or is specops' own bundled assets, under ``$SPECOPS_CACHE_DIR``
+(default ``~/.cache/specops``).
 The file records a fingerprint of its sources and of this converter; a stale file is
 rebuilt.
 """
@@ -365,9 +366,15 @@ def default_cache_dir() -> Path:
 
 
 def gguf_cache_path(model_dir: Path, out_type: str, cache_dir: Path | None = None) -> Path:
-    """``model_dir/model-<type>.gguf`` when the folder is writable, else a per-folder path in the cache."""
+    """``model_dir/model-<type>.gguf`` when the folder is writable, else a per-folder path in the cache.
+
+    specops' bundled models count as read-only: they are package data, with a size budget.
+    """
+    from specops.assets import ASSETS_DIR
+
     name = f"model-{out_type}.gguf"
-    if cache_dir is None and _writable(model_dir):
+    bundled = model_dir.resolve().is_relative_to(ASSETS_DIR)
+    if cache_dir is None and not bundled and _writable(model_dir):
         return model_dir / name
     key = hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:16]
     return (cache_dir or default_cache_dir()) / "gguf" / f"{model_dir.name}-{key}" / name

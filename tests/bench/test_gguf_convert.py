@@ -106,6 +106,12 @@ def test_conversion_is_cached_and_rebuilt_when_the_sources_change(tmp_path):
     assert not [p for p in d.iterdir() if p.suffix == ".tmp"]
 
 
+def test_bundled_models_are_never_written_into(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECOPS_CACHE_DIR", str(tmp_path))
+    path = gguf_cache_path(TARGET_DIR, "float32")
+    assert path.is_relative_to(tmp_path) and not path.is_relative_to(TARGET_DIR)
+
+
 def test_explicit_cache_dir_keeps_the_model_folder_untouched(tmp_path):
     require_module("gguf")
     d = tmp_path / "target"
