@@ -16,7 +16,12 @@ IMAGE_TARGETS ?= controller runtime
 BUILDER ?=
 BUILD_ARGS ?=
 
-.PHONY: venv install demo test bench gpu-check lint clean image image-names
+# llama.cpp peer for `specops bench decode` (the peers extra): llama-cpp-python builds from
+# source (~8 min on 2 cores). GGML_NATIVE=ON is llama.cpp's own default for a source build
+# (tuned to this CPU, as torch's kernels are); the multimodal library is not needed.
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DLLAVA_BUILD=OFF
+
+.PHONY: venv install peers demo test bench gpu-check lint clean image image-names
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +33,9 @@ $(STAMP): $(PY) pyproject.toml
 	@touch $(STAMP)
 
 venv install: $(STAMP)
+
+peers: $(STAMP)
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install --quiet -e ".[peers]"
 
 demo: $(STAMP)
 	$(VENV)/bin/specops demo

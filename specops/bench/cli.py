@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-METHOD_HELP = "hf-greedy,hf-assisted,hf-lookup,ar,draft,ngram,medusa,auto"
+METHOD_HELP = ("hf-greedy,hf-assisted,hf-lookup,ar,draft,ngram,medusa,auto[,llama.cpp,llama.cpp-lookup] "
+               "(llama.cpp needs the peers extra: pip install -e \".[peers]\")")
 
 
 @click.command("decode")

@@ -13,11 +13,16 @@ In bfloat16, verifying k tokens in one forward rounds differently from k single-
 forwards, so outputs may legitimately diverge from bf16 greedy; `divergences` then
 records where, with the target's top-2 logit gap at that position (a near-tie is the
 expected cause), instead of claiming exactness.
+
+The llama.cpp peers (`specops.bench.llamacpp_peer`) join the same rows when the
+``peers`` extra is installed; otherwise, or when the target cannot be converted to
+GGUF, the report lists them under ``unavailable`` with the reason (never an error).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import platform
 import statistics
 from dataclasses import asdict, dataclass, field
@@ -27,7 +32,9 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from specops.bench.peers import ALL_METHODS, HF_METHODS, BenchMethod, DecoderMethod, HFMethod, MethodRun
+from specops.bench.peers import (ALL_METHODS, HF_METHODS, LLAMA_CPP_METHODS, BenchMethod, DecoderMethod, HFMethod,
+                                 MethodRun)
+from specops.bench.llamacpp_peer import build_llama_cpp_methods, llama_cpp_version
 from specops.bench.suites import SUITES, BenchPrompt, builtin_suite, load_prompts_file
 
 log = logging.getLogger(__name__)
@@ -108,6 +115,7 @@ class Models:
     tokenizer: object
     eos_token_id: int | None
     max_context: int
+    target_dir: Path | None = None    # the target's folder (llama.cpp converts it to GGUF); None: in memory
 
 
 def load_models(cfg: BenchConfig) -> Models:
@@ -144,13 +152,17 @@ def load_models(cfg: BenchConfig) -> Models:
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
     eos = tokenizer.eos_token_id
     max_context = int(getattr(target.config, "max_position_embeddings", 0) or 0) or 1 << 30
-    return Models(target, draft, medusa, tokenizer, eos, max_context)
+    return Models(target, draft, medusa, tokenizer, eos, max_context, target_dir=target_path)
 
 
-def build_methods(cfg: BenchConfig, models: Models) -> list[BenchMethod]:
-    """The methods to run, in the order given, with ``hf-greedy`` always first (the reference)."""
+def build_methods(cfg: BenchConfig, models: Models) -> tuple[list[BenchMethod], dict[str, str]]:
+    """The methods to run, in the order given, with ``hf-greedy`` always first (the reference),
+    and {method: reason} for the peers that cannot run here."""
     names = [REFERENCE] + [m for m in cfg.methods if m != REFERENCE]
-    ours = [m for m in names if m not in HF_METHODS]
+    peers, unavailable = build_llama_cpp_methods(names, models.target_dir, dtype=cfg.dtype, threads=cfg.threads,
+                                                 n_ctx=models.max_context, eos_token_id=models.eos_token_id)
+    peers_by_name = {m.name: m for m in peers}
+    ours = [m for m in names if m not in HF_METHODS and m not in LLAMA_CPP_METHODS]
     decoder = None
     if ours:
         from specops.decoder import Decoder
@@ -161,10 +173,13 @@ def build_methods(cfg: BenchConfig, models: Models) -> list[BenchMethod]:
     for name in names:
         if name in HF_METHODS:
             methods.append(HFMethod(name, models.target, draft=models.draft, eos_token_id=models.eos_token_id))
+        elif name in LLAMA_CPP_METHODS:
+            if name in peers_by_name:
+                methods.append(peers_by_name[name])
         else:
             methods.append(DecoderMethod(name, decoder, gamma=cfg.gamma, schedule=cfg.schedule,
                                          eos_token_id=models.eos_token_id))
-    return methods
+    return methods, unavailable
 
 
 def encode_prompts(prompts: Sequence[BenchPrompt], tokenizer, *, max_context: int, max_new_tokens: int) -> list[list[int]]:
@@ -192,7 +207,9 @@ def run_benchmark(cfg: BenchConfig, *, models: Models | None = None,
     prompts = list(prompts)[: cfg.limit] if cfg.limit else list(prompts)
     prompt_ids = encode_prompts(prompts, models.tokenizer, max_context=models.max_context,
                                 max_new_tokens=cfg.max_new_tokens)
-    methods = build_methods(cfg, models)
+    methods, unavailable = build_methods(cfg, models)
+    for name, reason in unavailable.items():
+        log.warning("%s unavailable: %s", name, reason)
 
     for method in methods:  # warm-up: first calls pay for lazy init, allocation, calibration
         method.run(prompt_ids[0], max_new_tokens=min(WARMUP_TOKENS, cfg.max_new_tokens), temperature=0.0,
@@ -216,10 +233,12 @@ def run_benchmark(cfg: BenchConfig, *, models: Models | None = None,
     report = {
         "config": asdict(cfg),
         "machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": cfg.threads,
-                    "processor": platform.processor() or platform.machine()},
+                    "processor": platform.processor() or platform.machine(), "llama_cpp_python": llama_cpp_version(),
+                    "load_avg_1_5_15m": [round(x, 2) for x in os.getloadavg()]},
         "prompts": len(prompts),
         "prompt_kinds": sorted({p.kind for p in prompts}),
         "results": [asdict(r) for r in results],
+        "unavailable": [{"method": name, "reason": reason} for name, reason in unavailable.items()],
         "divergences": divergences(runs, prompts, prompt_ids, models.target),
         "costs": measure_costs(methods),
     }
@@ -341,7 +360,7 @@ def divergences(runs: dict[str, list[list[MethodRun]]], prompts: Sequence[BenchP
 
 def format_table(report: dict) -> str:
     """A fixed-width text table of the report's results."""
-    head = (f"{'method':<12} {'tok/s':>8} {'vs hf-greedy':>12} {'vs ar':>7} {'accept':>7} {'tok/fwd':>8} "
+    head = (f"{'method':<16} {'tok/s':>8} {'vs hf-greedy':>12} {'vs ar':>7} {'accept':>7} {'tok/fwd':>8} "
             f"{'exact':>7}")
     lines = [head, "-" * len(head)]
     for r in report["results"]:
@@ -349,8 +368,10 @@ def format_table(report: dict) -> str:
         spd = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
         vs_ar = "-" if r.get("speedup_vs_ar") is None else f"{r['speedup_vs_ar']:.2f}x"
         exact = "-" if r["exact_match"] is None else ("yes" if r["exact_match"] else f"{r['exact_prompts']}")
-        lines.append(f"{r['method']:<12} {r['tokens_per_s']:>8.1f} {spd:>12} {vs_ar:>7} {acc:>7} "
+        lines.append(f"{r['method']:<16} {r['tokens_per_s']:>8.1f} {spd:>12} {vs_ar:>7} {acc:>7} "
                      f"{r['mean_accepted_len']:>8.2f} {exact:>7}")
+    for row in report.get("unavailable") or []:
+        lines.append(f"{row['method']:<16} unavailable: {row['reason']}")
     costs = report.get("costs")
     if costs:
         curve = " ".join(f"c({t})/c(1)={rel:.2f}" for t, rel in costs["verify_relative"].items())

@@ -15,6 +15,9 @@ its acceptance rate is unknown (None); its mean accepted length is still measure
 
 Ours (``ar``, ``draft``, ``ngram``, ``medusa``, ``auto``) run through `specops.decoder.Decoder`
 and report the decoder's own exact counters.
+
+llama.cpp (``llama.cpp``, ``llama.cpp-lookup``) is the CPU engine people actually run;
+it lives in `specops.bench.llamacpp_peer` (optional: the ``peers`` extra).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import torch
 
 HF_METHODS = ("hf-greedy", "hf-assisted", "hf-lookup")
 OUR_METHODS = ("ar", "draft", "ngram", "medusa", "auto")
-ALL_METHODS = HF_METHODS + OUR_METHODS
+LLAMA_CPP_METHODS = ("llama.cpp", "llama.cpp-lookup")  # specops.bench.llamacpp_peer
+ALL_METHODS = HF_METHODS + OUR_METHODS + LLAMA_CPP_METHODS
 LOOKUP_TOKENS = 10  # transformers' documented example value for prompt_lookup_num_tokens
 
 
