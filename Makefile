@@ -16,7 +16,7 @@ IMAGE_TARGETS ?= controller runtime
 BUILDER ?=
 BUILD_ARGS ?=
 
-.PHONY: venv install demo test bench lint clean image image-names
+.PHONY: venv install demo test bench chaos lint clean image image-names
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ bench: $(STAMP)
 	$(VENV)/bin/specops bench decode --suite code --repeats 3 --json out/bench_decode.json --plot out/bench_decode.png
 	$(VENV)/bin/specops bench kernels
 	$(VENV)/bin/specops simulate --pods 200 --classes 5 --json out/simulate.json --plot out/simulate.png
+
+# Failure scenarios against real local processes (redis-server needed); `specops chaos --quick` runs in `make test`.
+chaos: $(STAMP)
+	@mkdir -p out
+	$(VENV)/bin/specops chaos --json out/chaos.json
 
 # Image name per target: the controller is the chart's image, the runtime carries "-runtime".
 image-names:

@@ -2,7 +2,9 @@
 
 Every call lacks the secret or carries a wrong one (another token, the right token
 under another scheme, a prefix of it, an empty bearer); any answer but 401 counts.
-The captured logs of every process are then searched for the secrets themselves.
+Bodies over the size caps (4 MiB inference, 1 MB webhooks) must get 413 even with
+the right secret. The captured logs of every process are then searched for the
+secrets themselves.
 """
 
 from __future__ import annotations
@@ -52,10 +54,17 @@ def run(rig: Rig) -> ScenarioResult:
         good = [c.post(f"{rig.serve.url}/v1/completions", json=body, headers=rig.auth).status_code,
                 c.post(f"{rig.controller.url}/webhook/alertmanager", json={"version": "4", "alerts": []},
                        headers={"Authorization": f"Bearer {rig.webhook_token}"}).status_code]
+        # bodies over the caps are refused (413) before the route runs, with the right secret
+        over = [c.post(f"{rig.serve.url}/v1/completions", content=b"x" * (4 * 1024 * 1024 + 1),
+                       headers={**rig.auth, "Content-Type": "application/json"}).status_code,
+                c.post(f"{rig.controller.url}/webhook/alertmanager", content=b"x" * 1_000_001,
+                       headers={"Authorization": f"Bearer {rig.webhook_token}",
+                                "Content-Type": "application/json"}).status_code]
     logs = rig.logs()
     leaked = [name for name, s in (("api key", rig.api_key), ("webhook token", rig.webhook_token)) if s in logs]
     figures = {"calls": calls, "not_401": len(not_401), "authorized_ok": good,
+               "oversized_bodies_not_413": sum(code != 413 for code in over),
                "secrets_in_logs": len(leaked), "log_bytes_searched": len(logs)}
-    met = (not not_401 and good[0] == 200 and good[1] in (200, 202, 503) and not leaked and len(logs) > 0)
-    return ScenarioResult(NAME, figures, "0 answers but 401; right secret accepted; 0 secrets in logs", met,
+    met = (not not_401 and over == [413, 413] and good[0] == 200 and good[1] in (200, 202, 503) and not leaked and len(logs) > 0)
+    return ScenarioResult(NAME, figures, "0 answers but 401; right secret accepted; over-cap bodies 413; 0 secrets in logs", met,
                           notes=not_401[:5] + leaked)

@@ -32,7 +32,7 @@ class Sizes:
     fuzz_bodies: int
 
 
-QUICK = Sizes(redis_restarts=2, redis_down_s=0.5, leader_kills=2, redis_pauses=1, disconnects=10, fuzz_bodies=300)
+QUICK = Sizes(redis_restarts=2, redis_down_s=0.5, leader_kills=2, redis_pauses=1, disconnects=10, fuzz_bodies=200)
 FULL = Sizes(redis_restarts=10, redis_down_s=2.0, leader_kills=10, redis_pauses=5, disconnects=100, fuzz_bodies=10_000)
 
 # name -> runner; the order is the report's order.
