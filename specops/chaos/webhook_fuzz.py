@@ -20,28 +20,42 @@ NAME = "fuzzed webhook bodies"
 
 
 def _strategies():
+    """(source, body bytes): mostly well-formed deliveries with fuzzed contents, some malformed ones."""
     from hypothesis import strategies as st
+
+    from specops.alerts.webhook import SOURCES
 
     scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=20))
     anything = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
                                                              st.dictionaries(st.text(max_size=8), inner, max_size=4)),
                             max_leaves=12)
-    label_value = st.one_of(st.sampled_from(["fallback", "rollback", "notify", "code", "general", "factual",
-                                             "SpecopsLowAcceptance", "", "nope"]), st.text(max_size=12), anything)
-    labels = st.dictionaries(st.sampled_from(["alertname", "class", "action", "rule", "severity", "x"]), label_value,
+    words = st.one_of(st.sampled_from(["fallback", "rollback", "notify", "code", "general", "factual", "no-such-class",
+                                       "low-acceptance", "slower-than-plain", "no-such-rule", ""]), st.text(max_size=12))
+    labels = st.dictionaries(st.sampled_from(["alertname", "class", "action", "rule", "severity", "x"]), words,
                              max_size=5)
-    alert = st.fixed_dictionaries({"labels": labels}, optional={
-        "status": st.one_of(st.sampled_from(["firing", "resolved"]), anything),
-        "startsAt": st.one_of(st.sampled_from(["2026-01-01T00:00:00Z", "0001-01-01T00:00:00Z", "yesterday"]),
-                              anything),
-        "fingerprint": st.one_of(st.text(max_size=16), anything),
+    times = st.one_of(st.sampled_from(["2026-01-01T00:00:00Z", "0001-01-01T00:00:00Z", "9999-12-31T23:59:59Z",
+                                       "yesterday", ""]), anything)
+    alert = st.fixed_dictionaries({"status": st.sampled_from(["firing", "resolved"]), "labels": labels}, optional={
+        "startsAt": times, "endsAt": times, "fingerprint": st.one_of(st.text(max_size=16), anything),
         "annotations": anything})
-    payload = st.fixed_dictionaries({"version": st.one_of(st.sampled_from(["4", "1", "3"]), anything)}, optional={
-        "status": st.one_of(st.sampled_from(["firing", "resolved"]), anything),
-        "alerts": st.one_of(st.lists(alert, max_size=4), anything),
-        "groupLabels": anything, "receiver": anything})
-    as_bytes = st.one_of(payload, anything).map(lambda v: json.dumps(v).encode())
-    return st.tuples(st.sampled_from(["alertmanager", "grafana"]), st.one_of(as_bytes, as_bytes, st.binary(max_size=200)))
+    odd_alert = st.fixed_dictionaries({}, optional={"status": anything, "labels": st.one_of(labels, anything)})
+
+    def delivery(source: str, alerts):
+        return st.fixed_dictionaries({"version": st.just(SOURCES[source]), "alerts": alerts},
+                                     optional={"status": anything, "groupLabels": anything, "receiver": anything})
+
+    def encoded(strategy):
+        return strategy.map(lambda v: json.dumps(v).encode())
+
+    cases = [st.tuples(st.just(source), encoded(delivery(source, st.lists(alert, max_size=4))))
+             for source in SOURCES]
+    cases += [st.tuples(st.just(source), encoded(delivery(source, st.lists(st.one_of(alert, odd_alert), max_size=4))))
+              for source in SOURCES]
+    cases += [st.tuples(st.sampled_from(sorted(SOURCES)),
+                        st.one_of(encoded(anything), encoded(st.fixed_dictionaries({"version": anything,
+                                                                                    "alerts": anything})),
+                                  st.binary(max_size=200)))]
+    return st.one_of(*cases)
 
 
 def run(rig: Rig, *, bodies: int) -> ScenarioResult:
