@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from specops.chaos import auth, disconnect, leader_kill, redis_pause, redis_restart, saturation, webhook_fuzz
+from specops.chaos import auth, disconnect, leader_kill, policy_fuzz, redis_pause, redis_restart, saturation, webhook_fuzz
 from specops.chaos.result import ScenarioResult
 from specops.chaos.rig import Rig
 
@@ -31,10 +31,11 @@ class Sizes:
     disconnects: int
     fuzz_bodies: int
     saturation_s: float
+    policies: int
 
 
-QUICK = Sizes(redis_restarts=2, redis_down_s=0.5, leader_kills=2, redis_pauses=1, disconnects=10, fuzz_bodies=200, saturation_s=5.0)
-FULL = Sizes(redis_restarts=10, redis_down_s=2.0, leader_kills=10, redis_pauses=5, disconnects=100, fuzz_bodies=10_000, saturation_s=60.0)
+QUICK = Sizes(redis_restarts=2, redis_down_s=0.5, leader_kills=2, redis_pauses=1, disconnects=10, fuzz_bodies=150, saturation_s=5.0, policies=200)
+FULL = Sizes(redis_restarts=10, redis_down_s=2.0, leader_kills=10, redis_pauses=5, disconnects=100, fuzz_bodies=10_000, saturation_s=60.0, policies=10_000)
 
 # name -> runner; the order is the report's order.
 SCENARIOS: dict[str, Callable[[Rig, Sizes], ScenarioResult]] = {
@@ -45,6 +46,7 @@ SCENARIOS: dict[str, Callable[[Rig, Sizes], ScenarioResult]] = {
     "disconnect": lambda rig, s: disconnect.run(rig, clients=s.disconnects),
     "webhook-fuzz": lambda rig, s: webhook_fuzz.run(rig, bodies=s.fuzz_bodies),
     "auth": lambda rig, s: auth.run(rig),
+    "policy-fuzz": lambda rig, s: policy_fuzz.run(rig, cases=s.policies),
 }
 
 
