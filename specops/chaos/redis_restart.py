@@ -38,7 +38,7 @@ def _published(rig: Rig) -> int:
     client = _client(rig)
     try:
         reader = RedisWindowReader(client, namespace=NAMESPACE)
-        return sum(reader.window(c, 100_000).requests for c in reader.classes())
+        return sum(reader.window(c, 3600).requests for c in reader.classes())
     finally:
         client.close()
 
