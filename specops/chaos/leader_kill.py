@@ -97,7 +97,8 @@ def run(rig: Rig, *, kills: int) -> ScenarioResult:
             replicas.append(start_replica(rig, started))
             started += 1
         wait_until(lambda: [is_leader(p) for p in replicas].count(True) == 1, "exactly one leader", 30)
-        text, policy = canary_policy(steps=2 * kills + 2)
+        # each cycle uses up several steps (a fresh replica starts meanwhile); weights stay strictly increasing
+        text, policy = canary_policy(steps=min(98, 6 * kills + 6))
         rev = machine.start_rollout(store, policy, text, actor="chaos").revision
         for _ in range(kills):
             leader = next(p for p in replicas if is_leader(p))

@@ -39,7 +39,7 @@ def run(rig: Rig, *, pauses: int, pause_s: float) -> ScenarioResult:
         for i in range(2):
             replicas.append(start_replica(rig, i, ns=NAMESPACE))
         wait_until(lambda: [is_leader(p) for p in replicas].count(True) == 1, "exactly one leader", 30)
-        text, policy = canary_policy(steps=3 * pauses + 3)
+        text, policy = canary_policy(steps=min(98, 6 * pauses + 6))
         machine.start_rollout(store, policy, text, actor="chaos")
         for _ in range(pauses):
             before = store.rollout_state().step_index
