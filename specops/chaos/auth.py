@@ -65,6 +65,8 @@ def run(rig: Rig) -> ScenarioResult:
     figures = {"calls": calls, "not_401": len(not_401), "authorized_ok": good,
                "oversized_bodies_not_413": sum(code != 413 for code in over),
                "secrets_in_logs": len(leaked), "log_bytes_searched": len(logs)}
-    met = (not not_401 and over == [413, 413] and good[0] == 200 and good[1] in (200, 202, 503) and not leaked and len(logs) > 0)
-    return ScenarioResult(NAME, figures, "0 answers but 401; right secret accepted; over-cap bodies 413; 0 secrets in logs", met,
-                          notes=not_401[:5] + leaked)
+    # 503 from the webhook: authenticated, but the controller does not lead yet ("not now")
+    met = (not not_401 and over == [413, 413] and good[0] == 200 and good[1] in (200, 503) and not leaked
+           and len(logs) > 0)
+    return ScenarioResult(NAME, figures, "0 answers but 401; right secret accepted; over-cap bodies 413; "
+                          "0 secrets in logs", met, notes=not_401[:5] + leaked)

@@ -34,8 +34,10 @@ class Sizes:
     policies: int
 
 
-QUICK = Sizes(redis_restarts=2, redis_down_s=0.5, leader_kills=2, redis_pauses=1, disconnects=10, fuzz_bodies=150, saturation_s=5.0, policies=200)
-FULL = Sizes(redis_restarts=10, redis_down_s=2.0, leader_kills=10, redis_pauses=5, disconnects=100, fuzz_bodies=10_000, saturation_s=60.0, policies=10_000)
+QUICK = Sizes(redis_restarts=2, redis_down_s=0.5, leader_kills=2, redis_pauses=1, disconnects=10, fuzz_bodies=150,
+              saturation_s=5.0, policies=200)
+FULL = Sizes(redis_restarts=10, redis_down_s=2.0, leader_kills=10, redis_pauses=5, disconnects=100,
+             fuzz_bodies=10_000, saturation_s=60.0, policies=10_000)
 
 # name -> runner; the order is the report's order.
 SCENARIOS: dict[str, Callable[[Rig, Sizes], ScenarioResult]] = {
