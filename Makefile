@@ -21,7 +21,7 @@ BUILD_ARGS ?=
 # (tuned to this CPU, as torch's kernels are); the multimodal library is not needed.
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DLLAVA_BUILD=OFF
 
-.PHONY: venv install peers demo test bench gpu-check lint clean image image-names
+.PHONY: venv install peers demo test bench gpu-check chaos lint clean image image-names
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,11 @@ bench: $(STAMP)
 	$(VENV)/bin/specops bench decode --suite code --repeats 3 --json out/bench_decode.json --plot out/bench_decode.png
 	$(VENV)/bin/specops bench kernels
 	$(VENV)/bin/specops simulate --pods 200 --classes 5 --json out/simulate.json --plot out/simulate.png
+
+# Failure scenarios against real local processes (redis-server needed); `specops chaos --quick` runs in `make test`.
+chaos: $(STAMP)
+	@mkdir -p out
+	$(VENV)/bin/specops chaos --json out/chaos.json
 
 # Image name per target: the controller is the chart's image, the runtime carries "-runtime".
 image-names:

@@ -20,6 +20,7 @@ COMMANDS: dict[tuple[str, ...], dict[str, str]] = {
         "sidecar": "specops.sidecar.cli:sidecar_command",
         "engine-config": "specops.sidecar.cli:engine_config_command",
         "simulate": "specops.controller.cli:simulate_command",
+        "chaos": "specops.chaos.cli:chaos_command",
     },
     ("train",): {
         "tiny": "specops.train.cli:train_tiny_command",

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 
 WEBHOOK_PREFIX = "/webhook/"
 SOCKET_TIMEOUT_S = 10.0
+LINGER_S = 1.0  # at most this long discarding an unread body after a 401 / 413
 
 
 class _BodyError(Exception):
@@ -61,6 +63,21 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _json(self, status: int, obj: dict, headers: dict[str, str] | None = None) -> None:
         self._send(status, json.dumps(obj).encode(), "application/json", headers)
+
+    def _linger(self) -> None:
+        """After an answer sent without reading the body: stop writing, then discard (never parse)
+        what the client still sends, bounded in bytes and time. Closing with unread bytes would
+        reset the connection, and a reset can drop the answer before the client reads it."""
+        self.close_connection = True
+        try:
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_WR)
+            self.connection.settimeout(LINGER_S)
+            left = MAX_BODY_BYTES
+            while left > 0 and (chunk := self.connection.recv(min(65536, left))):
+                left -= len(chunk)
+        except OSError:  # the client went first, or the timeout: either way we are done
+            pass
 
     def _read_body(self) -> bytes:
         """The request body (Content-Length or chunked), at most MAX_BODY_BYTES; raises _BodyError."""
@@ -127,14 +144,16 @@ class _Handler(BaseHTTPRequestHandler):
             receiver.authorize(self.headers.get("Authorization"))  # before reading a byte of the body
         except WebhookError as exc:
             log.warning("webhook %s refused (%d): %s", source, exc.status, exc.message)
-            self.close_connection = True  # the unread body must not be parsed as the next request
-            self._json(exc.status, {"error": exc.message}, {"WWW-Authenticate": "Bearer"})
+            # the unread body must not be parsed as the next request: close, and say so (HTTP/1.1
+            # clients otherwise reuse the connection and see it dropped instead of the 401)
+            self._json(exc.status, {"error": exc.message}, {"WWW-Authenticate": "Bearer", "Connection": "close"})
+            self._linger()
             return
         try:
             body = self._read_body()
         except _BodyError as exc:
-            self.close_connection = True
-            self._json(exc.status, {"error": str(exc)})
+            self._json(exc.status, {"error": str(exc)}, {"Connection": "close"})
+            self._linger()
             return
         try:
             result = receiver.handle(source, self.headers.get("Authorization"), body)

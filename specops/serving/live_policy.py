@@ -264,7 +264,9 @@ class RecordBuffer:
         self.backoff_s = tuple(backoff_s)
         self._failures = 0
         self._next_attempt = float("-inf")
-        self._queue: deque[tuple[bool, Any]] = deque()
+        self._queue: deque[tuple[bool, Any, int]] = deque()  # (canary?, record, sequence number)
+        self._seq = 0
+        self._unsure: int | None = None  # sequence number of a record whose publish failed: applied or not?
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()
 
@@ -276,7 +278,8 @@ class RecordBuffer:
             if len(self._queue) >= self.max_records:
                 self._queue.popleft()
                 self.dropped += 1
-            self._queue.append((canary, record))
+            self._seq += 1
+            self._queue.append((canary, record, self._seq))
 
     def flush(self, force: bool = False) -> int:
         """Publish queued records oldest first until one fails; returns how many were published.
@@ -291,12 +294,16 @@ class RecordBuffer:
                 with self._lock:
                     if not self._queue:
                         return done
-                    canary, record = self._queue[0]
+                    canary, record, seq = self._queue[0]
                 publisher = self.canary_publisher if canary else self.publisher
                 if publisher is not None:
                     try:
-                        publisher.publish(record)
+                        # a failed publish may have been applied (Redis died before replying): ask first
+                        if not (self._unsure == seq and publisher.applied(seq)):
+                            publisher.publish(record, seq)
+                        self._unsure = None
                     except _FAILURES as exc:
+                        self._unsure = seq
                         self._failures += 1
                         delay = self.backoff_s[min(self._failures, len(self.backoff_s)) - 1]
                         self._next_attempt = self.clock() + delay

@@ -9,7 +9,13 @@ Layout (``ns`` = ``{namespace}``, a Redis Cluster hash tag: :mod:`specops.teleme
 ``{ns}:tm:pods:{class}``           zset  pod -> last time it published for the class
 
 Every bucket hash expires ``ttl_s`` after its last write. A publish is one MULTI/EXEC
-(HINCRBY/HINCRBYFLOAT on both hashes), so readers never see half a record. Reading a
+(HINCRBY/HINCRBYFLOAT on both hashes), so readers never see half a record.
+
+A publish given a sequence number (`RecordBuffer` numbers its records) also sets
+``{ns}:tm:applied:{pod}:{boot}`` (``boot``: one id per publisher object) to that number
+in the same transaction. When Redis dies after applying a transaction but before its
+reply arrives, the retry asks `applied` first and skips the record instead of counting
+it twice (found by ``specops chaos``: SIGKILLed Redis, one record duplicated). Reading a
 window of W seconds for C classes is ``C × ceil(W / bucket_s)`` HGETALLs in one round
 trip, independent of the number of pods: 5 classes × a 60 s window at 10 s buckets is
 30 small hashes.
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import math
 import time
+import uuid
 from collections.abc import Callable, Iterable
 
 from specops.telemetry.keyspace import key_prefix
@@ -98,9 +105,16 @@ class RedisPublisher:
         self.ttl_s = ttl_s
         self.clock = clock
         self._keys = _Keys(namespace)
+        self._applied_key = f"{key_prefix(namespace)}:tm:applied:{pod}:{uuid.uuid4().hex[:12]}"
 
-    def publish(self, record: DecodeRecord) -> None:
-        """Add one record to the current bucket of its class (atomically, with expiry)."""
+    def applied(self, seq: int) -> bool:
+        """Whether the record published with sequence number ``seq`` (or a later one) is in Redis."""
+        raw = self.redis.get(self._applied_key)
+        return raw is not None and int(raw) >= seq
+
+    def publish(self, record: DecodeRecord, seq: int | None = None) -> None:
+        """Add one record to the current bucket of its class (atomically, with expiry);
+        ``seq`` (increasing per publisher) is recorded with it for `applied`."""
         now = self.clock()
         bucket = int(now // self.bucket_s)
         ints, floats = _record_fields(record)
@@ -115,6 +129,8 @@ class RedisPublisher:
         for index, member in ((self._keys.classes, record.request_class), (self._keys.pods(record.request_class), self.pod)):
             pipe.zadd(index, {member: now})
             pipe.zremrangebyscore(index, "-inf", now - self.ttl_s)  # forget long-silent classes / pods
+        if seq is not None:
+            pipe.set(self._applied_key, seq, px=ttl_ms)
         pipe.execute()
 
 

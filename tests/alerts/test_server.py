@@ -148,3 +148,20 @@ def test_token_from_a_secret_file_with_trailing_newline(tmp_path):
         assert status == 200 and len(received) == 1
     finally:
         server.stop()
+
+
+def test_refused_calls_on_one_keep_alive_connection_all_get_their_401(served):
+    """A 401 sent without reading the body closes the connection and says so (Connection: close);
+    a keep-alive client then reconnects instead of finding the connection dropped (found by
+    `specops chaos`: the second call on a reused connection got no answer at all)."""
+    import httpx
+
+    server, received, _ = served
+    with httpx.Client(timeout=10) as client:
+        answers = [client.post(server.url + "/webhook/alertmanager", content=alertmanager(alert()),
+                               headers={"Authorization": f"Bearer wrong{i}"}) for i in range(5)]
+        ok = client.post(server.url + "/webhook/alertmanager", content=alertmanager(alert(cls="code", fingerprint="k")),
+                         headers={"Authorization": f"Bearer {TOKEN}"})
+    assert [a.status_code for a in answers] == [401] * 5
+    assert all(a.headers.get("connection") == "close" for a in answers)
+    assert ok.status_code == 200 and len(received) == 1

@@ -271,3 +271,52 @@ def test_record_buffer_keeps_records_through_an_outage(own_redis, tmp_path):
         assert window.requests == 5 and window.new_tokens == sum(range(4, 9))
     finally:
         restarted.stop()
+
+
+def test_record_buffer_does_not_count_twice_a_publish_applied_but_unanswered(redis_client):
+    """Redis applies the transaction, then the reply is lost (Redis SIGKILLed before answering):
+    the retry must see the record is there and not count it again (found by `specops chaos`)."""
+    import redis as redis_mod
+
+    from specops.serving.live_policy import RecordBuffer
+    from specops.telemetry.records import DecodeRecord
+    from specops.telemetry.redis_metrics import RedisPublisher, RedisWindowReader
+
+    class LosesOneReply:
+        """The real client, except that one transaction's reply is lost after Redis applied it."""
+
+        def __init__(self, client):
+            self.client, self.lose = client, 1
+
+        def __getattr__(self, name):
+            return getattr(self.client, name)
+
+        def pipeline(self, transaction=True):
+            pipe, outer = self.client.pipeline(transaction=transaction), self
+
+            class Pipe:
+                def __getattr__(self, name):
+                    return getattr(pipe, name)
+
+                def execute(self):
+                    result = pipe.execute()
+                    if outer.lose:
+                        outer.lose -= 1
+                        raise redis_mod.ConnectionError("Connection closed by server.")
+                    return result
+
+            return Pipe()
+
+    def rec(n: int) -> DecodeRecord:
+        return DecodeRecord(request_class="code", method="draft", new_tokens=n, drafted=4, accepted=2,
+                            accepted_per_pos=[1, 1], target_forwards=2, draft_s=0.01, verify_s=0.05, wall_s=0.1,
+                            plain_s_estimate=0.2, token_latencies_s=[0.05] * n, head_predictions=[], head_correct=[],
+                            gamma=4, heads=0)
+
+    buf = RecordBuffer(RedisPublisher(LosesOneReply(redis_client), pod="p", namespace="dup"), backoff_s=(0.0,))
+    buf.add(rec(1))
+    buf.add(rec(2))
+    assert buf.flush() == 0 and len(buf) == 2  # the first publish "failed" (but was applied)
+    assert buf.flush() == 2 and len(buf) == 0
+    window = RedisWindowReader(redis_client, namespace="dup").window("code", 60)
+    assert window.requests == 2 and window.new_tokens == 3

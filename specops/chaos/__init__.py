@@ -1,0 +1,1 @@
+"""`specops chaos`: failure scenarios against real local processes, with figures and goals."""
