@@ -26,7 +26,7 @@ from specops.decoder.runner import load_runner
 from specops.policies import load_policy
 from specops.policies import rollout as machine
 from specops.policies.store import PolicyStore
-from specops.policies.watcher import SettingsWatcher
+from specops.serving.live_policy import LivePolicy
 from specops.serving.policy_runtime import REASON_FALLBACK, PolicyRuntime
 from specops.telemetry.redis_metrics import RedisPublisher, RedisWindowReader
 from tests.controller.helpers import FakeClock as WallClock
@@ -50,9 +50,9 @@ alerts:
 
 
 def _runtime(decoder, store, rng_seed: int, wall=None, reconcile_s: float = 0.001):
-    watcher = SettingsWatcher(store, reconcile_s=reconcile_s)
+    live = LivePolicy(store, reconcile_s=reconcile_s)
     pub = RedisPublisher(store.redis, pod="pod-a", clock=wall) if wall is not None else None
-    return PolicyRuntime(decoder, store=store, watcher=watcher, publisher=pub, rng=random.Random(rng_seed)), watcher
+    return PolicyRuntime(decoder, store=store, live=live, publisher=pub, rng=random.Random(rng_seed)), live
 
 
 def test_intermediate_probe_fraction_is_honoured(redis_client):
