@@ -33,6 +33,7 @@ from typing import Any
 from specops.policies.rollout import effective_for, pick_revision
 from specops.policies.schema import Policy, RequestClass
 from specops.policies.state import EffectiveSettings
+from specops.policies.turns import resolve_turn, turn_bucket
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ class ServedRequest:
     probe: bool            # speculated although the class is fallen back
     fallback_reason: str | None
     stats: Any             # specops.decoder.stats.DecodeStats
+    turn: int | None = None          # conversation turn used for classification (None: unknown)
+    turn_label: str | None = None    # bounded telemetry label (1 / 2 / 3+) when the policy asks for it
 
 
 class PolicyRuntime:
@@ -81,6 +84,7 @@ class PolicyRuntime:
         self.rng = rng or random.Random(0)
         self.clock = clock
         self._policies: dict[int, Policy] = {}
+        self._turn_exporter: Any = None
 
     # -- which policy / settings serve a request ------------------------------------
     def _policy(self, revision: int | None) -> Policy:
@@ -128,8 +132,12 @@ class PolicyRuntime:
     def serve(self, prompt: str | list[int], *, labels: dict[str, str] | None = None, routing_key: str | None = None,
               temperature: float = 0.0, max_new_tokens: int = 128, top_k: int | None = None,
               top_p: float | None = None, seed: int | None = None, eos_token_id: int | list[int] | None = None,
-              ) -> ServedRequest:
-        """Decode one request under the policy and publish its telemetry."""
+              turn: int | None = None) -> ServedRequest:
+        """Decode one request under the policy and publish its telemetry.
+
+        ``turn``: the conversation turn (`specops.policies.turns.turn_from_messages` for
+        chat requests); None falls back to the ``turn`` label."""
+        turn = resolve_turn(turn, labels)
         if isinstance(prompt, str):
             if self.decoder.tokenizer is None:
                 raise ValueError("a text prompt needs the decoder's tokenizer; pass token ids instead")
@@ -141,7 +149,7 @@ class PolicyRuntime:
             self.watcher.poll()  # drains change notifications; re-reads on change or every reconcile_s
         revision, canary = self._route(routing_key if routing_key is not None else f"{self.rng.random():.12f}")
         policy = self._policy(revision)
-        rc = policy.classify(text, labels or {}, len(ids))
+        rc = policy.classify(text, labels or {}, len(ids), turn)
         settings = self._settings(policy, rc, revision, canary)
         method, probe, reason = self._method(rc, settings, temperature)
         kwargs: dict[str, Any] = {}
@@ -162,5 +170,15 @@ class PolicyRuntime:
             publisher.publish(record)
         if self.exporter is not None:
             self.exporter.observe(record)
+        label = None
+        if policy.telemetry.turn_label:
+            label = turn_bucket(turn)
+            if self.exporter is not None and label is not None:
+                if self._turn_exporter is None:
+                    from specops.telemetry.turn_metrics import TurnExporter
+
+                    self._turn_exporter = TurnExporter(self.exporter.registry)
+                self._turn_exporter.observe(record, turn)
         return ServedRequest(tokens=list(out.tokens), request_class=rc.name, method=stats.method, revision=revision,
-                             canary=canary, probe=probe, fallback_reason=stats.fallback_reason, stats=stats)
+                             canary=canary, probe=probe, fallback_reason=stats.fallback_reason, stats=stats,
+                             turn=turn, turn_label=label)
