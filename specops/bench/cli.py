@@ -13,7 +13,7 @@ METHOD_HELP = ("hf-greedy,hf-assisted,hf-lookup,ar,draft,ngram,medusa,auto[,llam
 
 
 @click.command("decode")
-@click.option("--suite", type=click.Choice(["code", "prose", "mixed"]), default="code", show_default=True)
+@click.option("--suite", type=click.Choice(["code", "prose", "mixed", "chat"]), default="code", show_default=True)
 @click.option("--methods", default="hf-greedy,hf-assisted,hf-lookup,ar,draft,ngram,medusa,auto", show_default=True,
               help=f"Comma-separated: {METHOD_HELP}.")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
@@ -53,6 +53,10 @@ def bench_decode_command(suite, methods, max_new_tokens, repeats, json_path, plo
     except (BenchError, SuiteError) as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(format_table(report))
+    if suite == "chat" and not prompts_file:
+        from specops.bench.chat_suite import format_turn_table
+
+        click.echo(format_turn_table(report))
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report, indent=2) + "\n")

@@ -5,7 +5,8 @@ training), chosen deterministically from a seed:
 
 * ``code``  — 20 runs of whole source lines (`specops.train.data.code_prompts`);
 * ``prose`` — docstrings: the opening of a long docstring, to be continued;
-* ``mixed`` — code + prose at temperature 0, plus a high-temperature (1.0) set.
+* ``mixed`` — code + prose at temperature 0, plus a high-temperature (1.0) set;
+* ``chat``  — multi-turn conversations (first reply vs follow-ups), see `specops.bench.chat_suite`.
 
 ``--prompts FILE`` replaces them: JSONL with a ``prompt`` field (optional
 ``temperature`` and ``kind``) or plain text with one prompt per line.
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-SUITES = ("code", "prose", "mixed")
+SUITES = ("code", "prose", "mixed", "chat")
 HOT_TEMPERATURE = 1.0
 
 
@@ -75,7 +76,8 @@ def docstring_prompts(files: Sequence[Path], *, count: int = 10, min_chars: int 
 
 
 def builtin_suite(name: str, *, seed: int = 0, code_count: int = 20, prose_count: int = 10,
-                  hot_count: int = 6) -> list[BenchPrompt]:
+                  hot_count: int = 6, chat_conversations: int = 6, chat_turns: int = 3,
+                  chat_template: str | None = None) -> list[BenchPrompt]:
     """The built-in suite ``name`` (one of `SUITES`)."""
     from specops.train.data import code_prompts, split_stdlib
 
@@ -88,10 +90,38 @@ def builtin_suite(name: str, *, seed: int = 0, code_count: int = 20, prose_count
         return [BenchPrompt(t, "code") for t in code_prompts(files, count=code_count, seed=seed)]
     if name == "prose":
         return [BenchPrompt(t, "prose") for t in docstring_prompts(files, count=prose_count, seed=seed)]
+    if name == "chat":
+        return chat_suite(files, conversations=chat_conversations, turns=chat_turns, seed=seed, template=chat_template)
     code = code_prompts(files, count=code_count // 2 + hot_count, seed=seed)
     prompts = [BenchPrompt(t, "code") for t in code[: code_count // 2]]
     prompts += [BenchPrompt(t, "prose") for t in docstring_prompts(files, count=prose_count // 2 + 1, seed=seed)]
     prompts += [BenchPrompt(t, "hot", HOT_TEMPERATURE) for t in code[code_count // 2:]]
+    return prompts
+
+
+def chat_suite(files: Sequence[Path], *, conversations: int = 6, turns: int = 3, seed: int = 0,
+               template: str | None = None) -> list[BenchPrompt]:
+    """Multi-turn chat prompts (kind ``turn1`` / ``turn2`` / ``turn3+``): half the
+    conversations from held-out code, half from docstrings, short messages (<= 240 chars)."""
+    from specops.bench.chat_suite import DEFAULT_CHAT_TEMPLATE, ChatTemplate, chat_conversations, turn_kind, turn_prompts
+    from specops.train.data import code_prompts
+
+    if conversations < 1 or turns < 1:
+        raise SuiteError(f"chat suite needs conversations >= 1 and turns >= 1, got {conversations}, {turns}")
+    try:
+        tmpl = ChatTemplate(template if template is not None else DEFAULT_CHAT_TEMPLATE)
+    except ValueError as exc:
+        raise SuiteError(str(exc)) from None
+    size = 2 * turns - 1
+    n_code = (conversations + 1) // 2
+    snippets = code_prompts(files, count=n_code * size, max_chars=240, seed=seed)
+    convs = chat_conversations(snippets, turns=turns)
+    if conversations - n_code:
+        docs = docstring_prompts(files, count=(conversations - n_code) * size, min_chars=120, max_chars=240, seed=seed)
+        convs += chat_conversations(docs, turns=turns)
+    prompts = []
+    for conversation in convs:
+        prompts += [BenchPrompt(text, turn_kind(turn)) for turn, text in turn_prompts(conversation, tmpl)]
     return prompts
 
 

@@ -93,6 +93,13 @@ def _run_draft(dec: Decoder, req: DecodeRequest) -> tuple[list[int], DecodeStats
 
     if dec.draft is None:
         raise MissingComponentError("method 'draft' needs a draft model: Decoder(target, draft=...)")
+    if req.options.get("pipeline", "sync") == "async":
+        from specops.decoder.async_draft import generate_draft_async
+
+        return generate_draft_async(
+            dec.target, dec.draft, req.prompt_ids, sampling=req.sampling, generator=req.generator,
+            max_new_tokens=req.max_new_tokens, eos_token_id=req.eos_token_id, schedule=req.schedule,
+            deadline_s=req.deadline_s, draft_threads=req.options.get("draft_threads", 1))
     return generate_draft(
         dec.target,
         dec.draft,
@@ -171,6 +178,7 @@ METHODS: dict[str, Callable[[Decoder, DecodeRequest], tuple[list[int], DecodeSta
 REQUIRES: dict[str, str] = {"draft": "draft", "medusa": "medusa"}
 # method-specific keyword options `generate(**options)` may pass through
 OPTIONS: dict[str, frozenset[str]] = {
+    "draft": frozenset({"pipeline", "draft_threads"}),  # pipeline "sync" | "async" (specops.decoder.async_draft)
     "ngram": frozenset({"max_ngram", "min_ngram"}),
     "medusa": frozenset({"typical"}),
     "auto": frozenset({"max_ngram", "min_ngram"}),
@@ -412,6 +420,10 @@ class Decoder:
         if unknown:
             allowed = ", ".join(sorted(OPTIONS.get(method, ()))) or "none"
             raise InvalidRequestError(f"unknown option(s) {', '.join(unknown)} for method {method!r} (allowed: {allowed})")
+        if method == "draft" and options:
+            from specops.decoder.async_draft import check_pipeline
+
+            check_pipeline(options.get("pipeline", "sync"), options.get("draft_threads", 1), "draft_threads" in options)
         if deadline_s is not None:
             from specops.decoder.speculation import check_deadline
 

@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from specops.policies.turns import resolve_turn
+
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
 
 Method = Literal["draft", "medusa", "ngram", "auto", "off"]
@@ -80,6 +82,24 @@ class FloatRange(_Model):
         return self.min <= value <= self.max
 
 
+class TurnRange(_Model):
+    """Conversation turns a rule matches (turn = assistant messages before the request + 1)."""
+
+    min: int = Field(default=1, ge=1)
+    """First turn matched (1 = the first reply)."""
+    max: int | None = Field(default=None, ge=1)
+    """Last turn matched; omit (null) for no upper bound."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> TurnRange:
+        if self.max is not None and self.min > self.max:
+            raise ValueError(f"min ({self.min}) must be <= max ({self.max})")
+        return self
+
+    def contains(self, turn: int) -> bool:
+        return turn >= self.min and (self.max is None or turn <= self.max)
+
+
 class MatchRule(_Model):
     """One way a request can belong to a class; all conditions given in a rule must hold.
 
@@ -96,6 +116,9 @@ class MatchRule(_Model):
     """The prompt has at least this many tokens."""
     max_prompt_tokens: int | None = Field(default=None, ge=0)
     """The prompt has at most this many tokens."""
+    turn: TurnRange | None = None
+    """Conversation turn (see ``specops.policies.turns``): from chat ``messages``, or the
+    ``turn`` label of a plain completion. A request whose turn is unknown never matches."""
 
     @field_validator("regex")
     @classmethod
@@ -109,15 +132,19 @@ class MatchRule(_Model):
 
     @model_validator(mode="after")
     def _has_condition(self) -> MatchRule:
-        given = [f for f in ("prefix", "regex", "label", "min_prompt_tokens", "max_prompt_tokens") if getattr(self, f) is not None]
+        given = [f for f in ("prefix", "regex", "label", "min_prompt_tokens", "max_prompt_tokens", "turn")
+                 if getattr(self, f) is not None]
         if not given:
-            raise ValueError("a match rule needs at least one of prefix, regex, label, min_prompt_tokens, max_prompt_tokens")
+            raise ValueError("a match rule needs at least one of prefix, regex, label, min_prompt_tokens, "
+                             "max_prompt_tokens, turn")
         if (self.min_prompt_tokens is not None and self.max_prompt_tokens is not None
                 and self.min_prompt_tokens > self.max_prompt_tokens):
             raise ValueError(f"min_prompt_tokens ({self.min_prompt_tokens}) must be <= max_prompt_tokens ({self.max_prompt_tokens})")
         return self
 
-    def matches(self, prompt: str, labels: dict[str, str], prompt_tokens: int) -> bool:
+    def matches(self, prompt: str, labels: dict[str, str], prompt_tokens: int, turn: int | None = None) -> bool:
+        if self.turn is not None and (turn is None or not self.turn.contains(turn)):
+            return False
         if self.prefix is not None and not prompt.startswith(self.prefix):
             return False
         if self.regex is not None and re.search(self.regex, prompt) is None:
@@ -129,6 +156,13 @@ class MatchRule(_Model):
         if self.max_prompt_tokens is not None and prompt_tokens > self.max_prompt_tokens:
             return False
         return True
+
+
+class TelemetryOptions(_Model):
+    """Optional, bounded extra telemetry labels."""
+
+    turn_label: bool = False
+    """Also export per-turn series labelled ``turn`` = ``1`` / ``2`` / ``3+`` (bounded)."""
 
 
 class Adaptation(_Model):
@@ -308,6 +342,8 @@ class Policy(_Model):
     """Canary rollout of this policy."""
     upstreams: Upstreams | None = None
     """Engine pools for ``specops sidecar`` (vLLM / SGLang pods); None: pools named ``spec`` and ``plain``."""
+    telemetry: TelemetryOptions = TelemetryOptions()
+    """Optional extra telemetry labels (off by default: no added cardinality)."""
 
     @field_validator("version", mode="before")
     @classmethod
@@ -339,11 +375,16 @@ class Policy(_Model):
     def class_names(self) -> list[str]:
         return [c.name for c in self.classes]
 
-    def classify(self, prompt: str, labels: dict[str, str] | None = None, prompt_tokens: int = 0) -> RequestClass:
-        """The first class (in order) with a matching rule, else the default class."""
+    def classify(self, prompt: str, labels: dict[str, str] | None = None, prompt_tokens: int = 0,
+                 turn: int | None = None) -> RequestClass:
+        """The first class (in order) with a matching rule, else the default class.
+
+        ``turn``: the conversation turn (`specops.policies.turns.turn_from_messages`);
+        None falls back to the ``turn`` label, else the turn is unknown."""
         labels = labels or {}
+        turn = resolve_turn(turn, labels)
         for c in self.classes:
-            if any(rule.matches(prompt, labels, prompt_tokens) for rule in c.match):
+            if any(rule.matches(prompt, labels, prompt_tokens, turn) for rule in c.match):
                 return c
         return self.get_class(self.default_class)
 

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specops.policies.turns import turn_from_messages
 from specops.serving import protocol as p
 from specops.serving.async_engine import AsyncEngine, EngineUnavailableError, GenerationRequest, QueueFullError
 from specops.serving.chat_template import render_chat
@@ -291,7 +292,8 @@ def build_app(load: Callable[[], AsyncEngine], *, model_name: str, model_root: s
         limit_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         params = sampling(client, body, len(ids), body.token_limit, None, limit_param)
         labels, key = labels_and_key(request, body)
-        req = GenerationRequest(ids, user_text, params, body.stop_list(), labels, key)
+        turn = turn_from_messages({"role": role} for role, _ in messages)
+        req = GenerationRequest(ids, user_text, params, body.stop_list(), labels, key, turn=turn)
         return await respond(request, client, req, body, chat=True)
 
     async def respond(request: Request, client: AsyncEngine, req: GenerationRequest, body: p._Common, chat: bool):

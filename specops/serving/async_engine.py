@@ -60,6 +60,7 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     labels: dict[str, str] = field(default_factory=dict)
     routing_key: str | None = None
+    turn: int | None = None                     # chat: 1 + assistant messages before it (None: the turn label)
 
 
 @dataclass
@@ -261,7 +262,7 @@ class AsyncEngine:
             self.metrics.requests.labels("rejected").inc()
             raise QueueFullError(self.inflight)
         res = self.runtime.resolve(req.text, len(req.prompt_ids), labels=req.labels, routing_key=req.routing_key,
-                                   temperature=req.params.temperature)
+                                   temperature=req.params.temperature, turn=req.turn)
         spec = self._spec_type(method=res.method, gamma=res.gamma, medusa_heads=res.heads, tree_size=res.tree_size,
                                deadline_s=res.deadline_s)
         request_id = f"req-{next(self._ids)}"

@@ -40,6 +40,7 @@ from specops.policies.rollout import effective_for, pick_revision
 from specops.policies.schema import Policy, RequestClass
 from specops.policies.state import EffectiveSettings
 from specops.serving.live_policy import LivePolicy, RecordBuffer
+from specops.policies.turns import resolve_turn, turn_bucket
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +69,14 @@ class Resolution:
     canary: bool
     probe: bool                 # speculated although the class is fallen back
     fallback_reason: str | None
+    turn: int | None = None         # conversation turn used for classification (None: unknown)
+    turn_label: str | None = None   # bounded telemetry label (1 / 2 / 3+) when the policy asks for it
 
     def as_dict(self) -> dict[str, Any]:
         return {"request_class": self.request_class, "method": self.method, "revision": self.revision,
                 "canary": self.canary, "probe": self.probe, "fallback_reason": self.fallback_reason,
                 "gamma": self.gamma if self.method in ("draft", "ngram") else None,
-                "medusa_heads": self.heads if self.method == "medusa" else None}
+                "medusa_heads": self.heads if self.method == "medusa" else None, "turn": self.turn}
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,8 @@ class ServedRequest:
     probe: bool            # speculated although the class is fallen back
     fallback_reason: str | None
     stats: Any             # specops.decoder.stats.DecodeStats
+    turn: int | None = None          # conversation turn used for classification (None: unknown)
+    turn_label: str | None = None    # bounded telemetry label (1 / 2 / 3+) when the policy asks for it
 
 
 class PolicyRuntime:
@@ -117,6 +122,7 @@ class PolicyRuntime:
         self.exporter = exporter
         self.rng = rng or random.Random(0)
         self.clock = clock
+        self._turn_exporter: Any = None  # per-turn series, created when a policy asks for them
 
     # -- capabilities of the loaded models ---------------------------------------------
     @property
@@ -171,12 +177,16 @@ class PolicyRuntime:
         return s.method, False, None
 
     def resolve(self, text: str, prompt_tokens: int, *, labels: dict[str, str] | None = None,
-                routing_key: str | None = None, temperature: float = 0.0) -> Resolution:
-        """Settings for one request from the last good policy state (never touches Redis)."""
+                routing_key: str | None = None, temperature: float = 0.0, turn: int | None = None) -> Resolution:
+        """Settings for one request from the last good policy state (never touches Redis).
+
+        ``turn``: the conversation turn (`specops.policies.turns.turn_from_messages` for chat
+        requests); None falls back to the ``turn`` label (unknown: no turn rule matches)."""
+        turn = resolve_turn(turn, labels)
         key = routing_key if routing_key is not None else f"{self.rng.random():.12f}"
         revision, canary = self._route(key)
         policy = self._policy(revision)
-        rc = policy.classify(text, labels or {}, prompt_tokens)
+        rc = policy.classify(text, labels or {}, prompt_tokens, turn)
         settings = self._settings(policy, rc, revision, canary)
         method, probe, reason = self._method(rc, settings, temperature)
         loaded = max(1, self.medusa_heads_loaded)
@@ -185,7 +195,8 @@ class PolicyRuntime:
             gamma=settings.gamma, gamma_min=rc.gamma.min, gamma_max=rc.gamma.max,
             heads=min(settings.medusa_heads, loaded), heads_min=min(rc.medusa_heads.min, loaded),
             heads_max=min(rc.medusa_heads.max, loaded), tree_size=settings.tree_size,
-            deadline_s=rc.deadline_s, revision=revision, canary=canary, probe=probe, fallback_reason=reason)
+            deadline_s=rc.deadline_s, revision=revision, canary=canary, probe=probe, fallback_reason=reason,
+            turn=turn, turn_label=turn_bucket(turn) if policy.telemetry.turn_label else None)
 
     # -- record ------------------------------------------------------------------------
     def record(self, resolution: Resolution, record: Any) -> Any:
@@ -196,6 +207,12 @@ class PolicyRuntime:
             record = replace(record, request_class=resolution.request_class)
         if self.exporter is not None:
             self.exporter.observe(record)
+            if resolution.turn_label is not None:  # per-turn series only when the policy asks for them
+                if self._turn_exporter is None:
+                    from specops.telemetry.turn_metrics import TurnExporter
+
+                    self._turn_exporter = TurnExporter(self.exporter.registry)
+                self._turn_exporter.observe(record, resolution.turn)
         self.records.add(record, canary=resolution.canary)
         return record
 
@@ -213,8 +230,11 @@ class PolicyRuntime:
     def serve(self, prompt: str | list[int], *, labels: dict[str, str] | None = None, routing_key: str | None = None,
               temperature: float = 0.0, max_new_tokens: int = 128, top_k: int | None = None,
               top_p: float | None = None, seed: int | None = None, eos_token_id: int | list[int] | None = None,
-              ) -> ServedRequest:
-        """Decode one request with `Decoder.generate` under the policy and record its telemetry."""
+              turn: int | None = None) -> ServedRequest:
+        """Decode one request with `Decoder.generate` under the policy and record its telemetry.
+
+        ``turn``: the conversation turn (`specops.policies.turns.turn_from_messages` for
+        chat requests); None falls back to the ``turn`` label."""
         tokenizer = getattr(self.decoder, "tokenizer", None)
         if isinstance(prompt, str):
             if tokenizer is None:
@@ -224,7 +244,8 @@ class PolicyRuntime:
             ids = list(prompt)
             text = tokenizer.decode(ids) if tokenizer is not None else ""
         self.poll()
-        res = self.resolve(text, len(ids), labels=labels, routing_key=routing_key, temperature=temperature)
+        res = self.resolve(text, len(ids), labels=labels, routing_key=routing_key, temperature=temperature,
+                           turn=turn)
         kwargs: dict[str, Any] = {}
         if res.method in ("draft", "ngram"):
             kwargs["gamma"] = res.gamma
@@ -241,4 +262,5 @@ class PolicyRuntime:
         self.records.flush()
         return ServedRequest(tokens=list(out.tokens), request_class=res.request_class, method=stats.method,
                              revision=res.revision, canary=res.canary, probe=res.probe,
-                             fallback_reason=stats.fallback_reason, stats=stats)
+                             fallback_reason=stats.fallback_reason, stats=stats, turn=res.turn,
+                             turn_label=res.turn_label)

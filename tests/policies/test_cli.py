@@ -68,7 +68,8 @@ def test_rollout_lifecycle(run, redis_client):
     run("rollout", chat)
     assert "healthy" in run("promote", "--full").output
     store = PolicyStore(redis_client)
-    assert store.current_revision() == 3 and set(store.effective()) == {"factual", "summarise", "creative", "chat"}
+    assert store.current_revision() == 3 and set(store.effective()) == {
+        "factual", "summarise", "creative", "chat-first", "chat-followup", "chat"}
     hist = run("history").output.splitlines()
     assert len(hist) == 4 and "current" in hist[3] and hist[3].split()[0] == "3"
     res = run("rollback")

@@ -1,0 +1,93 @@
+"""The multi-turn ``chat`` benchmark suite: first replies vs follow-up turns.
+
+Conversations are assembled from the held-out stdlib text the other suites use (no
+model in the loop, so the suite is the same for every method and run): conversation
+``c`` alternates user and assistant messages cut from held-out code and docstrings.
+The prompt for turn ``k`` is the conversation so far — ``k`` user messages and the
+``k - 1`` assistant replies between them — rendered with a chat template string, then
+the assistant generation prompt. Each prompt's ``kind`` is its turn bucket
+(``turn1``, ``turn2``, ``turn3+``), so the report's ``by_kind`` gives acceptance and
+speed per turn.
+
+A template is a Python format string with ``{role}`` and ``{content}`` per message;
+the generation prompt is the template with ``role=assistant`` cut before ``{content}``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specops.policies.turns import turn_bucket
+
+DEFAULT_CHAT_TEMPLATE = "<|{role}|>\n{content}\n"
+TURN_KINDS = ("turn1", "turn2", "turn3+")
+
+
+class ChatTemplateError(ValueError):
+    """Raised for a chat template without exactly one ``{role}`` and one ``{content}``."""
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A per-message template such as ``<|{role}|>\\n{content}\\n``."""
+
+    text: str = DEFAULT_CHAT_TEMPLATE
+
+    def __post_init__(self) -> None:
+        if self.text.count("{role}") != 1 or self.text.count("{content}") != 1:
+            raise ChatTemplateError("a chat template needs exactly one {role} and one {content}, "
+                                    f"got {self.text!r}")
+        if self.text.index("{role}") > self.text.index("{content}"):
+            raise ChatTemplateError("a chat template must name {role} before {content}")
+
+    def message(self, role: str, content: str) -> str:
+        return self.text.replace("{role}", role).replace("{content}", content)
+
+    def generation_prompt(self) -> str:
+        return self.text[: self.text.index("{content}")].replace("{role}", "assistant")
+
+    def render(self, messages: list[tuple[str, str]]) -> str:
+        """The conversation ``[(role, content), ...]`` followed by the assistant generation prompt."""
+        return "".join(self.message(role, content) for role, content in messages) + self.generation_prompt()
+
+
+def chat_conversations(snippets: list[str], *, turns: int) -> list[list[tuple[str, str]]]:
+    """Conversations of ``2 * turns - 1`` messages (user, assistant, user, ...) from consecutive snippets."""
+    if turns < 1:
+        raise ValueError(f"turns must be >= 1, got {turns}")
+    size = 2 * turns - 1
+    conversations = []
+    for start in range(0, len(snippets) - size + 1, size):
+        chunk = snippets[start: start + size]
+        conversations.append([("user" if i % 2 == 0 else "assistant", text.strip("\n")) for i, text in enumerate(chunk)])
+    return conversations
+
+
+def turn_prompts(conversation: list[tuple[str, str]], template: ChatTemplate) -> list[tuple[int, str]]:
+    """(turn, rendered prompt) for every user message of ``conversation``."""
+    out = []
+    for i, (role, _) in enumerate(conversation):
+        if role == "user":
+            turn = 1 + sum(1 for r, _ in conversation[:i] if r == "assistant")
+            out.append((turn, template.render(conversation[: i + 1])))
+    return out
+
+
+def turn_kind(turn: int) -> str:
+    """Bench prompt kind for a turn: ``turn1`` / ``turn2`` / ``turn3+`` (bounded, like the telemetry label)."""
+    return "turn" + (turn_bucket(turn) or "1")
+
+
+def format_turn_table(report: dict) -> str:
+    """Per-method, per-turn acceptance, tokens/s and tokens per target forward (the report's ``by_kind``)."""
+    kinds = [k for k in TURN_KINDS if k in report.get("prompt_kinds", [])]
+    head = f"{'method':<12} {'turn':<7} {'tok/s':>8} {'accept':>7} {'tok/fwd':>8}"
+    lines = [head, "-" * len(head)]
+    for r in report["results"]:
+        for kind in kinds:
+            row = r["by_kind"].get(kind)
+            if row is None:
+                continue
+            acc = "-" if row["acceptance_rate"] is None else f"{row['acceptance_rate']:.3f}"
+            lines.append(f"{r['method']:<12} {kind:<7} {row['tokens_per_s']:>8.1f} {acc:>7} {row['mean_accepted_len']:>8.2f}")
+    return "\n".join(lines)
