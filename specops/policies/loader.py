@@ -41,10 +41,18 @@ def load_policy(source: str | os.PathLike[str], *, filename: str | None = None) 
     return parse_policy(text, name)
 
 
+def _is_file(text: str) -> bool:
+    """Whether one-line ``text`` names an existing file (a name the OS cannot take is YAML, not a path)."""
+    try:
+        return Path(text).is_file()
+    except (OSError, ValueError):  # e.g. ENAMETOOLONG, or an embedded NUL byte
+        return False
+
+
 def read_source(source: str | os.PathLike[str], filename: str | None = None) -> tuple[str, str]:
     """(text, display name) of a policy given as a path or as YAML text."""
     is_path = isinstance(source, os.PathLike) or (
-        isinstance(source, str) and "\n" not in source and len(source) < 4096 and Path(source).is_file())
+        isinstance(source, str) and "\n" not in source and len(source) < 4096 and _is_file(source))
     if not is_path:
         if not isinstance(source, str):
             raise TypeError(f"policy source must be a path or YAML text, not {type(source).__name__}")

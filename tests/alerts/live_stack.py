@@ -113,7 +113,7 @@ class LiveStack:
         from specops.policies import load_policy
         from specops.policies import rollout as machine
         from specops.policies.store import PolicyStore
-        from specops.policies.watcher import SettingsWatcher
+        from specops.serving.live_policy import LivePolicy
         from specops.serving.policy_runtime import PolicyRuntime
         from specops.telemetry.exporter import PrometheusExporter
         from specops.telemetry.redis_metrics import RedisPublisher
@@ -131,8 +131,8 @@ class LiveStack:
         # the runtime: models, live settings, telemetry to Redis and to its /metrics
         registry = CollectorRegistry()
         decoder = _bundled_decoder() if self.bundled else _tiny_decoder()
-        self.watcher = SettingsWatcher(self.store, reconcile_s=0.5)
-        self.runtime = PolicyRuntime(decoder, store=self.store, watcher=self.watcher,
+        self.watcher = LivePolicy(self.store, reconcile_s=0.5)
+        self.runtime = PolicyRuntime(decoder, store=self.store, live=self.watcher,
                                      publisher=RedisPublisher(self.client, pod="live-0"),
                                      exporter=PrometheusExporter(registry), rng=random.Random(3))
         self.runtime_port = free_port()

@@ -278,3 +278,17 @@ def test_policy_built_in_python_still_checks_references():
     from specops.policies import Policy, RequestClass
     with pytest.raises(ValidationError, match="unknown class 'b'"):
         Policy(version="1", default_class="b", classes=[RequestClass(name="a")])
+
+
+def test_one_line_text_too_long_for_a_file_name_is_yaml_not_a_path():
+    """A one-line source the OS cannot take as a file name (ENAMETOOLONG, NUL) is read as YAML:
+    a clear PolicyError naming <string>, never an OSError (found by hypothesis)."""
+    import pytest
+
+    from specops.policies import load_policy
+    from specops.policies.errors import PolicyError
+
+    for text in ("0" * 30 + "\x80" * 300, "a\x00b"):
+        with pytest.raises(PolicyError) as err:
+            load_policy(text)
+        assert "<string>" in str(err.value)
