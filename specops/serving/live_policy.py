@@ -48,7 +48,9 @@ def serving_redis(url: str | None = None, *, unix_socket_path: str | None = None
 
     redis-py's default retry policy re-tries each command (with backoff) on a dead
     connection, which turned one poll into seconds of stall; the serving path does
-    its own backoff (`BACKOFF_S`) instead.
+    its own backoff (`BACKOFF_S`) instead. ``redis+sentinel://`` / ``redis+cluster://``
+    URLs get the same short timeouts through `specops.policies.redis_urls` (their
+    failover handling needs redis-py's own reconnects, so retries stay on there).
     """
     from redis.backoff import NoBackoff
     from redis.retry import Retry
@@ -56,6 +58,13 @@ def serving_redis(url: str | None = None, *, unix_socket_path: str | None = None
     common: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
                               "retry": Retry(NoBackoff(), 0), "retry_on_timeout": False}
     if url:
+        from specops.policies import redis_urls
+
+        scheme = url.split("://", 1)[0].lower()
+        if scheme in redis_urls.SENTINEL_SCHEMES:  # the primary the sentinels name, re-asked on failure
+            return redis_urls.sentinel_client(redis_urls.parse(url), timeout_s)
+        if scheme in redis_urls.CLUSTER_SCHEMES:
+            return redis_urls.cluster_client(redis_urls.parse(url), timeout_s)
         return redis.Redis.from_url(url, **common)
     if unix_socket_path:
         return redis.Redis(unix_socket_path=unix_socket_path, **common)

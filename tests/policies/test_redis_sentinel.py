@@ -184,3 +184,24 @@ def test_controller_process_continues_the_rollout_on_the_promoted_replica(group,
                 proc.kill()
                 proc.wait(timeout=10)
         log.close()
+
+
+def test_serving_client_follows_the_sentinels_primary(group):
+    """`specops serve` / `sidecar` read the policy through `serving_redis`: a sentinel URL gives
+    the current primary's state (the fail-static cache loads it), not a connection error."""
+    from specops.serving.live_policy import LivePolicy, serving_redis
+
+    admin = connect(group.url())
+    try:
+        sm.start_rollout(PolicyStore(admin), load_policy(V1), V1, actor="test")
+    finally:
+        close(admin)
+    client = serving_redis(group.url(), timeout_s=2.0)
+    live = LivePolicy(PolicyStore(client), reconcile_s=60.0, subscribe=False)
+    try:
+        live.poll(force=True)
+        assert live.stable_revision == 1 and not live.stale
+        assert live.settings_for("a").gamma == 4
+    finally:
+        live.close()
+        client.close()
