@@ -278,9 +278,32 @@ class SentinelGroup:
                  for s in self.sentinels if s.proc.poll() is None]
         return max(set(ports), key=ports.count)
 
+    def settled_primary_port(self, timeout_s: float = 60.0) -> int:
+        """The primary's port once every live sentinel reports the same one and it answers as a master."""
+        box: list[int] = []
+
+        def agreed() -> bool:
+            ports = {int(redis_call(s.port, "SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.service)[1])
+                     for s in self.sentinels if s.proc.poll() is None}
+            if len(ports) != 1:
+                return False
+            port = ports.pop()
+            role = redis_call(port, "ROLE")
+            if not role or role[0] not in ("master", b"master"):
+                return False
+            box.append(port)
+            return True
+
+        wait_until(agreed, "every sentinel to agree on a primary", timeout_s)
+        return box[-1]
+
     def restart(self, svc: Service) -> Service:
-        """Start a stopped data node again on its port (empty, as a rescheduled pod would be)."""
-        new = start_redis_node(self.server_binary, svc.port, svc.workdir, name=svc.name)
+        """Start a stopped data node again on its port, empty, as a rescheduled pod would be: it
+        asks the sentinels for the current primary and starts as its replica (a node that came
+        back as an empty primary could have the sentinels resync the real primary from it)."""
+        primary = self.settled_primary_port()
+        extra = () if primary == svc.port else ("--replicaof", "127.0.0.1", str(primary))
+        new = start_redis_node(self.server_binary, svc.port, svc.workdir, name=svc.name, extra=extra)
         if svc is self.primary:
             self.primary = new
         else:
