@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import importlib
 
-import pytest
-
-from tests.services import REQUIRE_SERVICES
+from tests.services import missing_service
 
 
 def require_module(name: str):
-    """Import ``name`` (a module of the peers extra) or skip / fail (``SPECOPS_REQUIRE_SERVICES=1``)."""
+    """Import ``name`` (a module of the peers extra), or skip / fail (``SPECOPS_REQUIRE_SERVICES=1``)
+    through the same rule as every other service (`tests.services.missing_service`)."""
     try:
         return importlib.import_module(name)
     except (ImportError, OSError) as exc:
-        msg = f"{name} is not installed ({exc}); pip install -e \".[peers]\" brings it"
-        if REQUIRE_SERVICES:
-            pytest.fail(msg + " (SPECOPS_REQUIRE_SERVICES=1: .ci/run must install the peers extra)")
-        pytest.skip(msg)
+        missing_service(f"{name} is not installed ({exc}); pip install -e \".[peers]\" (make peers) brings it")

@@ -15,8 +15,7 @@ def tokenizer():
     from specops.decoder.api import _load_tokenizer
 
     tok = _load_tokenizer(TOKENIZER_DIR)
-    if tok is None:
-        pytest.skip("bundled tokenizer not loadable")
+    assert tok is not None, "the bundled tokenizer ships with the package and must load"
     return tok
 
 
