@@ -166,9 +166,9 @@ def test_engine_metrics_republished_with_pool_label(engine, fixture, kept, dropp
 
 
 def test_stream_watcher_times_content_events_and_bounds_its_buffer():
-    from specops.sidecar.proxy import _StreamWatcher
+    from specops.sidecar.stream import StreamWatcher
 
-    w = _StreamWatcher("vllm", started=0.0)
+    w = StreamWatcher("vllm", started=0.0)
     w.feed(b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\ndata: {"choi', 0.1)
     w.feed(b'ces":[{"delta":{"content":"a"}}]}\r\n\r\n', 0.3)
     w.feed(b'data: {"choices":[{"delta":{"content":"b"}}]}\n\n: comment\n\ndata: not json\n\n', 0.5)
