@@ -98,3 +98,12 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   configMap:
     name: {{ include "specops.fullname" . }}-policy
 {{- end -}}
+
+{{/* Controller replicas: the configured count with a shared Redis, 1 with the embedded one. */}}
+{{- define "specops.controllerReplicas" -}}
+{{- if or .Values.redis.url .Values.redis.existingSecret -}}
+{{- .Values.controller.replicas | int -}}
+{{- else -}}
+1
+{{- end -}}
+{{- end -}}
