@@ -108,12 +108,14 @@ class Sidecar:
         self.registry = registry
         self.exporter = exporter
         self.records = records
+        self.records_by = "sidecar" if records is not None else "none"   # who writes the Redis records
         self.speed = speed or PoolSpeed()
         self.metrics = SidecarMetrics(registry)
         self.metrics.unenforceable.set(1 if router.single else 0)
         self.scraper = EngineScraper(cfg.engine, cfg.upstreams, registry=registry)
         self.client: httpx.AsyncClient | None = None       # /metrics scrapes and /v1/models (off the request path)
-        self.upstream: UpstreamClient | None = None          # the proxied requests
+        self.upstream = UpstreamClient(cfg.upstreams, connect_timeout_s=cfg.connect_timeout_s,
+                                       read_timeout_s=cfg.read_timeout_s)  # the proxied requests
 
     def timeout(self) -> httpx.Timeout:
         c = self.cfg
@@ -434,8 +436,6 @@ def build_app(sidecar: Sidecar) -> ProxyApp:
     async def lifespan(app: FastAPI):
         sidecar.client = httpx.AsyncClient(timeout=sidecar.timeout(),
                                            limits=httpx.Limits(max_connections=64, max_keepalive_connections=8))
-        sidecar.upstream = UpstreamClient(sidecar.cfg.upstreams, connect_timeout_s=sidecar.cfg.connect_timeout_s,
-                                          read_timeout_s=sidecar.cfg.read_timeout_s)
         await sidecar.scraper.scrape(sidecar.client)  # /readyz knows the pools from the start
         task = asyncio.create_task(sidecar.background())
         try:
@@ -475,7 +475,7 @@ def build_app(sidecar: Sidecar) -> ProxyApp:
         pools = sidecar.scraper.health()
         ready = any(p["up"] for p in pools.values()) if pools else False
         live = sidecar.router.live
-        body = {"ready": ready, "engine": sidecar.cfg.engine, "pools": pools,
+        body = {"ready": ready, "engine": sidecar.cfg.engine, "pools": pools, "records_by": sidecar.records_by,
                 "fallback_enforceable": not sidecar.router.single,
                 "policy": live.status() if live is not None else {"source": "file", "live": False}}
         if sidecar.router.single:

@@ -19,13 +19,15 @@ the pod's loopback, so this client does only that:
   (``read_timeout_s``); a failure is an `UpstreamError` whose ``kind`` the proxy maps to
   its error answers (``unreachable``, ``timeout``, ``truncated``).
 
-Not supported (the engines do not send them on these routes): HTTP/2, TLS, ``1xx``
+``https://`` pools get TLS with the default trust store. Not supported (the engines do
+not send them on these routes): HTTP/2, ``1xx``
 interim responses, content encodings (the proxy does not ask for any).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -48,17 +50,19 @@ class Endpoint:
     port: int
     prefix: str          # path prefix of the base URL ('' or '/something')
     host_header: bytes
+    tls: bool = False
 
 
 def endpoint(base_url: str) -> Endpoint:
-    """Parse ``http://host[:port][/prefix]`` (raises ValueError otherwise)."""
+    """Parse ``http(s)://host[:port][/prefix]`` (raises ValueError otherwise)."""
     parts = urlsplit(base_url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise ValueError(f"upstream URL must be http://host[:port][/path], got {base_url!r}")
-    port = parts.port or 80
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"upstream URL must be http(s)://host[:port][/path], got {base_url!r}")
+    tls = parts.scheme == "https"
+    port = parts.port or (443 if tls else 80)
     host = parts.hostname
     shown = f"[{host}]" if ":" in host else host
-    return Endpoint(host, port, parts.path.rstrip("/"), f"{shown}:{port}".encode())
+    return Endpoint(host, port, parts.path.rstrip("/"), f"{shown}:{port}".encode(), tls)
 
 
 @dataclass
@@ -153,6 +157,7 @@ class UpstreamPool:
         self.read_timeout_s = read_timeout_s
         self.max_idle = max_idle
         self._idle: list[_Conn] = []
+        self._tls = ssl.create_default_context() if self.ep.tls else None
 
     def put(self, conn: _Conn) -> None:
         if len(self._idle) < self.max_idle and not conn.reader.at_eof():
@@ -164,7 +169,8 @@ class UpstreamPool:
     async def _connect(self) -> _Conn:
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                reader, writer = await asyncio.open_connection(self.ep.host, self.ep.port, limit=MAX_HEAD_BYTES)
+                reader, writer = await asyncio.open_connection(self.ep.host, self.ep.port, limit=MAX_HEAD_BYTES,
+                                                               ssl=self._tls)
         except TimeoutError:
             raise UpstreamError("unreachable", "could not be connected to in time") from None
         except OSError as exc:

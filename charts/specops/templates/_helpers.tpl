@@ -70,6 +70,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
     - --policy=/etc/specops/policy.yaml
     - --listen=0.0.0.0:{{ .Values.sidecar.port }}
     - --reconcile-s={{ .Values.sidecar.reconcileSeconds }}
+    - --records={{ .Values.sidecar.records }}
     {{- range .Values.sidecar.args }}
     - {{ . | quote }}
     {{- end }}
