@@ -32,6 +32,7 @@ COMMANDS: dict[tuple[str, ...], dict[str, str]] = {
         "kernels": "specops.kernels.bench:bench_kernels_command",
         "medusa": "specops.bench.medusa_sweep:bench_medusa_command",
         "serve": "specops.bench.serve:bench_serve_command",
+        "sidecar": "specops.bench.sidecar_overhead:bench_sidecar_command",
     },
     ("policy",): {
         "validate": "specops.policies.cli:validate_command",
