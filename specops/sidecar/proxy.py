@@ -368,8 +368,10 @@ class ProxyApp:
                     watcher.feed(data, now)
                     await send({"type": "http.response.body", "body": data, "more_body": True})
                     if gone.done():
-                        outcome = "client_gone"
-                        break
+                        if gone.cancelled() or gone.exception() or gone.result()["type"] == "http.disconnect":
+                            outcome = "client_gone"
+                            break
+                        gone = asyncio.ensure_future(receive())  # not a disconnect: keep listening
                     if now > deadline:
                         outcome = "timeout"
                         await send({"type": "http.response.body", "more_body": True, "body": _sse_error(
