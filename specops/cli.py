@@ -60,7 +60,7 @@ COMMANDS: dict[tuple[str, ...], dict[str, str]] = {
 
 GROUP_HELP = {
     ("train",): "Train the bundled models, distil drafts, train Medusa heads.",
-    ("bench",): "Benchmarks: decoding methods vs peers, kernels.",
+    ("bench",): "Benchmarks: decoding methods vs peers, kernels, serving, the sidecar's overhead.",
     ("policy",): "Validate and roll out YAML speculation policies.",
     ("controller",): "The adaptive control loop (fleet controller; the per-pod proxy is `specops sidecar`).",
     ("alerts",): "Render alert rules for Prometheus and Grafana.",

@@ -17,7 +17,10 @@ sidecar`` measures it): the two proxied routes are plain ASGI (no FastAPI routin
 middleware or response classes; the other routes are a FastAPI app behind them), the
 engines are reached through pooled keep-alive connections (`upstream.UpstreamClient`:
 one write per request, no per-request connection or name lookup), and chunks are
-relayed as they arrive with only a byte search per event.
+relayed as they arrive with only a byte search per event. The HTTP server side is
+uvicorn's: with ``uvloop`` and ``httptools`` installed it uses them (measured with a
+fake engine: sidecar CPU per 17-chunk stream 1.4 → 0.9 ms); they are not dependencies
+of the light install, so without them it runs on asyncio and h11.
 
 Failure handling (nothing hangs: every upstream call has a connect and a per-read
 timeout, and a stream a total deadline):
