@@ -50,11 +50,18 @@ def _listen(value: str) -> tuple[str, int]:
               help="Longest a whole request (a stream included) may take.")
 @click.option("--scrape-s", type=click.FloatRange(min=0.1), default=5.0, show_default=True,
               help="Scrape the engines' /metrics this often.")
+@click.option("--records", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="Who writes per-request records to Redis: auto = the engine for --engine specops (it records "
+                   "itself), the sidecar for vllm/sglang; on = the sidecar (specops pools in namespaces of their own).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 def sidecar_command(engine, upstreams, policy_file, redis_url, namespace, pod, listen, reconcile_s,
-                    connect_timeout_s, read_timeout_s, request_timeout_s, scrape_s, log_level) -> None:
-    """Class-aware OpenAI proxy in front of vLLM / SGLang / specops pools (routing, telemetry, fail-open)."""
+                    connect_timeout_s, read_timeout_s, request_timeout_s, scrape_s, records, log_level) -> None:
+    """Class-aware OpenAI proxy in front of vLLM / SGLang / specops pools (routing, telemetry, fail-open).
+
+    Each request is recorded in Redis once: ``--records auto`` leaves it to a ``specops serve``
+    engine (which records what it ran) and writes it itself for vLLM / SGLang.
+    """
     from specops.sidecar.server import SidecarError, SidecarOptions, run_sidecar
 
     host, port = _listen(listen)
@@ -65,7 +72,7 @@ def sidecar_command(engine, upstreams, policy_file, redis_url, namespace, pod, l
                           redis_url=redis_url, namespace=namespace, pod=pod, host=host, port=port,
                           reconcile_s=reconcile_s, connect_timeout_s=connect_timeout_s,
                           read_timeout_s=read_timeout_s, request_timeout_s=request_timeout_s, scrape_s=scrape_s,
-                          log_level=log_level)
+                          records=records, log_level=log_level)
     try:
         run_sidecar(opts)
     except SidecarError as exc:

@@ -9,10 +9,20 @@ in mostlygeek/llama-swap issue #1032)
     ``acceptance_histogram`` (index i = steps that accepted exactly i drafts),
     ``mean_acceptance_length``, ``draft_acceptance_rate``.
 SGLang (``meta_info`` of the native API; also returned on OpenAI responses by builds
-that expose it)
-    ``spec_verify_ct`` (verify forwards), ``completion_tokens``, ``spec_accept_length``
-    (tokens per verify forward), and where present ``spec_accept_token_num`` /
-    ``spec_draft_token_num`` / ``spec_accept_rate``.
+that expose it). Read from sgl-project/sglang: the fields are set per request by
+``python/sglang/srt/managers/tokenizer_manager_components/spec_decoding_meta.py``
+(``fill_spec_decoding_meta``; before that ``TokenizerManager._calculate_spec_decoding_metrics``
+in ``python/sglang/srt/managers/tokenizer_manager.py``). Always, when the request ran
+speculative steps: ``spec_verify_ct`` (verify forwards), ``spec_accept_length``
+(``completion_tokens / spec_verify_ct``, the bonus token included) and ``spec_accept_rate``
+(accepted / proposed drafts). The counts were renamed twice; newest first, all read:
+``spec_num_correct_drafts`` / ``spec_num_proposed_drafts`` (with the two below kept as
+aliases), ``spec_accepted_drafts`` / ``spec_proposed_drafts``, ``spec_accept_token_num`` /
+``spec_draft_token_num``. Proposed = ``spec_verify_ct × (speculative_num_draft_tokens − 1)``,
+so γ = proposed / verify forwards. The per-request histogram (index i = verify steps that
+accepted exactly i drafts, as vLLM's) is ``spec_correct_drafts_histogram``, earlier
+``spec_accept_histogram``. Builds with none of the counts: accepted = completion tokens
+− verify forwards, proposed = accepted / ``spec_accept_rate``.
 specops (``specops serve``)
     the ``specops`` object: ``method``, ``drafted``, ``accepted``, ``gamma``.
 
@@ -65,14 +75,27 @@ def from_vllm(body: dict[str, Any]) -> SpecCounts | None:
     drafted, accepted = _int(sd.get("num_draft_tokens")), _int(sd.get("num_accepted_draft_tokens"))
     if drafted is None or accepted is None:
         return None
-    per_pos: list[int] = []
-    hist = sd.get("acceptance_histogram")
-    if isinstance(hist, list) and hist and all(_int(h) is not None for h in hist):
-        counts = [int(h) for h in hist]
-        # position p accepted in every step that accepted more than p drafts
-        per_pos = [sum(counts[p + 1:]) for p in range(len(counts) - 1)]
+    per_pos = _per_pos(sd.get("acceptance_histogram"))
     return _valid(SpecCounts(drafted, accepted, per_pos, _int(sd.get("num_spec_steps")),
                              _int(sd.get("num_spec_tokens")) or 0))
+
+
+SGLANG_ACCEPTED = ("spec_num_correct_drafts", "spec_accepted_drafts", "spec_accept_token_num")
+SGLANG_PROPOSED = ("spec_num_proposed_drafts", "spec_proposed_drafts", "spec_draft_token_num")
+SGLANG_HISTOGRAM = ("spec_correct_drafts_histogram", "spec_accept_histogram")
+
+
+def _first(meta: dict[str, Any], names: tuple[str, ...]) -> Any:
+    return next((meta[n] for n in names if n in meta), None)
+
+
+def _per_pos(hist: Any) -> list[int]:
+    """Accepted drafts by position from a histogram of drafts accepted per verify step."""
+    if not (isinstance(hist, list) and hist and all(_int(h) is not None for h in hist)):
+        return []
+    counts = [int(h) for h in hist]
+    # position p accepted in every step that accepted more than p drafts
+    return [sum(counts[p + 1:]) for p in range(len(counts) - 1)]
 
 
 def from_sglang(body: dict[str, Any]) -> SpecCounts | None:
@@ -82,19 +105,20 @@ def from_sglang(body: dict[str, Any]) -> SpecCounts | None:
     verify = _int(meta.get("spec_verify_ct"))
     if verify is None or verify == 0:
         return None
-    accepted = _int(meta.get("spec_accept_token_num"))
+    accepted = _int(_first(meta, SGLANG_ACCEPTED))
     if accepted is None:
         tokens = _int(meta.get("completion_tokens"))
         if tokens is None:
             return None
         accepted = max(0, tokens - verify)  # each verify forward emits its accepted drafts + one token
-    drafted = _int(meta.get("spec_draft_token_num"))
+    drafted = _int(_first(meta, SGLANG_PROPOSED))
     if drafted is None:
         rate = meta.get("spec_accept_rate")
         if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 < rate <= 1:
             return None
         drafted = round(accepted / rate)
-    return _valid(SpecCounts(drafted, accepted, [], verify))
+    gamma = drafted // verify if drafted % verify == 0 else 0
+    return _valid(SpecCounts(drafted, accepted, _per_pos(_first(meta, SGLANG_HISTOGRAM)), verify, gamma))
 
 
 def from_specops(body: dict[str, Any]) -> SpecCounts | None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from specops.policies.rollout import effective_for, pick_revision
 from specops.policies.schema import Policy, Upstreams
@@ -46,6 +46,7 @@ class Route:
     probe: bool
     fallback_reason: str | None
     enforced: bool             # False: wanted the plain pool but only one pool exists
+    spec_pool: bool = False    # served by the speculative engine pool (its tokens/s is not the plain baseline)
 
 
 class Router:
@@ -128,7 +129,13 @@ class Router:
         enforced = not (reason and self.single)
         method = "ar" if (reason and enforced) else (s.method if s.method != "off" else "ar")
         gamma = s.gamma if method in ("draft", "ngram") else 0
-        return Route(rc.name, pool, method, gamma, revision, canary, probe, reason, enforced)
+        spec_pool = method != "ar" and (pool == self.pool_name(u.spec) or self.single)
+        return Route(rc.name, pool, method, gamma, revision, canary, probe, reason, enforced, spec_pool)
+
+    def with_pool(self, route: Route, pool: str) -> Route:
+        """``route`` after a failover to ``pool`` (the plain pool decodes plainly)."""
+        spec_pool = route.method != "ar" and (pool == self.pool_name(self.upstreams.spec) or self.single)
+        return replace(route, pool=pool, spec_pool=spec_pool)
 
     def failover_pool(self, pool: str) -> str | None:
         """The other pool, when the policy allows failing over to it."""

@@ -2,6 +2,26 @@
 
 Torch-free by contract (import-linter "Ops layer stays light"): it imports the
 policy, telemetry and `specops.serving.live_policy` modules, never the engine.
+
+Who writes a request's `DecodeRecord` to Redis (``--records``) — exactly one writer
+per request, so the controller's windows count each request once:
+
+``auto`` (default)
+    the *engine* when it is ``specops serve`` (``--engine specops``): it records every
+    request itself, under the same contract, with what it actually ran (its method, γ,
+    policy revision and canary pick, its own speed-up estimate), into the namespace it
+    was started with; the sidecar writes none. For vLLM / SGLang pools, which record
+    nothing in Redis, the sidecar writes them (from their response fields).
+``on``
+    the sidecar always writes; for ``specops serve`` pools that are started with
+    namespaces of their own (``--namespace <ns>-pool-<name>``, which the controller
+    does not read): the sidecar's records then carry its routing decisions
+    (``policy_fallback`` when it moved a class to the plain pool, probes, its canary pick).
+``off``
+    the sidecar never writes (its ``/metrics`` still exports the per-class families).
+
+Pools that share the controller's namespace with ``--records on`` would count twice;
+that is the configuration ``auto`` exists to avoid.
 """
 
 from __future__ import annotations
@@ -35,7 +55,18 @@ class SidecarOptions:
     request_timeout_s: float = 600.0
     scrape_s: float = 5.0
     log_level: str = "info"
+    records: str = "auto"           # auto | on | off: who writes the Redis records (module docstring)
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+RECORDS = ("auto", "on", "off")
+
+
+def sidecar_writes_records(records: str, engine: str) -> bool:
+    """Whether the sidecar, not the engine, writes the Redis records (see the module docstring)."""
+    if records not in RECORDS:
+        raise SidecarError(f"--records must be one of {', '.join(RECORDS)}, got {records!r}")
+    return records == "on" or (records == "auto" and engine != "specops")
 
 
 def _bootstrap(url: str, namespace: str, policy: Any, text: str) -> None:
@@ -84,13 +115,17 @@ def build_sidecar(opts: SidecarOptions, registry: Any = None) -> Any:
         raise SidecarError(f"{opts.policy_file}: {exc}") from None
     registry = registry if registry is not None else CollectorRegistry()
     live = records = None
+    writes = sidecar_writes_records(opts.records, opts.engine)
     if opts.redis_url:
         _bootstrap(opts.redis_url, opts.namespace, policy, text)
         client = serving_redis(opts.redis_url)
         live = LivePolicy(PolicyStore(client, namespace=opts.namespace), reconcile_s=opts.reconcile_s)
         pod = opts.pod or f"{socket.gethostname()}-{os.getpid()}"
-        records = RecordBuffer(RedisPublisher(client, pod=pod, namespace=opts.namespace),
-                               RedisPublisher(client, pod=pod, namespace=canary_namespace(opts.namespace)))
+        if writes:
+            records = RecordBuffer(RedisPublisher(client, pod=pod, namespace=opts.namespace),
+                                   RedisPublisher(client, pod=pod, namespace=canary_namespace(opts.namespace)))
+        log.info("per-request records in Redis: written by %s (--records %s)",
+                 "the sidecar" if writes else "the specops engine pools", opts.records)
     try:
         router = Router(policy, opts.upstreams, live=live)
     except ValueError as exc:
@@ -98,7 +133,11 @@ def build_sidecar(opts: SidecarOptions, registry: Any = None) -> Any:
     cfg = SidecarConfig(engine=opts.engine, upstreams=opts.upstreams, connect_timeout_s=opts.connect_timeout_s,
                         read_timeout_s=opts.read_timeout_s, request_timeout_s=opts.request_timeout_s,
                         poll_s=0.2, scrape_s=opts.scrape_s)
-    sidecar = Sidecar(cfg, router, registry=registry, exporter=PrometheusExporter(registry), records=records)
+    try:
+        sidecar = Sidecar(cfg, router, registry=registry, exporter=PrometheusExporter(registry), records=records)
+    except ValueError as exc:
+        raise SidecarError(str(exc)) from None
+    sidecar.records_by = ("sidecar" if writes else "engine") if opts.redis_url else "none"
     if router.single:
         log.warning("one engine pool only (%s): class fallbacks will be reported and alerted on but cannot be "
                     "enforced; give a plain pool with --upstream to enforce them", ", ".join(opts.upstreams))

@@ -109,10 +109,43 @@ def test_existing_secrets_and_custom_policy(tmp_path):
     assert env["SPECOPS_REDIS"]["valueFrom"]["secretKeyRef"]["name"] == "mine"
 
 
-def test_replicas_without_shared_redis_are_refused():
-    out = _template("controller.replicas=2", check=False)
-    assert out.returncode != 0 and "needs a shared Redis" in out.stderr
-    _template("controller.replicas=2", "redis.url=redis://r:6379/0")
+def test_controller_runs_two_leader_elected_replicas_with_a_shared_redis(tmp_path):
+    from specops.controller.cli import run_command
+
+    docs = _docs("redis.url=redis://r:6379/0")
+    dep = docs[("Deployment", "rel-specops-controller")]
+    assert dep["spec"]["replicas"] == 2
+    pod = dep["spec"]["template"]["spec"]
+    # the standby stays off the leader's node when it can
+    term = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert term["labelSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    pdb = docs[("PodDisruptionBudget", "rel-specops-controller")]["spec"]
+    assert pdb["minAvailable"] == 1 and pdb["selector"] == dep["spec"]["selector"]
+    # both replicas elect through the one Redis, with a lease the tick can keep (the CLI's own rule)
+    policy = tmp_path / "policy.yaml"
+    policy.write_text((CHART / "files" / "policy.yaml").read_text())
+    container = pod["containers"][0]
+    ctx = run_command.make_context("run", [a.replace("/etc/specops/policy.yaml", str(policy)) for a in container["args"]])
+    assert ctx.params["lease_ttl_ms"] == 15000 and ctx.params["interval_s"] < ctx.params["lease_ttl_ms"] * 0.9 / 1000
+    env = {e["name"]: e for e in container["env"]}
+    assert env["SPECOPS_REDIS"]["valueFrom"]["secretKeyRef"]["key"] == "redis-url"  # the shared one, from the Secret
+    assert _docs("redis.url=redis://r:6379/0", "controller.replicas=3")[("Deployment", "rel-specops-controller")][
+        "spec"]["replicas"] == 3
+
+
+def test_embedded_redis_runs_a_single_controller_replica():
+    """Each pod's embedded Redis would hold its own lease: two replicas would both lead."""
+    for sets in ((), ("controller.replicas=3",)):
+        docs = _docs(*sets)
+        assert docs[("Deployment", "rel-specops-controller")]["spec"]["replicas"] == 1
+        assert ("PodDisruptionBudget", "rel-specops-controller") not in docs
+        assert "affinity" not in docs[("Deployment", "rel-specops-controller")]["spec"]["template"]["spec"]
+
+
+def test_a_lease_shorter_than_the_tick_is_refused():
+    out = _template("redis.url=redis://r:6379/0", "controller.tickSeconds=14", check=False)
+    assert out.returncode != 0 and "leaseTtlMs" in out.stderr
+    _template("redis.url=redis://r:6379/0", "controller.tickSeconds=14", "controller.leaseTtlMs=20000")
 
 
 def test_committed_rules_match_the_chart_policy():

@@ -30,6 +30,7 @@ def test_sidecar_container_args_parse_with_the_real_cli(tmp_path):
     args = [a.replace("/etc/specops/policy.yaml", str(policy)) for a in side["args"]]
     ctx = sidecar_command.make_context("sidecar", args)
     assert ctx.params["engine"] == "vllm" and ctx.params["listen"] == "0.0.0.0:9400" and ctx.params["scrape_s"] == 2.0
+    assert ctx.params["records"] == "auto"  # one writer per request: the sidecar for vLLM, the engine for specops
     # every upstream points at an engine container's port in the same pod
     ports = {p["containerPort"] for c in spec["containers"][:-1] for p in c["ports"]}
     for value in ctx.params["upstreams"]:

@@ -79,6 +79,17 @@ class _Handler(BaseHTTPRequestHandler):
             parts = STREAM_PARTS
             if "CUT" in prompt:
                 parts = STREAM_PARTS[:2]
+            if "DRIP" in prompt:  # a long stream, to leave in the middle of
+                try:
+                    for _ in range(100):
+                        part = STREAM_PARTS[3]
+                        self.wfile.write(f"{len(part):x}\r\n".encode() + part + b"\r\n")
+                        self.wfile.flush()
+                        time.sleep(0.05)
+                except OSError:
+                    self.server.aborted += 1
+                    self.close_connection = True
+                return
             for part in parts:
                 self.wfile.write(f"{len(part):x}\r\n".encode() + part + b"\r\n")
                 self.wfile.flush()
@@ -103,6 +114,7 @@ def _fake(name: str) -> ThreadingHTTPServer:
     srv.daemon_threads = True
     srv.name = name
     srv.seen = []
+    srv.aborted = 0
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     return srv
 
@@ -249,3 +261,15 @@ def test_no_connections_leak_after_failures(side):
     assert r.status_code == 200
     fds = len(os.listdir(f"/proc/{side.proc.pid}/fd"))
     assert fds < 60, f"sidecar holds {fds} file descriptors"
+
+
+def test_client_leaving_mid_stream_closes_the_engine_connection(side, pools):
+    with httpx.stream("POST", f"{side.url}/v1/completions", json={"prompt": "DRIP", "stream": True}, timeout=15) as r:
+        assert r.status_code == 200
+        next(r.iter_raw())
+    t0 = time.monotonic()  # the engine would stream for 5 s more
+    while pools[0].aborted == 0 and time.monotonic() - t0 < 4:
+        time.sleep(0.05)
+    assert pools[0].aborted == 1, "the engine kept streaming to nobody"
+    metrics = httpx.get(f"{side.url}/metrics", timeout=5).text
+    assert 'outcome="client_gone"' in metrics and 'pool="spec"' in metrics

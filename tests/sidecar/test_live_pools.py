@@ -1,5 +1,8 @@
 """``specops sidecar`` in front of two real ``specops serve`` pools (bundled models):
 one speculative (the default policy), one plain (every class ``method: off``).
+The main sidecar writes its own records (``--records on``: the pools use namespaces of
+their own); a second one, with the defaults, shares the spec pool's namespace and must
+leave the records to the engine (each request counted once).
 
 Routing by class, a fallback moving a class to the plain pool within one reconcile
 period, probes, the stream relayed event for event, per-class records in Redis,
@@ -85,10 +88,19 @@ def stack(tmp_path_factory):
                                   "--upstream", f"plain={box['plain'].url}", "--policy", str(side_policy),
                                   "--redis", redis_url, "--namespace", NS, "--listen", f"127.0.0.1:{sport}",
                                   "--reconcile-s", str(RECONCILE_S), "--scrape-s", "0.5", "--read-timeout-s", "60",
-                                  "--log-level", "warning"], work, sport)
+                                  "--records", "on", "--log-level", "warning"], work, sport)
         started.append(side)
         box["side"] = side
+        # a second sidecar with the defaults, sharing the spec pool's namespace (one namespace for all)
+        shared_port = free_port()
+        shared = _spawn("sidecar-shared", ["sidecar", "--engine", "specops", "--upstream", f"spec={box['spec'].url}",
+                                           "--policy", str(DEFAULT), "--redis", redis_url, "--namespace", "pool-spec",
+                                           "--listen", f"127.0.0.1:{shared_port}", "--log-level", "warning"],
+                        work, shared_port)
+        started.append(shared)
+        box["shared"] = shared
         _wait_ready(side, 60)
+        _wait_ready(shared, 60)
         yield box
     finally:
         for svc in reversed(started):
@@ -232,3 +244,25 @@ def test_redis_down_routes_on_last_known_settings(stack):
         time.sleep(0.3)
     else:
         pytest.fail("sidecar did not reload the policy after Redis came back")
+
+
+def test_shared_namespace_counts_each_request_once(stack):
+    """Defaults (``--records auto``) with a specops pool in the same namespace: only the engine records."""
+    import redis
+
+    from specops.telemetry.redis_metrics import RedisWindowReader
+
+    ready = httpx.get(f"{stack['shared'].url}/readyz", timeout=5).json()
+    assert ready["records_by"] == "engine"
+    reader = RedisWindowReader(redis.Redis(host="127.0.0.1", port=stack["rport"]), namespace="pool-spec")
+    time.sleep(1.5)  # earlier tests' records have been flushed
+    before = reader.window("code", 300).requests
+    n = 3
+    for _ in range(n):
+        r = httpx.post(f"{stack['shared'].url}/v1/completions", json=CODE, timeout=120)
+        assert r.status_code == 200 and r.headers["x-specops-pool"] == "spec", r.text
+    deadline = time.monotonic() + 10
+    while reader.window("code", 300).requests < before + n and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.5)  # both writers have had their flush period: a second copy would have landed by now
+    assert reader.window("code", 300).requests == before + n

@@ -39,7 +39,22 @@ def test_sglang_meta_info_fields():
     assert (c.drafted, c.accepted, c.verify_forwards) == (48, 24, 16)
     explicit = {"meta_info": {"spec_verify_ct": 4, "spec_accept_token_num": 6, "spec_draft_token_num": 12}}
     c2 = fields.extract("sglang", explicit)
-    assert (c2.drafted, c2.accepted) == (12, 6)
+    assert (c2.drafted, c2.accepted, c2.gamma) == (12, 6, 3)
+
+
+@pytest.mark.parametrize("fixture", ["sglang_response_drafts.json", "sglang_response_num_drafts.json"])
+def test_sglang_renamed_counts_and_histogram(fixture):
+    c = fields.extract("sglang", _json(fixture))
+    assert (c.drafted, c.accepted, c.verify_forwards, c.gamma) == (30, 17, 10, 3)
+    # histogram [2, 3, 1, 4]: position 0 accepted in 8 steps, 1 in 5, 2 in 4
+    assert c.accepted_per_pos == [8, 5, 4]
+
+
+def test_sglang_newest_names_win_over_aliases():
+    meta = dict(_json("sglang_response_num_drafts.json")["meta_info"], spec_accepted_drafts=1, spec_proposed_drafts=2,
+                spec_accept_histogram=[1, 1])
+    c = fields.extract("sglang", {"meta_info": meta})
+    assert (c.drafted, c.accepted, c.accepted_per_pos) == (30, 17, [8, 5, 4])
 
 
 @pytest.mark.parametrize("case", _json("unknown_fields.json")["cases"])
@@ -166,9 +181,9 @@ def test_engine_metrics_republished_with_pool_label(engine, fixture, kept, dropp
 
 
 def test_stream_watcher_times_content_events_and_bounds_its_buffer():
-    from specops.sidecar.proxy import _StreamWatcher
+    from specops.sidecar.stream import StreamWatcher
 
-    w = _StreamWatcher("vllm", started=0.0)
+    w = StreamWatcher("vllm", started=0.0)
     w.feed(b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\ndata: {"choi', 0.1)
     w.feed(b'ces":[{"delta":{"content":"a"}}]}\r\n\r\n', 0.3)
     w.feed(b'data: {"choices":[{"delta":{"content":"b"}}]}\n\n: comment\n\ndata: not json\n\n', 0.5)

@@ -70,6 +70,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
     - --policy=/etc/specops/policy.yaml
     - --listen=0.0.0.0:{{ .Values.sidecar.port }}
     - --reconcile-s={{ .Values.sidecar.reconcileSeconds }}
+    - --records={{ .Values.sidecar.records }}
     {{- range .Values.sidecar.args }}
     - {{ . | quote }}
     {{- end }}
@@ -97,4 +98,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - name: specops-policy
   configMap:
     name: {{ include "specops.fullname" . }}-policy
+{{- end -}}
+
+{{/* Controller replicas: the configured count with a shared Redis, 1 with the embedded one. */}}
+{{- define "specops.controllerReplicas" -}}
+{{- if or .Values.redis.url .Values.redis.existingSecret -}}
+{{- .Values.controller.replicas | int -}}
+{{- else -}}
+1
+{{- end -}}
 {{- end -}}

@@ -1,0 +1,234 @@
+"""``specops bench sidecar``: what the sidecar adds to a stream, against the same engine directly.
+
+Issue 10's budget for the proxy: ≤ 2 ms p50 and ≤ 5 ms p99 added to time to first
+token, ≤ 0.5 ms p50 per streamed chunk, at concurrency 1 and 16. This starts (or takes,
+``--base-url``) a ``specops serve`` engine and starts a ``specops sidecar`` in front of
+it (one pool, no Redis: routing from the policy file), then runs the *same* streamed
+``/v1/completions`` requests (the `specops.bench.serve` load generator and prompt mix)
+directly and through the sidecar, one cell after the other, alternating which goes
+first in each repeat (so drift in the engine or the machine's load falls on both).
+
+Per repeat × concurrency it takes the p50 / p99 of TTFT and the p50 of ITL (gap between
+content chunks) and TPOT ((E2E − TTFT) / (tokens − 1)) on each path; the report is the
+median over repeats of each path's figure and of the difference (via sidecar − direct).
+
+Reading the figures: a delay the proxy adds *equally* to every chunk shifts the whole
+stream, so it shows in TTFT and cancels out of ITL / TPOT; the per-chunk rows show
+what the relay adds beyond that (chunks queued behind the proxy's own work, e.g. at
+concurrency 16 when the proxy competes with the engine for CPU). Differences between
+two runs of the same engine have noise of the engine's own step-time jitter: more
+``--repeats`` and ``--num-prompts`` narrow it; a loaded machine widens it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+
+from specops.bench.serve import (
+    BenchServeError,
+    ServeBenchConfig,
+    _free_port,
+    _percentile,
+    _stop,
+    _wait_ready,
+    build_prompts,
+    run_cell,
+)
+
+ROOT_POLICY = Path(__file__).resolve().parents[2] / "examples" / "policies" / "default.yaml"
+BUDGET = {"ttft_p50_ms": 2.0, "ttft_p99_ms": 5.0, "chunk_p50_ms": 0.5}
+
+
+@dataclass
+class OverheadConfig:
+    base_url: str | None = None
+    engine: str = "specops"
+    policy: str | None = None
+    concurrency: list[int] = field(default_factory=lambda: [1, 16])
+    num_prompts: int | None = None     # per cell; None: max(16, 4 x concurrency)
+    repeats: int = 3
+    max_tokens: int = 32
+    warmup: int = 4
+    prompts_file: str | None = None    # JSONL / one prompt per line; None: the serve bench's built-in mix
+    seed: int = 0
+    server_args: list[str] = field(default_factory=list)
+    progress: bool = True
+
+
+def _cell_stats(results: list[Any]) -> dict[str, float | None]:
+    ok = [r for r in results if r.ok]
+    ms = 1000.0
+    tpots = [t for t in (r.tpot_s for r in ok) if t is not None]
+    itls = [x for r in ok for x in r.itl_s]
+
+    def pct(values: list[float], q: float) -> float | None:
+        v = _percentile(values, q)
+        return None if v is None else v * ms
+
+    return {"requests": len(results), "errors": len(results) - len(ok),
+            "ttft_p50_ms": pct([r.ttft_s for r in ok], 0.5), "ttft_p99_ms": pct([r.ttft_s for r in ok], 0.99),
+            "itl_p50_ms": pct(itls, 0.5), "tpot_p50_ms": pct(tpots, 0.5)}
+
+
+def _median(values: list[float | None]) -> float | None:
+    v = [x for x in values if x is not None]
+    return statistics.median(v) if v else None
+
+
+def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Median over repeats, per concurrency, of each path's figures and of the differences."""
+    rows = []
+    for c in sorted({r["concurrency"] for r in runs}):
+        mine = [r for r in runs if r["concurrency"] == c]
+        row: dict[str, Any] = {"concurrency": c, "repeats": len(mine),
+                               "errors": sum(r["direct"]["errors"] + r["sidecar"]["errors"] for r in mine)}
+        for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "tpot_p50_ms"):
+            row[f"direct_{key}"] = _median([r["direct"][key] for r in mine])
+            row[f"sidecar_{key}"] = _median([r["sidecar"][key] for r in mine])
+            diffs = [None if r["direct"][key] is None or r["sidecar"][key] is None
+                     else r["sidecar"][key] - r["direct"][key] for r in mine]
+            row[f"overhead_{key}"] = _median(diffs)
+        row["within_budget"] = {
+            "ttft_p50": _le(row["overhead_ttft_p50_ms"], BUDGET["ttft_p50_ms"]),
+            "ttft_p99": _le(row["overhead_ttft_p99_ms"], BUDGET["ttft_p99_ms"]),
+            "chunk_p50": _le(row["overhead_itl_p50_ms"], BUDGET["chunk_p50_ms"]),
+        }
+        rows.append(row)
+    return rows
+
+
+def _le(value: float | None, limit: float) -> bool | None:
+    return None if value is None else value <= limit
+
+
+def _spawn(argv: list[str], workdir: Path, name: str) -> subprocess.Popen:
+    log = open(workdir / f"{name}.log", "wb")
+    return subprocess.Popen([sys.executable, "-m", "specops.cli", *argv], cwd=workdir, stdout=log,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+def run_overhead(cfg: OverheadConfig) -> dict[str, Any]:
+    """Start what is needed, measure, stop it all; returns ``{"config", "budget", "runs", "results"}``."""
+    if cfg.repeats < 1:
+        raise BenchServeError("--repeats must be >= 1")
+    policy = cfg.policy or str(ROOT_POLICY)
+    workdir = Path(tempfile.mkdtemp(prefix="specops-bench-sidecar-"))
+    server = side = None
+    try:
+        direct = cfg.base_url
+        if direct is None:
+            port = _free_port()
+            server = _spawn(["serve", "--port", str(port), "--policy", policy, "--max-batch",
+                             str(max(cfg.concurrency)), "--log-level", "warning", *cfg.server_args], workdir, "serve")
+            direct = f"http://127.0.0.1:{port}"
+            _wait_ready(direct, 600, server)
+        direct = direct.rstrip("/")
+        sport = _free_port()
+        side = _spawn(["sidecar", "--engine", cfg.engine, "--upstream", f"spec={direct}", "--policy", policy,
+                       "--listen", f"127.0.0.1:{sport}", "--log-level", "warning"], workdir, "sidecar")
+        via = f"http://127.0.0.1:{sport}"
+        _wait_ready(via, 60, side)
+        model = _wait_ready(direct, 60).get("model", "bundled")
+        scfg = ServeBenchConfig(max_tokens=cfg.max_tokens, seed=cfg.seed, prompts_file=cfg.prompts_file,
+                                progress=False)
+        counts = {c: cfg.num_prompts or max(16, 4 * c) for c in cfg.concurrency}
+        drawn = build_prompts(scfg, max([*counts.values(), cfg.warmup, 1]))  # once: building the mix is slow
+        warm = drawn[:max(cfg.warmup, 1)]
+        for url in (direct, via):
+            asyncio.run(run_cell(url, model, warm, min(len(warm), max(cfg.concurrency)), scfg))
+        runs = []
+        total = cfg.repeats * len(cfg.concurrency)
+        bar = click.progressbar(length=total, label="bench sidecar", file=sys.stderr) if cfg.progress else None
+        try:
+            for rep in range(cfg.repeats):
+                for c in cfg.concurrency:
+                    prompts = drawn[:counts[c]]
+                    order = [("direct", direct), ("sidecar", via)]
+                    if rep % 2:
+                        order.reverse()
+                    out: dict[str, Any] = {"repeat": rep, "concurrency": c, "first": order[0][0]}
+                    for name, url in order:
+                        results, _ = asyncio.run(run_cell(url, model, prompts, c, scfg))
+                        out[name] = _cell_stats(results)
+                    runs.append(out)
+                    if bar is not None:
+                        bar.update(1)
+        finally:
+            if bar is not None:
+                bar.render_finish()
+        return {"config": asdict(cfg), "model": model, "direct_url": direct, "sidecar_url": via,
+                "budget_ms": BUDGET, "runs": runs,
+                "results": summarize(runs), "load_average": list(os.getloadavg()), "at": time.time()}
+    finally:
+        if side is not None:
+            _stop(side)
+        if server is not None:
+            _stop(server)
+
+
+def format_table(report: dict[str, Any]) -> str:
+    lines = [f"{'conc':>5}{'':3}{'TTFT p50':>10}{'p99':>9}{'ITL p50':>9}{'TPOT p50':>10}   (ms; median of "
+             f"{report['config']['repeats']} repeats)"]
+    for r in report["results"]:
+        for label in ("direct", "sidecar", "overhead"):
+            values = [r[f"{label}_{k}"] for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "tpot_p50_ms")]
+            cells = "".join(f"{('-' if v is None else (f'{v:+.2f}' if label == 'overhead' else f'{v:.2f}')):>{w}}"
+                            for v, w in zip(values, (10, 9, 9, 10)))
+            lines.append(f"{r['concurrency'] if label == 'direct' else '':>5}   {cells}   {label}")
+        ok = r["within_budget"]
+        lines.append(f"{'':>5}   budget (+2 / +5 / +0.5 ms): TTFT p50 {ok['ttft_p50']}, p99 {ok['ttft_p99']}, "
+                     f"chunk {ok['chunk_p50']}; errors {r['errors']}")
+    lines.append(f"load average during the run: {', '.join(f'{x:.2f}' for x in report['load_average'])}")
+    return "\n".join(lines)
+
+
+@click.command("sidecar")
+@click.option("--base-url", default=None, help="A running engine (default: start `specops serve` on the bundled models).")
+@click.option("--engine", type=click.Choice(["specops", "vllm", "sglang"]), default="specops", show_default=True,
+              help="The engine behind --base-url (which response fields the sidecar reads).")
+@click.option("--policy", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Policy for the sidecar (and the started server); default: examples/policies/default.yaml.")
+@click.option("--concurrency", default="1,16", show_default=True, help="Comma-separated max concurrencies.")
+@click.option("--num-prompts", type=click.IntRange(min=2), default=None, help="Requests per cell (default 4 x conc, >= 16).")
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=2), default=32, show_default=True)
+@click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="JSONL with 'prompt' (and 'temperature') or one prompt per line; default: bench serve's mix.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--server-arg", "server_args", multiple=True, help="Extra argument for the started server (repeatable).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def bench_sidecar_command(base_url, engine, policy, concurrency, num_prompts, repeats, max_tokens, prompts_file, seed,
+                          server_args, json_path, quiet) -> None:
+    """Measure the sidecar's overhead: the same streams direct and through it (TTFT, per chunk)."""
+    try:
+        conc = [int(c) for c in concurrency.split(",") if c.strip()]
+        if not conc or min(conc) < 1:
+            raise ValueError("--concurrency wants positive integers")
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--concurrency") from None
+    cfg = OverheadConfig(base_url=base_url, engine=engine, policy=policy, concurrency=conc, num_prompts=num_prompts,
+                         repeats=repeats, max_tokens=max_tokens, prompts_file=prompts_file, seed=seed,
+                         server_args=list(server_args),
+                         progress=not quiet)
+    try:
+        report = run_overhead(cfg)
+    except BenchServeError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(format_table(report))
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report, indent=2) + "\n")
+        click.echo(f"wrote {json_path}")

@@ -1,0 +1,260 @@
+"""The sidecar's HTTP/1.1 client to its engine pools: pooled keep-alive connections, nothing else.
+
+Why not httpx on this path: profiling the proxy (py-spy, a fake upstream that answers
+at once) put a third of its CPU per streamed request in httpx / httpcore / anyio —
+request building, the header and the body written as two socket sends, and several
+layers of wrappers around every body chunk read. The engines speak plain HTTP/1.1 on
+the pod's loopback, so this client does only that:
+
+- one idle-connection list per pool (LIFO, at most ``max_idle``); a connection goes
+  back after a response body was read to its end and the engine did not say
+  ``connection: close``; a name is resolved when a connection is opened, never per
+  request;
+- the request line, headers and body go out in one write;
+- a reused connection that fails before any response byte (the engine closed it while
+  idle) is retried once on a new connection — nothing of the request was processed;
+- bodies: ``content-length``, ``transfer-encoding: chunked`` (yielded chunk by chunk,
+  as the engine flushed them) or read to EOF;
+- every wait has a deadline: connect (``connect_timeout_s``) and each read
+  (``read_timeout_s``); a failure is an `UpstreamError` whose ``kind`` the proxy maps to
+  its error answers (``unreachable``, ``timeout``, ``truncated``).
+
+``https://`` pools get TLS with the default trust store. Not supported (the engines do
+not send them on these routes): HTTP/2, ``1xx``
+interim responses, content encodings (the proxy does not ask for any).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+MAX_HEAD_BYTES = 64 * 1024
+
+
+class UpstreamError(Exception):
+    """A pool failed: ``kind`` is ``unreachable``, ``timeout`` or ``truncated``."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(detail)
+        self.kind = kind
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    host: str
+    port: int
+    prefix: str          # path prefix of the base URL ('' or '/something')
+    host_header: bytes
+    tls: bool = False
+
+
+def endpoint(base_url: str) -> Endpoint:
+    """Parse ``http(s)://host[:port][/prefix]`` (raises ValueError otherwise)."""
+    parts = urlsplit(base_url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"upstream URL must be http(s)://host[:port][/path], got {base_url!r}")
+    tls = parts.scheme == "https"
+    port = parts.port or (443 if tls else 80)
+    host = parts.hostname
+    shown = f"[{host}]" if ":" in host else host
+    return Endpoint(host, port, parts.path.rstrip("/"), f"{shown}:{port}".encode(), tls)
+
+
+@dataclass
+class _Conn:
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    reused: bool = False
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+@dataclass
+class UpstreamResponse:
+    """One response; read its body with `body` or `chunks`, then `release` it."""
+
+    status: int
+    headers: dict[str, str]
+    _conn: _Conn | None
+    _pool: UpstreamPool
+    _length: int | None = None       # content-length; None with chunked or read-to-EOF
+    _chunked: bool = False
+    _done: bool = False
+    _keep: bool = True
+    _trailer: list[bytes] = field(default_factory=list)
+
+    async def _read(self, coro):
+        try:
+            async with asyncio.timeout(self._pool.read_timeout_s):
+                return await coro
+        except TimeoutError:
+            raise UpstreamError("timeout", f"sent nothing for {self._pool.read_timeout_s:g}s") from None
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, OSError) as exc:
+            raise UpstreamError("truncated", f"broke the response ({type(exc).__name__})") from None
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives (transfer encoding removed)."""
+        conn = self._conn
+        if conn is None or self._done:
+            return
+        r = conn.reader
+        if self._length is not None:
+            left = self._length
+            while left > 0:
+                data = await self._read(r.read(min(left, 65536)))
+                if not data:
+                    raise UpstreamError("truncated", "closed the connection mid-body")
+                left -= len(data)
+                yield data
+        elif self._chunked:
+            while True:
+                line = await self._read(r.readuntil(b"\n"))
+                try:
+                    size = int(line.split(b";", 1)[0].strip(), 16)
+                except ValueError:
+                    raise UpstreamError("truncated", "sent a bad chunk header") from None
+                if size == 0:
+                    while (await self._read(r.readuntil(b"\n"))).strip():  # trailers, then the blank line
+                        pass
+                    break
+                data = await self._read(r.readexactly(size + 2))
+                yield data[:-2]
+        else:
+            self._keep = False
+            while True:
+                data = await self._read(r.read(65536))
+                if not data:
+                    break
+                yield data
+        self._done = True
+
+    async def body(self) -> bytes:
+        return b"".join([part async for part in self.chunks()])
+
+    def release(self) -> None:
+        """Return the connection to the pool (body read to its end) or close it."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if self._done and self._keep:
+            self._pool.put(conn)
+        else:
+            conn.close()
+
+
+class UpstreamPool:
+    """Keep-alive connections to one engine endpoint."""
+
+    def __init__(self, base_url: str, *, connect_timeout_s: float, read_timeout_s: float, max_idle: int = 64) -> None:
+        self.ep = endpoint(base_url)
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.max_idle = max_idle
+        self._idle: list[_Conn] = []
+        self._tls = ssl.create_default_context() if self.ep.tls else None
+
+    def put(self, conn: _Conn) -> None:
+        if len(self._idle) < self.max_idle and not conn.reader.at_eof():
+            conn.reused = True
+            self._idle.append(conn)
+        else:
+            conn.close()
+
+    async def _connect(self) -> _Conn:
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                reader, writer = await asyncio.open_connection(self.ep.host, self.ep.port, limit=MAX_HEAD_BYTES,
+                                                               ssl=self._tls)
+        except TimeoutError:
+            raise UpstreamError("unreachable", "could not be connected to in time") from None
+        except OSError as exc:
+            raise UpstreamError("unreachable", f"is unreachable ({type(exc).__name__})") from None
+        return _Conn(reader, writer)
+
+    def _take(self) -> _Conn | None:
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.reader.at_eof() and not conn.writer.is_closing():
+                return conn
+            conn.close()
+        return None
+
+    async def request(self, method: str, path: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
+        head = [f"{method} {self.ep.prefix}{path} HTTP/1.1\r\n".encode(), b"host: ", self.ep.host_header, b"\r\n"]
+        for k, v in headers.items():
+            head.append(f"{k}: {v}\r\n".encode("latin-1"))
+        head.append(b"content-length: %d\r\n\r\n" % len(body))
+        message = b"".join(head) + body
+        for attempt in (0, 1):
+            conn = self._take() if attempt == 0 else None
+            if conn is None:
+                conn = await self._connect()
+            try:
+                return await self._exchange(conn, message)
+            except UpstreamError as exc:
+                conn.close()
+                # an idle connection the engine closed: nothing was processed, one retry on a new one
+                if not (conn.reused and exc.kind == "stale"):
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _exchange(self, conn: _Conn, message: bytes) -> UpstreamResponse:
+        conn.writer.write(message)
+        try:
+            async with asyncio.timeout(self.read_timeout_s):
+                raw = await conn.reader.readuntil(b"\r\n\r\n")
+        except TimeoutError:
+            raise UpstreamError("timeout", "did not answer in time") from None
+        except asyncio.IncompleteReadError as exc:
+            if not exc.partial:
+                raise UpstreamError("stale" if conn.reused else "unreachable",
+                                    "closed the connection without answering") from None
+            raise UpstreamError("unreachable", "sent a truncated response head") from None
+        except asyncio.LimitOverrunError:
+            raise UpstreamError("unreachable", f"sent a response head over {MAX_HEAD_BYTES} bytes") from None
+        except OSError as exc:
+            kind = "stale" if conn.reused else "unreachable"
+            raise UpstreamError(kind, f"is unreachable ({type(exc).__name__})") from None
+        lines = raw.decode("latin-1").split("\r\n")
+        status_line = lines[0].split(" ", 2)
+        if len(status_line) < 2 or not status_line[0].startswith("HTTP/1.") or not status_line[1].isdigit():
+            raise UpstreamError("unreachable", "did not answer in HTTP/1.1")
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            if line:
+                name, _, value = line.partition(":")
+                headers[name.strip().lower()] = value.strip()
+        resp = UpstreamResponse(int(status_line[1]), headers, conn, self)
+        resp._keep = headers.get("connection", "").lower() != "close" and status_line[0] == "HTTP/1.1"
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            resp._chunked = True
+        elif headers.get("content-length", "").isdigit():
+            resp._length = int(headers["content-length"])
+        return resp
+
+    def close(self) -> None:
+        while self._idle:
+            self._idle.pop().close()
+
+
+class UpstreamClient:
+    """One `UpstreamPool` per engine base URL."""
+
+    def __init__(self, base_urls: dict[str, str], *, connect_timeout_s: float, read_timeout_s: float,
+                 max_idle: int = 64) -> None:
+        self.pools = {name: UpstreamPool(url, connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s,
+                                         max_idle=max_idle) for name, url in base_urls.items()}
+
+    async def request(self, pool: str, method: str, path: str, body: bytes,
+                      headers: dict[str, str]) -> UpstreamResponse:
+        return await self.pools[pool].request(method, path, body, headers)
+
+    def close(self) -> None:
+        for p in self.pools.values():
+            p.close()
