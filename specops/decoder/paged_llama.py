@@ -18,7 +18,10 @@ One forward:
    small: short decode/verify blocks together, a long prefill alone): it pads the
    group's queries to ``[G, Tq]`` and gathers each sequence's keys/values from its slots
    into ``[G, Lk]``; a bool mask ``[G, 1, Tq, Lk]`` says which keys each query sees
-   (prefix, then causal or tree); padded rows see slot 0 and are dropped;
+   (prefix, then causal or tree); padded rows see slot 0 and are dropped. On CPU in
+   fp32, a group whose mask is "each query sees a prefix of its keys" (plain decoding,
+   chain drafts; ``visible`` set, up to ``KERNEL_MAX_TQ`` queries per sequence) skips
+   the gather: `specops.kernels.cpu_paged` reads the keys and values in place;
 5. logits are computed only for the rows the caller asks for (``logit_rows``).
 
 Compaction of an accepted tree path is `copy_slots` (one gather + one scatter over all
@@ -34,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from specops.kernels import cpu_paged
+
 
 @dataclass
 class AttnGroup:
@@ -41,9 +46,10 @@ class AttnGroup:
 
     q_index: Tensor  # [G, Tq] long: flat index of sequence g's t-th new token (padding: 0)
     kv_slots: Tensor  # [G, Lk] long: cache slots of sequence g's keys, prefix then new (padding: 0)
-    mask: Tensor  # [G, 1, Tq, Lk] bool: query t of sequence g may see key j
+    mask: Tensor | None  # [G, 1, Tq, Lk] bool: query t of sequence g may see key j (None: ``visible`` says it)
     padded_rows: Tensor  # [n_g] long: rows of the padded [G * Tq] output that are real tokens
     flat_rows: Tensor  # [n_g] long: the flat token index of each of those rows
+    visible: Tensor | None = None  # [G, Tq] long: query t sees keys [0, visible) (0: padding); None for trees
 
 
 @dataclass
@@ -65,9 +71,13 @@ class PagedBatch:
         for g in self.groups:
             b, tq = g.q_index.shape
             lk = g.kv_slots.shape[1]
-            if g.kv_slots.shape[0] != b or tuple(g.mask.shape) != (b, 1, tq, lk) or g.mask.dtype != torch.bool:
+            if g.mask is None and (g.visible is None or tuple(g.visible.shape) != (b, tq)):
+                raise ValueError("an attention group needs a mask, or visible key counts [G, Tq]")
+            mask_ok = g.mask is None or (tuple(g.mask.shape) == (b, 1, tq, lk) and g.mask.dtype == torch.bool)
+            if g.kv_slots.shape[0] != b or not mask_ok:
                 raise ValueError(f"attention group shapes disagree: q {list(g.q_index.shape)}, "
-                                 f"kv {list(g.kv_slots.shape)}, mask {list(g.mask.shape)} {g.mask.dtype}")
+                                 f"kv {list(g.kv_slots.shape)}, mask "
+                                 f"{None if g.mask is None else (list(g.mask.shape), g.mask.dtype)}")
             covered += g.flat_rows.shape[0]
         if covered != n:
             raise ValueError(f"attention groups cover {covered} tokens, the batch has {n}")
@@ -79,10 +89,13 @@ def kv_bytes_per_token(runner) -> int:
     return len(runner.layers) * 2 * runner.n_kv_heads * runner.head_dim * elem
 
 
+KERNEL_MAX_TQ = 16  # queries per sequence up to which the CPU kernel runs (longer prefills: SDPA)
+
+
 class PagedLlama:
     """Ragged batched forwards over a `FastLlamaRunner`'s weights and a paged KV store."""
 
-    def __init__(self, runner, num_blocks: int, block_size: int) -> None:
+    def __init__(self, runner, num_blocks: int, block_size: int, cpu_kernel: bool | None = None) -> None:
         self.r = runner
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -94,11 +107,22 @@ class PagedLlama:
         # [NL, 2, S, Hkv, D]: every layer's keys and values, slot-major
         self.store = torch.zeros(len(runner.layers), 2, self.slots, runner.n_kv_heads, runner.head_dim,
                                  dtype=runner.dtype, device=runner.device)
+        # the in-place CPU kernel (None: when it builds here; False: always SDPA over gathered KV)
+        fits = self.device.type == "cpu" and runner.dtype == torch.float32
+        if cpu_kernel is None:
+            cpu_kernel = fits and cpu_paged.available()
+        elif cpu_kernel and not fits:
+            raise ValueError("the CPU paged-attention kernel needs an fp32 model on CPU")
+        self.cpu_kernel = bool(cpu_kernel)
+
+    def kernel_group(self, tq: int, tree: bool) -> bool:
+        """Whether a group of ``tq`` queries per sequence runs on the CPU kernel."""
+        return self.cpu_kernel and not tree and tq <= KERNEL_MAX_TQ
 
     def _rotary(self, positions: Tensor) -> tuple[Tensor, Tensor]:  # [N] -> 2 x [N, Hq+2Hkv, D]
         r = self.r
-        if r._cos_heads is not None:
-            return r._cos_heads[positions], r._sin_heads[positions]
+        if r._cos_heads is not None:  # index_select: cheaper than advanced indexing on CPU
+            return r._cos_heads.index_select(0, positions), r._sin_heads.index_select(0, positions)
         return r._per_head(r._cos[positions][None])[0], r._per_head(r._sin[positions][None], sin=True)[0]
 
     def forward(self, batch: PagedBatch, need_hidden: bool = False) -> tuple[Tensor, Tensor | None]:
@@ -120,8 +144,12 @@ class PagedLlama:
                 store = self.store[i]  # [2, S, Hkv, D]
                 store.index_copy_(1, batch.write_slots, kv_new)
                 q_all = qkv[:, :hq]  # [N, Hq, D]
-                o = None if len(batch.groups) == 1 else x.new_empty(n, hq * d)  # [N, Hq*D]
+                o = x.new_empty(n, hq * d) if (len(batch.groups) > 1 or batch.groups[0].mask is None) else None
                 for g in batch.groups:
+                    if g.mask is None:  # prefix-shaped masks: keys and values read in place
+                        cpu_paged.paged_attention(q_all, store[0], store[1], g.q_index, g.visible, g.kv_slots,
+                                        o.view(n, hq, d), r.scale)
+                        continue
                     b, tq = g.q_index.shape
                     # index_select, not advanced indexing: ~5x faster on CPU for this gather
                     kv = store.index_select(1, g.kv_slots.reshape(-1)).view(2, b, -1, hkv, d)  # [2, G, Lk, Hkv, D]

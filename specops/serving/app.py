@@ -52,17 +52,25 @@ def _param_from_loc(loc: tuple[Any, ...]) -> str | None:
     return out or None
 
 
-class _BodyLimit:
-    """ASGI middleware: a request body over ``limit`` bytes is refused with 413 while it is read,
-    also when it comes chunked, without a Content-Length (memory stays bounded)."""
+class _Guard:
+    """ASGI middleware (plain ASGI, not Starlette's ``BaseHTTPMiddleware``, which copies every
+    streamed chunk through an extra task and memory stream): a bad or oversized Content-Length
+    is refused before the body is read, the API key is checked on ``/v1/`` routes, and a body
+    over ``limit`` bytes is refused with 413 while it is read, also when it comes chunked,
+    without a Content-Length (memory stays bounded)."""
 
-    def __init__(self, app: Any, limit: int) -> None:
+    def __init__(self, app: Any, limit: int, api_key: str | None) -> None:
         self.app = app
         self.limit = limit
+        self.api_key = api_key.encode() if api_key is not None else None
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        refusal = self._refusal(scope)
+        if refusal is not None:
+            await refusal(scope, receive, send)
             return
         total = 0
 
@@ -76,6 +84,24 @@ class _BodyLimit:
             return message
 
         await self.app(scope, limited, send)
+
+    def _refusal(self, scope: dict) -> JSONResponse | None:
+        headers = {}
+        for name, value in scope.get("headers", ()):
+            if name in (b"content-length", b"authorization"):
+                headers[name] = value.decode("latin-1")
+        length = headers.get(b"content-length")
+        if length is not None:
+            if not length.isdigit():
+                return _error(400, "bad Content-Length header")
+            if int(length) > self.limit:
+                return _error(413, f"request body over {self.limit} bytes")
+        if self.api_key is not None and scope.get("path", "").startswith("/v1/"):
+            scheme, _, token = headers.get(b"authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key):
+                return _error(401, "missing or invalid API key (Authorization: Bearer <key>)",
+                              code="invalid_api_key")
+        return None
 
 
 class _Server:
@@ -127,7 +153,7 @@ def build_app(load: Callable[[], AsyncEngine], *, model_name: str, model_root: s
     app = FastAPI(title="specops", version="1", lifespan=lifespan,
                   description="OpenAI-compatible serving with adaptive speculative decoding.")
 
-    app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)
+    app.add_middleware(_Guard, limit=MAX_BODY_BYTES, api_key=api_key)
 
     # -- errors -----------------------------------------------------------------------
     @app.exception_handler(RequestValidationError)
@@ -153,22 +179,6 @@ def build_app(load: Callable[[], AsyncEngine], *, model_name: str, model_root: s
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         log.exception("internal error on %s", request.url.path)
         return _error(500, "internal server error", "server_error")
-
-    @app.middleware("http")
-    async def _guard(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None:
-            if not length.isdigit():
-                return _error(400, "bad Content-Length header")
-            if int(length) > MAX_BODY_BYTES:
-                return _error(413, f"request body over {MAX_BODY_BYTES} bytes")
-        if server.api_key is not None and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            scheme, _, token = given.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), server.api_key.encode()):
-                return _error(401, "missing or invalid API key (Authorization: Bearer <key>)",
-                              code="invalid_api_key")
-        return await call_next(request)
 
     # -- plumbing routes -----------------------------------------------------------------
     def client_or_503(request: Request) -> AsyncEngine:

@@ -72,19 +72,46 @@ class Delta:
 
 
 class _Detokenizer:
-    """Incremental text of the committed tokens, holding back what a stop string may still claim."""
+    """Incremental text of the committed tokens, holding back what a stop string may still claim.
+
+    Each step decodes a short window, not the whole output (a full decode per step is
+    quadratic in the output length): the text of ``ids[prefix:]`` minus the text of
+    ``ids[prefix:read]``, where ``read`` is where the text was last complete and ``prefix``
+    the read point before it. Both decodes start at the same token, so a tokenizer that
+    treats the start of a string specially (a stripped leading space) affects both alike;
+    a window that ends inside a UTF-8 sequence (``\ufffd``) waits for the next token.
+    """
 
     def __init__(self, tokenizer: Any, stop: list[str]) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
         self.ids: list[int] = []
         self.sent = 0          # characters already handed out
-        self.text = ""
+        self.text = ""         # text of ids[:read]
+        self._prefix = 0       # token index where the decode window starts
+        self._read = 0         # tokens whose text is in self.text
+
+    def _advance(self, final: bool) -> None:
+        decode, ids = self.tokenizer.decode, self.ids
+        if self._read == len(ids):
+            return
+        before = decode(ids[self._prefix:self._read], skip_special_tokens=True) if self._read > self._prefix else ""
+        after = decode(ids[self._prefix:], skip_special_tokens=True)
+        if after.startswith(before):
+            if after.endswith("\ufffd") and not final:
+                return  # an unfinished UTF-8 sequence: wait for the next token
+            self.text += after[len(before):]
+        else:  # the window's text changed before the read point: decode the whole output once
+            full = decode(ids, skip_special_tokens=True)
+            if full.endswith("\ufffd") and not final:
+                return
+            self.text = full
+        self._prefix, self._read = self._read, len(ids)
 
     def add(self, token_ids: list[int], final: bool) -> tuple[str, bool]:
         """(new visible text, a stop string matched)."""
         self.ids.extend(token_ids)
-        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        self._advance(final)
         if self.stop:
             hits = [self.text.find(s, max(0, self.sent - len(s) + 1)) for s in self.stop]
             hits = [h for h in hits if h >= 0]
@@ -95,8 +122,6 @@ class _Detokenizer:
                 return out, True
         end = len(self.text)
         if not final:
-            while end > self.sent and self.text[end - 1] == "\ufffd":  # an unfinished UTF-8 sequence
-                end -= 1
             for s in self.stop:  # the longest tail that is a prefix of a stop string stays back
                 for n in range(min(len(s) - 1, end - self.sent), 0, -1):
                     if s.startswith(self.text[end - n:end]):
@@ -152,6 +177,7 @@ class RequestStream:
     async def _iterate(self) -> AsyncIterator[Delta]:
         metrics = self.client.metrics
         cls = self.resolution.request_class
+        itl, out_tokens = metrics.itl.labels(cls), metrics.output_tokens.labels(cls)  # looked up once
         try:
             while not self._done:
                 item = await self._next_item()
@@ -164,10 +190,10 @@ class RequestStream:
                         self.first_at = now
                         metrics.ttft.labels(cls).observe(now - self.arrived)
                     elif self.last_at is not None:
-                        metrics.itl.labels(cls).observe(now - self.last_at)
+                        itl.observe(now - self.last_at)
                     self.last_at = now
                     self.completion_tokens += n
-                    metrics.output_tokens.labels(cls).inc(n)
+                    out_tokens.inc(n)
                 text, stopped = self._detok.add(list(item.new_token_ids), final=item.finished)
                 if item.finished:
                     self.record = item.record
@@ -195,6 +221,11 @@ class RequestStream:
                 self.client.abort(self.request_id)
                 metrics.requests.labels("aborted").inc()
             self.client._release()
+
+
+def _push_all(pairs: list[tuple[RequestStream, Any]]) -> None:  # on the event loop
+    for stream, item in pairs:
+        stream.push(item)
 
 
 class AsyncEngine:
@@ -297,9 +328,15 @@ class AsyncEngine:
 
     # -- the engine thread ---------------------------------------------------------------
     def _deliver(self, stream: RequestStream, item: Any) -> None:
+        self._deliver_all([(stream, item)])
+
+    def _deliver_all(self, pairs: list[tuple[RequestStream, Any]]) -> None:
+        """Hand items to their streams with one event-loop wake-up (not one per stream)."""
         assert self._loop is not None
+        if not pairs:
+            return
         try:
-            self._loop.call_soon_threadsafe(stream.push, item)
+            self._loop.call_soon_threadsafe(_push_all, pairs)
         except RuntimeError:  # the loop closed (shutdown)
             pass
 
@@ -335,6 +372,7 @@ class AsyncEngine:
                         self._deliver(stream, RuntimeError(f"engine step failed: {self.engine_error}"))
                     active.clear()
                     continue
+                ready: list[tuple[RequestStream, Any]] = []
                 for out in outputs:
                     stream = active.get(out.request_id)
                     if out.finished:
@@ -346,7 +384,8 @@ class AsyncEngine:
                             except Exception:  # telemetry must never fail a request
                                 log.exception("recording telemetry of %s failed", out.request_id)
                     if stream is not None:
-                        self._deliver(stream, out)
+                        ready.append((stream, out))
+                self._deliver_all(ready)
             try:
                 self._stats = self.engine.stats()
                 self.metrics.engine(self._stats)
