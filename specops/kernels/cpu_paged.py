@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
 # -ffast-math for vectorized sums and expf; infinities stay meaningful (-INFINITY starts the running max)
-CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC", "-std=c99")
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC", "-std=c99", "-pthread")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -68,7 +68,7 @@ def _build() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(out))
     fn = lib.specops_paged_attention
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7 + [ctypes.c_float]
+    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 8 + [ctypes.c_float]
     return lib
 
 
@@ -97,12 +97,13 @@ def unavailable_reason() -> str | None:
 
 
 def paged_attention(q: Tensor, k_store: Tensor, v_store: Tensor, q_index: Tensor, visible: Tensor,
-                    kv_slots: Tensor, out: Tensor, scale: float) -> None:
+                    kv_slots: Tensor, out: Tensor, scale: float, threads: int | None = None) -> None:
     """Write attention outputs into ``out`` [N, Hq*D] at the rows ``q_index`` [G, Tq] names.
 
     q [N, Hq, D] (rows may be strided, heads and dims contiguous), k_store / v_store
     [S, Hkv, D] contiguous, visible [G, Tq] int64 (keys each query sees, 0 = padded query),
-    kv_slots [G, Lk] int64. All fp32 on CPU.
+    kv_slots [G, Lk] int64. All fp32 on CPU. ``threads``: workers sharing the queries
+    (default: torch's intra-op thread count; small calls stay on one).
     """
     if _lib is None and not available():
         raise RuntimeError(f"CPU paged-attention kernel unavailable: {_error}")
@@ -122,6 +123,6 @@ def paged_attention(q: Tensor, k_store: Tensor, v_store: Tensor, q_index: Tensor
     kv_slots = kv_slots.contiguous()
     rc = _lib.specops_paged_attention(q.data_ptr(), k_store.data_ptr(), v_store.data_ptr(), q_index.data_ptr(),
                                       visible.data_ptr(), kv_slots.data_ptr(), out.data_ptr(), g, tq, lk, hq, hkv, d,
-                                      q.stride(0), float(scale))
+                                      q.stride(0), int(threads or torch.get_num_threads()), float(scale))
     if rc != 0:
         raise ValueError(f"CPU paged-attention kernel refused the shapes (code {rc}): Hq={hq} Hkv={hkv}")

@@ -125,3 +125,19 @@ def test_no_compiler_means_sdpa_not_an_error(monkeypatch, tmp_path):
         monkeypatch.undo()
         importlib.reload(cpu_paged)
         assert cpu_paged.available()
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_any_thread_count_writes_the_same_rows(threads):
+    """Work split across threads by key count: the same output as one thread, bit for bit."""
+    gen = torch.Generator().manual_seed(threads)
+    hq, hkv, d, slots, g, lk = 8, 4, 32, 4096, 16, 300
+    k_store, v_store = torch.randn(slots, hkv, d, generator=gen), torch.randn(slots, hkv, d, generator=gen)
+    kv_slots = torch.stack([torch.randperm(slots, generator=gen)[:lk] for _ in range(g)])
+    visible = torch.randint(1, lk + 1, (g, 1), generator=gen)
+    q_index = torch.arange(g)[:, None]
+    q = torch.randn(g, hq, d, generator=gen)
+    one, many = torch.empty(g, hq, d), torch.empty(g, hq, d)
+    cpu_paged.paged_attention(q, k_store, v_store, q_index, visible, kv_slots, one, 0.2, threads=1)
+    cpu_paged.paged_attention(q, k_store, v_store, q_index, visible, kv_slots, many, 0.2, threads=threads)
+    assert torch.equal(one, many)
