@@ -415,5 +415,7 @@ class AsyncEngine:
         return {"engine": {"running": self.running, "error": self.engine_error, "waiting": stats.waiting,
                            "active": stats.running, "kv_blocks_used": stats.kv_blocks_used,
                            "kv_blocks_free": stats.kv_blocks_free, "inflight": self.inflight,
-                           "max_inflight": self.max_inflight, "max_model_len": self.max_model_len},
+                           "max_inflight": self.max_inflight, "max_model_len": self.max_model_len,
+                           "prefix_cache_hit_blocks": stats.prefix_cache_hit_blocks,
+                           "attention_kernel": stats.attention_kernel},
                 "policy": policy}

@@ -213,7 +213,9 @@ class Engine:
         return EngineStats(
             waiting=len(self.scheduler.waiting), running=len(self.scheduler.running), batch_size=self._last_batch,
             kv_blocks_used=self.pool.num_used, kv_blocks_free=self.pool.num_free,
-            kv_blocks_total=self.pool.num_blocks, preemptions=self.scheduler.preemptions)
+            kv_blocks_total=self.pool.num_blocks, preemptions=self.scheduler.preemptions,
+            prefix_cache_hit_blocks=self.pool.cache_hits,
+            attention_kernel="cpu-paged" if getattr(getattr(self.target, "model", None), "cpu_kernel", False) else "sdpa")
 
     def _release(self, seq: Sequence) -> None:
         self.target.release(seq.target)

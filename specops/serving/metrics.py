@@ -55,6 +55,8 @@ class ServingMetrics:
         self.batch_size = Gauge("specops_serving_batch_size", "Sequences in the last step.", registry=registry)
         self.kv_used = Gauge("specops_serving_kv_blocks_used", "Paged KV blocks in use.", registry=registry)
         self.kv_free = Gauge("specops_serving_kv_blocks_free", "Paged KV blocks free.", registry=registry)
+        self.prefix_hits = Gauge("specops_serving_prefix_cache_hit_blocks", "KV blocks reused from the prefix cache "
+                                 "since start (prompt blocks not recomputed).", registry=registry)
         self.inflight = Gauge("specops_serving_inflight", "Admitted requests not yet finished.", registry=registry)
         self.policy_stale = Gauge("specops_serving_policy_stale", "1 while the policy state is not live (Redis "
                                   "unreachable or empty): the last known settings serve.", registry=registry)
@@ -74,6 +76,7 @@ class ServingMetrics:
         self.batch_size.set(stats.batch_size)
         self.kv_used.set(stats.kv_blocks_used)
         self.kv_free.set(stats.kv_blocks_free)
+        self.prefix_hits.set(stats.prefix_cache_hit_blocks)
 
     def policy(self, live: Any, records: Any) -> None:
         """Copy the fail-static state (`LivePolicy`, `RecordBuffer`) into the gauges."""

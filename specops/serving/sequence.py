@@ -120,6 +120,10 @@ class EngineStats:
     kv_blocks_total: int
     preemptions: int = 0
     """Sequences preempted (blocks freed, recomputed later) since start."""
+    prefix_cache_hit_blocks: int = 0
+    """KV blocks reused from the prefix cache (prompt blocks not recomputed) since start."""
+    attention_kernel: str = "sdpa"
+    """How decode attention reads the paged KV: ``cpu-paged`` (in place) or ``sdpa`` (gathered)."""
 
 
 class SeqStatus(enum.Enum):
