@@ -295,7 +295,7 @@ class AsyncEngine:
         res = self.runtime.resolve(req.text, len(req.prompt_ids), labels=req.labels, routing_key=req.routing_key,
                                    temperature=req.params.temperature, turn=req.turn)
         spec = self._spec_type(method=res.method, gamma=res.gamma, medusa_heads=res.heads, tree_size=res.tree_size,
-                               deadline_s=res.deadline_s)
+                               deadline_s=res.deadline_s, auto_key=res.request_class)
         request_id = f"req-{next(self._ids)}"
         stream = RequestStream(self, request_id, req, res, time.monotonic())
         self.inflight += 1

@@ -3,7 +3,9 @@
 `Decoder.generate(method="auto")` switches drafter step by step inside one request
 (`specops.decoder.auto`). In the engine a request keeps one proposer for its life (its
 KV caches and proposal state are per method), so ``auto`` is decided at admission: the
-engine keeps, per available method, a running estimate of the tokens committed per
+engine keeps one chooser per request class and greedy/sampled (what pays for code at
+temperature 0 is not what pays for prose at temperature 1), and each keeps, per
+available method, a running estimate of the tokens committed per
 target forward by the requests that ran it, and gives a new request the method with
 the best estimate. Methods without ``min_samples`` finished requests are tried first
 (round robin), and ``explore`` of later requests try a random other method, so an

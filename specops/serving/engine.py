@@ -137,7 +137,7 @@ class Engine:
         self._propose_share: dict[str, float] = {}  # request -> its share of them, beyond the draft forwards
         self._ngram_s: dict[str, float] = {}
         self.seqs: dict[str, Sequence] = {}
-        self.auto = MethodChooser()  # method="auto": the admission choice from finished requests
+        self.auto: dict[tuple[str | None, bool], MethodChooser] = {}  # method="auto": per (auto_key, sampled)
         self._last_batch = 0
         if calibrate:
             self._calibrate()
@@ -161,7 +161,8 @@ class Engine:
         sampling = params.config()
         spec.check()
         if spec.method == "auto":
-            spec = replace(spec, method=self.auto.choose(self.speculative_methods))
+            spec = replace(spec, method=self._chooser(spec.auto_key, params.temperature > 0).choose(
+                self.speculative_methods))
         limit = self.max_model_len
         fallback = None
         if spec.method == "draft" and self.draft is None and getattr(self.decoder, "draft_error", None):
@@ -208,6 +209,13 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return bool(self.seqs)
+
+    def _chooser(self, key: str | None, sampled: bool) -> MethodChooser:
+        """The auto chooser of one (class, greedy/sampled) pair: what pays differs between them."""
+        chooser = self.auto.get((key, sampled))
+        if chooser is None:
+            chooser = self.auto[(key, sampled)] = MethodChooser()
+        return chooser
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -516,7 +524,8 @@ class Engine:
                     stats.head_predictions[k] += 1
                     stats.head_correct[k] += int(out[index] == tok)
         if seq.spec.method in ALPHA_PRIOR and stats.fallback_reason is None and not seq.aborted:
-            self.auto.observe(seq.spec.method, stats.new_tokens, stats.target_forwards)
+            self._chooser(seq.spec.auto_key, seq.params.temperature > 0).observe(
+                seq.spec.method, stats.new_tokens, stats.target_forwards)
         if reason == "stop":
             stats.finish("eos")
         else:

@@ -75,6 +75,9 @@ class SpecSettings:
     """Upper bound on Medusa tree nodes, root included (None: `DEFAULT_TREE_SIZE`)."""
     deadline_s: float | None = None
     """Decode deadline in seconds from `Engine.add`; past it plain decoding (tokens kept)."""
+    auto_key: str | None = None
+    """Which requests share ``method="auto"``'s estimates (the server passes the request
+    class; greedy and sampled requests are kept apart on top of it)."""
 
     def check(self) -> None:
         """Raise ValueError naming the bad field."""

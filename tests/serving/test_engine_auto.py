@@ -51,4 +51,18 @@ def test_auto_requests_run_loaded_methods_and_equal_ar(qwen2):  # noqa: F811
     assert got == want
     ran = {r.method for r in records.values()}
     assert ran <= {"ngram", "draft", "medusa"} and len(ran) == 3  # every loaded method was tried
-    assert sum(eng.auto.samples.values()) == len(prompts)
+    assert sum(eng.auto[(None, False)].samples.values()) == len(prompts)
+
+
+def test_auto_estimates_are_kept_per_class_and_per_greedy_or_sampled(qwen2):  # noqa: F811
+    """Each (auto_key, sampled) pair learns on its own: code's results never steer prose."""
+    eng = full_speculation(Engine(qwen2, max_batch=4, kv_cache_mb=4, eos_token_id=None))
+    reqs = []
+    for i in range(6):
+        key = "code" if i % 2 else "prose"
+        params = SamplingParams(max_tokens=12, temperature=0.8 if i % 3 == 0 else 0.0, seed=i)
+        reqs.append((f"k{i}", [3, 5, 7, 9 + i], params, SpecSettings(method="auto", gamma=3, tree_size=8,
+                                                                    auto_key=key)))
+    run_staggered(eng, reqs)
+    want = {("code", False): 2, ("code", True): 1, ("prose", False): 2, ("prose", True): 1}
+    assert {k: sum(c.samples.values()) for k, c in eng.auto.items()} == want
