@@ -17,7 +17,7 @@ from typing import Sequence
 
 import click
 
-from specops.decoder.medusa_decode import plan_tree
+from specops.decoder.tree_size import plan_tree
 from specops.decoder.tree import preset, sparse_tree
 
 logger = logging.getLogger(__name__)

@@ -27,6 +27,11 @@ moves only on ticks where the heads knob holds, so each window measures one chan
 Bandit statistics are plain data (:meth:`BanditState.to_dict`) kept in Redis with
 the effective settings, so a new leader continues where the old one stopped.
 
+Leaving a fallback (probes at the knob's minimum paid for the rule's ``for_s``), a
+``goodput`` class resumes at the guarded goodput choice fitted to the probes
+(``with_plain``: the window's plain requests taken out), not at the minimum that
+was chosen for cheap probing; the next windows then refine it as usual.
+
 All of them pass their wish through :func:`guarded_step`: a change must beat the dead-band
 (relative expected gain), may not come sooner than the cooldown after the previous
 change (and never before a whole window was measured under the current value), and
@@ -67,8 +72,14 @@ class RoundModel:
     verify_s_per_extra_token: float  # b in verify(k) = plain + b * k
 
     @classmethod
-    def fit(cls, stats: WindowLike, measured_k: int) -> RoundModel | None:
-        """Fit the model, or None when the window cannot support one (no drafts, no time)."""
+    def fit(cls, stats: WindowLike, measured_k: int, *, with_plain: bool = False) -> RoundModel | None:
+        """Fit the model, or None when the window cannot support one (no drafts, no time).
+
+        ``with_plain``: the window also holds plain-decoding requests (a fallen-back class:
+        plain traffic plus its speculative probes). Their tokens — those beyond the
+        speculative rounds' own (accepted + one per round) — are taken out of the verify
+        time at the plain per-token cost, so the round model describes the probes alone
+        (acceptance and draft cost come from the probes only anyway)."""
         if measured_k < 1 or stats.drafted <= 0 or stats.new_tokens <= 0 or stats.plain_s_estimate <= 0:
             return None
         rounds = stats.drafted / measured_k
@@ -79,7 +90,11 @@ class RoundModel:
             count = stats.accepted_per_pos[i] if i < len(stats.accepted_per_pos) else 0
             probs.append(min(1.0, max(0.0, count / rounds)))
         plain = stats.plain_s_estimate / stats.new_tokens
-        verify_round = stats.verify_s / rounds
+        verify_s = stats.verify_s
+        if with_plain:
+            plain_tokens = max(0.0, stats.new_tokens - stats.accepted - rounds)
+            verify_s = max(0.0, verify_s - plain_tokens * plain)
+        verify_round = verify_s / rounds
         b = max(0.0, (verify_round - plain) / measured_k)
         return cls(
             measured_k=measured_k,
@@ -164,11 +179,15 @@ def guarded_step(current: int, proposal: Proposal, *, now: float, last_change_at
     return Step(current + delta, True, f"{proposal.reason}; step {current} -> {current + delta} (target {proposal.target})")
 
 
-def propose_goodput(stats: WindowLike, current: int, lo: int, hi: int) -> Proposal | None:
-    """The knob value in ``[lo, hi]`` with the highest modelled goodput, or None."""
+def propose_goodput(stats: WindowLike, current: int, lo: int, hi: int, *,
+                    with_plain: bool = False) -> Proposal | None:
+    """The knob value in ``[lo, hi]`` with the highest modelled goodput, or None.
+
+    ``with_plain``: the window mixes plain requests with speculation at ``current``
+    (see :meth:`RoundModel.fit`)."""
     if lo > hi:
         raise ValueError(f"empty knob range [{lo}, {hi}]")
-    model = RoundModel.fit(stats, current)
+    model = RoundModel.fit(stats, current, with_plain=with_plain)
     if model is None:
         return None
     estimates = {k: model.goodput(k) for k in range(lo, hi + 1)}

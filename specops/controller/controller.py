@@ -305,9 +305,12 @@ class Controller:
                           **{knob: getattr(rc, knob).min})
             return Decision(name, "fallback_on", verdict.reason, _knobs(current), _knobs(new), inputs), new
         if verdict.action == "exit":
-            new = replace(current, fallback_active=False, updated_at=now)
+            knob = knob_name(rc.method)
+            resume, why = self._resume_value(rc, current, stats, now)
+            new = replace(current, fallback_active=False, updated_at=now, **{knob: resume})
             self.bandits.pop(name, None)
-            return Decision(name, "fallback_off", verdict.reason, _knobs(current), _knobs(new), inputs), new
+            reason = verdict.reason + (f"; {why}" if why else "")
+            return Decision(name, "fallback_off", reason, _knobs(current), _knobs(new), inputs), new
         if verdict.action == "stay_off":
             return Decision(name, "hold", f"fallen back: {verdict.reason}", inputs=inputs), None
         if stats is None:
@@ -315,6 +318,24 @@ class Controller:
             why = reading.error or "no traffic in the window"
             return Decision(name, "inconclusive", why, inputs=inputs), None
         return self._adapt(rc, current, stats, now, inputs)
+
+    def _resume_value(self, rc: Any, current: EffectiveSettings, stats: Any, now: float) -> tuple[int, str]:
+        """The knob value to leave a fallback with. The probes ran at the knob's minimum
+        (cheapest while speculation did not pay); in ``goodput`` mode the window that showed
+        them paying also fits the round model (plain requests taken out), so speculation
+        resumes at its guarded choice (dead-band, ``max_step``) instead of climbing from the
+        minimum one settled window at a time. Other modes keep the probe value."""
+        knob = knob_name(rc.method)
+        bounds = getattr(rc, knob)
+        value = bounds.clamp(getattr(current, knob))
+        if rc.adaptation.mode != "goodput" or stats is None:
+            return value, ""
+        proposal = propose_goodput(stats, value, bounds.min, bounds.max, with_plain=True)
+        if proposal is None:
+            return value, ""
+        guard = Guard(dead_band=rc.adaptation.dead_band, cooldown_s=0.0, max_step=rc.adaptation.max_step)
+        step = guarded_step(value, proposal, now=now, last_change_at=None, guard=guard)
+        return step.value, (f"resume at {knob} {step.value} ({step.reason})" if step.changed else "")
 
     def _adapt(self, rc: Any, current: EffectiveSettings, stats: Any, now: float,
                inputs: dict[str, Any]) -> tuple[Decision, EffectiveSettings | None]:

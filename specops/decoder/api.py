@@ -425,7 +425,7 @@ class Decoder:
 
             check_pipeline(options.get("pipeline", "sync"), options.get("draft_threads", 1), "draft_threads" in options)
         if deadline_s is not None:
-            from specops.decoder.speculation import check_deadline
+            from specops.decoder.request import check_deadline
 
             check_deadline(deadline_s)
         ids = self._prompt_tensor(prompt_ids)

@@ -40,7 +40,9 @@ from specops.decoder.errors import InvalidRequestError
 from specops.decoder.runner import ModelRunner
 from specops.decoder.sampling import SamplingConfig
 from specops.decoder.schedule import ConstantSchedule, GammaSchedule
-from specops.decoder.speculation import TargetVerifier, device_clock, prompt_list
+from specops.decoder.clock import device_clock
+from specops.decoder.request import prompt_list
+from specops.decoder.speculation import TargetVerifier
 from specops.decoder.stats import DecodeStats
 
 PIPELINES = ("sync", "async")

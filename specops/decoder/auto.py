@@ -34,23 +34,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specops.decoder.clock import cost_clock, device_clock
 from specops.decoder.draft import _draft_block, check_vocab
 from specops.decoder.errors import InvalidRequestError
-from specops.decoder.medusa_decode import (
-    HeadsLike,
-    MedusaState,
-    _verify_step,
-    heads_overhead_s,
-    plan_tree,
-    verify_cost_curve,
-)
+from specops.decoder.medusa_decode import MedusaState, _verify_step
+from specops.decoder.medusa_heads import HeadsLike
 from specops.decoder.ngram import NgramIndex
 from specops.decoder.runner import ModelRunner
 from specops.decoder.sampling import SamplingConfig
 from specops.decoder.schedule import ConstantSchedule, GammaSchedule, expected_tokens
-from specops.decoder.speculation import StepResult, TargetVerifier, cost_clock, device_clock, prompt_list
+from specops.decoder.request import prompt_list
+from specops.decoder.speculation import StepResult, TargetVerifier
 from specops.decoder.stats import DecodeStats
-from specops.decoder.tree_size import VerifyCostCurve
+from specops.decoder.tree_size import VerifyCostCurve, heads_overhead_s, plan_tree, verify_cost_curve
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +210,7 @@ def generate_auto(
     ``draft`` / ``heads``: the components available (None: that option is off). γ for the
     draft model and the n-gram lookup comes from ``schedule`` (default 4; it learns from the
     draft model's steps); the Medusa
-    tree is `medusa_decode.plan_tree`'s. ``stats.auto_steps`` counts the steps per option.
+    tree is `tree_size.plan_tree`'s. ``stats.auto_steps`` counts the steps per option.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")

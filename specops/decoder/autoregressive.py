@@ -11,7 +11,8 @@ import torch
 from specops.decoder.errors import InvalidRequestError
 from specops.decoder.runner import ModelRunner
 from specops.decoder.sampling import SamplingConfig, next_token
-from specops.decoder.speculation import check_room, device_clock, eos_set, prompt_list, stop_reason
+from specops.decoder.clock import device_clock
+from specops.decoder.request import check_room, eos_set, prompt_list, stop_reason
 from specops.decoder.stats import DecodeStats
 
 

@@ -29,9 +29,8 @@ from __future__ import annotations
 import functools
 import logging
 import time
-import weakref
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -39,19 +38,12 @@ from torch import Tensor
 from specops.decoder.errors import InvalidRequestError
 from specops.decoder.runner import ModelRunner
 from specops.decoder.sampling import SamplingConfig, next_token, probabilities
-from specops.decoder.speculation import (
-    check_deadline,
-    check_room,
-    cost_clock,
-    device_clock,
-    eos_cut,
-    eos_set,
-    prompt_list,
-    stop_reason,
-)
+from specops.decoder.clock import device_clock
+from specops.decoder.medusa_heads import HeadsLike
+from specops.decoder.request import check_deadline, check_room, eos_cut, eos_set, prompt_list, stop_reason
 from specops.decoder.stats import DecodeStats
-from specops.decoder.tree import TreeBuffers, TreeError, TreeSpec, build_buffers, preset, resolve_tree
-from specops.decoder.tree_size import DEFAULT_SIZES, TreeChoice, VerifyCostCurve, choose_tree, measure_verify_cost
+from specops.decoder.tree import TreeBuffers, TreeError, TreeSpec, build_buffers, resolve_tree
+from specops.decoder.tree_size import plan_tree
 from specops.decoder.tree_verify import (
     TreeVerification,
     TypicalAcceptance,
@@ -61,15 +53,6 @@ from specops.decoder.tree_verify import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-class HeadsLike(Protocol):
-    """What decoding needs from Medusa heads (`specops.decoder.medusa_heads.MedusaHeads`)."""
-
-    num_heads: int
-
-    def __call__(self, hidden: Tensor, num_heads: int | None = None) -> Tensor:  # [E] -> [K, V]
-        ...
 
 
 class MedusaState:
@@ -238,54 +221,3 @@ def _verify_step(target: ModelRunner, tree_tokens: Tensor, buffers: TreeBuffers,
     path = verification.path
     target.compact(start, torch.tensor(path, dtype=torch.long, device=target.device))
     return _Verified(verification=verification, hidden=out.hidden[0, path[-1]])
-
-
-# -- tree size from the runner's measured verify cost ----------------------------------
-_COST_CURVES: "weakref.WeakKeyDictionary[object, VerifyCostCurve]" = weakref.WeakKeyDictionary()
-_PLANS: "weakref.WeakKeyDictionary[object, dict[tuple[int, int, int | None], TreeChoice]]" = weakref.WeakKeyDictionary()
-
-
-def verify_cost_curve(target: ModelRunner) -> VerifyCostCurve:
-    """The runner's verify-cost curve, measured on first use and kept for the runner's lifetime."""
-    curve = _COST_CURVES.get(target)
-    if curve is None:
-        curve = measure_verify_cost(target, sizes=[s for s in DEFAULT_SIZES if s < target.max_context // 2] or [1])
-        _COST_CURVES[target] = curve
-    return curve
-
-
-def heads_overhead_s(heads: HeadsLike, target: ModelRunner, num_heads: int, repeats: int = 5) -> float:
-    """Seconds of one proposal (fastest of ``repeats``): the heads on one hidden state plus their top-k."""
-    hidden_size = getattr(getattr(heads, "config", None), "hidden_size", None)
-    if hidden_size is None:
-        return 0.0
-    hidden = torch.zeros(hidden_size, device=target.device, dtype=target.dtype)  # [E]
-    samples = []
-    clock = cost_clock(target.device)
-    with torch.inference_mode():
-        for _ in range(repeats + 1):
-            t0 = clock()
-            torch.topk(heads(hidden, num_heads), 4, dim=-1)
-            samples.append(clock() - t0)
-    return min(samples[1:])
-
-
-def plan_tree(target: ModelRunner, heads: HeadsLike, num_heads: int, max_nodes: int | None = None) -> TreeSpec:
-    """The tree for ``tree=None``: the sparse tree from the heads' measured accuracy whose size
-    maximises expected tokens/s under the runner's measured verify cost; "small" when the
-    heads carry no accuracy table. ``max_nodes`` bounds its node count (root included)."""
-    accuracy = getattr(getattr(heads, "config", None), "head_topk_accuracy", None)
-    if not accuracy:
-        small = preset("small", num_heads)
-        return small if max_nodes is None else small.limit(max_nodes=max_nodes)
-    plans = _PLANS.setdefault(heads, {})
-    key = (id(target), num_heads, max_nodes)
-    if key not in plans:
-        curve = verify_cost_curve(target)
-        cap = None if max_nodes is None else min(max_nodes, curve.sizes[-1])
-        plans[key] = choose_tree(accuracy[:num_heads], curve, max_nodes=cap,
-                                 overhead_s=heads_overhead_s(heads, target, num_heads))
-        choice = plans[key]
-        logger.info("medusa tree for %d heads: %d nodes, %.2f expected tokens/step, %.0f tokens/s expected",
-                    num_heads, choice.spec.num_nodes, choice.expected_tokens, choice.tokens_per_s)
-    return plans[key].spec

@@ -30,6 +30,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -39,6 +40,15 @@ logger = logging.getLogger(__name__)
 CONFIG_NAME = "medusa_config.json"
 WEIGHTS_NAME = "medusa_heads.safetensors"
 FORMAT_VERSION = 1
+
+
+class HeadsLike(Protocol):
+    """What decoding needs from Medusa heads (`MedusaHeads` below, or a test double)."""
+
+    num_heads: int
+
+    def __call__(self, hidden: Tensor, num_heads: int | None = None) -> Tensor:  # [E] -> [K, V]
+        ...
 
 
 class MedusaError(ValueError):

@@ -33,66 +33,12 @@ from dataclasses import dataclass
 
 import torch
 
-from specops.decoder.errors import ContextLengthError, InvalidRequestError
+from specops.decoder.clock import device_clock
+from specops.decoder.request import check_deadline, check_room, eos_cut, eos_set, stop_reason
 from specops.decoder.runner import ModelRunner
 from specops.decoder.sampling import SamplingConfig, probabilities
 from specops.decoder.stats import DecodeStats
 from specops.decoder.verify import verify_greedy, verify_sampling
-
-
-def device_clock(device: torch.device) -> float:
-    """``time.perf_counter()`` after the device's queued work has finished."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
-def cost_clock(device: torch.device):
-    """The clock to time a runner's cost with (the fastest of several timings is kept): this
-    thread's CPU time on a CPU running torch on one thread, so that other processes on a
-    shared machine do not inflate one measurement against another (under a load of 14 on 2
-    cores, wall-clock minima of 7 runs made a 3-position forward look 1.6x a 1-position
-    one); otherwise `device_clock` (wall time after the device's queued work)."""
-    if device.type == "cpu" and torch.get_num_threads() == 1:
-        return time.thread_time
-    return lambda: device_clock(device)
-
-
-def prompt_list(prompt_ids: torch.Tensor) -> list[int]:  # prompt_ids: [B, T] long, B == 1
-    """The single sequence of a [1, T] prompt as Python ints."""
-    if prompt_ids.dim() != 2 or prompt_ids.shape[1] == 0:
-        raise InvalidRequestError(f"prompt_ids must be a non-empty [B, T] tensor, got shape {tuple(prompt_ids.shape)}")
-    if prompt_ids.shape[0] != 1:
-        raise InvalidRequestError(f"batch size {prompt_ids.shape[0]} is not supported yet; decode one sequence (B = 1)")
-    return [int(t) for t in prompt_ids[0].tolist()]
-
-
-def eos_set(eos_token_id: int | list[int] | tuple[int, ...] | None) -> frozenset[int]:
-    """EOS ids as a set (empty = never stop early)."""
-    if eos_token_id is None:
-        return frozenset()
-    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    for t in ids:
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise InvalidRequestError(f"eos_token_id must be a non-negative int or a list of them, got {eos_token_id!r}")
-    return frozenset(ids)
-
-
-def check_room(prompt_len: int, limit: int, max_new_tokens: int) -> int:
-    """The output budget of a request: ``max_new_tokens`` clamped to the context window of
-    ``limit`` positions; `ContextLengthError` when the prompt leaves no room."""
-    if prompt_len >= limit:
-        raise ContextLengthError(
-            f"prompt of {prompt_len} tokens leaves no room in the model's context of {limit} positions"
-        )
-    return min(max_new_tokens, limit - prompt_len)
-
-
-def check_deadline(deadline_s: float) -> float:
-    """Validate a decode deadline in seconds (> 0)."""
-    if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) or not deadline_s > 0:
-        raise InvalidRequestError(f"deadline_s must be a number of seconds > 0 or None, got {deadline_s!r}")
-    return float(deadline_s)
 
 
 @dataclass
@@ -221,19 +167,3 @@ class TargetVerifier:
         self.stats.record_step(counted_drafted, counted_accepted, gamma=drafted)
         self.stats.record_emitted(len(new))
         return StepResult(drafted=counted_drafted, accepted=counted_accepted, emitted=new, raw_accepted=n)
-
-
-def eos_cut(tokens: list[int], eos: frozenset[int]) -> list[int]:
-    """``tokens`` up to and including the first EOS (all of them when none is there)."""
-    for k, tok in enumerate(tokens):
-        if tok in eos:
-            return tokens[: k + 1]
-    return tokens
-
-
-def stop_reason(stopped_by_eos: bool, budget: int, max_new_tokens: int) -> str:
-    """Why a request ended: ``eos``, else ``context`` when the context window cut the budget,
-    else ``max_new_tokens``."""
-    if stopped_by_eos:
-        return "eos"
-    return "context" if budget < max_new_tokens else "max_new_tokens"

@@ -15,12 +15,16 @@ where the per-step overhead (running the heads, building the tree) is measured t
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from specops.decoder.tree import TreeError, TreeSpec, make_spec, ranked_nodes
+from specops.decoder.clock import cost_clock
+from specops.decoder.medusa_heads import HeadsLike
+from specops.decoder.runner import ModelRunner
+from specops.decoder.tree import TreeError, TreeSpec, make_spec, preset, ranked_nodes
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +87,6 @@ def measure_verify_cost(runner, *, sizes: Sequence[int] = DEFAULT_SIZES, prefix_
         mask = torch.ones(n, n, dtype=torch.bool, device=runner.device).tril()  # [n, n]
         positions = (prefix_len + torch.arange(n, device=runner.device))[None]  # [1, n]
         inputs.append((ids, mask, positions))
-    from specops.decoder.speculation import cost_clock
-
     clock = cost_clock(runner.device)
     best = [float("inf")] * len(sizes)
     for rep in range(repeats + 1):  # sizes interleaved, so drifting load hits all of them alike
@@ -134,3 +136,54 @@ def choose_tree(accuracy: Sequence[Sequence[float]], cost: VerifyCostCurve, *, o
                               expected_tokens=expected, step_seconds=seconds, tokens_per_s=rate)
     assert best is not None
     return best
+
+
+# -- the tree for a runner and its heads, planned once and kept ----------------------------
+_COST_CURVES: "weakref.WeakKeyDictionary[object, VerifyCostCurve]" = weakref.WeakKeyDictionary()
+_PLANS: "weakref.WeakKeyDictionary[object, dict[tuple[int, int, int | None], TreeChoice]]" = weakref.WeakKeyDictionary()
+
+
+def verify_cost_curve(target: ModelRunner) -> VerifyCostCurve:
+    """The runner's verify-cost curve, measured on first use and kept for the runner's lifetime."""
+    curve = _COST_CURVES.get(target)
+    if curve is None:
+        curve = measure_verify_cost(target, sizes=[s for s in DEFAULT_SIZES if s < target.max_context // 2] or [1])
+        _COST_CURVES[target] = curve
+    return curve
+
+
+def heads_overhead_s(heads: HeadsLike, target: ModelRunner, num_heads: int, repeats: int = 5) -> float:
+    """Seconds of one proposal (fastest of ``repeats``): the heads on one hidden state plus their top-k."""
+    hidden_size = getattr(getattr(heads, "config", None), "hidden_size", None)
+    if hidden_size is None:
+        return 0.0
+    hidden = torch.zeros(hidden_size, device=target.device, dtype=target.dtype)  # [E]
+    samples = []
+    clock = cost_clock(target.device)
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            t0 = clock()
+            torch.topk(heads(hidden, num_heads), 4, dim=-1)
+            samples.append(clock() - t0)
+    return min(samples[1:])
+
+
+def plan_tree(target: ModelRunner, heads: HeadsLike, num_heads: int, max_nodes: int | None = None) -> TreeSpec:
+    """The tree for ``tree=None``: the sparse tree from the heads' measured accuracy whose size
+    maximises expected tokens/s under the runner's measured verify cost; "small" when the
+    heads carry no accuracy table. ``max_nodes`` bounds its node count (root included)."""
+    accuracy = getattr(getattr(heads, "config", None), "head_topk_accuracy", None)
+    if not accuracy:
+        small = preset("small", num_heads)
+        return small if max_nodes is None else small.limit(max_nodes=max_nodes)
+    plans = _PLANS.setdefault(heads, {})
+    key = (id(target), num_heads, max_nodes)
+    if key not in plans:
+        curve = verify_cost_curve(target)
+        cap = None if max_nodes is None else min(max_nodes, curve.sizes[-1])
+        plans[key] = choose_tree(accuracy[:num_heads], curve, max_nodes=cap,
+                                 overhead_s=heads_overhead_s(heads, target, num_heads))
+        choice = plans[key]
+        logger.info("medusa tree for %d heads: %d nodes, %.2f expected tokens/step, %.0f tokens/s expected",
+                    num_heads, choice.spec.num_nodes, choice.expected_tokens, choice.tokens_per_s)
+    return plans[key].spec

@@ -48,7 +48,7 @@ import torch
 
 from specops.decoder.ngram import NgramIndex
 from specops.decoder.sampling import make_generator, probabilities
-from specops.decoder.speculation import eos_set
+from specops.decoder.request import eos_set
 from specops.decoder.stats import DecodeStats
 from specops.decoder.tree_verify import verify_tree_greedy, verify_tree_sampling
 from specops.decoder.verify import verify_greedy, verify_sampling

@@ -1,17 +1,19 @@
-"""A live specops stack for the dashboard tests: runtime + controller + real Prometheus.
+"""A live specops stack for the dashboard tests: ``specops serve`` + controller + real Prometheus.
 
-* a `PolicyRuntime` serving real models (tiny seeded ones by default, the bundled
-  ones with ``bundled=True``) — draft, Medusa and n-gram classes plus an ``off``
-  class — following the controller's settings in Redis, exporting the telemetry
-  contract on its own ``/metrics`` (prometheus_client's HTTP server);
-* ``specops controller run`` as a subprocess on the same Redis, serving its
-  ``/metrics``;
-* a real Prometheus (1 s scrapes of both, the policy's rendered alert rules loaded).
+* ``specops serve`` as a subprocess on the bundled models (its OpenAI API, continuous
+  batching, the live policy from Redis, the telemetry contract on its ``/metrics``),
+  with draft, Medusa and n-gram classes plus an ``off`` class, getting real HTTP load:
+  completions from a few concurrent clients, the class chosen by the request's
+  ``metadata``;
+* ``specops controller run`` as a subprocess on the same Redis, serving its ``/metrics``;
+* a real redis-server started here (or the one at ``redis_url``) holding the policy;
+* a real Prometheus (1 s scrapes of the server and the controller, the policy's
+  rendered alert rules loaded).
 
-Until ``specops serve`` exists this stands in for an inference pod. Run as a script it
-serves traffic for a while and writes the dashboard snapshot used in the README::
+Run as a script it serves traffic for a while and writes the dashboard snapshot used
+in the README::
 
-    PYTHONPATH=. python -m tests.alerts.live_stack --bundled --seconds 240 --out docs/dashboard.png
+    PYTHONPATH=. python -m tests.alerts.live_stack --seconds 240 --out docs/dashboard.png
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
-from tests.services import free_port, require_binary, start_redis, start_service, wait_for_port
+from tests.services import Service, free_port, require_binary, start_redis, start_service, wait_for_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,37 +71,20 @@ rollout:
 
 TASKS = ("code", "facts", "chat", "general")
 RULE_WINDOW = "15s"
-
-
-def _tiny_decoder():
-    from specops.decoder import Decoder
-    from specops.decoder.medusa_heads import MedusaHeads
-    from tests.decoder.tiny_models import perturbed, tiny_llama
-
-    target = tiny_llama(seed=11)
-    return Decoder(target, draft=perturbed(target, 0.05), medusa=MedusaHeads.from_model(target, num_heads=3))
-
-
-def _bundled_decoder():
-    import torch
-
-    from specops.decoder import Decoder
-
-    torch.set_num_threads(1)  # a small shared CPU: one intra-op thread is ~10x faster than two contending
-
-    return Decoder.from_pretrained("bundled")
+PROMPTS = {"code": "def add(a, b):\n    return", "facts": "What is the capital of France?",
+           "chat": "Hello! Hello! How are you today? How are", "general": "Once upon a time"}
+READY_TIMEOUT_S = 120.0
 
 
 class LiveStack:
     """Start with `start()`, drive with `serve_for()`, always `stop()` (kills what it started, by PID)."""
 
-    def __init__(self, workdir: Path, *, redis_url: str | None = None, bundled: bool = False) -> None:
+    def __init__(self, workdir: Path, *, redis_url: str | None = None, clients: int = 2) -> None:
         self.workdir = workdir
         self.redis_url = redis_url
-        self.bundled = bundled
+        self.clients = clients  # concurrent HTTP clients of the traffic
         self.services: list = []
-        self.watcher = None
-        self.http = None
+        self.server: Service | None = None
         self.prometheus_url = ""
         self.controller_metrics_url = ""
         self.rng = random.Random(5)
@@ -107,16 +93,11 @@ class LiveStack:
     def start(self) -> LiveStack:
         prometheus = require_binary("prometheus")
         import redis as redis_lib
-        from prometheus_client import CollectorRegistry, start_http_server
 
         from specops.alerts.render import RenderOptions, render
         from specops.policies import load_policy
         from specops.policies import rollout as machine
         from specops.policies.store import PolicyStore
-        from specops.serving.live_policy import LivePolicy
-        from specops.serving.policy_runtime import PolicyRuntime
-        from specops.telemetry.exporter import PrometheusExporter
-        from specops.telemetry.redis_metrics import RedisPublisher
 
         if self.redis_url is None:
             svc = start_redis(self.workdir / "redis")
@@ -126,21 +107,23 @@ class LiveStack:
         policy = load_policy(POLICY)
         self.policy = policy
         self.store = PolicyStore(self.client)
+        # stored before either process starts, so neither bootstraps its own default policy
         machine.start_rollout(self.store, policy, POLICY, actor="live-stack")
+        policy_file = self.workdir / "policy.yaml"
+        policy_file.write_text(POLICY)
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
-        # the runtime: models, live settings, telemetry to Redis and to its /metrics
-        registry = CollectorRegistry()
-        decoder = _bundled_decoder() if self.bundled else _tiny_decoder()
-        self.watcher = LivePolicy(self.store, reconcile_s=0.5)
-        self.runtime = PolicyRuntime(decoder, store=self.store, live=self.watcher,
-                                     publisher=RedisPublisher(self.client, pod="live-0"),
-                                     exporter=PrometheusExporter(registry), rng=random.Random(3))
-        self.runtime_port = free_port()
-        self.http = start_http_server(self.runtime_port, addr="127.0.0.1", registry=registry)
+        # the inference server, as operators run it: bundled models, this Redis, this policy
+        server_port = free_port()
+        argv = [sys.executable, "-m", "specops.cli", "serve", "--redis", self.redis_url, "--policy", str(policy_file),
+                "--port", str(server_port), "--pod", "live-0", "--max-batch", "4", "--kv-cache-mb", "16",
+                "--reconcile-s", "0.5", "--threads", "1", "--log-level", "warning"]
+        self.server = _start_env("serve", argv, server_port, self.workdir / "serve", env)
+        self.services.append(self.server)
+        self._wait_ready()
 
         # the controller, as operators run it
         controller_port = free_port()
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
         argv = [sys.executable, "-m", "specops.cli", "controller", "run", "--redis", self.redis_url, "--interval", "1",
                 "--window", "10", "--listen", f"127.0.0.1:{controller_port}", "--webhook-token", "live"]
         self.services.append(_start_env("controller", argv, controller_port, self.workdir / "controller", env))
@@ -154,7 +137,7 @@ class LiveStack:
             "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
             f"rule_files: [{rules}]\n"
             "scrape_configs:\n"
-            f"  - job_name: specops-runtime\n    static_configs: [{{targets: ['127.0.0.1:{self.runtime_port}']}}]\n"
+            f"  - job_name: specops-serve\n    static_configs: [{{targets: ['127.0.0.1:{server_port}']}}]\n"
             f"  - job_name: specops-controller\n    static_configs: [{{targets: ['127.0.0.1:{controller_port}']}}]\n")
         port = free_port()
         argv = [prometheus, f"--config.file={config}", f"--storage.tsdb.path={self.workdir / 'tsdb'}",
@@ -163,44 +146,66 @@ class LiveStack:
         self.prometheus_url = f"http://127.0.0.1:{port}"
         return self
 
-    # ------------------------------------------------------------------ traffic
-    def serve_one(self, task: str, max_new_tokens: int = 24) -> None:
-        if self.bundled:
-            prompts = {"code": "def add(a, b):\n    return", "facts": "What is the capital of France?",
-                       "chat": "Hello! Hello! How are you today? How are", "general": "Once upon a time"}
-            prompt: str | list[int] = prompts[task]
-        else:
-            base = [self.rng.randrange(96) for _ in range(6)]
-            prompt = base * 3 if task == "chat" else base  # repetition gives the n-gram drafter matches
-        self.runtime.serve(prompt, labels={"task": task}, max_new_tokens=max_new_tokens,
-                           temperature=0.0, seed=self.rng.randrange(1 << 30))
+    def _wait_ready(self) -> None:
+        """Until the server's models are loaded and calibrated (``/readyz`` 200), bounded."""
+        import httpx
 
-    def serve_for(self, seconds: float, max_new_tokens: int = 24) -> int:
-        """Round-robin traffic over the classes for ``seconds``; returns requests served."""
-        deadline = time.monotonic() + seconds
-        n = 0
+        assert self.server is not None
+        deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
-            self.serve_one(TASKS[n % len(TASKS)], max_new_tokens)
-            n += 1
-        return n
+            if self.server.proc.poll() is not None:
+                raise RuntimeError(f"specops serve exited with {self.server.proc.returncode}\n{self.server.log()}")
+            try:
+                if httpx.get(f"{self.server.url}/readyz", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"specops serve not ready after {READY_TIMEOUT_S:.0f} s\n{self.server.log()}")
+
+    # ------------------------------------------------------------------ traffic
+    def serve_for(self, seconds: float, max_new_tokens: int = 24) -> int:
+        """``clients`` concurrent HTTP clients send completions round-robin over the classes for
+        ``seconds``; returns the requests served. Any failed request raises."""
+        import httpx
+
+        assert self.server is not None
+        deadline = time.monotonic() + seconds
+        served = [0] * self.clients
+        errors: list[str] = []
+
+        def client(k: int) -> None:
+            rng = random.Random(self.rng.randrange(1 << 30))
+            with httpx.Client(base_url=self.server.url, timeout=60) as http:
+                n = k
+                while time.monotonic() < deadline and not errors:
+                    task = TASKS[n % len(TASKS)]
+                    body = {"model": "bundled", "prompt": PROMPTS[task], "max_tokens": max_new_tokens,
+                            "temperature": 0, "seed": rng.randrange(1 << 30), "metadata": {"task": task}}
+                    r = http.post("/v1/completions", json=body)
+                    if r.status_code != 200:
+                        errors.append(f"{task}: HTTP {r.status_code} {r.text[:300]}")
+                        return
+                    served[k] += 1
+                    n += 1
+
+        threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(self.clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=seconds + 120)
+        if errors:
+            raise RuntimeError(f"a request failed: {errors[0]}\n{self.server.log()}")
+        return sum(served)
 
     # ------------------------------------------------------------------ stop
     def stop(self) -> None:
-        if self.http is not None:
-            server = self.http[0] if isinstance(self.http, tuple) else None
-            if server is not None:
-                server.shutdown()
-                server.server_close()
-        if self.watcher is not None:
-            self.watcher.close()
         for svc in reversed(self.services):
-            svc.stop()
+            svc.stop(timeout_s=20)
 
 
-def _start_env(name: str, argv: list[str], port: int, workdir: Path, env: dict) -> object:
-    """`start_service` with an environment (the controller needs PYTHONPATH)."""
-    from tests.services import Service
-
+def _start_env(name: str, argv: list[str], port: int, workdir: Path, env: dict) -> Service:
+    """`start_service` with an environment (the processes need PYTHONPATH)."""
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / f"{name}.log"
     log = open(log_path, "wb")
@@ -216,7 +221,6 @@ def _start_env(name: str, argv: list[str], port: int, workdir: Path, env: dict) 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--bundled", action="store_true", help="serve the bundled models (default: tiny ones)")
     parser.add_argument("--seconds", type=float, default=180.0)
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "dashboard.png")
     args = parser.parse_args(argv)
@@ -224,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     from specops.alerts.snapshot import snapshot
 
     with tempfile.TemporaryDirectory(prefix="specops-live-") as tmp:
-        stack = LiveStack(Path(tmp), bundled=args.bundled).start()
+        stack = LiveStack(Path(tmp)).start()
         try:
             served = stack.serve_for(args.seconds)
             time.sleep(3)

@@ -1,8 +1,9 @@
 """The generated dashboard and the rendered alert rules against a real Prometheus with real data.
 
 Prometheus (the Debian binary; skipped without it unless SPECOPS_REQUIRE_SERVICES=1)
-scrapes a live `PolicyRuntime` serving tiny models and ``specops controller run``;
-after some traffic every panel query and every alert rule's value must return data,
+scrapes a real ``specops serve`` process (bundled models, a real redis-server holding
+the policy) that concurrent HTTP clients send completions to, and ``specops controller
+run`` as a process; after some traffic every panel query and every alert rule's value must return data,
 every alert condition must parse, and Prometheus must evaluate every rule without
 error. Then ``specops dashboard check`` and ``snapshot`` run against the same server.
 """
@@ -32,7 +33,7 @@ def stack(tmp_path_factory):
     s = LiveStack(tmp_path_factory.mktemp("live"))
     try:
         s.start()
-        # ~20 s of traffic: several scrapes and controller ticks with every class busy
+        # ~20 s of HTTP traffic: several scrapes and controller ticks with every class busy
         served = s.serve_for(20)
         assert served >= 20, served
         client = PrometheusClient(s.prometheus_url)

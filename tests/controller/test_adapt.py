@@ -98,3 +98,18 @@ def test_bandit_explores_unplayed_arms_first():
     assert p.target == 3 and math.isinf(p.expected_gain)
     state.update(3, 1.0)
     assert propose_bandit(state, 3, 1, 5).target in (2, 4)
+
+
+def test_goodput_fit_takes_plain_requests_out_of_a_fallen_back_window():
+    """A fallen-back class's window: 90% plain requests plus probes at γ 1. Fitted with
+    ``with_plain`` it models the probes as a window of probes alone would; fitted as is, the
+    plain requests' target time looks like verify cost and makes every longer γ look bad."""
+    from tests.controller.test_fallback import _mixed
+
+    mixed, probes = _mixed(0.9), window(0.9, 1, rounds=1000)
+    alone = RoundModel.fit(probes, 1)
+    fitted = RoundModel.fit(mixed, 1, with_plain=True)
+    for k in (1, 3, 5, 8):
+        assert fitted.goodput(k) == pytest.approx(alone.goodput(k), rel=1e-6)
+    assert propose_goodput(mixed, 1, 1, 12, with_plain=True).target == propose_goodput(probes, 1, 1, 12).target == 5
+    assert propose_goodput(mixed, 1, 1, 12).target == 1  # the bias the option removes

@@ -115,7 +115,11 @@ def test_fallback_after_for_duration_then_probe_recovery(redis_client):
             back = i
             break
     assert back == 2  # holds for for_s before turning back on
-    assert not rig.store.effective()["code"].fallback_active
+    eff = rig.store.effective()["code"]
+    assert not eff.fallback_active
+    # it resumes at the goodput choice fitted to the probes (α 0.9: best γ 5), one max_step (2)
+    # above the probes' γ 1, not at the probe value itself
+    assert eff.gamma == 3
 
 
 class _RaisingSource:

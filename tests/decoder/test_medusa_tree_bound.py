@@ -10,7 +10,8 @@ import torch
 from specops.decoder.autoregressive import generate_ar
 from specops.decoder.errors import InvalidRequestError
 from specops.decoder.fast_llama import FastLlamaRunner
-from specops.decoder.medusa_decode import generate_medusa, plan_tree
+from specops.decoder.medusa_decode import generate_medusa
+from specops.decoder.tree_size import plan_tree
 from specops.decoder.medusa_heads import MedusaHeads
 from specops.decoder.sampling import SamplingConfig, make_generator
 from tests.decoder.medusa_models import one_thread, tiny_model  # noqa: F401 (fixture)

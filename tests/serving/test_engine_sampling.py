@@ -1,6 +1,7 @@
 """Sampled batched speculation is distributed like plain sampling of the target.
 
-Requests of every speculative method run 16 at a time in the engine (ragged drafts and
+Requests of every speculative method (and ``auto``, which picks one per request from
+the results of earlier ones) run 16 at a time in the engine (ragged drafts and
 trees in one forward, per-request seeded generators) on a 4-token vocabulary; the joint
 distribution of the first three tokens (64 cells) is compared with the target's exact
 one by Pearson's chi-square at significance ALPHA = 1e-3 (cells pooled to expected
@@ -34,7 +35,9 @@ def dec():
     return Decoder(target, draft=draft, medusa=MedusaHeads.from_model(target, 2))
 
 
-def sample_counts(dec: Decoder, method: str, n: int, cfg: SamplingConfig, seed0: int = 0) -> tuple[torch.Tensor, int]:
+def sample_counts(dec: Decoder, method: str, n: int, cfg: SamplingConfig,
+                  seed0: int = 0) -> tuple[torch.Tensor, int, dict[str, int]]:
+    """Joint counts of the first STEPS tokens of ``n`` seeded requests, tokens drafted, requests per method run."""
     eng = full_speculation(Engine(dec, max_batch=16, kv_cache_mb=1, calibrate=False, eos_token_id=None))
     params = dict(max_tokens=STEPS, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
     for i in range(n):
@@ -42,16 +45,18 @@ def sample_counts(dec: Decoder, method: str, n: int, cfg: SamplingConfig, seed0:
                 SpecSettings(method=method, gamma=2, tree_size=6))
     tokens: dict[str, list[int]] = {}
     drafted = 0
+    ran: dict[str, int] = {}
     while eng.has_unfinished():
         for out in eng.step():
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
             if out.finished:
                 drafted += out.record.drafted
+                ran[out.record.method] = ran.get(out.record.method, 0) + 1
     counts = torch.zeros(TINY_V**STEPS, dtype=torch.long)
     for toks in tokens.values():
         assert len(toks) == STEPS
         counts[int("".join(map(str, toks)), TINY_V)] += 1
-    return counts, drafted
+    return counts, drafted, ran
 
 
 @pytest.mark.parametrize(
@@ -61,12 +66,15 @@ def sample_counts(dec: Decoder, method: str, n: int, cfg: SamplingConfig, seed0:
         ("draft", 1000, SamplingConfig(temperature=0.8, top_k=3, top_p=0.9)),
         ("ngram", 1200, SamplingConfig(temperature=1.0)),
         ("medusa", 1200, SamplingConfig(temperature=1.0)),
+        ("auto", 1200, SamplingConfig(temperature=1.0)),
     ],
-    ids=["draft-t1", "draft-filtered", "ngram-t1", "medusa-t1"],
+    ids=["draft-t1", "draft-filtered", "ngram-t1", "medusa-t1", "auto-t1"],
 )
 def test_batched_speculative_sampling_matches_the_target(dec, method, n, cfg):
-    counts, drafted = sample_counts(dec, method, n, cfg)
+    counts, drafted, ran = sample_counts(dec, method, n, cfg)
     assert drafted > n // 2  # speculation really happened
+    if method == "auto":  # per request, from live results: every loaded method ran in the mix
+        assert {"ngram", "draft", "medusa"} <= set(ran), ran
     assert chi_square_pvalue(counts, _exact_joint(dec.target_model, PROMPT, cfg)) > ALPHA
 
 
@@ -80,5 +88,5 @@ def test_the_test_rejects_a_biased_engine(dec, monkeypatch):
 
     monkeypatch.setattr(engine_module, "verify_sampling", accept_everything)
     cfg = SamplingConfig(temperature=1.0)
-    counts, _ = sample_counts(dec, "draft", 1000, cfg)
+    counts, _, _ = sample_counts(dec, "draft", 1000, cfg)
     assert chi_square_pvalue(counts, _exact_joint(dec.target_model, PROMPT, cfg)) < ALPHA
