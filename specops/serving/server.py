@@ -117,7 +117,8 @@ def build_engine_client(cfg: ServeConfig, serving_client: Any, policy: Any, regi
     runtime = PolicyRuntime(decoder, policy, live=LivePolicy(store, reconcile_s=cfg.reconcile_s),
                             exporter=PrometheusExporter(registry), records=records)
     return AsyncEngine(engine, runtime, decoder.tokenizer, metrics=ServingMetrics(registry),
-                       max_batch=cfg.max_batch, max_queue=cfg.max_queue, vocab_size=decoder.target.vocab_size)
+                       max_batch=cfg.max_batch, max_queue=cfg.max_queue, vocab_size=decoder.target.vocab_size,
+                       threads=cfg.threads)
 
 
 def run_server(cfg: ServeConfig) -> None:

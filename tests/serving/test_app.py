@@ -119,3 +119,28 @@ def test_windowed_detokenization_equals_the_full_decode_on_random_ids(tokenizer)
             chunks.append(out)
             i += n
         assert "".join(chunks) == tokenizer.decode(ids, skip_special_tokens=True), f"trial {trial}: {ids}"
+
+
+def test_engine_leaves_a_core_to_the_event_loop_while_many_sequences_stream():
+    """threads=2: 2 intra-op threads for 1-3 running sequences, 1 from HTTP_CORE_FROM on, and back."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from specops.serving.async_engine import HTTP_CORE_FROM, AsyncEngine
+    from specops.serving.metrics import ServingMetrics
+
+    engine = SimpleNamespace(scheduler=SimpleNamespace(running=[]))
+    client = AsyncEngine(engine, runtime=None, tokenizer=[0] * 10, metrics=ServingMetrics(CollectorRegistry()),
+                         threads=2)
+    calls = []
+    client._set_threads = calls.append
+    for running in (1, HTTP_CORE_FROM - 1, HTTP_CORE_FROM, 16, 2, 1):
+        engine.scheduler.running = [None] * running
+        client._pick_threads()
+    assert calls == [1, 2]  # set only on a change
+    one = AsyncEngine(engine, runtime=None, tokenizer=[0] * 10, metrics=ServingMetrics(CollectorRegistry()), threads=1)
+    one._set_threads = calls.append
+    engine.scheduler.running = [None] * 16
+    one._pick_threads()
+    assert calls == [1, 2]  # one thread: nothing to leave
