@@ -128,8 +128,13 @@ class TargetVerifier:
     ) -> StepResult:
         """Verify ``drafted`` (G >= 0 tokens) in one target forward and advance the sequence."""
         g = len(drafted)
-        if g > self.max_draft():
-            raise ValueError(f"block of {g} drafted tokens exceeds the {self.max_draft()} the budget allows")
+        limit = self.max_draft()
+        if g > limit:
+            if self.deadline is None or time.perf_counter() <= self.deadline:
+                raise ValueError(f"block of {g} drafted tokens exceeds the {limit} the budget allows")
+            # the deadline passed while the block was drafted: this step runs plainly (dropping
+            # a drafted block is lossless), whichever drafter called (draft, auto, async pipeline)
+            drafted, draft_probs, g = [], None, 0
         t0 = device_clock(self.device)
         block = torch.tensor([[self.tokens[-1], *drafted]], dtype=torch.long, device=self.device)  # [1, G+1]
         out = self.target.forward(block, need_hidden=self.keep_hidden)

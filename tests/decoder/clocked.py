@@ -43,7 +43,7 @@ class Forward:
     width: int  # T: new positions in this forward (1 = a plain decoding step)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: runners are keys of the decoder's cost caches
 class ClockedRunner:
     """A runner whose forward passes take ``forward_s`` seconds of fake time each."""
 

@@ -108,3 +108,23 @@ def test_slow_draft_past_the_deadline_does_not_crash(models):
     # 20 tokens need >= 4 drafted blocks of 4 sleeping forwards (>= 320 ms) without a deadline;
     # with it, drafting stops after the first block or two
     assert out.stats.draft_forwards <= 1 + 2 * 4, out.stats.draft_forwards
+
+
+@pytest.mark.parametrize("how", [{"method": "auto"}, {"method": "draft", "pipeline": "async"}])
+def test_slow_draft_past_the_deadline_does_not_crash_auto_or_async(models, monkeypatch, how):
+    """The same reproduction for the other drafters that verify a model-drafted block: `auto`
+    (made to take its draft option whenever it can) and the asynchronous pipeline. Past the
+    deadline the step runs plainly."""
+    from specops.decoder import auto
+
+    choose = auto.Chooser.choose
+    monkeypatch.setattr(auto.Chooser, "choose", lambda self, available: "draft" if "draft" in available
+                        else choose(self, available))
+    target, draft, heads = models
+    clock = FakeClock()  # not installed: real time
+    dec = Decoder(target, draft=ClockedRunner(load_runner(draft), clock, sleep_s=0.02))
+    ref = dec.generate(PROMPT, method="ar", max_new_tokens=20).tokens
+    for deadline_s in (0.01, 0.03, 0.05, 0.08):
+        out = dec.generate(PROMPT, gamma=4, max_new_tokens=20, deadline_s=deadline_s, **how)
+        assert out.tokens == ref, (how, deadline_s)
+        assert out.stats.fallback_reason == "deadline", (how, deadline_s)
