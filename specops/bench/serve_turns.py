@@ -21,7 +21,8 @@ its requests — the speed one client sees), TTFT and TPOT p50 / p99, acceptance
 ``speedup`` — the median over repetitions of tokens/s / the ``off`` server's
 tokens/s for the same bucket in the same repetition. ``all`` rows also carry the
 wall-clock aggregate tokens/s. Each row counts the request classes the server
-reported (its ``specops`` object), and ``turn_mismatches`` the requests whose
+reported (its ``specops`` object), ``drafted_per_request`` (0: the server's planner
+chose plain decoding throughout), and ``turn_mismatches`` the requests whose
 server-derived turn differs from the one the history implies.
 """
 
@@ -189,6 +190,7 @@ def bucket_figures(results: list[TurnResult], duration_s: float | None = None) -
         "ttft_p50_s": _percentile([r.ttft_s for r in ok], 0.5), "ttft_p99_s": _percentile([r.ttft_s for r in ok], 0.99),
         "tpot_p50_s": _percentile(tpots, 0.5), "tpot_p99_s": _percentile(tpots, 0.99),
         "acceptance_rate": sum(r.accepted for r in ok) / drafted if drafted else None,
+        "drafted": drafted,
         "classes": dict(Counter(r.request_class or "?" for r in ok)),
         "turn_mismatches": sum(1 for r in ok if r.server_turn != r.turn),
         "error_samples": sorted({r.error for r in results if not r.ok})[:3],
@@ -235,6 +237,7 @@ def combine(passes: list[dict[str, Any]], names: list[str]) -> list[dict[str, An
             row["requests"] = sum(f["requests"] for f in figs)
             row["errors"] = sum(f["errors"] for f in figs)
             row["turn_mismatches"] = sum(f["turn_mismatches"] for f in figs)
+            row["drafted_per_request"] = sum(f["drafted"] for f in figs) / max(1, row["requests"] - row["errors"])
             classes: Counter[str] = Counter()
             for f in figs:
                 classes.update(f["classes"])
@@ -258,7 +261,8 @@ class _Server:
 
 
 def run_bench_turns(cfg: TurnsBenchConfig) -> dict[str, Any]:
-    """Start the servers, warm up, run every repetition; returns ``{"config", "model", "rows", "passes"}``."""
+    """Start the servers, warm up, run every repetition; returns ``{"config", "model", "repetitions", "rows",
+    "final_settings", "passes"}`` (final_settings: each policy server's class -> method, gamma at the end)."""
     import redis as redis_lib
 
     from specops.policies.redis_backend import close, connect
@@ -273,8 +277,8 @@ def run_bench_turns(cfg: TurnsBenchConfig) -> dict[str, Any]:
     workload = chat_workload(cfg.conversations, cfg.turns, cfg.seed)
     warmup = chat_workload(cfg.warmup_conversations, cfg.turns, cfg.seed + 1) if cfg.warmup_conversations else []
     root = Path(tempfile.mkdtemp(prefix="specops-bench-turns-"))
-    servers = [_Server(n, p, ServeBenchConfig(namespace=f"turns-{i}", server_args=["--policy", str(p), *cfg.server_args],
-                                              controller_interval_s=cfg.controller_interval_s), root / f"s{i}")
+    servers = [_Server(n, p, ServeBenchConfig(namespace=f"turns-{i}", controller_interval_s=cfg.controller_interval_s,
+                                              server_args=["--policy", str(p), *cfg.server_args]), root / f"s{i}")
                for i, (n, p) in enumerate([(OFF, policies[0][1]), *policies])]
     embedded = None
     try:
@@ -313,8 +317,11 @@ def run_bench_turns(cfg: TurnsBenchConfig) -> dict[str, Any]:
                 bar.render_finish()
         config = asdict(cfg)
         config["policy_files"] = {n: str(p) for n, p in policies}
+        final = {s.name: {c: {k: v.get(k) for k in ("method", "gamma")}
+                          for c, v in _wait_ready(s.url, 60)["policy"].get("classes", {}).items()}
+                 for s in servers if s.name != OFF}  # where each controller left the settings
         return {"config": config, "model": model, "repetitions": cfg.repetitions,
-                "rows": combine(passes, [OFF, *names]), "passes": passes}
+                "rows": combine(passes, [OFF, *names]), "final_settings": final, "passes": passes}
     finally:
         for s in servers:
             if s.controller is not None:
@@ -333,14 +340,14 @@ def _fmt(value: Any, scale: float = 1.0, digits: int = 1) -> str:
 
 def format_turns_table(report: dict[str, Any]) -> str:
     head = (f"{'policy':<13}{'turn':>5}{'req':>5}{'err':>4}{'tok/s':>8}{'x off':>7}{'TTFT p50':>10}"
-            f"{'TPOT p50':>10}{'p99':>8}{'accept':>8}  classes")
+            f"{'TPOT p50':>10}{'p99':>8}{'accept':>8}{'drft/req':>9}  classes")
     lines = [head, f"  (medians over {report['repetitions']} repetitions; latencies in ms; tok/s per stream)"]
     for r in report["rows"]:
         classes = ",".join(f"{k}:{v}" for k, v in r["classes"].items())
         lines.append(f"{r['policy']:<13}{r['turn']:>5}{r['requests']:>5}{r['errors']:>4}"
                      f"{r['output_tokens_per_s']:>8.1f}{_fmt(r['speedup'], 1, 2):>7}{_fmt(r['ttft_p50_s'], 1000):>10}"
                      f"{_fmt(r['tpot_p50_s'], 1000):>10}{_fmt(r['tpot_p99_s'], 1000):>8}"
-                     f"{_fmt(r['acceptance_rate'], 1, 2):>8}  {classes}")
+                     f"{_fmt(r['acceptance_rate'], 1, 2):>8}{r['drafted_per_request']:>9.1f}  {classes}")
     return "\n".join(lines)
 
 
@@ -390,7 +397,8 @@ def plot_turns(report: dict[str, Any], path: str | Path) -> Path:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--server-arg", "server_args", multiple=True, help="Extra argument for every started server (repeatable).")
+@click.option("--server-arg", "server_args", multiple=True,
+              help="Extra argument for every started server (repeatable), e.g. --server-arg=--threads --server-arg=1.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def bench_turns_command(policies, conversations, turns, max_tokens, concurrency, repetitions, warmup, adaptive_warmup_s,
                         json_path, plot_path, seed, server_args, quiet) -> None:

@@ -33,15 +33,16 @@ def test_speedup_is_the_median_of_paired_ratios_per_bucket():
     passes = []
     for rep, (off_e2e, pol_e2e) in enumerate([(1.0, 0.5), (2.0, 1.0), (1.0, 1.0)]):
         passes.append({"repetition": rep, "server": OFF, "figures": pass_figures([_res(1, e2e=off_e2e), _res(2)], 2.0)})
-        passes.append({"repetition": rep, "server": "chat", "figures": pass_figures(
-            [_res(1, e2e=pol_e2e, drafted=10, accepted=5, cls="chat-first"), _res(2, cls="chat-followup", server_turn=1)],
-            2.0)})
+        mine = [_res(1, e2e=pol_e2e, drafted=10, accepted=5, cls="chat-first"),
+                _res(2, cls="chat-followup", server_turn=1)]
+        passes.append({"repetition": rep, "server": "chat", "figures": pass_figures(mine, 2.0)})
     rows = {(r["policy"], r["turn"]): r for r in combine(passes, [OFF, "chat"])}
     assert set(rows) == {(p, b) for p in (OFF, "chat") for b in ("1", "2", "all")}
     first = rows[("chat", "1")]
     assert first["speedup"] == pytest.approx(2.0)          # ratios 2, 2, 1
     assert first["output_tokens_per_s"] == pytest.approx(10.0)  # 20, 10, 10 and first["repetitions"] == 3
     assert first["acceptance_rate"] == pytest.approx(0.5) and first["classes"] == {"chat-first": 3}
+    assert first["drafted_per_request"] == 10.0 and rows[(OFF, "1")]["drafted_per_request"] == 0.0
     assert rows[("chat", "2")]["turn_mismatches"] == 3 and rows[("chat", "1")]["turn_mismatches"] == 0
     assert rows[(OFF, "all")]["speedup"] == 1.0 and rows[(OFF, "all")]["aggregate_tokens_per_s"] == 10.0
     assert "chat-first:3" in format_turns_table({"repetitions": 3, "rows": list(rows.values())})
@@ -76,3 +77,5 @@ def test_command_sends_multi_turn_histories_and_writes_rows(tmp_path):
     assert rows[("chat-single", "all")]["classes"] == {"chat": 3}
     assert rows[("off", "all")]["acceptance_rate"] is None and rows[("off", "1")]["speedup"] == 1.0
     assert report["repetitions"] == 1 and "chat-single" in result.output
+    final = report["final_settings"]  # where each policy's controller left the settings
+    assert final["chat"]["chat-first"]["method"] == "draft" and "chat-first" not in final["chat-single"]
