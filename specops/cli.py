@@ -32,6 +32,7 @@ COMMANDS: dict[tuple[str, ...], dict[str, str]] = {
         "kernels": "specops.kernels.bench:bench_kernels_command",
         "medusa": "specops.bench.medusa_sweep:bench_medusa_command",
         "serve": "specops.bench.serve:bench_serve_command",
+        "turns": "specops.bench.serve_turns:bench_turns_command",
         "sidecar": "specops.bench.sidecar_overhead:bench_sidecar_command",
     },
     ("policy",): {
@@ -60,7 +61,7 @@ COMMANDS: dict[tuple[str, ...], dict[str, str]] = {
 
 GROUP_HELP = {
     ("train",): "Train the bundled models, distil drafts, train Medusa heads.",
-    ("bench",): "Benchmarks: decoding methods vs peers, kernels, serving, the sidecar's overhead.",
+    ("bench",): "Benchmarks: decoding methods vs peers, kernels, serving, chat turns, the sidecar's overhead.",
     ("policy",): "Validate and roll out YAML speculation policies.",
     ("controller",): "The adaptive control loop (fleet controller; the per-pod proxy is `specops sidecar`).",
     ("alerts",): "Render alert rules for Prometheus and Grafana.",

@@ -101,17 +101,29 @@ def builtin_suite(name: str, *, seed: int = 0, code_count: int = 20, prose_count
 
 def chat_suite(files: Sequence[Path], *, conversations: int = 6, turns: int = 3, seed: int = 0,
                template: str | None = None) -> list[BenchPrompt]:
-    """Multi-turn chat prompts (kind ``turn1`` / ``turn2`` / ``turn3+``): half the
-    conversations from held-out code, half from docstrings, short messages (<= 240 chars)."""
-    from specops.bench.chat_suite import DEFAULT_CHAT_TEMPLATE, ChatTemplate, chat_conversations, turn_kind, turn_prompts
-    from specops.train.data import code_prompts
+    """Multi-turn chat prompts (kind ``turn1`` / ``turn2`` / ``turn3+``) rendered from
+    `chat_suite_conversations` with a chat template."""
+    from specops.bench.chat_suite import DEFAULT_CHAT_TEMPLATE, ChatTemplate, turn_kind, turn_prompts
 
-    if conversations < 1 or turns < 1:
-        raise SuiteError(f"chat suite needs conversations >= 1 and turns >= 1, got {conversations}, {turns}")
     try:
         tmpl = ChatTemplate(template if template is not None else DEFAULT_CHAT_TEMPLATE)
     except ValueError as exc:
         raise SuiteError(str(exc)) from None
+    prompts = []
+    for conversation in chat_suite_conversations(files, conversations=conversations, turns=turns, seed=seed):
+        prompts += [BenchPrompt(text, turn_kind(turn)) for turn, text in turn_prompts(conversation, tmpl)]
+    return prompts
+
+
+def chat_suite_conversations(files: Sequence[Path], *, conversations: int = 6, turns: int = 3,
+                             seed: int = 0) -> list[list[tuple[str, str]]]:
+    """The chat suite's conversations as ``[(role, content), ...]`` ending with a user
+    message: half from held-out code, half from docstrings, short messages (<= 240 chars)."""
+    from specops.bench.chat_suite import chat_conversations
+    from specops.train.data import code_prompts
+
+    if conversations < 1 or turns < 1:
+        raise SuiteError(f"chat suite needs conversations >= 1 and turns >= 1, got {conversations}, {turns}")
     size = 2 * turns - 1
     n_code = (conversations + 1) // 2
     snippets = code_prompts(files, count=n_code * size, max_chars=240, seed=seed)
@@ -119,10 +131,7 @@ def chat_suite(files: Sequence[Path], *, conversations: int = 6, turns: int = 3,
     if conversations - n_code:
         docs = docstring_prompts(files, count=(conversations - n_code) * size, min_chars=120, max_chars=240, seed=seed)
         convs += chat_conversations(docs, turns=turns)
-    prompts = []
-    for conversation in convs:
-        prompts += [BenchPrompt(text, turn_kind(turn)) for turn, text in turn_prompts(conversation, tmpl)]
-    return prompts
+    return convs
 
 
 def load_prompts_file(path: str | Path) -> list[BenchPrompt]:
