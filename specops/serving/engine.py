@@ -87,6 +87,10 @@ def cost_clock(device: torch.device) -> Callable[[], float]:
     return time.thread_time if torch.get_num_threads() == 1 else time.process_time
 
 
+PROBE_EVERY = 16
+"""Declined-speculation steps between two probe steps (see `Engine.probe_every`)."""
+
+
 class Engine:
     """Continuous batching over a `Decoder`'s target (and draft model / Medusa heads)."""
 
@@ -133,6 +137,13 @@ class Engine:
         self.fixed: dict[int, Meter] = {}  # per batch size: the step's host time outside forwards and proposals
         self._plain_commit = Meter()  # verification + commit of a plain decoding step, per sequence
         self.margin = DEFAULT_MARGIN
+        # a step that declined speculation does not measure what speculating costs now: every
+        # PROBE_EVERY-th such step runs the best speculative plan anyway, so a cost measured
+        # in a load spike (or acceptance that has recovered) cannot switch it off for good.
+        # 0: never probe.
+        self.probe_every = PROBE_EVERY
+        self._declined = 0
+        self.probes = 0  # probe steps run (planner diagnostics)
         self._propose_s = 0.0  # this step's proposal seconds (n-gram lookups, draft rounds, Medusa trees)
         self._propose_share: dict[str, float] = {}  # request -> its share of them, beyond the draft forwards
         self._ngram_s: dict[str, float] = {}
@@ -345,6 +356,12 @@ class Engine:
         base = sum(len(s.tokens) - s.target.computed for s in batch)
         chosen = plan(cands, self.cost, batch=len(batch), base_tokens=base, draft_cost=self.draft_cost,
                       fixed_s=self._fixed_s(len(batch)), margin=self.margin)
+        if not any(chosen) and self.probe_every:
+            self._declined += 1
+            if self._declined % self.probe_every == 0:  # the best speculative plan, predicted loss or not
+                chosen = plan(cands, self.cost, batch=len(batch), base_tokens=base, draft_cost=self.draft_cost,
+                              fixed_s=self._fixed_s(len(batch)), margin=-1.0)
+                self.probes += 1
         plans: dict[str, dict] = {}
         drafting, gammas = [], []
         for seq, c, extra in zip(owners, cands, chosen):

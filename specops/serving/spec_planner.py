@@ -35,7 +35,10 @@ order, and keeps the prefix with the highest goodput. Speculation is chosen only
 that goodput beats plain decoding by a margin (``margin``, default 3%): gains inside
 the noise are not worth their risk. When the batch is large, acceptance low or the
 proposals dear, the best prefix is short or empty: speculation shrinks or switches off
-by itself (per sequence or for the whole batch), and comes back when it pays again.
+by itself (per sequence or for the whole batch), and comes back when it pays again:
+a step that declines speculation measures nothing about it, so the engine runs the best
+speculative plan anyway every `PROBE_EVERY`-th declined step (`Engine.probe_every`),
+keeping the costs and acceptance current.
 
 How this differs from vLLM's static table (``num_speculative_tokens`` with a per
 batch-size cutoff, ``speculative_disable_by_batch_size``): that table is written by hand
@@ -107,6 +110,20 @@ class CostModel:
         window.append(seconds)
         self._since_fit += 1
         if self._since_fit >= self.refit_every:
+            self._curves = None
+        if t > 1:
+            self._drop_stale_below(b, t, statistics.median(window))
+
+    def _drop_stale_below(self, b: int, t: int, now: float) -> None:
+        """A forward over fewer tokens never costs more than one over more: a point at T' < T
+        whose median is over twice this point's is stale (measured in a load spike and not
+        re-measured since, e.g. while the planner declined speculation); it is dropped and
+        predictions interpolate around it until it is measured again."""
+        stale = [k for k, w in self.samples.items()
+                 if k[0] == b and k[1] < t and k[1] > 1 and statistics.median(w) > 2.0 * now]
+        for k in stale:
+            del self.samples[k]
+        if stale:
             self._curves = None
 
     def _fit(self) -> dict[int, tuple[list[int], list[float]]]:
@@ -189,7 +206,8 @@ def plan(cands: list[Candidate], cost: CostModel, *, batch: int, base_tokens: in
     any speculation; ``draft_cost``: seconds of one draft-model forward over (B_r
     sequences, B_r tokens); ``fixed_s``: the step's host time outside the forwards,
     paid with or without speculation; ``margin``: the relative goodput gain over
-    plain decoding below which nobody speculates.
+    plain decoding below which nobody speculates (-1: the best speculative plan however
+    it compares with plain decoding — the engine's cost probes).
     """
     chosen = [0] * len(cands)
     heap = [(-c.gains[0], i) for i, c in enumerate(cands) if c.gains]

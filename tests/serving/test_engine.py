@@ -224,6 +224,7 @@ def test_speculation_shrinks_and_switches_off_by_itself_at_high_load(qwen2):
     def run(n: int) -> list:
         eng = Engine(qwen2, max_batch=8, kv_cache_mb=1, calibrate=False)
         eng.cost = SteepCost()
+        eng.probe_every = 0  # the planner's own choice, without cost probes
         for i in range(n):
             eng.add(f"r{i}", [3, 4, 5] * 5, SamplingParams(max_tokens=20), SpecSettings(method="ngram", gamma=4))
         records = []
@@ -235,3 +236,25 @@ def test_speculation_shrinks_and_switches_off_by_itself_at_high_load(qwen2):
     assert alone[0].drafted > 0 and max(alone[0].gamma_trace) == 4  # cheap: drafts up to its bound
     crowded = run(8)
     assert all(r.drafted == 0 for r in crowded)  # the same requests at batch 8: speculation off
+
+
+def test_a_cost_spike_does_not_switch_speculation_off_for_good(qwen2):
+    """Speculative verify costs measured in a load spike (10 s per forward over 2+ tokens)
+    would make the planner decline for ever, since a declined step measures nothing about
+    speculating. Probe steps run the best speculative plan every `probe_every` declined
+    steps: the spike's samples are replaced by real ones and speculation comes back."""
+    eng = Engine(qwen2, max_batch=2, kv_cache_mb=1, calibrate=False)
+    for t in range(1, 9):
+        for _ in range(eng.cost.window):
+            eng.cost.observe(1, t, 0.004 if t == 1 else 10.0)
+    eng.probe_every = 4
+    eng.add("r", [3, 4, 5] * 6, SamplingParams(max_tokens=120), SpecSettings(method="ngram", gamma=4))
+    trace = []
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                trace = o.record.gamma_trace
+    assert eng.probes >= 1
+    # the spike is gone from the medians the plans use (T <= 1 + gamma)
+    assert max(v for (b, t), v in eng.cost.points.items() if 1 < t <= 5) < 1.0
+    assert sum(g > 0 for g in trace[-20:]) >= 10  # and speculation is back for most of the tail

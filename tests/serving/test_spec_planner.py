@@ -124,6 +124,7 @@ def qwen2():
 def _run(dec: Decoder, method: str, verify: CostModel, draft: CostModel, n: int = 3):
     eng = Engine(dec, max_batch=4, kv_cache_mb=1, calibrate=False)
     eng.cost, eng.draft_cost = verify, draft
+    eng.probe_every = 0  # the planner's own choice, without cost probes
     prompt = [3, 4, 5] * 5
     for i in range(n):
         eng.add(f"r{i}", prompt, SamplingParams(max_tokens=16), SpecSettings(method=method, gamma=4))
