@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from specops.controller.analysis import run_analysis, tally, verdict
+from specops.controller.fallback import rule_applies
 from specops.controller.sources import MetricSource, Reading, read_many
 from specops.policies import rollout as machine
 from specops.policies.errors import ConflictError, CurrentChangedError, StateError
@@ -78,8 +79,9 @@ class RolloutDriver:
                 if standing:
                     return standing
             else:
-                readings = self._canary_readings(canary.class_names, analysis.window_s)
-                result = run_analysis(canary.analysis_rules(), readings)
+                rules = canary.analysis_rules()  # only the classes some rule watches are read
+                classes = [c for c in canary.class_names if any(rule_applies(r, c) for r in rules)]
+                result = run_analysis(rules, self._canary_readings(classes, analysis.window_s))
                 self.metrics.analysis_runs.labels(result.outcome).inc()
                 run = result.as_run()
                 v = verdict(tally([*runs_here, run]), analysis)
