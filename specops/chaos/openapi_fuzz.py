@@ -30,9 +30,30 @@ class FuzzReport:
         return len(self.server_errors)
 
 
+TOKEN_LIMITS = ("max_tokens", "max_completion_tokens")
+
+
+def cap_generation(body: Any, cap: int) -> None:
+    """Lower (or set) the token limits of an OpenAI-style JSON body to ``cap``, in place; others untouched."""
+    if not isinstance(body, dict):
+        return
+    present = [k for k in TOKEN_LIMITS if k in body]
+    for key in present:
+        value = body[key]
+        if isinstance(value, int) and not isinstance(value, bool) and value > cap:
+            body[key] = cap
+    if not present:
+        body["max_tokens"] = cap
+
+
 def fuzz(schema_url: str, base_url: str, *, headers: dict[str, str], examples: int,
-         shape: Callable[[Any], bool] | None = None, timeout_s: float = 60.0) -> FuzzReport:
-    """Fuzz every operation of the document at ``schema_url`` against ``base_url``."""
+         shape: Callable[[Any], bool] | None = None, timeout_s: float = 60.0,
+         cap_tokens: int | None = None) -> FuzzReport:
+    """Fuzz every operation of the document at ``schema_url`` against ``base_url``.
+
+    ``cap_tokens``: lower the generation length of every case to this (`cap_generation`), so a
+    small run is not spent decoding; None sends the cases as generated.
+    """
     import requests
     import schemathesis
     from hypothesis import HealthCheck, given, settings
@@ -44,6 +65,8 @@ def fuzz(schema_url: str, base_url: str, *, headers: dict[str, str], examples: i
 
     def send(case) -> None:
         report.cases += 1
+        if cap_tokens is not None:
+            cap_generation(case.body, cap_tokens)
         what = f"{case.method} {case.formatted_path} body={str(case.body)[:100]!r}"
         try:
             response = case.call(base_url=base_url, session=session, headers=headers, timeout=timeout_s)

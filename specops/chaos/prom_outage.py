@@ -13,7 +13,7 @@ past that step's pause:
 A *long* outage lasts until the rollout has paused (``consecutive_error_limit`` + 1
 unreachable runs); the operator then promotes (resumes) it. A *short* one ends after
 fewer runs and the rollout must go on by itself. Figures, read from the audit stream
-(its entry ids carry Redis's clock): analysis runs recorded during the outages (from 1 s
+(its entry ids carry Redis's clock): analysis runs recorded during the outages (from 0.3 s
 after each began: a run whose query finished just before is not the outage's) and how
 many were Inconclusive-unreachable, rollbacks (``rollout.degraded`` /
 ``rollout.rollback``) over the whole scenario, steps promoted during an outage, pauses
@@ -37,8 +37,8 @@ from specops.chaos.rig import POLICY, Rig
 NAME = "Prometheus unreachable during analysis"
 NAMESPACE = "chaos-prom"
 ERROR_LIMIT = 3  # consecutive_error_limit: the 4th unreachable run in a row pauses
-PAUSE_S = 2.0  # each step's pause: shorter than any outage, so only the hold keeps the step
-GRACE_S = 1.0
+PAUSE_S = 1.0  # each step's pause: shorter than any outage, so only the hold keeps the step
+GRACE_S = 0.3
 RULE = "canary-served"
 
 
@@ -50,7 +50,7 @@ def canary_text(steps: int) -> str:
             "classes: [general]}\n")
     weights = [max(1, round(99 * (i + 1) / (steps + 1))) for i in range(steps)]
     body = "\n".join(f"    - {{weight: {w}, pause_s: {PAUSE_S}, analysis: true}}" for w in weights)
-    return (f"{head}\n{rule}rollout:\n  steps:\n{body}\n  analysis: {{interval_s: 1, window_s: 10, failure_limit: 0, "
+    return (f"{head}\n{rule}rollout:\n  steps:\n{body}\n  analysis: {{interval_s: 0.25, window_s: 10, failure_limit: 0, "
             f"inconclusive_limit: 1000, consecutive_error_limit: {ERROR_LIMIT}, rules: [{RULE}]}}\n")
 
 
@@ -64,7 +64,7 @@ class Prometheus:
         self.workdir = rig.workdir / "prometheus"
         self.workdir.mkdir(parents=True, exist_ok=True)
         config = self.workdir / "prometheus.yml"
-        config.write_text("global: {scrape_interval: 1s, evaluation_interval: 1s}\nscrape_configs:\n"
+        config.write_text("global: {scrape_interval: 500ms, evaluation_interval: 1s}\nscrape_configs:\n"
                           "  - job_name: specops-canary\n"
                           f"    static_configs: [{{targets: ['127.0.0.1:{target_port}'], labels: {{track: canary}}}}]\n")
         self.port = free_port()

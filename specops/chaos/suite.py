@@ -44,15 +44,16 @@ class Sizes:
     policies: int
     prom_outages: tuple[tuple[str, bool], ...]  # (kill | stop, long?)
     openapi_examples: int  # schemathesis cases per operation and mode (positive, negative)
+    openapi_cap_tokens: int | None  # generation length of serve's fuzz cases lowered to this (None: as generated)
 
 
 QUICK = Sizes(redis_restarts=2, redis_down_s=0.5, leader_kills=2, redis_pauses=1, disconnects=10, fuzz_bodies=150,
               saturation_s=5.0, policies=200, prom_outages=(("kill", True),),
-              openapi_examples=4)
+              openapi_examples=3, openapi_cap_tokens=4)
 FULL = Sizes(redis_restarts=10, redis_down_s=2.0, leader_kills=10, redis_pauses=5, disconnects=100,
              fuzz_bodies=10_000, saturation_s=60.0, policies=10_000,
              prom_outages=(("kill", True), ("kill", False), ("stop", False), ("stop", True), ("kill", True)),
-             openapi_examples=200)
+             openapi_examples=200, openapi_cap_tokens=None)
 
 # name -> runner; the order is the report's order.
 SCENARIOS: dict[str, Callable[[Rig, Sizes], ScenarioResult]] = {
@@ -63,7 +64,8 @@ SCENARIOS: dict[str, Callable[[Rig, Sizes], ScenarioResult]] = {
     "saturation": lambda rig, s: saturation.run(rig, seconds=s.saturation_s),
     "disconnect": lambda rig, s: disconnect.run(rig, clients=s.disconnects),
     "webhook-fuzz": lambda rig, s: webhook_fuzz.run(rig, bodies=s.fuzz_bodies,
-                                                     openapi_examples=s.openapi_examples),
+                                                     openapi_examples=s.openapi_examples,
+                                                     cap_tokens=s.openapi_cap_tokens),
     "auth": lambda rig, s: auth.run(rig),
     "policy-fuzz": lambda rig, s: policy_fuzz.run(rig, cases=s.policies),
 }

@@ -5,7 +5,8 @@ Grafana's (right and wrong versions, labels naming real and unknown actions and
 classes, odd timestamps), each sent with the right bearer token so the parser, not
 the auth check, answers. Then `specops.chaos.openapi_fuzz` fuzzes every operation of
 the controller's ``/openapi.json`` and of ``specops serve``'s (positive and negative
-cases, right secrets). Figures: 5xx answers, transport errors, 4xx answers not in the
+cases, right secrets; ``cap_tokens`` lowers the generation length of serve's cases, for
+the quick run). Figures: 5xx answers, transport errors, 4xx answers not in the
 server's error shape (``{"error": "..."}`` for the controller, OpenAI's
 ``{"error": {"message", "type", ...}}`` for serve), and whether both processes
 survived. The examples are derandomized, so a run is repeatable.
@@ -71,7 +72,7 @@ def _openai_error(body) -> bool:
     return isinstance(error, dict) and isinstance(error.get("message"), str) and isinstance(error.get("type"), str)
 
 
-def run(rig: Rig, *, bodies: int, openapi_examples: int) -> ScenarioResult:
+def run(rig: Rig, *, bodies: int, openapi_examples: int, cap_tokens: int | None = None) -> ScenarioResult:
     from hypothesis import HealthCheck, given, settings
 
     from specops.chaos.openapi_fuzz import fuzz
@@ -104,7 +105,7 @@ def run(rig: Rig, *, bodies: int, openapi_examples: int) -> ScenarioResult:
     apis = {"controller": fuzz(f"{controller.url}/openapi.json", controller.url, examples=openapi_examples,
                                headers={"Authorization": f"Bearer {rig.webhook_token}"}, shape=_controller_error),
             "serve": fuzz(f"{serve.url}/openapi.json", serve.url, examples=openapi_examples, headers=rig.auth,
-                          shape=_openai_error)}
+                          shape=_openai_error, cap_tokens=cap_tokens)}
     alive = controller.alive() and serve.alive()
     api_5xx = sum(r.five_xx for r in apis.values())
     api_transport = sum(len(r.transport_errors) for r in apis.values())

@@ -42,3 +42,19 @@ def test_a_5xx_is_counted():
     finally:
         with_problem.stop()
     assert report.five_xx >= 1 and any("/healthz" in e for e in report.server_errors)
+
+
+@pytest.mark.parametrize("body,after", [
+    ({"prompt": "x"}, {"prompt": "x", "max_tokens": 4}),
+    ({"max_tokens": 900}, {"max_tokens": 4}),
+    ({"max_tokens": 2, "max_completion_tokens": 10**9}, {"max_tokens": 2, "max_completion_tokens": 4}),
+    ({"max_tokens": -5}, {"max_tokens": -5}),  # a negative case stays what it was generated to be
+    ({"max_tokens": "many"}, {"max_tokens": "many"}),
+    ({"max_tokens": True}, {"max_tokens": True}),
+    ([1, 2], [1, 2]),
+])
+def test_cap_generation_lowers_only_large_token_limits(body, after):
+    from specops.chaos.openapi_fuzz import cap_generation
+
+    cap_generation(body, 4)
+    assert body == after
