@@ -53,7 +53,7 @@ QUICK = Sizes(redis_restarts=2, redis_down_s=0.5, leader_kills=2, redis_pauses=1
 FULL = Sizes(redis_restarts=10, redis_down_s=2.0, leader_kills=10, redis_pauses=5, disconnects=100,
              fuzz_bodies=10_000, saturation_s=60.0, policies=10_000,
              prom_outages=(("kill", True), ("kill", False), ("stop", False), ("stop", True), ("kill", True)),
-             openapi_examples=200, openapi_cap_tokens=None)
+             openapi_examples=100, openapi_cap_tokens=None)
 
 # name -> runner; the order is the report's order.
 SCENARIOS: dict[str, Callable[[Rig, Sizes], ScenarioResult]] = {
