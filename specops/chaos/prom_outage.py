@@ -4,7 +4,7 @@ A real Prometheus scrapes ``specops serve`` (steady load) and labels it
 ``track="canary"``; one controller replica (own namespace, ``--prometheus``,
 ``--canary-match track="canary"``) analyses a canary rollout whose only analysis rule
 passes whenever the canary served anything (tokens/s >= 0), so every run with data
-is Successful. Each outage starts right after a Successful run at a step and lasts
+is Successful. Each outage starts right after a Successful run early in a step and lasts
 past that step's pause:
 
 * ``kill``: Prometheus SIGKILLed (connection refused), restarted on its data later;
@@ -36,7 +36,7 @@ from specops.chaos.rig import POLICY, Rig
 
 NAME = "Prometheus unreachable during analysis"
 NAMESPACE = "chaos-prom"
-ERROR_LIMIT = 3  # consecutive_error_limit: the 4th unreachable run in a row pauses
+ERROR_LIMIT = 4  # consecutive_error_limit: the 5th unreachable run in a row pauses
 PAUSE_S = 1.0  # each step's pause: shorter than any outage, so only the hold keeps the step
 GRACE_S = 0.3
 RULE = "canary-served"
@@ -94,8 +94,12 @@ def _redis_now(client) -> float:
     return sec + usec / 1e6
 
 
-def _successful_here(state) -> bool:
-    return state is not None and any(r.get("outcome") == "successful" for r in state.current_runs())
+def _ready_for_outage(state, now: float) -> bool:
+    """A successful run at a step whose pause is still running: with Prometheus up it would advance
+    within the pause, so only the hold can keep it there. (A step already past its pause may advance
+    in the very tick of its success, before an outage begun now could matter: skip to the next.)"""
+    return (state is not None and state.phase == "progressing" and now - state.step_started_at < 0.8 * PAUSE_S
+            and any(r.get("outcome") == "successful" for r in state.current_runs()))
 
 
 def _unreachable_since(state, since: float) -> int:
@@ -142,11 +146,11 @@ def run(rig: Rig, *, outages: list[tuple[str, bool]]) -> ScenarioResult:
         controller = start("controller-prom", argv, rig.workdir / NAMESPACE, port,
                            env=specops_env(SPECOPS_WEBHOOK_TOKEN=rig.webhook_token), timeout_s=60)
         wait_until(lambda: is_leader(controller), "the controller to lead", 30)
-        text = canary_text(steps=2 * len(outages) + 2)
+        text = canary_text(steps=4 * len(outages) + 4)  # room for steps passed over
         machine.start_rollout(store, parse_policy(text, "<chaos prom canary>"), text, actor="chaos")
         for i, (how, long) in enumerate(outages):
-            wait_until(lambda: _successful_here(store.rollout_state()),
-                       f"a successful analysis run before outage {i + 1} (Prometheus serving the canary's data)", 90)
+            wait_until(lambda: _ready_for_outage(store.rollout_state(), _redis_now(client)),
+                       f"a successful analysis run early in a step before outage {i + 1}", 90, every_s=0.02)
             before = store.rollout_state()
             began = _redis_now(client)
             if how == "kill":
@@ -158,10 +162,11 @@ def run(rig: Rig, *, outages: list[tuple[str, bool]]) -> ScenarioResult:
                     wait_until(lambda: store.rollout_state().phase != "progressing", "the rollout to pause", 120)
                     state = store.rollout_state()
                     paused_with_reason += state.phase == "paused" and "unreachable" in state.message
-                else:
-                    wanted = 1 if how == "stop" else ERROR_LIMIT - 1  # a hung Prometheus: every run waits out timeouts
-                    wait_until(lambda: _unreachable_since(store.rollout_state(), began) >= wanted,
-                               f"{wanted} unreachable run(s)", 120)
+                else:  # a few unreachable runs (one for a hung Prometheus: each waits out its timeouts), past the pause
+                    wanted = 1 if how == "stop" else 2
+                    wait_until(lambda: _unreachable_since(store.rollout_state(), began) >= wanted
+                               and _redis_now(client) - before.step_started_at > PAUSE_S + 0.3,
+                               f"{wanted} unreachable run(s) past the step's pause", 120, every_s=0.02)
                 held_past_pause += _redis_now(client) - before.step_started_at > PAUSE_S \
                     and store.rollout_state().step_index == before.step_index
             finally:
