@@ -7,8 +7,11 @@ Routes
 ------
 ``GET /metrics``                  the injected prometheus_client registry, text format
 ``GET /healthz``                  200 ``ok`` (or 503 with the reason when ``health()`` says so)
+``GET /openapi.json``             this server's OpenAPI document (`specops.alerts.openapi`)
 ``POST /webhook/alertmanager``    Alertmanager payload (version "4") → ``on_alert``
 ``POST /webhook/grafana``         Grafana webhook payload (version "1") → ``on_alert``
+
+Any other method on a route is 405 with ``Allow``; an unknown path is 404.
 
 The bearer token is checked before any of the body is read, every connection has a
 socket timeout (a slow or silent client cannot hold a thread), and bodies may come
@@ -28,11 +31,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from specops.alerts.openapi import openapi_document
 from specops.alerts.webhook import MAX_BODY_BYTES, WebhookError, WebhookReceiver
 
 log = logging.getLogger(__name__)
 
 WEBHOOK_PREFIX = "/webhook/"
+GET_PATHS = ("/metrics", "/healthz", "/openapi.json")
+OPENAPI = json.dumps(openapi_document()).encode()
 SOCKET_TIMEOUT_S = 10.0
 LINGER_S = 1.0  # at most this long discarding an unread body after a 401 / 413
 
@@ -120,6 +126,21 @@ class _Handler(BaseHTTPRequestHandler):
                 raise _BodyError(400, "truncated chunk")
             parts.append(chunk)
 
+    def _wrong_method(self) -> None:
+        """405 (or 404 for an unknown path); any body is left unread, so the connection closes."""
+        path = self.path.split("?", 1)[0]
+        allow = "GET" if path in GET_PATHS else "POST" if path.startswith(WEBHOOK_PREFIX) else None
+        if allow is None:
+            self._send(404, b"not found\n", headers={"Connection": "close"})
+        else:
+            self._send(405, b"method not allowed\n", headers={"Allow": allow, "Connection": "close"})
+        self._linger()
+
+    do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_TRACE = do_CONNECT = _wrong_method  # noqa: N815
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self._wrong_method()
+
     def do_GET(self) -> None:  # noqa: N802 (http.server naming)
         path = self.path.split("?", 1)[0]
         if path == "/metrics":
@@ -130,13 +151,20 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(503, f"unhealthy: {problem}\n".encode())
             else:
                 self._send(200, b"ok\n")
+        elif path == "/openapi.json":
+            self._send(200, OPENAPI, "application/json")
+        elif path.startswith(WEBHOOK_PREFIX):
+            self._wrong_method()
         else:
             self._send(404, b"not found\n")
 
     def do_POST(self) -> None:  # noqa: N802
         path = self.path.split("?", 1)[0]
+        if path in GET_PATHS:
+            self._wrong_method()
+            return
         if not path.startswith(WEBHOOK_PREFIX):
-            self._send(404, b"not found\n")
+            self._wrong_method()
             return
         source = path[len(WEBHOOK_PREFIX):]
         receiver = self.server.receiver

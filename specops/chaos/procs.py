@@ -40,6 +40,8 @@ def wait_until(predicate: Callable[[], Any], what: str, timeout_s: float, every_
             value = predicate()
             if value:
                 return value
+        except ChaosSetupError:  # the process it waits on is gone: no use waiting out the timeout
+            raise
         except Exception as exc:  # a service still starting or failing over
             last = exc
         time.sleep(every_s)

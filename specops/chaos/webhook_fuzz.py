@@ -1,10 +1,15 @@
-"""Fuzzed alert-webhook bodies (hypothesis) against a live ``specops controller run``.
+"""Fuzzed alert-webhook bodies (hypothesis), then schemathesis on both servers' OpenAPI documents.
 
 Bodies are raw bytes, arbitrary JSON, and payloads shaped like Alertmanager's and
 Grafana's (right and wrong versions, labels naming real and unknown actions and
 classes, odd timestamps), each sent with the right bearer token so the parser, not
-the auth check, answers. Figures: 5xx answers and whether the controller survived.
-The examples are derandomized, so a run is repeatable.
+the auth check, answers. Then `specops.chaos.openapi_fuzz` fuzzes every operation of
+the controller's ``/openapi.json`` and of ``specops serve``'s (positive and negative
+cases, right secrets; ``cap_tokens`` lowers the generation length of serve's cases, for
+the quick run). Figures: 5xx answers, transport errors, 4xx answers not in the
+server's error shape (``{"error": "..."}`` for the controller, OpenAI's
+``{"error": {"message", "type", ...}}`` for serve), and whether both processes
+survived. The examples are derandomized, so a run is repeatable.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import httpx
 from specops.chaos.result import ScenarioResult
 from specops.chaos.rig import Rig
 
-NAME = "fuzzed webhook bodies"
+NAME = "fuzzed webhook bodies + OpenAPI (schemathesis)"
 
 
 def _strategies():
@@ -58,10 +63,22 @@ def _strategies():
     return st.one_of(*cases)
 
 
-def run(rig: Rig, *, bodies: int) -> ScenarioResult:
+def _controller_error(body) -> bool:
+    return isinstance(body, dict) and isinstance(body.get("error"), str)
+
+
+def _openai_error(body) -> bool:
+    error = body.get("error") if isinstance(body, dict) else None
+    return isinstance(error, dict) and isinstance(error.get("message"), str) and isinstance(error.get("type"), str)
+
+
+def run(rig: Rig, *, bodies: int, openapi_examples: int, cap_tokens: int | None = None) -> ScenarioResult:
     from hypothesis import HealthCheck, given, settings
 
+    from specops.chaos.openapi_fuzz import fuzz
+
     controller = rig.ensure_controller()
+    serve = rig.ensure_serve()
     headers = {"Authorization": f"Bearer {rig.webhook_token}", "Content-Type": "application/json"}
     sent, server_errors, statuses, transport = [0], [], {}, []
     client = httpx.Client(timeout=30)
@@ -85,8 +102,23 @@ def run(rig: Rig, *, bodies: int) -> ScenarioResult:
         send()
     finally:
         client.close()
-    alive = controller.alive()
+    apis = {"controller": fuzz(f"{controller.url}/openapi.json", controller.url, examples=openapi_examples,
+                               headers={"Authorization": f"Bearer {rig.webhook_token}"}, shape=_controller_error),
+            "serve": fuzz(f"{serve.url}/openapi.json", serve.url, examples=openapi_examples, headers=rig.auth,
+                          shape=_openai_error, cap_tokens=cap_tokens)}
+    alive = controller.alive() and serve.alive()
+    api_5xx = sum(r.five_xx for r in apis.values())
+    api_transport = sum(len(r.transport_errors) for r in apis.values())
+    api_shape = sum(len(r.bad_error_shape) for r in apis.values())
     figures = {"bodies": sent[0], "5xx": len(server_errors), "transport_errors": len(transport),
-               "controller_crashed": int(not alive), "statuses": dict(sorted(statuses.items()))}
-    met = sent[0] >= min(bodies, 50) and not server_errors and not transport and alive
-    return ScenarioResult(NAME, figures, "0 5xx, 0 crashes", met, notes=(server_errors + transport)[:5])
+               "statuses": dict(sorted(statuses.items())),
+               "openapi_operations": {k: r.operations for k, r in apis.items()},
+               "openapi_cases": {k: r.cases for k, r in apis.items()}, "openapi_5xx": api_5xx,
+               "openapi_transport_errors": api_transport, "openapi_4xx_not_error_shape": api_shape,
+               "openapi_statuses": {k: dict(sorted(r.statuses.items())) for k, r in apis.items()},
+               "crashed": int(not alive)}
+    met = (sent[0] >= min(bodies, 50) and not server_errors and not transport and alive and api_5xx == 0
+           and api_transport == 0 and api_shape == 0 and all(r.cases > 0 for r in apis.values()))
+    notes = server_errors + transport + [n for r in apis.values()
+                                         for n in r.server_errors + r.transport_errors + r.bad_error_shape]
+    return ScenarioResult(NAME, figures, "0 5xx, 0 crashes, 4xx in the error shape", met, notes=notes[:8])

@@ -30,6 +30,9 @@ def _listen(value: str) -> tuple[str, int]:
 @click.option("--state-dir", default=".specops", show_default=True, help="Data directory of the embedded Redis.")
 @click.option("--namespace", default="specops", show_default=True, help="Key namespace in Redis.")
 @click.option("--prometheus", "prometheus_url", default=None, help="Prometheus base URL (read when Redis has no data).")
+@click.option("--canary-match", default=None, metavar='LABEL="VALUE"',
+              help='PromQL label matchers selecting the canary revision\'s series in Prometheus (e.g. track="canary"); '
+                   "with --prometheus the rollout analysis reads them when Redis has no canary data.")
 @click.option("--engine-metrics", "engine_specs", multiple=True, metavar="ENGINE[:CLASS]=URL",
               help="Also read vLLM / SGLang speculative-decoding metrics from a pod's /metrics (ENGINE: vllm | "
                    "sglang; without CLASS they count for every class). Repeatable; read after Redis.")
@@ -48,8 +51,8 @@ def _listen(value: str) -> tuple[str, int]:
               help="text: one readable line per event; json: one JSON object per line (for log collectors).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True, help="debug also shows holds and every scheduler run.")
-def run_command(policy_file, redis_url, state_dir, namespace, prometheus_url, engine_specs, interval_s, window_s,
-                listen, webhook_token, lease_ttl_ms, run_for_s, log_format, log_level) -> None:
+def run_command(policy_file, redis_url, state_dir, namespace, prometheus_url, canary_match, engine_specs, interval_s,
+                window_s, listen, webhook_token, lease_ttl_ms, run_for_s, log_format, log_level) -> None:
     """Run the adaptive control loop (leader-elected) with its HTTP server."""
     from prometheus_client import CollectorRegistry
 
@@ -80,6 +83,8 @@ def run_command(policy_file, redis_url, state_dir, namespace, prometheus_url, en
                                  param_hint="--interval")
     if not webhook_token:
         raise click.UsageError("a webhook token is required: --webhook-token or SPECOPS_WEBHOOK_TOKEN")
+    if canary_match is not None and not prometheus_url:
+        raise click.UsageError("--canary-match selects series in Prometheus: give --prometheus too")
     configure_logging(log_format, log_level)
     try:
         client = connect(redis_url, state_dir)
@@ -110,6 +115,11 @@ def run_command(policy_file, redis_url, state_dir, namespace, prometheus_url, en
                 sources.append(PrometheusSource(prometheus_url))
             except ValueError as exc:
                 raise click.BadParameter(str(exc), param_hint="--prometheus") from None
+        if canary_match is not None:
+            try:
+                canary.append(PrometheusSource(prometheus_url, match=canary_match, name="prometheus-canary"))
+            except ValueError as exc:
+                raise click.BadParameter(str(exc), param_hint="--canary-match") from None
         registry = CollectorRegistry()
         lease = LeaderLease(client, name=store.lease_name, ttl_ms=lease_ttl_ms)
         keeper = LeaseKeeper(lease)  # renews on its own thread: a slow tick does not cost the lease

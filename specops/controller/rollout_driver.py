@@ -9,7 +9,9 @@ The state machine itself (steps, weights, promote/abort/fail/pause/rollback) is
 * tally the runs of the current step and attempt with the new one and apply the
   limits (:func:`~specops.controller.analysis.verdict`): the run and its consequence —
   degraded (traffic back on the stable revision) or paused — are ONE write
-  (``record_analysis(then=...)``), so a failed run is never on record without it;
+  (``record_analysis(then=...)``), so a failed run is never on record without it; a
+  run the metric source could not answer (Prometheus down) is Inconclusive and holds
+  the step: never a promotion, never a rollback;
 * otherwise advance to the next step once its pause is over (``advance_if_due``),
   re-checking the verdict on exactly the state that is advanced;
 * a firing alert with action ``rollback`` fails an active canary at once, or — with
@@ -29,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from specops.controller.analysis import run_analysis, tally, verdict
+from specops.controller.fallback import rule_applies
 from specops.controller.sources import MetricSource, Reading, read_many
 from specops.policies import rollout as machine
 from specops.policies.errors import ConflictError, CurrentChangedError, StateError
@@ -76,13 +79,15 @@ class RolloutDriver:
                 if standing:
                     return standing
             else:
-                readings = self._canary_readings(canary.class_names, analysis.window_s)
-                result = run_analysis(canary.analysis_rules(), readings)
+                rules = canary.analysis_rules()  # only the classes some rule watches are read
+                classes = [c for c in canary.class_names if any(rule_applies(r, c) for r in rules)]
+                result = run_analysis(rules, self._canary_readings(classes, analysis.window_s))
                 self.metrics.analysis_runs.labels(result.outcome).inc()
-                run = {"outcome": result.outcome, "message": result.message[:500], "evaluations": result.evaluations}
+                run = result.as_run()
                 v = verdict(tally([*runs_here, run]), analysis)
+                then = "continue" if v.action == "hold" else v.action  # a hold changes nothing but the record
                 try:
-                    state = machine.record_analysis(self.store, run, epoch=epoch, then=v.action, reason=v.reason,
+                    state = machine.record_analysis(self.store, run, epoch=epoch, then=then, reason=v.reason,
                                                     expect_generation=state.generation)
                 except ConflictError as exc:
                     log.info("rollout changed while analysing (%s); next tick retries", exc)
@@ -97,6 +102,10 @@ class RolloutDriver:
                 if v.action == "pause":
                     decisions.append(self._decision("rollout.pause", v.reason, revision=state.revision))
                     return decisions
+                if v.action == "hold":  # no promotion on missing data; the next run tries again
+                    decisions.append(self._decision("rollout.hold", v.reason, revision=state.revision,
+                                                    step_index=state.step_index))
+                    return decisions
         try:
             advanced = machine.advance_if_due(self.store, epoch=epoch, gate=self._gate)
         except ConflictError as exc:
@@ -110,7 +119,7 @@ class RolloutDriver:
     def _enforce(self, state: Any, analysis: Any, epoch: Any) -> list:
         """Apply the verdict of the runs on record (e.g. written by an older controller without their consequence)."""
         v = verdict(tally(state.current_runs()), analysis)
-        if v.action == "continue":
+        if v.action in ("continue", "hold"):
             return []
         try:
             if v.action == "rollback":
@@ -130,8 +139,8 @@ class RolloutDriver:
         """Refuse to advance unless the analysis of this step and attempt says continue."""
         v = verdict(tally(state.current_runs()), canary.rollout.analysis)
         if v.action != "continue":
-            log.warning("rollout of revision %s not advanced: analysis says %s (%s)", state.revision, v.action,
-                        v.reason)
+            log.log(logging.INFO if v.action == "hold" else logging.WARNING,
+                    "rollout of revision %s not advanced: analysis says %s (%s)", state.revision, v.action, v.reason)
             return v.reason
         return None
 

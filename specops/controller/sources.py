@@ -12,6 +12,7 @@ The vLLM and SGLang adapters live in :mod:`specops.controller.engine_sources`.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -153,15 +154,43 @@ def prometheus_duration(seconds: float) -> str:
     return f"{max(1, round(seconds))}s"
 
 
-def window_query(request_class: str, seconds: float) -> str:
+_MATCHER = re.compile(r'\s*[A-Za-z_][A-Za-z0-9_]*\s*(=|!=|=~|!~)\s*"(?:[^"\\]|\\.)*"\s*')
+
+
+def check_matchers(match: str) -> str:
+    """``match`` if it is a comma-separated list of PromQL label matchers (``track="canary"``); else ValueError."""
+    if not match.strip() or not all(_MATCHER.fullmatch(part) for part in _split_matchers(match)):
+        raise ValueError(f'expected PromQL label matchers such as track="canary", got {match!r}')
+    return match.strip()
+
+
+def _split_matchers(match: str) -> list[str]:
+    parts, current, quoted, escaped = [], "", False, False
+    for ch in match:
+        if ch == "," and not quoted:
+            parts.append(current)
+            current = ""
+            continue
+        current += ch
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif ch == '"':
+            quoted = not quoted
+    return [*parts, current]
+
+
+def window_query(request_class: str, seconds: float, match: str = "") -> str:
     """ONE PromQL query returning every counter increase of a class over the window.
 
     Each counter's increase is tagged with a ``specops_field`` label (``label_replace``)
     and the parts are joined with ``or``, so a window costs one HTTP request. The p99
-    token latency comes from the contract's derived series.
+    token latency comes from the contract's derived series. ``match``: more label
+    matchers for every selector (e.g. the canary's ``track="canary"``).
     """
     window = prometheus_duration(seconds)
-    match = contract.class_matcher(request_class)
+    match = contract.class_matcher(request_class) + (f", {check_matchers(match)}" if match else "")
     parts = []
     for field_name, metric, extra in _PROM_SERIES:
         by = "class" if extra is None else f"class, {extra}"
@@ -223,13 +252,19 @@ def parse_window_result(result: list[dict]) -> SourceWindow:
 
 
 class PrometheusSource:
-    """Windows through Prometheus's HTTP query API (``GET /api/v1/query``)."""
+    """Windows through Prometheus's HTTP query API (``GET /api/v1/query``).
+
+    ``match``: label matchers added to every selector, e.g. ``track="canary"`` to read
+    only the canary revision's series (as an Argo Rollouts AnalysisTemplate selects
+    the canary's pods by label).
+    """
 
     def __init__(self, url: str, *, timeout_s: float = 5.0, min_requests: int = 1,
                  session: requests.Session | None = None, clock: Callable[[], float] | None = None,
-                 name: str = "prometheus") -> None:
+                 name: str = "prometheus", match: str = "") -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"Prometheus URL must start with http:// or https://, got {url!r}")
+        self.match = check_matchers(match) if match else ""
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self.min_requests = min_requests
@@ -257,7 +292,7 @@ class PrometheusSource:
     def read(self, request_class: str, seconds: float) -> Reading:
         started = time.perf_counter()
         try:
-            stats = parse_window_result(self.query(window_query(request_class, seconds)))
+            stats = parse_window_result(self.query(window_query(request_class, seconds, self.match)))
         except (RuntimeError, ValueError) as exc:
             log.warning("prometheus source: class %s: %s", request_class, exc)
             return Reading(None, str(exc))
@@ -269,7 +304,12 @@ class PrometheusSource:
 
 
 class CombinedSource:
-    """The first source with data wins (e.g. Redis, then Prometheus)."""
+    """The first source with data wins (e.g. Redis, then Prometheus).
+
+    A class no source had data for carries the errors of the sources that failed: an
+    empty Redis does not prove there is no data when Prometheus could not be asked, so
+    the reading is *unreachable*, not "no traffic".
+    """
 
     def __init__(self, sources: list[MetricSource], name: str = "combined") -> None:
         if not sources:
@@ -291,9 +331,8 @@ class CombinedSource:
                     errors[c].append(f"{source.name}: {reading.error}")
             pending = [c for c in pending if c not in out]
         for c in pending:
-            # every source failed -> error; at least one answered (empty) -> inconclusive
-            all_failed = len(errors[c]) == len(self.sources)
-            out[c] = Reading(None, "; ".join(errors[c]) if all_failed else None)
+            # some source failed -> unreachable (its data is unknown); all answered empty -> no traffic
+            out[c] = Reading(None, "; ".join(errors[c]) or None)
         return out
 
     def read(self, request_class: str, seconds: float) -> Reading:

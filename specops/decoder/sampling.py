@@ -76,7 +76,10 @@ def filter_logits(
         sorted_logits, order = torch.sort(out, dim=-1, descending=True)  # [..., V]
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # [..., V]
-        drop_sorted = mass_before >= config.top_p  # the first token is never dropped
+        drop_sorted = mass_before >= config.top_p
+        # the most likely token always stays: a top_p below float32's smallest value (5e-324 passes the
+        # (0, 1] check) would otherwise compare as 0 and drop every token (all -inf: NaN probabilities)
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         out = out.masked_fill(drop, float("-inf"))
     return out

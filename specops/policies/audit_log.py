@@ -218,7 +218,7 @@ def _rules_lines(rules: list[dict[str, Any]]) -> list[str]:
     for r in rules or []:
         if not isinstance(r, dict):
             continue
-        if "rule" not in r:  # an analysis error entry: {"class", "outcome": "error", "reason"}
+        if "rule" not in r:  # a class whose metric source was unreachable: {"class", "outcome", "reason"}
             lines.append(f"{r.get('class', '?')}: {r.get('outcome', '?')} ({r.get('reason', '')})")
             continue
         value = "n/a" if r.get("value") is None else _num(r["value"], ".4g")

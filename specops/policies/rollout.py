@@ -233,8 +233,8 @@ def record_analysis(store: PolicyStore, run: dict[str, Any], *, epoch: Epoch = N
     back on stable). A failed analysis therefore can never be recorded without its
     consequence. ``expect_generation``: the state the run was evaluated on.
     """
-    if run.get("outcome") not in ("successful", "failed", "inconclusive", "error"):
-        raise ValueError(f"analysis run needs an outcome successful|failed|inconclusive|error, got {run.get('outcome')!r}")
+    if run.get("outcome") not in ("successful", "failed", "inconclusive"):
+        raise ValueError(f"analysis run needs an outcome successful|failed|inconclusive, got {run.get('outcome')!r}")
     if then not in ("continue", "pause", "rollback"):
         raise ValueError(f"then must be continue, pause or rollback, got {then!r}")
     state = _active(store)

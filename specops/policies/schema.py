@@ -288,8 +288,9 @@ class Analysis(_Model):
     inconclusive_limit: int = Field(default=0, ge=0)
     """Inconclusive runs tolerated; one more pauses the rollout for a human."""
     consecutive_error_limit: int = Field(default=4, ge=0)
-    """Consecutive errors (metric source down) tolerated; one more degrades the rollout (rolled back to
-    stable) whatever ``failure_limit`` says, as Argo Rollouts' Error phase aborts one."""
+    """Consecutive runs whose metric source could not be read (Inconclusive, unreachable) during which the
+    rollout holds at its step; one more pauses it for a human. Never a rollback: a monitoring outage says
+    nothing about the canary."""
     rules: list[str] = Field(default_factory=list)
     """Alert rule names evaluated by the analysis; empty: all alert rules."""
 

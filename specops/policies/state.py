@@ -36,7 +36,8 @@ class EffectiveSettings:
 
 @dataclass(frozen=True)
 class AnalysisRun:
-    """One canary analysis result: Successful, Failed, Inconclusive or Error (Argo Rollouts' terms)."""
+    """One canary analysis result: Successful, Failed or Inconclusive (Argo Rollouts' terms; ``error``:
+    an unreachable metric source, as earlier versions recorded it — now Inconclusive)."""
 
     outcome: Literal["successful", "failed", "inconclusive", "error"]
     at: float

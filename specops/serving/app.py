@@ -368,7 +368,25 @@ def build_app(load: Callable[[], AsyncEngine], *, model_name: str, model_root: s
             await it.aclose()
         yield b"data: [DONE]\n\n"
 
+    if api_key is not None:
+        app.openapi = lambda: _with_bearer(app)
     return app
+
+
+def _with_bearer(app: FastAPI) -> dict[str, Any]:
+    """The OpenAPI document, saying that every ``/v1/`` route needs the bearer API key (the middleware checks it)."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        doc.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        for path, operations in doc.get("paths", {}).items():
+            if path.startswith("/v1/"):
+                for operation in operations.values():
+                    operation["security"] = [{"bearer": []}]
+                    operation.setdefault("responses", {})["401"] = {"description": "missing or invalid API key"}
+        app.openapi_schema = doc
+    return app.openapi_schema
 
 
 async def _unless_disconnected(request: Request, coro) -> Any:

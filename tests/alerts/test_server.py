@@ -49,6 +49,37 @@ def test_metrics_and_healthz(served):
     assert _request(server.url + "/nope", token=None)[0] == 404
 
 
+def test_openapi_document_lists_every_route_and_its_security(served):
+    server, _, _ = served
+    status, body = _request(server.url + "/openapi.json", token=None)
+    doc = json.loads(body)
+    assert status == 200 and doc["openapi"].startswith("3.")
+    assert set(doc["paths"]) == {"/metrics", "/healthz", "/openapi.json", "/webhook/alertmanager", "/webhook/grafana"}
+    secured = {path for path, ops in doc["paths"].items() for op in ops.values() if op.get("security")}
+    assert secured == {"/webhook/alertmanager", "/webhook/grafana"}
+    for path in secured:  # every secured route in the document answers 401 without the token
+        assert _request(server.url + path, b"{}", token=None)[0] == 401
+
+
+@pytest.mark.parametrize("method,path,allow", [("PUT", "/webhook/alertmanager", "POST"),
+                                               ("DELETE", "/metrics", "GET"), ("PATCH", "/healthz", "GET"),
+                                               ("POST", "/metrics", "GET"), ("GET", "/webhook/grafana", "POST"),
+                                               ("HEAD", "/openapi.json", "GET"), ("OPTIONS", "/webhook/x", "POST")])
+def test_a_wrong_method_is_405_never_501(served, method, path, allow):
+    server, received, _ = served
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        conn.request(method, path, body=b'{"version": "4", "alerts": []}' if method != "HEAD" else None)
+        resp = conn.getresponse()
+        resp.read()
+        assert (resp.status, resp.getheader("Allow")) == (405, allow)
+    finally:
+        conn.close()
+    assert _request(server.url + "/nope", b"{}", method="PUT")[0] == 404 and not received
+
+
 def test_webhooks_over_http(served):
     server, received, _ = served
     status, body = _request(server.url + "/webhook/alertmanager", alertmanager(alert(cls="code", fingerprint="1")))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.services import redis_server_binary
+from tests.services import redis_server_binary, require_binary, require_module
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,6 +21,8 @@ pytestmark = pytest.mark.services
 
 def test_chaos_quick_meets_every_goal_and_logs_no_secret(tmp_path):
     redis_server_binary()  # fails (CI) or skips when no redis-server is installed
+    require_binary("prometheus")  # the prom-outage scenario's metrics provider
+    require_module("schemathesis", "the webhook-fuzz scenario's OpenAPI fuzzing")
     from specops.chaos.suite import SCENARIOS
 
     api_key, token = "sk-test-" + secrets.token_hex(8), "wh-test-" + secrets.token_hex(8)

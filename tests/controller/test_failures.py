@@ -290,24 +290,68 @@ def test_paused_rollout_resumes_with_a_fresh_analysis(redis_client):
     assert state.phase == "healthy" and rig.store.current_revision() == state.revision
 
 
-def test_metric_source_that_stays_down_fails_the_rollout(redis_client):
-    lenient = CANARY_POLICY.replace("failure_limit: 0", "failure_limit: 5, consecutive_error_limit: 1")
+class SwitchableSource:
+    """The canary source, or — while ``down`` — a metric backend that cannot be reached."""
+
+    def __init__(self, real) -> None:
+        self.real, self.down, self.name = real, False, "switchable"
+
+    def read(self, request_class, window_s):
+        if self.down:
+            return Reading(None, "prometheus query failed: connection refused")
+        return self.real.read(request_class, window_s)
+
+
+def outage_rig(redis_client, limit: int) -> tuple[Rig, SwitchableSource]:
+    lenient = CANARY_POLICY.replace("failure_limit: 0", f"failure_limit: 5, consecutive_error_limit: {limit}")
     rig = Rig(redis_client, lenient)
     rig.step({"code": GOOD})
-    machine.start_rollout(rig.store, parse_policy(lenient.replace("version: c1", "version: c2")),
-                          lenient.replace("version: c1", "version: c2"))
+    canary = lenient.replace("version: c1", "version: c2")
+    machine.start_rollout(rig.store, parse_policy(canary), canary)
+    source = SwitchableSource(rig.ctl.rollout.canary_source)
+    rig.ctl.rollout.canary_source = source
+    return rig, source
 
-    class Down:
-        def read(self, request_class, window_s):
-            return Reading(None, "metrics backend down")
 
-    rig.ctl.rollout.canary_source = Down()
-    phases = []
-    for _ in range(3):
-        rig.step({"code": GOOD})
-        phases.append(rig.store.rollout_state().phase)
-    assert phases == ["progressing", "degraded", "degraded"]
-    assert "consecutive errors" in rig.store.rollout_state().message
+def test_metric_source_down_holds_the_step_then_pauses_never_rolls_back(redis_client):
+    rig, source = outage_rig(redis_client, limit=2)
+    rig.step({"code": GOOD}, canary={"code": (0.9, 1.0, 2)})  # one successful run at step 0
+    source.down = True
+    seen = []
+    for _ in range(5):  # 50 s: well past the step's 30 s pause
+        kinds = [d.kind for d in rig.step({"code": GOOD}, canary={"code": (0.9, 1.0, 2)})]
+        state = rig.store.rollout_state()
+        seen.append((state.phase, state.step_index))
+        assert "rollout.rollback" not in kinds and "rollout.step" not in kinds
+    # two unreachable runs hold at step 0 (not promoted although the pause is over), the third pauses
+    assert seen == [("progressing", 0), ("progressing", 0), ("paused", 0), ("paused", 0), ("paused", 0)]
+    state = rig.store.rollout_state()
+    assert "unreachable for 3 consecutive runs" in state.message and rig.store.current_revision() == 1
+    runs = [r for r in state.analysis_runs if r.get("unreachable")]
+    assert len(runs) == 3 and {r["outcome"] for r in runs} == {"inconclusive"}
+    audit = rig.store.read_audit(200)
+    assert not [e for e in audit if e["kind"] in ("rollout.degraded", "rollout.rollback")]
+    # the source is back and the operator resumes: a fresh attempt is analysed and completes
+    source.down = False
+    machine.promote(rig.store)
+    for _ in range(5):
+        rig.step({"code": GOOD}, canary={"code": (0.9, 1.0, 2)})
+    state = rig.store.rollout_state()
+    assert state.phase == "healthy" and rig.store.current_revision() == state.revision == 2
+
+
+def test_short_metric_outage_holds_then_the_rollout_carries_on_by_itself(redis_client):
+    rig, source = outage_rig(redis_client, limit=4)
+    rig.step({"code": GOOD}, canary={"code": (0.9, 1.0, 2)})
+    source.down = True
+    for _ in range(3):  # past the 30 s pause, but every run since the success is unreachable
+        rig.step({"code": GOOD}, canary={"code": (0.9, 1.0, 2)})
+        assert (rig.store.rollout_state().phase, rig.store.rollout_state().step_index) == ("progressing", 0)
+    source.down = False
+    for _ in range(2):
+        rig.step({"code": GOOD}, canary={"code": (0.9, 1.0, 2)})
+    state = rig.store.rollout_state()
+    assert state.phase == "healthy" and rig.store.current_revision() == 2
 
 
 # ----------------------------------------------------------------------------- smaller ones

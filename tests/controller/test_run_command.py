@@ -56,3 +56,13 @@ def test_controller_run_serves_metrics_and_applies_webhook_fallback(redis_client
 def test_controller_run_requires_token(redis_url):
     r = CliRunner().invoke(main, ["controller", "run", "--redis", redis_url, "--run-for", "0"], env={"SPECOPS_WEBHOOK_TOKEN": ""})
     assert r.exit_code != 0 and "token" in r.output
+
+
+def test_canary_match_needs_prometheus_and_well_formed_matchers(redis_url):
+    base = ["controller", "run", "--redis", redis_url, "--run-for", "0", "--webhook-token", "t"]
+    r = CliRunner().invoke(main, [*base, "--canary-match", 'track="canary"'])
+    assert r.exit_code == 2 and "--prometheus" in r.output
+    r = CliRunner().invoke(main, [*base, "--prometheus", "http://127.0.0.1:1", "--canary-match", "track=canary"])
+    assert r.exit_code == 2 and "--canary-match" in r.output and "label matchers" in r.output
+    r = CliRunner().invoke(main, [*base, "--prometheus", "http://127.0.0.1:1", "--canary-match", 'track="canary"'])
+    assert r.exit_code == 0, r.output

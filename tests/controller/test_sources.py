@@ -121,6 +121,19 @@ def test_redis_source_reads_all_classes_and_reports_outage(redis_client):
     assert reading.stats is None and reading.error
     combined = CombinedSource([RedisWindowSource(RedisWindowReader(dead, clock=clock)), src])
     assert combined.read("code", 30).stats.requests == 3
+    # empty in one source, the other unreachable: unknown (an error), not "no traffic"
+    empty_then_dead = CombinedSource([src, RedisWindowSource(RedisWindowReader(dead, clock=clock), name="down")])
+    assert empty_then_dead.read("chat", 30).stats is None and "down: redis" in empty_then_dead.read("chat", 30).error
+    assert CombinedSource([src, src]).read("chat", 30).error is None
+
+
+def test_window_query_extra_matchers_select_the_canary_series():
+    q = window_query("code", 60, 'track="canary"')
+    assert q.count('{class="code", track="canary"}') == q.count("{class=") > 5
+    for bad in ("", "track", "track=canary", 'a="x"}or{', 'a="x" b="y"'):
+        with pytest.raises(ValueError, match="label matchers"):
+            window_query("code", 60, bad) if bad else PrometheusSource("http://127.0.0.1:1", match=" ")
+    assert PrometheusSource("http://127.0.0.1:1", match='a="x,y", b!~"q\\"r"').match == 'a="x,y", b!~"q\\"r"'
 
 
 VLLM_V1 = """# TYPE vllm:spec_decode_num_drafts_total counter

@@ -65,6 +65,10 @@ def test_top_p_keeps_the_smallest_nucleus_reaching_p():
     # the most likely token always survives
     probs = probabilities(logits, SamplingConfig(temperature=1.0, top_p=0.01))
     torch.testing.assert_close(probs[0], torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    # even for a top_p that float32 rounds to 0 (schemathesis sent 5e-324 to serve: NaN, a 500)
+    for tiny in (5e-324, 1e-46):
+        probs = probabilities(logits.repeat(3, 1), SamplingConfig(temperature=1.0, top_p=tiny))
+        torch.testing.assert_close(probs, torch.tensor([[1.0, 0.0, 0.0, 0.0]] * 3))
 
 
 def test_top_k_then_top_p_compose_in_that_order():

@@ -144,3 +144,15 @@ def test_engine_leaves_a_core_to_the_event_loop_while_many_sequences_stream():
     engine.scheduler.running = [None] * 16
     one._pick_threads()
     assert calls == [1, 2]  # one thread: nothing to leave
+
+
+@pytest.mark.parametrize("api_key", [None, "sk-test"])
+def test_openapi_declares_the_bearer_key_on_v1_routes_only_when_set(api_key):
+    from specops.serving.app import build_app
+
+    doc = build_app(lambda: None, model_name="m", api_key=api_key).openapi()
+    secured = {path for path, ops in doc["paths"].items() for op in ops.values() if op.get("security")}
+    v1 = {path for path in doc["paths"] if path.startswith("/v1/")}
+    assert v1 == {"/v1/models", "/v1/completions", "/v1/chat/completions"}
+    assert secured == (v1 if api_key else set())
+    assert ("bearer" in doc.get("components", {}).get("securitySchemes", {})) == bool(api_key)
