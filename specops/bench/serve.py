@@ -382,6 +382,19 @@ def _fmt(value: Any, scale: float = 1.0, digits: int = 1) -> str:
     return "-" if value is None else f"{value * scale:.{digits}f}"
 
 
+def emit_report(report: dict[str, Any], table: str, json_path: Path | None, plot_path: Path | None = None,
+                plot=None) -> None:
+    """Print a bench command's table, then write its JSON and plot where asked."""
+    click.echo(table)
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report, indent=2) + "\n")
+        click.echo(f"wrote {json_path}")
+    if plot_path and plot is not None:
+        plot(report, plot_path)
+        click.echo(f"wrote {plot_path}")
+
+
 def format_table(report: dict[str, Any]) -> str:
     head = (f"{'mode':<9}{'conc':>5}{'req':>5}{'err':>4}{'tok/s':>9}{'req/s':>7}{'TTFT p50':>10}{'p99':>8}"
             f"{'TPOT p50':>10}{'p99':>8}{'ITL p99':>9}{'E2E p99':>9}{'goodput':>9}{'accept':>8}")
@@ -469,11 +482,4 @@ def bench_serve_command(base_url, redis_url, namespace, modes, concurrency, num_
         report = run_bench_serve(cfg)
     except BenchServeError as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo(format_table(report))
-    if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(report, indent=2) + "\n")
-        click.echo(f"wrote {json_path}")
-    if plot_path:
-        plot_report(report, plot_path)
-        click.echo(f"wrote {plot_path}")
+    emit_report(report, format_table(report), json_path, plot_path, plot_report)

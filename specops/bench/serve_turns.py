@@ -43,7 +43,7 @@ from typing import Any
 import click
 
 from specops.bench.serve import (BenchServeError, RequestResult, ServeBenchConfig, _apply_mode, _percentile,
-                                 _start_controller, _start_server, _stop, _wait_ready, _wait_settings)
+                                 _start_controller, _start_server, _stop, _wait_ready, _wait_settings, emit_report)
 from specops.policies.turns import TURN_BUCKETS, turn_bucket
 
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples" / "policies"
@@ -411,11 +411,4 @@ def bench_turns_command(policies, conversations, turns, max_tokens, concurrency,
         report = run_bench_turns(cfg)
     except BenchServeError as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo(format_turns_table(report))
-    if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(report, indent=2) + "\n")
-        click.echo(f"wrote {json_path}")
-    if plot_path:
-        plot_turns(report, plot_path)
-        click.echo(f"wrote {plot_path}")
+    emit_report(report, format_turns_table(report), json_path, plot_path, plot_turns)

@@ -23,7 +23,6 @@ two runs of the same engine have noise of the engine's own step-time jitter: mor
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import statistics
 import subprocess
@@ -44,6 +43,7 @@ from specops.bench.serve import (
     _stop,
     _wait_ready,
     build_prompts,
+    emit_report,
     run_cell,
 )
 
@@ -227,8 +227,4 @@ def bench_sidecar_command(base_url, engine, policy, concurrency, num_prompts, re
         report = run_overhead(cfg)
     except BenchServeError as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo(format_table(report))
-    if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(report, indent=2) + "\n")
-        click.echo(f"wrote {json_path}")
+    emit_report(report, format_table(report), json_path)

@@ -131,14 +131,14 @@ class Engine:
         self.scheduler = Scheduler(self.pool, max_batch=max_batch, max_step_tokens=max_step_tokens,
                                    draft_pool=self.draft_pool, release=self._release)
         self.cost_clock = cost_clock(self.device)
-        self.cost = CostModel()  # target forwards (verify)
-        self.draft_cost = CostModel()  # draft-model forwards (one drafting round)
+        self.cost = CostModel(warmup=1)  # target forwards (verify)
+        self.draft_cost = CostModel(warmup=1)  # draft-model forwards (one drafting round)
         self.overhead = {m: Meter() for m in ALPHA_PRIOR}  # per speculating sequence, outside the forwards
         self.fixed: dict[int, Meter] = {}  # per batch size: the step's host time outside forwards and proposals
         self._plain_commit = Meter()  # verification + commit of a plain decoding step, per sequence
         self.margin = DEFAULT_MARGIN
         # a step that declined speculation does not measure what speculating costs now: every
-        # PROBE_EVERY-th such step runs the best speculative plan anyway, so a cost measured
+        # PROBE_EVERY-th such step one sequence runs its best speculative plan anyway, so a cost measured
         # in a load spike (or acceptance that has recovered) cannot switch it off for good.
         # 0: never probe.
         self.probe_every = PROBE_EVERY
@@ -358,9 +358,13 @@ class Engine:
                       fixed_s=self._fixed_s(len(batch)), margin=self.margin)
         if not any(chosen) and self.probe_every:
             self._declined += 1
-            if self._declined % self.probe_every == 0:  # the best speculative plan, predicted loss or not
-                chosen = plan(cands, self.cost, batch=len(batch), base_tokens=base, draft_cost=self.draft_cost,
-                              fixed_s=self._fixed_s(len(batch)), margin=-1.0)
+            if self._declined % self.probe_every == 0:
+                # one sequence (the likeliest to gain) runs its best plan, predicted loss or not:
+                # the step measures speculating at this batch size at the cost of one sequence's draft
+                i = max(range(len(cands)), key=lambda j: cands[j].gains[0] if cands[j].gains else -1.0)
+                chosen = [0] * len(cands)
+                chosen[i] = plan([cands[i]], self.cost, batch=len(batch), base_tokens=base,
+                                 draft_cost=self.draft_cost, fixed_s=self._fixed_s(len(batch)), margin=-1.0)[0]
                 self.probes += 1
         plans: dict[str, dict] = {}
         drafting, gammas = [], []

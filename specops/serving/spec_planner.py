@@ -36,9 +36,9 @@ that goodput beats plain decoding by a margin (``margin``, default 3%): gains in
 the noise are not worth their risk. When the batch is large, acceptance low or the
 proposals dear, the best prefix is short or empty: speculation shrinks or switches off
 by itself (per sequence or for the whole batch), and comes back when it pays again:
-a step that declines speculation measures nothing about it, so the engine runs the best
-speculative plan anyway every `PROBE_EVERY`-th declined step (`Engine.probe_every`),
-keeping the costs and acceptance current.
+a step that declines speculation measures nothing about it, so every `PROBE_EVERY`-th
+declined step one sequence (the likeliest to gain) runs its best speculative plan anyway
+(`Engine.probe_every`), keeping the costs and acceptance current.
 
 How this differs from vLLM's static table (``num_speculative_tokens`` with a per
 batch-size cutoff, ``speculative_disable_by_batch_size``): that table is written by hand
@@ -87,13 +87,18 @@ class CostModel:
     by far-away points. At B = 1 extra tokens are nearly free, at B = 16 they are not.
     """
 
-    def __init__(self, window: int = 9, refit_every: int = 32) -> None:
+    def __init__(self, window: int = 9, refit_every: int = 32, warmup: int = 0) -> None:
         self.window = window
+        # observations of each (B, T) dropped before it counts: a shape's first forward pays
+        # one-time costs (oneDNN builds its kernels for a new row count, the allocator grows),
+        # up to ~100x a warm one; alone in a new point's window it would be its median
+        self.warmup = warmup
         self.refit_every = refit_every
         self.samples: dict[tuple[int, int], deque[float]] = {}
         self._curves: dict[int, tuple[list[int], list[float]]] | None = None  # B -> (T ascending, seconds)
         self._sizes: list[int] = []
         self._since_fit = 0
+        self._seen: dict[tuple[int, int], int] = {}  # shape -> warm-up observations dropped
 
     @property
     def points(self) -> dict[tuple[int, int], float]:
@@ -102,6 +107,9 @@ class CostModel:
 
     def observe(self, b: int, t: int, seconds: float) -> None:
         if seconds <= 0:
+            return
+        if self._seen.get((b, t), 0) < self.warmup:  # see ``warmup``
+            self._seen[(b, t)] = self._seen.get((b, t), 0) + 1
             return
         window = self.samples.get((b, t))
         if window is None:

@@ -164,3 +164,14 @@ def test_a_noisy_low_point_is_averaged_not_copied_onto_larger_forwards():
     assert cost.predict(16, 16) == cost.predict(16, 48) == pytest.approx(30e-3)  # pooled, not 40 ms flat
     assert cost.predict(16, 80) == pytest.approx(30e-3)
     assert cost.predict(16, 200) >= cost.predict(16, 80)
+
+
+def test_a_shapes_first_forward_is_not_its_cost():
+    """With warmup=1 the first observation of each (B, T) (one-time kernel builds) is dropped."""
+    cost = CostModel(warmup=1)
+    cost.observe(1, 1, 0.004)
+    cost.observe(1, 1, 0.004)
+    cost.observe(1, 7, 0.300)  # the first T=7 forward: oneDNN builds its kernels
+    assert (1, 7) not in cost.points
+    cost.observe(1, 7, 0.005)
+    assert cost.points == {(1, 1): 0.004, (1, 7): 0.005}
