@@ -7,7 +7,7 @@ values into a padded tensor (``index_select``) and then runs SDPA over the copy;
 writes, and it was the largest cost of the step after the matmuls. The kernel reads
 each key/value once per kv head (for every query head that shares it).
 
-Built on first use with the system C compiler (``$CC`` or ``cc``; ``-O3 -march=native -ffast-math``,
+Built on first use with the system C compiler (``$CC`` or ``cc``; ``-O3 -march=native``, reassociation,
 like torch's own CPU kernels are tuned to the machine) into ``$SPECOPS_CACHE_DIR`` (default
 ``~/.cache/specops``), named by a hash of the source and flags, and loaded with ctypes,
 which releases the GIL during the call. No compiler, or a build that fails: `available()`
@@ -36,8 +36,11 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
-# -ffast-math for vectorized sums and expf; infinities stay meaningful (-INFINITY starts the running max)
-CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-shared", "-fPIC", "-std=c99", "-pthread")
+# Reassociation for vectorized sums; not -ffast-math itself: linking a shared library with it
+# pulls in crtfastmath.o, which turns on flush-to-zero for the whole process when the library
+# loads (subnormal floats become 0 in everyone's arithmetic, torch's and Python's included).
+CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
+          "-freciprocal-math", "-shared", "-fPIC", "-std=c99", "-pthread")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

@@ -20,7 +20,8 @@
  * query heads (query head h uses kv head h / (Hq / Hkv), as SDPA's enable_gqa does);
  * the softmax is exact (max-subtracted, two passes over the scores): the same math as
  * scaled_dot_product_attention in fp32 up to rounding (built with reassociation allowed,
- * so sums are vectorized).
+ * so sums are vectorized; never with -ffast-math, whose startup code would set
+ * flush-to-zero for the whole process).
  */
 #include <math.h>
 #include <pthread.h>

@@ -141,3 +141,21 @@ def test_any_thread_count_writes_the_same_rows(threads):
     cpu_paged.paged_attention(q, k_store, v_store, q_index, visible, kv_slots, one, 0.2, threads=1)
     cpu_paged.paged_attention(q, k_store, v_store, q_index, visible, kv_slots, many, 0.2, threads=threads)
     assert torch.equal(one, many)
+
+
+def test_loading_the_kernel_leaves_subnormal_floats_alone():
+    """The kernel's library must not switch the process to flush-to-zero (what linking with
+    -ffast-math does): subnormals stay representable for everyone else, torch included."""
+    import subprocess
+    import sys
+
+    code = ("from specops.kernels import cpu_paged\n"
+            "assert cpu_paged.available(), cpu_paged.unavailable_reason()\n"
+            "import torch\n"
+            "tiny = float.fromhex('0x0.0000000000001p-1022')\n"
+            "one = float(len('x'))\n"
+            "assert tiny * one > 0.0, 'flush-to-zero is on'\n"
+            "t = torch.tensor([1e-40], dtype=torch.float32)\n"
+            "assert (t * 1.0).item() > 0.0, 'float32 subnormals flushed'\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
