@@ -156,9 +156,21 @@ def test_stream_relayed_event_for_event(stack):
         assert raw.endswith(b"data: [DONE]\n\n")
         return out
 
+    def shape(evs: list[dict]) -> tuple:
+        """What does not depend on engine timing: the text, the keys of every event, the
+        finish reason and usage. How many tokens one step commits (so how the text is
+        chunked) and drafted/accepted depend on the load-aware planner's timing, which
+        differs between two requests; event-for-event relaying of fixed upstream bytes is
+        tested against a scripted upstream (test_faults.py::test_stream_bytes_pass_through_exactly)."""
+        text = "".join(c["text"] for e in evs for c in e["choices"])
+        keys = {tuple(sorted(e)) for e in evs}
+        last = [e for e in evs if e["choices"]][-1]["choices"][0]["finish_reason"]
+        usage = [e["usage"] for e in evs if e.get("usage")]
+        return text, keys, last, usage
+
     direct = events(stack["spec"].url)
     through = events(stack["side"].url)
-    assert through == direct and len(through) >= 3
+    assert shape(through) == shape(direct) and len(through) >= 3
 
 
 def test_openai_client_through_the_sidecar(stack):
