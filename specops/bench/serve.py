@@ -10,7 +10,9 @@ Modes switch the server through its Redis, as an operator would:
 ``off``       every class's effective method set to ``off`` (plain decoding);
 ``fixed``     the policy's initial settings (`effective_for`), no controller;
 ``adaptive``  the initial settings, then ``specops controller run`` as its own process
-              against the same Redis, adapting from the server's telemetry.
+              against the same Redis, adapting from the server's telemetry; measured after
+              ``--adaptive-warmup-s`` (45 s) of the same traffic mix, so the controller has
+              had its ticks and its alert rules their ``for_s``.
 
 The bench waits until the server's ``/readyz`` shows the settings before measuring.
 Terms: TTFT = arrival → first token; TPOT = (E2E − TTFT) / (output tokens − 1);
@@ -63,7 +65,7 @@ class ServeBenchConfig:
     seed: int = 0
     warmup: int = 2
     controller_interval_s: float = 2.0
-    adaptive_warmup_s: float = 6.0
+    adaptive_warmup_s: float = 45.0         # adaptive: traffic before measuring (controller ticks + alert for_s)
     server_args: list[str] = field(default_factory=list)
     progress: bool = True
 
@@ -352,8 +354,8 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
                     controller = _start_controller(cfg, redis_url, workdir)
                 warm = build_prompts(cfg, max(cfg.warmup, 1))
                 asyncio.run(run_cell(url, model, warm, min(len(warm), max(cfg.concurrency)), cfg))
-                if mode == "adaptive":  # give the controller a few ticks of this traffic
-                    time.sleep(cfg.adaptive_warmup_s)
+                if mode == "adaptive":
+                    _adaptive_warmup(url, model, cfg)
                 for c in cfg.concurrency:
                     prompts = build_prompts(cfg, counts[c])
                     results, duration = asyncio.run(run_cell(url, model, prompts, c, cfg,
@@ -376,6 +378,22 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
         if embedded is not None:
             embedded.connection_pool.disconnect()  # idle pooled connections would count as other users
             close(embedded)
+
+
+def _adaptive_warmup(url: str, model: str, cfg: ServeBenchConfig) -> None:
+    """Traffic of the same mix (other draws), cycling through the measured concurrencies,
+    for ``adaptive_warmup_s``: the controller decides from telemetry windows and its alert
+    rules wait ``for_s`` (30-60 s in the default policy), so an idle pause would measure
+    the initial settings, not what the controller makes of them."""
+    from dataclasses import replace
+
+    deadline = time.monotonic() + cfg.adaptive_warmup_s
+    k = 0
+    while time.monotonic() < deadline:
+        c = cfg.concurrency[k % len(cfg.concurrency)]
+        prompts = build_prompts(replace(cfg, seed=cfg.seed + 1000 + k), max(2 * c, 4))
+        asyncio.run(run_cell(url, model, prompts, c, cfg))
+        k += 1
 
 
 def _fmt(value: Any, scale: float = 1.0, digits: int = 1) -> str:
@@ -454,10 +472,13 @@ def plot_report(report: dict[str, Any], path: str | Path) -> Path:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--adaptive-warmup-s", type=click.FloatRange(min=0), default=45.0, show_default=True,
+              help="adaptive: seconds of the same traffic before measuring, so the controller has acted.")
 @click.option("--server-arg", "server_args", multiple=True, help="Extra argument for the started server (repeatable).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def bench_serve_command(base_url, redis_url, namespace, modes, concurrency, num_prompts, request_rate, max_tokens, mix,
-                        prompts_file, slo, api_key_env, json_path, plot_path, seed, server_args, quiet) -> None:
+                        prompts_file, slo, api_key_env, json_path, plot_path, seed, adaptive_warmup_s, server_args,
+                        quiet) -> None:
     """Benchmark a specops server over HTTP: off / fixed / adaptive at several concurrencies."""
     try:
         mode_list = [m.strip() for m in modes.split(",") if m.strip()]
@@ -477,7 +498,8 @@ def bench_serve_command(base_url, redis_url, namespace, modes, concurrency, num_
     cfg = ServeBenchConfig(base_url=base_url, redis_url=redis_url, namespace=namespace, modes=mode_list,
                            concurrency=conc, num_prompts=num_prompts, request_rate=request_rate, max_tokens=max_tokens,
                            mix=mix_weights, prompts_file=prompts_file, slo_ttft_s=ttft, slo_tpot_s=tpot,
-                           api_key=api_key, seed=seed, server_args=list(server_args), progress=not quiet)
+                           api_key=api_key, seed=seed, server_args=list(server_args), progress=not quiet,
+                           adaptive_warmup_s=adaptive_warmup_s)
     try:
         report = run_bench_serve(cfg)
     except BenchServeError as exc:

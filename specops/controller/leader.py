@@ -158,6 +158,11 @@ class LeaseKeeper:
     validity (``ttl_ms - safety_ms``): one lost renewal (a Redis blip) must not cost
     the lease. A Redis error is logged and retried at the next period; the lease's
     own validity window makes it stop leading in time.
+
+    A standby tries to acquire more often than the leader renews (``standby_every_s``,
+    a tenth of the validity, at least 50 ms): a killed leader's lease expires at most
+    ``ttl_ms`` after its last renewal, and the standby then takes over within that
+    tenth instead of within a whole renewal period (one ``SET NX`` per attempt).
     """
 
     def __init__(self, lease: LeaderLease, renew_every_s: float | None = None,
@@ -169,6 +174,7 @@ class LeaseKeeper:
                              f"(ttl {lease.ttl_ms} ms minus safety {lease.safety_ms} ms), got {renew_every_s!r}")
         self.lease = lease
         self.renew_every_s = period
+        self.standby_every_s = min(period, max(valid_s / 10.0, 0.05))
         self.on_change = on_change
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -190,8 +196,8 @@ class LeaseKeeper:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.keep()
-            self._stop.wait(self.renew_every_s)
+            leading = self.keep()
+            self._stop.wait(self.renew_every_s if leading else self.standby_every_s)
 
     def start(self) -> LeaseKeeper:
         if self._thread is not None:

@@ -504,3 +504,24 @@ def test_run_rejects_an_interval_that_cannot_keep_the_lease(redis_url):
     result = CliRunner().invoke(main, ["controller", "run", "--redis", redis_url, "--webhook-token", "t",
                                        "--interval", "20", "--lease-ttl-ms", "15000", "--run-for", "0"])
     assert result.exit_code == 2 and "cannot keep a 15000 ms lease" in result.output
+
+
+def test_standby_takes_a_killed_leaders_lease_within_a_tenth_of_its_validity(redis_client):
+    """The leader stops renewing without releasing (SIGKILL): the standby's keeper, trying every
+    tenth of the validity, leads within ttl + that tenth of the kill, not ttl + a renewal period."""
+    name = "{specops}:leader-standby-test"
+    leader = LeaderLease(redis_client, name, ttl_ms=1000)
+    assert leader.try_acquire()
+    killed_at = time.monotonic()  # the leader renewed just now and never again
+    standby = LeaseKeeper(LeaderLease(redis_client, name, ttl_ms=1000))
+    assert standby.standby_every_s <= 0.1 < standby.renew_every_s
+    standby.start()
+    try:
+        deadline = killed_at + 3.0
+        while not standby.lease.is_leader and time.monotonic() < deadline:
+            time.sleep(0.005)
+        took = time.monotonic() - killed_at
+        assert standby.lease.is_leader
+        assert took <= 1.0 + standby.standby_every_s + 0.15, took  # 0.15 s: scheduling slack
+    finally:
+        standby.stop(release=True)
