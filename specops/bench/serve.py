@@ -387,13 +387,15 @@ def _adaptive_warmup(url: str, model: str, cfg: ServeBenchConfig) -> None:
     the initial settings, not what the controller makes of them."""
     from dataclasses import replace
 
+    pool = build_prompts(replace(cfg, seed=cfg.seed + 1000), 512)  # other draws than the measured cells
     deadline = time.monotonic() + cfg.adaptive_warmup_s
-    k = 0
+    k = at = 0
     while time.monotonic() < deadline:
         c = cfg.concurrency[k % len(cfg.concurrency)]
-        prompts = build_prompts(replace(cfg, seed=cfg.seed + 1000 + k), max(2 * c, 4))
+        n = max(2 * c, 4)
+        prompts = [pool[(at + i) % len(pool)] for i in range(n)]
         asyncio.run(run_cell(url, model, prompts, c, cfg))
-        k += 1
+        k, at = k + 1, at + n
 
 
 def _fmt(value: Any, scale: float = 1.0, digits: int = 1) -> str:

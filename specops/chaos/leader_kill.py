@@ -125,11 +125,14 @@ def run(rig: Rig, *, kills: int) -> ScenarioResult:
                    "lease_ttl_s": TTL_MS / 1000, "steps_recorded": len(steps), "steps_applied_twice": twice,
                    "stale_epoch_writes": stale, "revision": rev, "final_step": final.step_index,
                    "final_phase": final.phase}
-        # time to resume: the lease TTL plus one renewal period of the standby and slack for a busy machine
+        # time to resume: a killed leader's lease lives up to one TTL after its last renewal; the
+        # standby tries every tenth of the lease's validity; 0.25 s of scheduling slack on 2 busy cores
+        bound = TTL_MS / 1000 * 1.1 + 0.25
+        figures["takeover_bound_s"] = round(bound, 2)
         met = (resumed == kills and twice == 0 and stale == 0 and max_takeover is not None
-               and max_takeover <= TTL_MS / 1000 + 2.0)
-        return ScenarioResult(NAME, figures, f"{kills}/{kills} resumed, takeover ≤ TTL (+2 s slack), 0 twice, 0 stale",
-                              met)
+               and max_takeover <= bound)
+        return ScenarioResult(NAME, figures, f"{kills}/{kills} resumed, takeover ≤ TTL + TTL/10 + 0.25 s, "
+                                             "0 twice, 0 stale", met)
     finally:
         for p in replicas:
             p.stop()

@@ -49,3 +49,27 @@ def test_prompts_follow_the_mix_and_repeat_across_modes():
     hot = sum(1 for _, t in a if t > 0)
     assert 8 <= hot <= 32 and all(t in (0.0, 1.0) for _, t in a)
     assert math.isinf(ServeBenchConfig().request_rate)
+
+
+def test_adaptive_warmup_sends_the_mix_at_every_concurrency_until_its_time_is_up(monkeypatch):
+    """adaptive is measured after --adaptive-warmup-s of traffic (not an idle pause): cells of
+    the same mix, other draws, cycling through the measured concurrencies, bounded in time."""
+    import time
+
+    from specops.bench import serve
+
+    calls = []
+
+    async def fake_cell(url, model, prompts, concurrency, cfg, on_done=None):
+        calls.append((concurrency, len(prompts), prompts[0], time.monotonic()))
+        time.sleep(0.02)
+        return [], 0.02
+
+    monkeypatch.setattr(serve, "run_cell", fake_cell)
+    cfg = serve.ServeBenchConfig(concurrency=[1, 4], adaptive_warmup_s=0.2)
+    serve._adaptive_warmup("http://x", "bundled", cfg)
+    assert calls[-1][3] - calls[0][3] < 0.2 + 0.05  # no cell starts after the time is up
+    assert len(calls) >= 4
+    assert [c[0] for c in calls[:4]] == [1, 4, 1, 4]
+    assert all(n == max(2 * c, 4) for c, n, _, _ in calls)
+    assert len({c[2] for c in calls}) > 1  # other draws each cell
