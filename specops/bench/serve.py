@@ -252,7 +252,7 @@ def _wait_ready(url: str, timeout_s: float, proc: subprocess.Popen | None = None
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise BenchServeError(f"the server exited with code {proc.returncode}")
+            raise BenchServeError(f"the server exited with code {proc.returncode}{_log_tail(proc)}")
         try:
             r = httpx.get(f"{url}/readyz", timeout=5)
             if r.status_code == 200:
@@ -260,7 +260,17 @@ def _wait_ready(url: str, timeout_s: float, proc: subprocess.Popen | None = None
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise BenchServeError(f"{url} not ready after {timeout_s:.0f}s")
+    raise BenchServeError(f"{url} not ready after {timeout_s:.0f}s{_log_tail(proc)}")
+
+
+def _log_tail(proc: subprocess.Popen | None, lines: int = 5) -> str:
+    """'; it said: ...' from the last lines of a started process's log (``proc.log_path``), so a
+    bad --server-arg is named, not just an exit code."""
+    path = getattr(proc, "log_path", None)
+    if path is None or not Path(path).exists():
+        return ""
+    tail = Path(path).read_text(errors="replace").strip().splitlines()[-lines:]
+    return "; it said: " + " | ".join(line.strip() for line in tail if line.strip()) if tail else ""
 
 
 def _apply_mode(store: Any, mode: str) -> dict[str, str]:
@@ -315,6 +325,7 @@ def _start_server(cfg: ServeBenchConfig, redis_url: str, workdir: Path, max_batc
             "--namespace", cfg.namespace, "--max-batch", str(max_batch), "--log-level", "warning", *cfg.server_args]
     log = open(workdir / "serve.log", "wb")
     proc = subprocess.Popen(argv, cwd=workdir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    proc.log_path = workdir / "serve.log"  # type: ignore[attr-defined]  # read by _wait_ready on failure
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -476,7 +487,9 @@ def plot_report(report: dict[str, Any], path: str | Path) -> Path:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--adaptive-warmup-s", type=click.FloatRange(min=0), default=45.0, show_default=True,
               help="adaptive: seconds of the same traffic before measuring, so the controller has acted.")
-@click.option("--server-arg", "server_args", multiple=True, help="Extra argument for the started server (repeatable).")
+@click.option("--server-arg", "server_args", multiple=True,
+              help="Extra argument for the started server (repeatable; it runs in a scratch folder, so give "
+                   "file paths absolute).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def bench_serve_command(base_url, redis_url, namespace, modes, concurrency, num_prompts, request_rate, max_tokens, mix,
                         prompts_file, slo, api_key_env, json_path, plot_path, seed, adaptive_warmup_s, server_args,

@@ -115,8 +115,10 @@ def _le(value: float | None, limit: float) -> bool | None:
 
 def _spawn(argv: list[str], workdir: Path, name: str) -> subprocess.Popen:
     log = open(workdir / f"{name}.log", "wb")
-    return subprocess.Popen([sys.executable, "-m", "specops.cli", *argv], cwd=workdir, stdout=log,
+    proc = subprocess.Popen([sys.executable, "-m", "specops.cli", *argv], cwd=workdir, stdout=log,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    proc.log_path = workdir / f"{name}.log"  # type: ignore[attr-defined]  # read by _wait_ready on failure
+    return proc
 
 
 def run_overhead(cfg: OverheadConfig) -> dict[str, Any]:

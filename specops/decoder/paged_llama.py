@@ -95,7 +95,7 @@ KERNEL_MAX_TQ = 16  # queries per sequence up to which the CPU kernel runs (long
 class PagedLlama:
     """Ragged batched forwards over a `FastLlamaRunner`'s weights and a paged KV store."""
 
-    def __init__(self, runner, num_blocks: int, block_size: int, cpu_kernel: bool | None = None) -> None:
+    def __init__(self, runner, num_blocks: int, block_size: int) -> None:
         self.r = runner
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -107,13 +107,8 @@ class PagedLlama:
         # [NL, 2, S, Hkv, D]: every layer's keys and values, slot-major
         self.store = torch.zeros(len(runner.layers), 2, self.slots, runner.n_kv_heads, runner.head_dim,
                                  dtype=runner.dtype, device=runner.device)
-        # the in-place CPU kernel (None: when it builds here; False: always SDPA over gathered KV)
-        fits = self.device.type == "cpu" and runner.dtype == torch.float32
-        if cpu_kernel is None:
-            cpu_kernel = fits and cpu_paged.available()
-        elif cpu_kernel and not fits:
-            raise ValueError("the CPU paged-attention kernel needs an fp32 model on CPU")
-        self.cpu_kernel = bool(cpu_kernel)
+        # the in-place CPU kernel for fp32 on CPU when it builds here; otherwise SDPA over gathered KV
+        self.cpu_kernel = self.device.type == "cpu" and runner.dtype == torch.float32 and cpu_paged.available()
 
     def kernel_group(self, tq: int, tree: bool) -> bool:
         """Whether a group of ``tq`` queries per sequence runs on the CPU kernel."""

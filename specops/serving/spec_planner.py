@@ -99,6 +99,7 @@ class CostModel:
         self._sizes: list[int] = []
         self._since_fit = 0
         self._seen: dict[tuple[int, int], int] = {}  # shape -> warm-up observations dropped
+        self._ts: dict[int, set[int]] = {}  # B -> the T with samples (the stale check looks at one B only)
 
     @property
     def points(self) -> dict[tuple[int, int], float]:
@@ -114,6 +115,7 @@ class CostModel:
         window = self.samples.get((b, t))
         if window is None:
             window = self.samples[(b, t)] = deque(maxlen=self.window)
+            self._ts.setdefault(b, set()).add(t)
             self._curves = None  # a new point: refit now
         window.append(seconds)
         self._since_fit += 1
@@ -127,10 +129,11 @@ class CostModel:
         whose median is over twice this point's is stale (measured in a load spike and not
         re-measured since, e.g. while the planner declined speculation); it is dropped and
         predictions interpolate around it until it is measured again."""
-        stale = [k for k, w in self.samples.items()
-                 if k[0] == b and k[1] < t and k[1] > 1 and statistics.median(w) > 2.0 * now]
-        for k in stale:
-            del self.samples[k]
+        ts = self._ts[b]
+        stale = [t2 for t2 in ts if 1 < t2 < t and statistics.median(self.samples[(b, t2)]) > 2.0 * now]
+        for t2 in stale:
+            del self.samples[(b, t2)]
+            ts.discard(t2)
         if stale:
             self._curves = None
 

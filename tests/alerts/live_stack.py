@@ -148,20 +148,13 @@ class LiveStack:
 
     def _wait_ready(self) -> None:
         """Until the server's models are loaded and calibrated (``/readyz`` 200), bounded."""
-        import httpx
+        from specops.bench.serve import BenchServeError, _wait_ready
 
         assert self.server is not None
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.server.proc.poll() is not None:
-                raise RuntimeError(f"specops serve exited with {self.server.proc.returncode}\n{self.server.log()}")
-            try:
-                if httpx.get(f"{self.server.url}/readyz", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"specops serve not ready after {READY_TIMEOUT_S:.0f} s\n{self.server.log()}")
+        try:
+            _wait_ready(self.server.url, READY_TIMEOUT_S, self.server.proc)
+        except BenchServeError as exc:
+            raise RuntimeError(f"specops serve: {exc}\n{self.server.log()}") from None
 
     # ------------------------------------------------------------------ traffic
     def serve_for(self, seconds: float, max_new_tokens: int = 24) -> int:

@@ -73,3 +73,20 @@ def test_adaptive_warmup_sends_the_mix_at_every_concurrency_until_its_time_is_up
     assert [c[0] for c in calls[:4]] == [1, 4, 1, 4]
     assert all(n == max(2 * c, 4) for c, n, _, _ in calls)
     assert len({c[2] for c in calls}) > 1  # other draws each cell
+
+
+def test_a_started_server_that_exits_is_reported_with_what_it_said(tmp_path):
+    """A bad --server-arg ends in one line naming the server's own error, not a bare exit code."""
+    import subprocess
+    import sys
+
+    from specops.bench import serve
+
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", "import sys; print('Error: No such option --bogus'); sys.exit(2)"],
+                                stdout=out, stderr=subprocess.STDOUT)
+    proc.log_path = log
+    proc.wait(30)
+    with pytest.raises(serve.BenchServeError, match="code 2; it said: Error: No such option --bogus"):
+        serve._wait_ready("http://127.0.0.1:9", 5, proc)
