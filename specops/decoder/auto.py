@@ -85,16 +85,32 @@ class OptionEstimate:
 
 
 @dataclass
+class ProbeClock:
+    """The chooser's step count and each option's last step, kept across requests, so
+    probes of a worse option come every PROBE_EVERY..PROBE_MAX_WAIT steps of the decoder's
+    life, not of one request (a request shorter than PROBE_EVERY steps would never probe,
+    and a bad early estimate would then stand for good)."""
+
+    step: int = 0
+    last_used: dict[str, int] = field(default_factory=lambda: {name: 0 for name in OPTIONS})
+
+
+@dataclass
 class AutoEstimates:
     """A decoder's running estimates per option, one set for greedy and one for sampling."""
 
     greedy: dict[str, OptionEstimate] = field(default_factory=dict)
     sampling: dict[str, OptionEstimate] = field(default_factory=dict)
+    clocks: dict[bool, ProbeClock] = field(default_factory=dict)  # greedy? -> probe clock
 
     def start(self, greedy: bool) -> dict[str, OptionEstimate]:
         """A request's copy to work on."""
         table = self.greedy if greedy else self.sampling
         return {name: copy.copy(table.get(name, OptionEstimate())) for name in OPTIONS}
+
+    def clock(self, greedy: bool) -> ProbeClock:
+        """The probe clock shared by the requests of one mode (greedy or sampling)."""
+        return self.clocks.setdefault(greedy, ProbeClock())
 
     def finish(self, greedy: bool, request: dict[str, OptionEstimate]) -> None:
         """Keep a request's final estimates for the next request."""
@@ -125,12 +141,23 @@ class Costs:
 class Chooser:
     """Picks the option of each step: expected tokens over modelled seconds, with probes."""
 
-    def __init__(self, estimates: dict[str, OptionEstimate], costs: Costs) -> None:
+    def __init__(self, estimates: dict[str, OptionEstimate], costs: Costs, clock: ProbeClock | None = None) -> None:
         self.estimates = estimates
         self.costs = costs
-        self.step = 0
-        self.last_used = {name: 0 for name in OPTIONS}
+        self.clock = clock if clock is not None else ProbeClock()
         self.counts = {name: 0 for name in OPTIONS}
+
+    @property
+    def step(self) -> int:
+        return self.clock.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.clock.step = value
+
+    @property
+    def last_used(self) -> dict[str, int]:
+        return self.clock.last_used
 
     def rate(self, option: str, drafted: int) -> float:
         """Expected tokens per second of ``option`` drafting ``drafted`` tokens."""
@@ -253,7 +280,7 @@ def generate_auto(
             stats.draft_s += dt
             stats.prefill_s += dt
     request = estimates.start(sampling.greedy)
-    chooser = Chooser(request, costs)
+    chooser = Chooser(request, costs, estimates.clock(sampling.greedy))
 
     while not v.done:
         stats.gamma = schedule.next_gamma()

@@ -100,3 +100,25 @@ def test_estimates_carry_over_between_requests_per_sampling_mode():
     estimates.finish(True, request)
     assert estimates.start(greedy=True)["ngram"].steps == 1
     assert estimates.start(greedy=False)["ngram"].steps == 0
+
+
+def test_short_requests_still_probe_an_option_that_looked_bad():
+    """Requests of 3 steps each: the probe clock runs across requests, so an option whose
+    early estimate was bad is tried again (a per-request clock never reached PROBE_EVERY)."""
+    estimates = AutoEstimates()
+    first = estimates.start(greedy=False)
+    for _ in range(10):
+        first["ngram"].update(drafted=4, accepted=0, emitted=1)  # looked useless once
+    first["draft"].update(drafted=4, accepted=0, emitted=1)
+    first["medusa"].update(drafted=3, accepted=0, emitted=1)
+    estimates.finish(False, first)
+    picks = []
+    for _ in range(100):  # 100 requests of 3 steps
+        chooser = Chooser(estimates.start(greedy=False), _costs(), estimates.clock(greedy=False))
+        for _ in range(3):
+            p = chooser.choose({"plain": 0, "ngram": 4})
+            chooser.last_used[p] = chooser.step
+            picks.append(p)
+        estimates.finish(False, chooser.estimates)
+    assert 3 <= picks.count("ngram") <= 30, picks.count("ngram")  # probed now and then, not chosen
+    assert estimates.clock(greedy=False).step == 300 and estimates.clock(greedy=True).step == 0
