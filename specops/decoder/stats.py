@@ -81,6 +81,13 @@ class DecodeStats:
     """Measured seconds of one single-token target forward, used for the speed-up estimate."""
     auto_steps: dict[str, int] = field(default_factory=dict)
     """``auto``: steps run per option (plain, ngram, draft, medusa); empty for other methods."""
+    decode_step_s: float = 0.0
+    """Batched serving: wall seconds of the engine steps this request decoded in (its
+    prefill steps excluded), whatever else the batch held."""
+    plain_decode_s: float | None = None
+    """Batched serving: what those steps would have taken with plain decoding at the same
+    batch sizes (tokens emitted x the engine's measured plain step time at that batch
+    size); None outside the engine. Set, it replaces ``plain_token_s`` in `to_record`."""
     _start: float = field(default=0.0, init=False, repr=False, compare=False)
     _last_emit: float = field(default=0.0, init=False, repr=False, compare=False)
 
@@ -144,12 +151,21 @@ class DecodeStats:
         (the Redis publisher is constructed per pod). ``plain_token_s`` overrides the
         measured single-token forward time; without either, the mean target forward time
         of this request stands in (an upper bound, so the speed-up is then optimistic).
+
+        A request decoded by the batching engine carries ``plain_decode_s``: there the
+        plain estimate is the request's wall time with its decode steps replaced by plain
+        steps at the same batch sizes (``wall_s - decode_step_s + plain_decode_s``), since
+        one forward's time is shared by the whole batch and a per-forward figure would
+        put batched requests' speed-up near 1 / batch size.
         """
         from specops.telemetry import DecodeRecord  # torch-free; imported lazily
 
         per_token = plain_token_s if plain_token_s is not None else self.plain_token_s
         if per_token is None:
             per_token = self.verify_s / self.target_forwards if self.target_forwards else 0.0
+        plain_s = self.new_tokens * per_token
+        if plain_token_s is None and self.plain_decode_s is not None:
+            plain_s = max(self.wall_s - self.decode_step_s + self.plain_decode_s, 0.0)
         return DecodeRecord(
             request_class=request_class,
             method=self.method,
@@ -161,7 +177,7 @@ class DecodeStats:
             draft_s=self.draft_s,
             verify_s=self.verify_s,
             wall_s=self.wall_s,
-            plain_s_estimate=self.new_tokens * per_token,
+            plain_s_estimate=plain_s,
             token_latencies_s=list(self.token_latencies_s),
             head_predictions=list(self.head_predictions),
             head_correct=list(self.head_correct),

@@ -40,7 +40,9 @@ token for token up to float rounding of the batched matmuls.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
+from collections import deque
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -88,6 +90,7 @@ def cost_clock(device: torch.device) -> Callable[[], float]:
 
 
 PROBE_EVERY = 16
+PLAIN_STEP_WINDOW = 64  # plain steps per batch size behind the speed-up estimate of batched requests
 """Declined-speculation steps between two probe steps (see `Engine.probe_every`)."""
 
 
@@ -136,6 +139,9 @@ class Engine:
         self.overhead = {m: Meter() for m in ALPHA_PRIOR}  # per speculating sequence, outside the forwards
         self.fixed: dict[int, Meter] = {}  # per batch size: the step's host time outside forwards and proposals
         self._plain_commit = Meter()  # verification + commit of a plain decoding step, per sequence
+        # per batch size: wall seconds of the last PLAIN_STEP_WINDOW steps where all decoded plainly (their
+        # mean, not a median: the estimate stands in for a sum of such steps, skew included)
+        self.plain_step: dict[int, deque[float]] = {}
         self.margin = DEFAULT_MARGIN
         # a step that declined speculation does not measure what speculating costs now: every
         # PROBE_EVERY-th such step one sequence runs its best speculative plan anyway, so a cost measured
@@ -247,7 +253,7 @@ class Engine:
         outputs: list[StepOutput] = []
         for seq in [s for s in self.seqs.values() if s.aborted]:
             outputs.append(self._finish(seq, "abort"))
-        t_step = self.cost_clock()
+        t_step, w_step = self.cost_clock(), time.perf_counter()
         batch = self.scheduler.schedule()
         self._last_batch = len(batch)
         if not batch:
@@ -266,25 +272,70 @@ class Engine:
         dt = time.perf_counter() - t0
         forward_cost = self.cost_clock() - c0
         total = sum(len(it.tokens) for it in items)
-        if not any(seq.target.computed - len(it.tokens) < len(seq.tokens) - 1 for seq, it in zip(batch, items)):
+        prefilling = [seq.target.computed - len(it.tokens) < len(seq.tokens) - 1 for seq, it in zip(batch, items)]
+        if not any(prefilling):
             self.cost.observe(len(items), total, forward_cost)  # decode / verify steps only: what the planner predicts
         greedy = self._verify_greedy_batch(batch, plans, outs)
         plain_commit: list[float] = []
         spec_commit: list[tuple[Sequence, float]] = []
-        for seq, item, out in zip(batch, items, outs):
+        emitted: list[tuple[Sequence, int]] = []  # decoding sequences and the tokens each emitted now
+        for seq, item, out, pre in zip(batch, items, outs, prefilling):
             p = plans.get(seq.request_id)
             t1 = self.cost_clock()
             speculated = p is not None and (bool(p.get("drafts")) or "tree_tokens" in p)
+            before = seq.stats.new_tokens
             result = self._commit(seq, item, out, p, dt * len(item.tokens) / total, greedy.get(seq.request_id))
             spent = self.cost_clock() - t1
             if speculated:
                 spec_commit.append((seq, spent))
             elif len(item.tokens) == 1:
                 plain_commit.append(spent)
+            if not pre:
+                emitted.append((seq, seq.stats.new_tokens - before))
             if result is not None:
                 outputs.append(result)
         self._measure_overheads(len(batch), self.cost_clock() - t_step - forward_cost, plain_commit, spec_commit)
+        self._count_plain_time(len(batch), time.perf_counter() - w_step, emitted, bool(spec_commit), any(prefilling))
         return outputs
+
+    def _count_plain_time(self, b: int, step_s: float, emitted: list[tuple[Sequence, int]], speculated: bool,
+                          prefilled: bool) -> None:
+        """The speed-up estimate of batched requests: each decoding sequence's step took
+        ``step_s``; plain decoding would have taken one plain step at this batch size per
+        token it emitted. A step where every sequence decoded plainly measures that time.
+        A step that also prefilled another request would have been that slow under plain
+        decoding too: its first token counts the step as it was, the rest plain steps.
+        (A request that finished in this step has its wall time already closed: the rest of
+        the step's commits, well under a millisecond, count on the plain side too.)"""
+        if not speculated and not prefilled:
+            self.plain_step.setdefault(b, deque(maxlen=PLAIN_STEP_WINDOW)).append(step_s)
+        plain = self._plain_step_s(b)
+        for seq, n in emitted:
+            stats = seq.stats
+            stats.decode_step_s += step_s
+            if plain is None:  # nothing measured yet: this step counts as plain (a neutral 1.0)
+                counterfactual = step_s
+            elif prefilled:
+                counterfactual = step_s + max(n - 1, 0) * plain
+            else:
+                counterfactual = n * plain
+            stats.plain_decode_s = (stats.plain_decode_s or 0.0) + counterfactual
+
+    def _plain_step_s(self, b: int) -> float | None:
+        """Wall seconds of a plain decoding step of ``b`` sequences: measured at ``b``, else the
+        nearest measured batch size scaled by the cost model's forward ratio; None before any."""
+        if self.plain_step.get(b):
+            return statistics.fmean(self.plain_step[b])
+        measured = [x for x, window in self.plain_step.items() if window]
+        if not measured:
+            return None
+        near = min(measured, key=lambda x: (abs(x - b), x))
+        base = statistics.fmean(self.plain_step[near])
+        if self.cost.measured():
+            there = self.cost.predict(near, near)
+            if there > 0:
+                return base * self.cost.predict(b, b) / there
+        return base
 
     def _measure_overheads(self, b: int, host_s: float, plain_commit: list[float],
                            spec_commit: list[tuple[Sequence, float]]) -> None:
