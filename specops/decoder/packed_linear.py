@@ -9,6 +9,11 @@ oneDNN with a prepacked weight wins, up to 2.7x for the [E, V] LM head at 5 rows
 (AVX512-BF16) oneDNN wins from one row on: a decode
 step of a 6.8M Llama took 2.4 ms against 3.1 ms through `mm`.
 
+fp32 with a C compiler at hand: up to `cpu_linear.MAX_ROWS` rows go to
+`specops.kernels.cpu_linear` instead (weights streamed once for all rows, split over
+threads, the same arithmetic for every row count: about half MKL's time at one row), and
+the input-major copy is not kept.
+
 oneDNN's prepacked linear (`torch.ops.mkldnn._linear_pointwise`) is a private PyTorch op
 (the one TorchInductor's CPU freezing uses). `onednn_usable` probes it once against `mm`
 and the runner falls back to MKL alone when it is missing or disagrees, so a PyTorch
@@ -20,7 +25,10 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+
+from specops.kernels import cpu_linear
 
 log = logging.getLogger(__name__)
 
@@ -68,14 +76,20 @@ class PackedLinear:
     `onednn` is set, prepacked for oneDNN for calls with several rows. The weights are
     copies: changing the source module afterwards does not change this layer."""
 
-    __slots__ = ("weight_t", "bias", "packed", "out_features", "packed_from_rows")
+    __slots__ = ("weight_t", "weight", "bias", "packed", "out_features", "packed_from_rows", "kernel_rows")
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, *, onednn: bool) -> None:  # weight [out, in]
+    def __init__(self, weight: Tensor, bias: Tensor | None, *, onednn: bool, cpu_kernel: bool | None = None) -> None:
+        """``weight`` [out, in]. ``cpu_kernel``: use `cpu_linear` for up to MAX_ROWS rows (None:
+        when it is built and the weight is fp32 on CPU)."""
+        if cpu_kernel is None:
+            cpu_kernel = weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_linear.available()
         with torch.no_grad():
             weight = weight.detach()
-            self.weight_t = weight.t().contiguous()  # [in, out]
-            self.bias = None if bias is None else bias.detach().clone()  # [out]
+            self.bias = None if bias is None else bias.detach().clone().contiguous()  # [out]
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None) if onednn else None
+            self.weight = weight.contiguous().clone() if cpu_kernel else None  # [out, in] for the C kernel
+            self.weight_t = None if cpu_kernel else weight.t().contiguous()  # [in, out] for MKL's mm
+        self.kernel_rows = cpu_linear.MAX_ROWS if cpu_kernel else 0
         self.out_features = weight.shape[0]
         # rows from which oneDNN is used: fp32 measured (thread CPU time, the bundled target's 33
         # matrices, 1 thread): 2 rows mm 2.82 ms vs oneDNN 3.05; 3 rows 3.20 vs 2.45; 4 rows 3.28 vs 2.31
@@ -93,15 +107,26 @@ class PackedLinear:
         return cls(weight, bias, onednn=onednn)
 
     def __call__(self, x: Tensor) -> Tensor:  # [N, in] -> [N, out]
-        if self.packed is not None and x.shape[0] >= self.packed_from_rows:
+        rows = x.shape[0]
+        if rows <= self.kernel_rows:
+            return cpu_linear.linear(x.contiguous(), self.weight, self.bias)
+        if self.packed is not None and rows >= self.packed_from_rows:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.weight_t is None:
+            return F.linear(x, self.weight, self.bias)
         if self.bias is None:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)
 
     def add_to(self, residual: Tensor, x: Tensor) -> Tensor:  # residual [N, out], x [N, in] -> [N, out]
         """residual + x @ W^T + b, the add fused into the matmul."""
-        if self.packed is not None and x.shape[0] >= self.packed_from_rows:
+        rows = x.shape[0]
+        if rows <= self.kernel_rows:
+            return cpu_linear.linear(x.contiguous(), self.weight, self.bias, add=residual.contiguous())
+        if self.packed is not None and rows >= self.packed_from_rows:
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
-        out = torch.addmm(residual, x, self.weight_t)
+        if self.weight_t is None:
+            out = torch.addmm(residual, x, self.weight.t())
+        else:
+            out = torch.addmm(residual, x, self.weight_t)
         return out if self.bias is None else out.add_(self.bias)
