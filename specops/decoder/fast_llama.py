@@ -48,7 +48,7 @@ from specops.decoder.runner import (
     model_context_limit,
     sliding_window,
 )
-from specops.kernels import MAX_TREE_NODES
+from specops.kernels import MAX_TREE_NODES, cpu_linear
 from specops.kernels import tree_attention as kernel_tree_attention
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ def grouped_attention(
 class _Layer:
     """One decoder layer's weights: q/k/v fused into one linear, gate/up into another."""
 
-    __slots__ = ("ln1", "qkv", "o", "ln2", "gate_up", "down", "act")
+    __slots__ = ("ln1", "qkv", "o", "ln2", "gate_up", "down", "act", "swiglu")
 
     def __init__(self, layer, onednn: bool) -> None:
         attn, mlp = layer.self_attn, layer.mlp
@@ -102,6 +102,7 @@ class _Layer:
         self.down = PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias, onednn=onednn)  # I -> E
         # transformers' SiLU module is plain silu; calling the functional form skips a module call
         self.act = F.silu if type(mlp.act_fn).__name__ in ("SiLUActivation", "SiLU") else mlp.act_fn
+        self.swiglu = self.act is F.silu  # silu(gate) * up can go into the down projection's kernel call
 
 
 class FastLlamaRunner:
@@ -151,6 +152,9 @@ class FastLlamaRunner:
         if onednn and not usable:
             raise ValueError(f"oneDNN prepacked linear is not usable for {self.dtype} on {self.device}")
         self.onednn = usable if onednn is None else onednn
+        # decoding steps and chain verifications attend with the C kernel (fp32 CPU, a compiler at hand):
+        # the same arithmetic for 1 and for T new positions, and ~1/10 of SDPA's per-call overhead
+        self.cpu_attention = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_linear.available()
         self.embed = emb
         self.layers = [_Layer(layer, self.onednn) for layer in base.layers[: config.num_hidden_layers]]
         self.norm = base.norm.weight.detach()  # [E]
@@ -284,11 +288,15 @@ class FastLlamaRunner:
         """How this forward's T new positions attend, and the mask that goes with it:
 
         "plain" (one position, no mask), "causal" (a prefill on an empty cache: SDPA's
-        top-left causal mask is right), "kernel" (the Triton tree-attention kernel),
+        top-left causal mask is right), "dense" (the C kernel, `cpu_linear.causal_attention`:
+        a decoding step or a chain of up to GROUPED_ATTENTION_MAX_T positions after the
+        prefix, on fp32 CPU), "kernel" (the Triton tree-attention kernel),
         "grouped" (`grouped_attention` with an additive bias [G*T, L+T]) or "sdpa" (SDPA with
         a bool mask [T, L+T]: a forward wider than GROUPED_ATTENTION_MAX_T, or
         tree_attention="sdpa")."""
         start = self.cache.length
+        if self.cpu_attention and tree_mask is None and (t == 1 or 0 < start and t <= GROUPED_ATTENTION_MAX_T):
+            return "dense", None
         if tree_mask is None and t == 1:
             return "plain", None
         if tree_mask is None and start == 0:
@@ -321,12 +329,13 @@ class FastLlamaRunner:
         half = d // 2
         x = F.embedding(input_ids, self.embed).view(b * t, e)  # [B*T, E]
         for i, layer in enumerate(self.layers):
-            h = F.rms_norm(x, (e,), layer.ln1, eps)  # [B*T, E]
-            qkv = layer.qkv(h).view(b, t, hq + 2 * hkv, d)  # [B, T, Hq+2Hkv, D]
+            qkv = layer.qkv.normed(x, layer.ln1, eps).view(b, t, hq + 2 * hkv, d)  # [B, T, Hq+2Hkv, D]
             qkv = torch.addcmul(qkv * cos, qkv.roll(half, -1), sin)  # rotary on q and k; v passes unchanged
             kv = qkv[:, :, hq:].view(b, t, 2, hkv, d).permute(2, 0, 3, 1, 4)  # [2, B, Hkv, T, D]
             k, v = cache.write(i, kv)  # [B, Hkv, L+T, D] each
-            if mode == "grouped":
+            if mode == "dense":
+                o = cpu_linear.causal_attention(qkv[:, :, :hq], k, v, scale)  # [B*T, Hq*D]
+            elif mode == "grouped":
                 o = grouped_attention(qkv[:, :, :hq], k, v, mask, scale)  # [B*T, Hq*D]
             else:
                 q = qkv[:, :, :hq].transpose(1, 2)  # [B, Hq, T, D]
@@ -338,9 +347,12 @@ class FastLlamaRunner:
                     )  # [B, Hq, T, D]
                 o = o.transpose(1, 2).reshape(b * t, hq * d)  # [B*T, Hq*D]
             x = layer.o.add_to(x, o)  # [B*T, E]
-            h = F.rms_norm(x, (e,), layer.ln2, eps)  # [B*T, E]
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)  # [B*T, I] each
-            x = layer.down.add_to(x, layer.act(gate) * up)  # [B*T, E]
+            gate_up = layer.gate_up.normed(x, layer.ln2, eps)  # [B*T, 2I]: gate | up
+            if layer.swiglu:
+                x = layer.down.swiglu_add_to(x, gate_up)  # [B*T, E]
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)  # [B*T, I] each
+                x = layer.down.add_to(x, layer.act(gate) * up)  # [B*T, E]
         cache.advance(t)
         x = F.rms_norm(x, (e,), self.norm, eps)  # [B*T, E]
         return x.view(b, t, e)  # [B, T, E]

@@ -118,6 +118,20 @@ class PackedLinear:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)
 
+    def normed(self, x: Tensor, norm: Tensor, eps: float) -> Tensor:  # [N, in] -> [N, out]
+        """``self(F.rms_norm(x, norm, eps))``, the norm inside the C kernel's call when it runs."""
+        if x.shape[0] <= self.kernel_rows:
+            return cpu_linear.linear(x.contiguous(), self.weight, self.bias, norm=norm, eps=eps)
+        return self(F.rms_norm(x, (x.shape[-1],), norm, eps))
+
+    def swiglu_add_to(self, residual: Tensor, gate_up: Tensor) -> Tensor:  # [N, out], [N, 2 in] -> [N, out]
+        """``residual + (silu(gate) * up) @ W^T + b`` for ``gate_up`` = gate | up."""
+        if gate_up.shape[0] <= self.kernel_rows:
+            return cpu_linear.linear(gate_up.contiguous(), self.weight, self.bias, add=residual.contiguous(),
+                                     swiglu=True)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.add_to(residual, F.silu(gate) * up)
+
     def add_to(self, residual: Tensor, x: Tensor) -> Tensor:  # residual [N, out], x [N, in] -> [N, out]
         """residual + x @ W^T + b, the add fused into the matmul."""
         rows = x.shape[0]

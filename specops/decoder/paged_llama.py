@@ -132,8 +132,7 @@ class PagedLlama:
             cos, sin = self._rotary(batch.positions)  # [N, H', D] each
             x = F.embedding(batch.input_ids, r.embed)  # [N, E]
             for i, layer in enumerate(r.layers):
-                h = F.rms_norm(x, (e,), layer.ln1, r.eps)  # [N, E]
-                qkv = layer.qkv(h).view(n, hq + 2 * hkv, d)  # [N, H', D]
+                qkv = layer.qkv.normed(x, layer.ln1, r.eps).view(n, hq + 2 * hkv, d)  # [N, H', D]
                 qkv = torch.addcmul(qkv * cos, qkv.roll(half, -1), sin)  # rotary on q and k
                 kv_new = qkv[:, hq:].view(n, 2, hkv, d).transpose(0, 1)  # [2, N, Hkv, D]
                 store = self.store[i]  # [2, S, Hkv, D]
@@ -160,9 +159,12 @@ class PagedLlama:
                     else:
                         o.index_copy_(0, g.flat_rows, og)
                 x = layer.o.add_to(x, o)  # [N, E]
-                h = F.rms_norm(x, (e,), layer.ln2, r.eps)  # [N, E]
-                gate, up = layer.gate_up(h).chunk(2, dim=-1)  # [N, I] each
-                x = layer.down.add_to(x, layer.act(gate) * up)  # [N, E]
+                gate_up = layer.gate_up.normed(x, layer.ln2, r.eps)  # [N, 2I]: gate | up
+                if layer.swiglu:
+                    x = layer.down.swiglu_add_to(x, gate_up)  # [N, E]
+                else:
+                    gate, up = gate_up.chunk(2, dim=-1)  # [N, I] each
+                    x = layer.down.add_to(x, layer.act(gate) * up)  # [N, E]
             rows = x.index_select(0, batch.logit_rows)  # [R, E]
             rows = F.rms_norm(rows, (e,), r.norm, r.eps)  # [R, E]
             logits = r.lm_head(rows)  # [R, V]

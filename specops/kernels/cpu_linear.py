@@ -71,7 +71,12 @@ def _build() -> ctypes.CDLL:
     lib = build_library(SOURCE, "linear")
     fn = lib.specops_linear
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                                                    ctypes.c_float]
+    att = lib.specops_attention
+    att.restype = ctypes.c_int
+    att.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                     ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_float])
     return lib
 
 
@@ -106,16 +111,28 @@ def threads_for(rows_out: int, threads: int | None = None) -> int:
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, add: Tensor | None = None,
-           out: Tensor | None = None, threads: int | None = None) -> Tensor:
-    """``x @ weight.T (+ bias) (+ add)``: x [T, K], weight [N, K], bias [N], add [T, N], all
-    contiguous fp32 on CPU. ``out`` [T, N] (may be ``add``) is written and returned."""
+           out: Tensor | None = None, threads: int | None = None, *, norm: Tensor | None = None,
+           eps: float = 1e-6, swiglu: bool = False) -> Tensor:
+    """``f(x) @ weight.T (+ bias) (+ add)``: x [T, K], weight [N, K], bias [N], add [T, N],
+    all contiguous fp32 on CPU. ``out`` [T, N] (may be ``add``) is written and returned.
+
+    f: identity; with ``norm`` [K], RMSNorm (``norm * x / sqrt(mean(x^2) + eps)``); with
+    ``swiglu``, x is [T, 2K] (gate | up) and f(x) = silu(gate) * up."""
     if _lib is None and not available():
         raise RuntimeError(f"CPU linear kernel unavailable: {_error}")
+    if norm is not None and swiglu:
+        raise ValueError("norm and swiglu are exclusive")
     t, k = x.shape
+    if swiglu:
+        if k % 2:
+            raise ValueError(f"swiglu input must be [T, 2K], got {k} features")
+        k //= 2
     n = weight.shape[0]
     if weight.shape[1] != k:
         raise ValueError(f"x has {k} features, the weight {weight.shape[1]}")
-    for name, tensor in (("x", x), ("weight", weight), ("bias", bias), ("add", add), ("out", out)):
+    if norm is not None and norm.shape != (k,):
+        raise ValueError(f"norm must be [{k}], got {tuple(norm.shape)}")
+    for name, tensor in (("x", x), ("weight", weight), ("bias", bias), ("add", add), ("out", out), ("norm", norm)):
         if tensor is None:
             continue
         if tensor.dtype != torch.float32 or tensor.device.type != "cpu" or not tensor.is_contiguous():
@@ -128,6 +145,38 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, add: Tensor | 
         out = torch.empty(t, n, dtype=torch.float32)
     elif out.shape != (t, n):
         raise ValueError(f"out must be [{t}, {n}], got {tuple(out.shape)}")
-    _lib.specops_linear(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                        None if add is None else add.data_ptr(), out.data_ptr(), t, k, n, threads_for(n, threads))
+    mode = 1 if norm is not None else 2 if swiglu else 0
+    rc = _lib.specops_linear(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                             None if add is None else add.data_ptr(), out.data_ptr(), t, k, n,
+                             threads_for(n, threads), mode, None if norm is None else norm.data_ptr(), float(eps))
+    if rc != 0:
+        raise MemoryError("CPU linear kernel: no memory for its input buffer")
+    return out
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, out: Tensor | None = None) -> Tensor:
+    """Attention of T new positions per sequence over a dense cache, causal (query t sees
+    the first L - T + t + 1 keys); grouped-query heads as SDPA's ``enable_gqa``.
+
+    q [B, T, Hq, D] (heads and dims contiguous, rows and sequences may be strided: a slice
+    of the fused q/k/v output), k / v [B, Hkv, L, D] views with a contiguous last dim and unit stride
+    between positions (the fast runner's `KVCache`). Returns [B * T, Hq * D] fp32."""
+    if _lib is None and not available():
+        raise RuntimeError(f"CPU linear kernel unavailable: {_error}")
+    b, t, hq, d = q.shape
+    _, hkv, length, _ = k.shape
+    if q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32:
+        raise ValueError("causal_attention takes fp32 tensors")
+    if q.stride(3) != 1 or q.stride(2) != d:
+        raise ValueError("q's heads and dims must be contiguous")
+    if k.stride() != v.stride() or k.stride(3) != 1 or k.stride(2) != d or k.shape != v.shape:
+        raise ValueError("k and v must share one layout with contiguous [L, D] per head")
+    if hq % hkv or length < t:
+        raise ValueError(f"bad shapes: Hq={hq} Hkv={hkv} L={length} T={t}")
+    if out is None:
+        out = torch.empty(b * t, hq * d, dtype=torch.float32)
+    rc = _lib.specops_attention(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1),
+                                out.data_ptr(), b, t, hq, hkv, d, length, float(scale))
+    if rc != 0:
+        raise MemoryError("CPU attention kernel: no memory for its scores")
     return out

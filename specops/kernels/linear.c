@@ -20,11 +20,17 @@
  *
  * Layout (all contiguous, fp32): x [T, K], w [N, K] (nn.Linear's layout), bias [N] or
  * NULL, add [T, N] or NULL (may alias y), y [T, N].
+ *
+ * The input may first be transformed, per row, which saves a decoding step a dozen small
+ * torch ops per layer:
+ *   mode 1, RMSNorm:  x'[k] = g[k] * (x[k] / sqrt(mean_k x^2 + eps))      (g [K])
+ *   mode 2, SwiGLU:   x is [T, 2K] (gate | up), x'[k] = silu(gate[k]) * up[k]
  */
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -201,10 +207,46 @@ static int ensure_workers(int wanted) {
     return workers;
 }
 
-/* Returns 0; threads: how many threads may share the rows (1: the caller alone). */
+static void rms_norm_rows(const float *x, const float *g, float eps, int64_t T, int64_t K, float *out) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *r = x + t * K;
+        float ss = 0.f;
+        for (int64_t k = 0; k < K; k++) ss += r[k] * r[k];
+        const float inv = 1.0f / sqrtf(ss / (float)K + eps);
+        for (int64_t k = 0; k < K; k++) out[t * K + k] = g[k] * (r[k] * inv);
+    }
+}
+
+static void swiglu_rows(const float *x, int64_t T, int64_t K, float *out) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *gate = x + t * 2 * K, *up = gate + K;
+        for (int64_t k = 0; k < K; k++) out[t * K + k] = gate[k] / (1.0f + expf(-gate[k])) * up[k];
+    }
+}
+
+static int linear_job(Job j, int threads);
+
+/* Returns 0, or 2 when a buffer could not be allocated; threads: how many threads may share
+ * the rows (1: the caller alone); mode 0 plain, 1 RMSNorm(g, eps) first, 2 SwiGLU first. */
 int specops_linear(const float *x, const float *w, const float *bias, const float *add, float *y, int64_t T,
-                   int64_t K, int64_t N, int threads) {
+                   int64_t K, int64_t N, int threads, int mode, const float *g, float eps) {
     Job j = {x, w, bias, add, y, T, K, N};
+    if (mode == 0) return linear_job(j, threads);
+    float stack[4096];
+    float *buf = T * K <= 4096 ? stack : (float *)malloc(sizeof(float) * (size_t)(T * K));
+    if (buf == NULL) return 2;
+    if (mode == 1)
+        rms_norm_rows(x, g, eps, T, K, buf);
+    else
+        swiglu_rows(x, T, K, buf);
+    j.x = buf;
+    int rc = linear_job(j, threads);
+    if (buf != stack) free(buf);
+    return rc;
+}
+
+static int linear_job(Job j, int threads) {
+    const int64_t N = j.N;
     const int64_t chunks = (N + CHUNK_ROWS - 1) / CHUNK_ROWS;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads <= 1 || chunks < 2 || chunks > 0xffff || pthread_mutex_trylock(&pool_lock) != 0) {
@@ -234,5 +276,61 @@ int specops_linear(const float *x, const float *w, const float *bias, const floa
             sched_yield(); /* a worker holds a chunk but has no CPU: give it ours */
     }
     pthread_mutex_unlock(&pool_lock);
+    return 0;
+}
+
+/* -- attention over a dense (contiguous per head) KV cache --------------------------------
+ * The fast runner's decoding step and chain verification: T new queries per sequence
+ * after L - T cached positions, query t seeing the first L - T + t + 1 keys (causal).
+ *   q    row (b, t) at q + b * q_b + t * q_row, head h at + h * D     (heads, dims contiguous)
+ *   k, v sequence b, kv head g, position j at k + b * kv_b + g * kv_h + j * D
+ *   out  [B * T, Hq * D]
+ * Query head h reads kv head h / (Hq / Hkv). Each query's arithmetic is the same whatever
+ * T is (a verification of 5 positions equals 5 decoding steps bit for bit), one thread.
+ * Returns 0, or 2 when no score buffer could be allocated.
+ */
+int specops_attention(const float *q, int64_t q_b, int64_t q_row, const float *k, const float *v, int64_t kv_b, int64_t kv_h,
+                      float *out, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t L,
+                      float scale) {
+    float stack[4096];
+    float *scores = L <= 4096 ? stack : (float *)malloc(sizeof(float) * (size_t)L);
+    if (scores == NULL) return 2;
+    const int64_t group = Hq / Hkv;
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t visible = L - T + t + 1;
+            const float *qrow = q + b * q_b + t * q_row;
+            float *orow = out + (b * T + t) * Hq * D;
+            for (int64_t h = 0; h < Hq; h++) {
+                const float *qh = qrow + h * D;
+                const float *kh = k + b * kv_b + (h / group) * kv_h;
+                const float *vh = v + b * kv_b + (h / group) * kv_h;
+                float m = -INFINITY;
+                for (int64_t j = 0; j < visible; j++) {
+                    const float *kj = kh + j * D;
+                    float s = 0.f;
+                    for (int64_t d = 0; d < D; d++) s += qh[d] * kj[d];
+                    s *= scale;
+                    scores[j] = s;
+                    if (s > m) m = s;
+                }
+                float total = 0.f;
+                for (int64_t j = 0; j < visible; j++) {
+                    scores[j] = expf(scores[j] - m);
+                    total += scores[j];
+                }
+                float *oh = orow + h * D;
+                for (int64_t d = 0; d < D; d++) oh[d] = 0.f;
+                for (int64_t j = 0; j < visible; j++) {
+                    const float p = scores[j];
+                    const float *vj = vh + j * D;
+                    for (int64_t d = 0; d < D; d++) oh[d] += p * vj[d];
+                }
+                const float inv = 1.0f / total;
+                for (int64_t d = 0; d < D; d++) oh[d] *= inv;
+            }
+        }
+    }
+    if (scores != stack) free(scores);
     return 0;
 }

@@ -117,20 +117,90 @@ def test_packed_linear_uses_it_for_few_rows_and_onednn_above():
 
 
 def test_a_verify_forward_gives_the_logits_of_one_position_forwards():
-    """With the kernel, the fast runner's 5-position forward after a prefix equals five
-    1-position forwards bit for bit in every linear layer; attention's SDPA vs grouped
-    paths still round differently, so the logits are compared to float tolerance, and
-    the argmax exactly."""
+    """With the kernels (linear layers and dense attention), the fast runner's 5-position
+    forward after a prefix equals five 1-position forwards bit for bit, on 1 and 2 threads:
+    a chain verification can never disagree with plain decoding over rounding."""
     from specops.decoder import Decoder
 
     runner = Decoder.from_pretrained("bundled").target
     prompt = torch.arange(3, 40).view(1, -1)
     new = torch.tensor([[7, 8, 9, 10, 11]])
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            runner.reset(1)
+            runner.forward(prompt)
+            wide = runner.forward(new).logits[0]  # [5, V]
+            runner.reset(1)
+            runner.forward(prompt)
+            narrow = torch.cat([runner.forward(new[:, i : i + 1]).logits[0] for i in range(5)])  # [5, V]
+            assert torch.equal(wide, narrow), threads
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_rms_norm_and_swiglu_inputs_match_torch(rows):
+    gen = torch.Generator().manual_seed(rows)
+    k, n = 136, 300
+    x, w, g = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.rand(k, generator=gen)
+    want = torch.nn.functional.linear(torch.nn.functional.rms_norm(x, (k,), g, 1e-5), w)
+    torch.testing.assert_close(cpu_linear.linear(x, w, norm=g, eps=1e-5), want, atol=1e-4, rtol=1e-5)
+    gate_up, r = torch.randn(rows, 2 * k, generator=gen), torch.randn(rows, n, generator=gen)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = r + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w)
+    torch.testing.assert_close(cpu_linear.linear(gate_up, w, add=r, swiglu=True), want, atol=1e-4, rtol=1e-5)
+    one = cpu_linear.linear(x[:1].contiguous(), w, norm=g, eps=1e-5)  # the first row alone: the same bits
+    assert torch.equal(one[0], cpu_linear.linear(x, w, norm=g, eps=1e-5)[0])
+    with pytest.raises(ValueError, match="exclusive"):
+        cpu_linear.linear(gate_up, w, norm=g, swiglu=True)
+    with pytest.raises(ValueError, match="norm"):
+        cpu_linear.linear(x, w, norm=torch.rand(k + 1))
+
+
+def test_packed_linear_fused_inputs_equal_the_unfused_path_above_the_kernel_rows():
+    gen = torch.Generator().manual_seed(3)
+    w, g = torch.randn(80, 48, generator=gen), torch.rand(48, generator=gen)
+    layer = PackedLinear(w, None, onednn=False)
+    for rows in (2, cpu_linear.MAX_ROWS + 3):  # the kernel, then F.rms_norm / silu + mm
+        x = torch.randn(rows, 48, generator=gen)
+        torch.testing.assert_close(layer.normed(x, g, 1e-6), layer(torch.nn.functional.rms_norm(x, (48,), g, 1e-6)),
+                                   atol=1e-4, rtol=1e-5)
+        gate_up, r = torch.randn(rows, 96, generator=gen), torch.randn(rows, 80, generator=gen)
+        gate, up = gate_up.chunk(2, dim=-1)
+        torch.testing.assert_close(layer.swiglu_add_to(r, gate_up), layer.add_to(r, torch.nn.functional.silu(gate) * up),
+                                   atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("hq,hkv,t", [(8, 4, 1), (8, 4, 5), (4, 4, 3), (6, 2, 1)])
+def test_causal_attention_matches_sdpa(hq, hkv, t):
+    gen = torch.Generator().manual_seed(hq * 10 + t)
+    b, d, length, s = 2, 16, 37, 64
+    qkv = torch.randn(b, t, hq + 2 * hkv, d, generator=gen)  # q is a strided slice of it, as in the runner
+    q = qkv[:, :, :hq]
+    cache = torch.randn(2, b, hkv, s, d, generator=gen)
+    k, v = cache[0].narrow(2, 0, length), cache[1].narrow(2, 0, length)
+    got = cpu_linear.causal_attention(q, k, v, 0.3)
+    mask = torch.ones(t, length, dtype=torch.bool).tril(diagonal=length - t)  # query i sees L - T + i + 1 keys
+    want = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=0.3,
+                                                            enable_gqa=True)  # [B, Hq, T, D]
+    torch.testing.assert_close(got, want.transpose(1, 2).reshape(b * t, hq * d), atol=1e-5, rtol=1e-5)
+    last = cpu_linear.causal_attention(q[:, -1:], k, v, 0.3)  # the last query alone: the same bits
+    assert torch.equal(last.view(b, hq * d), got.view(b, t, hq * d)[:, -1])
+    with pytest.raises(ValueError, match="layout"):
+        cpu_linear.causal_attention(q, k, v.contiguous().transpose(2, 3).contiguous().transpose(2, 3), 0.3)
+
+
+def test_runner_uses_the_dense_kernel_for_steps_and_chains_not_trees():
+    from specops.decoder import Decoder
+
+    runner = Decoder.from_pretrained("bundled").target
+    assert runner.cpu_attention
     runner.reset(1)
-    runner.forward(prompt)
-    wide = runner.forward(new).logits[0]  # [5, V]
+    runner.forward(torch.arange(3, 20).view(1, -1))
+    assert runner._attention_plan(1, None)[0] == "dense"
+    assert runner._attention_plan(5, None)[0] == "dense"
+    assert runner._attention_plan(3, torch.ones(3, 3, dtype=torch.bool).tril())[0] != "dense"
     runner.reset(1)
-    runner.forward(prompt)
-    narrow = torch.cat([runner.forward(new[:, i : i + 1]).logits[0] for i in range(5)])  # [5, V]
-    torch.testing.assert_close(wide, narrow, atol=1e-4, rtol=1e-4)
-    assert torch.equal(wide.argmax(-1), narrow.argmax(-1))
+    assert runner._attention_plan(8, None)[0] == "causal"  # a prefill on an empty cache keeps SDPA
