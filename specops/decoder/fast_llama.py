@@ -319,17 +319,37 @@ class FastLlamaRunner:
         positions = self._positions[:t]  # [T]
         return positions[None, :] <= positions[:, None]
 
+    @staticmethod
+    def _mlp(layer: _Layer, x: Tensor, eps: float) -> Tensor:  # [B*T, E] -> [B*T, E], the residual added
+        gate_up = layer.gate_up.normed(x, layer.ln2, eps)  # [B*T, 2I]: gate | up
+        if layer.swiglu:
+            return layer.down.swiglu_add_to(x, gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)  # [B*T, I] each
+        return layer.down.add_to(x, layer.act(gate) * up)
+
     def _forward(self, input_ids: Tensor, position_ids: Tensor | None, tree_mask: Tensor | None) -> Tensor:
         b, t = input_ids.shape  # [B, T]
         hq, hkv, d, e = self.n_heads, self.n_kv_heads, self.head_dim, self.hidden_size
         cache, eps, scale = self.cache, self.eps, self.scale
-        cos, sin = self._rotary(t, position_ids)  # [B|1, T, Hq+2Hkv, D] or [T, Hq+2Hkv, D]
         mode, mask = self._attention_plan(t, tree_mask)  # mask: [G*T, L+T] float | [T, L+T] bool | None
+        fused = None  # the C kernel's rotary rows [T, D] when it does the whole attention block
+        if mode == "dense" and position_ids is None:
+            start = cache.length
+            fused = (self._cos[start : start + t], self._sin[start : start + t])
+            cos = sin = None
+        else:
+            cos, sin = self._rotary(t, position_ids)  # [B|1, T, Hq+2Hkv, D] or [T, Hq+2Hkv, D]
         gqa = hq != hkv
         half = d // 2
         x = F.embedding(input_ids, self.embed).view(b * t, e)  # [B*T, E]
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv.normed(x, layer.ln1, eps).view(b, t, hq + 2 * hkv, d)  # [B, T, Hq+2Hkv, D]
+            if fused is not None:  # rotary, cache write and attention in one C call
+                o = cpu_linear.rope_cache_attention(qkv, fused[0], fused[1], cache.keys[i], cache.values[i],
+                                                    cache.length, scale)  # [B*T, Hq*D]
+                x = layer.o.add_to(x, o)  # [B*T, E]
+                x = self._mlp(layer, x, eps)
+                continue
             qkv = torch.addcmul(qkv * cos, qkv.roll(half, -1), sin)  # rotary on q and k; v passes unchanged
             kv = qkv[:, :, hq:].view(b, t, 2, hkv, d).permute(2, 0, 3, 1, 4)  # [2, B, Hkv, T, D]
             k, v = cache.write(i, kv)  # [B, Hkv, L+T, D] each
@@ -347,12 +367,7 @@ class FastLlamaRunner:
                     )  # [B, Hq, T, D]
                 o = o.transpose(1, 2).reshape(b * t, hq * d)  # [B*T, Hq*D]
             x = layer.o.add_to(x, o)  # [B*T, E]
-            gate_up = layer.gate_up.normed(x, layer.ln2, eps)  # [B*T, 2I]: gate | up
-            if layer.swiglu:
-                x = layer.down.swiglu_add_to(x, gate_up)  # [B*T, E]
-            else:
-                gate, up = gate_up.chunk(2, dim=-1)  # [B*T, I] each
-                x = layer.down.add_to(x, layer.act(gate) * up)  # [B*T, E]
+            x = self._mlp(layer, x, eps)
         cache.advance(t)
         x = F.rms_norm(x, (e,), self.norm, eps)  # [B*T, E]
         return x.view(b, t, e)  # [B, T, E]

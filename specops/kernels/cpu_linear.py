@@ -77,6 +77,10 @@ def _build() -> ctypes.CDLL:
     att.restype = ctypes.c_int
     att.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                      ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_float])
+    fused = lib.specops_rope_cache_attention
+    fused.restype = ctypes.c_int
+    fused.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [
+        ctypes.c_float]
     return lib
 
 
@@ -179,4 +183,35 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, out: Tensor 
                                 out.data_ptr(), b, t, hq, hkv, d, length, float(scale))
     if rc != 0:
         raise MemoryError("CPU attention kernel: no memory for its scores")
+    return out
+
+
+def rope_cache_attention(qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, start: int,
+                         scale: float) -> Tensor:
+    """The fast runner's attention block after the q/k/v projection, in one call: rotary on
+    the q and k heads of ``qkv`` [B, T, Hq + 2Hkv, D] (contiguous; rotated in place), the new
+    keys / values written to ``k_cache`` / ``v_cache`` [B, Hkv, S, D] at positions
+    start..start+T-1, then `causal_attention` over start + T keys. ``cos`` / ``sin``
+    [T, D] are the positions' rows (``sin`` with its first half negated). Returns
+    [B * T, Hq * D]."""
+    if _lib is None and not available():
+        raise RuntimeError(f"CPU linear kernel unavailable: {_error}")
+    b, t, heads, d = qkv.shape
+    _, hkv, slots, _ = k_cache.shape
+    hq = heads - 2 * hkv
+    for name, tensor in (("qkv", qkv), ("cos", cos), ("sin", sin)):
+        if tensor.dtype != torch.float32 or not tensor.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous fp32 tensor")
+    if cos.shape != (t, d) or sin.shape != (t, d):
+        raise ValueError(f"cos / sin must be [{t}, {d}]")
+    if k_cache.stride() != v_cache.stride() or k_cache.stride(3) != 1 or k_cache.stride(2) != d:
+        raise ValueError("k and v caches must share one layout with contiguous [S, D] per head")
+    if hq < 1 or hq % hkv or start < 0 or start + t > slots or d % 2:
+        raise ValueError(f"bad shapes: heads={heads} Hkv={hkv} D={d} start={start} T={t} S={slots}")
+    out = torch.empty(b * t, hq * d, dtype=torch.float32)
+    rc = _lib.specops_rope_cache_attention(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
+                                           v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), start,
+                                           out.data_ptr(), b, t, hq, hkv, d, float(scale))
+    if rc != 0:
+        raise MemoryError(f"CPU attention kernel failed (code {rc})")
     return out

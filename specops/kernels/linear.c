@@ -289,9 +289,9 @@ static int linear_job(Job j, int threads) {
  * T is (a verification of 5 positions equals 5 decoding steps bit for bit), one thread.
  * Returns 0, or 2 when no score buffer could be allocated.
  */
-int specops_attention(const float *q, int64_t q_b, int64_t q_row, const float *k, const float *v, int64_t kv_b, int64_t kv_h,
-                      float *out, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t L,
-                      float scale) {
+static int attention(const float *q, int64_t q_b, int64_t q_row, const float *k, const float *v, int64_t kv_b,
+                     int64_t kv_h, float *out, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t L,
+                     float scale) {
     float stack[4096];
     float *scores = L <= 4096 ? stack : (float *)malloc(sizeof(float) * (size_t)L);
     if (scores == NULL) return 2;
@@ -333,4 +333,44 @@ int specops_attention(const float *q, int64_t q_b, int64_t q_row, const float *k
     }
     if (scores != stack) free(scores);
     return 0;
+}
+
+int specops_attention(const float *q, int64_t q_b, int64_t q_row, const float *k, const float *v, int64_t kv_b,
+                      int64_t kv_h, float *out, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t L,
+                      float scale) {
+    return attention(q, q_b, q_row, k, v, kv_b, kv_h, out, B, T, Hq, Hkv, D, L, scale);
+}
+
+/* The whole attention block of a decoding step / chain verification after the linear
+ * q/k/v projection: rotary embeddings on the q and k heads (in place in qkv), the new keys
+ * and values written into the cache at positions start..start+T-1, then causal attention
+ * over start + T keys.
+ *   qkv        [B, T, Hq + 2 Hkv, D] contiguous: q heads, k heads, v heads
+ *   cos, sin   [T, D] the rows of positions start.. (sin with its first half negated:
+ *              rotate_half(x) * sin == x[(d + D/2) % D] * signed_sin[d])
+ *   k_cache, v_cache  position j of sequence b, kv head g at + b * kv_b + g * kv_h + j * D
+ */
+int specops_rope_cache_attention(float *qkv, const float *cos, const float *sin, float *k_cache, float *v_cache,
+                                 int64_t kv_b, int64_t kv_h, int64_t start, float *out, int64_t B, int64_t T,
+                                 int64_t Hq, int64_t Hkv, int64_t D, float scale) {
+    const int64_t H = Hq + 2 * Hkv, half = D / 2;
+    float tmp[1024];
+    if (D > 1024 || D % 2) return 3;
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t t = 0; t < T; t++) {
+            float *row = qkv + (b * T + t) * H * D;
+            const float *c = cos + t * D, *s = sin + t * D;
+            for (int64_t h = 0; h < Hq + Hkv; h++) { /* q and k heads */
+                float *x = row + h * D;
+                for (int64_t d = 0; d < D; d++) tmp[d] = x[d] * c[d] + x[(d + half) % D] * s[d];
+                memcpy(x, tmp, sizeof(float) * (size_t)D);
+            }
+            for (int64_t g = 0; g < Hkv; g++) {
+                const int64_t at = b * kv_b + g * kv_h + (start + t) * D;
+                memcpy(k_cache + at, row + (Hq + g) * D, sizeof(float) * (size_t)D);
+                memcpy(v_cache + at, row + (Hq + Hkv + g) * D, sizeof(float) * (size_t)D);
+            }
+        }
+    }
+    return attention(qkv, T * H * D, H * D, k_cache, v_cache, kv_b, kv_h, out, B, T, Hq, Hkv, D, start + T, scale);
 }

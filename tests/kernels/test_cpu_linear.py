@@ -204,3 +204,29 @@ def test_runner_uses_the_dense_kernel_for_steps_and_chains_not_trees():
     assert runner._attention_plan(3, torch.ones(3, 3, dtype=torch.bool).tril())[0] != "dense"
     runner.reset(1)
     assert runner._attention_plan(8, None)[0] == "causal"  # a prefill on an empty cache keeps SDPA
+
+
+def test_rope_cache_attention_equals_the_torch_rotary_then_the_attention_kernel():
+    from specops.decoder import Decoder
+
+    runner = Decoder.from_pretrained("bundled").target
+    gen = torch.Generator().manual_seed(9)
+    hq, hkv, d = runner.n_heads, runner.n_kv_heads, runner.head_dim
+    b, t, start, slots = 1, 3, 11, 32
+    qkv = torch.randn(b, t, hq + 2 * hkv, d, generator=gen)
+    cache = torch.randn(2, b, hkv, slots, d, generator=gen)
+    cos, sin = runner._cos[start : start + t], runner._sin[start : start + t]
+    # the torch path: rotary with per-head tables, then write and attend
+    cos_h, sin_h = runner._per_head(cos.unsqueeze(0))[0], runner._per_head(sin.unsqueeze(0), sin=True)[0]
+    rotated = torch.addcmul(qkv * cos_h, qkv.roll(d // 2, -1), sin_h)
+    ref_cache = cache.clone()
+    ref_cache[:, :, :, start : start + t] = rotated[:, :, hq:].view(b, t, 2, hkv, d).permute(2, 0, 3, 1, 4)
+    want = cpu_linear.causal_attention(rotated[:, :, :hq], ref_cache[0, :, :, : start + t],
+                                       ref_cache[1, :, :, : start + t], runner.scale)
+    got_cache = cache.clone()
+    got = cpu_linear.rope_cache_attention(qkv.clone(), cos, sin, got_cache[0], got_cache[1], start, runner.scale)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_cache, ref_cache, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got_cache[:, :, :, start + t :], cache[:, :, :, start + t :])  # nothing past the new rows
+    with pytest.raises(ValueError, match="bad shapes"):
+        cpu_linear.rope_cache_attention(qkv.clone(), cos, sin, got_cache[0], got_cache[1], slots - 1, runner.scale)
