@@ -109,7 +109,7 @@ class PackedLinear:
     def __call__(self, x: Tensor) -> Tensor:  # [N, in] -> [N, out]
         rows = x.shape[0]
         if rows <= self.kernel_rows:
-            return cpu_linear.linear(x.contiguous(), self.weight, self.bias)
+            return cpu_linear.unchecked(x.contiguous(), self.weight, self.bias, None, None, None, 0.0, False)
         if self.packed is not None and rows >= self.packed_from_rows:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.weight_t is None:
@@ -121,14 +121,14 @@ class PackedLinear:
     def normed(self, x: Tensor, norm: Tensor, eps: float) -> Tensor:  # [N, in] -> [N, out]
         """``self(F.rms_norm(x, norm, eps))``, the norm inside the C kernel's call when it runs."""
         if x.shape[0] <= self.kernel_rows:
-            return cpu_linear.linear(x.contiguous(), self.weight, self.bias, norm=norm, eps=eps)
+            return cpu_linear.unchecked(x.contiguous(), self.weight, self.bias, None, None, norm, eps, False)
         return self(F.rms_norm(x, (x.shape[-1],), norm, eps))
 
     def swiglu_add_to(self, residual: Tensor, gate_up: Tensor) -> Tensor:  # [N, out], [N, 2 in] -> [N, out]
         """``residual + (silu(gate) * up) @ W^T + b`` for ``gate_up`` = gate | up."""
         if gate_up.shape[0] <= self.kernel_rows:
-            return cpu_linear.linear(gate_up.contiguous(), self.weight, self.bias, add=residual.contiguous(),
-                                     swiglu=True)
+            return cpu_linear.unchecked(gate_up.contiguous(), self.weight, self.bias, residual.contiguous(), None,
+                                        None, 0.0, True)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.add_to(residual, F.silu(gate) * up)
 
@@ -136,7 +136,8 @@ class PackedLinear:
         """residual + x @ W^T + b, the add fused into the matmul."""
         rows = x.shape[0]
         if rows <= self.kernel_rows:
-            return cpu_linear.linear(x.contiguous(), self.weight, self.bias, add=residual.contiguous())
+            return cpu_linear.unchecked(x.contiguous(), self.weight, self.bias, residual.contiguous(), None, None,
+                                        0.0, False)
         if self.packed is not None and rows >= self.packed_from_rows:
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
         if self.weight_t is None:

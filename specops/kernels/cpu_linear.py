@@ -149,9 +149,19 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, add: Tensor | 
         out = torch.empty(t, n, dtype=torch.float32)
     elif out.shape != (t, n):
         raise ValueError(f"out must be [{t}, {n}], got {tuple(out.shape)}")
+    return unchecked(x, weight, bias, add, out, norm, eps, swiglu, threads)
+
+
+def unchecked(x: Tensor, weight: Tensor, bias: Tensor | None, add: Tensor | None, out: Tensor | None,
+              norm: Tensor | None, eps: float, swiglu: bool, threads: int | None = None) -> Tensor:
+    """`linear` without its argument checks, for callers that guarantee them (`PackedLinear`
+    validates its weights once; x, add and out must be contiguous fp32 of the right shapes)."""
+    t, n = x.shape[0], weight.shape[0]
+    if out is None:
+        out = torch.empty(t, n, dtype=torch.float32)
     mode = 1 if norm is not None else 2 if swiglu else 0
     rc = _lib.specops_linear(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                             None if add is None else add.data_ptr(), out.data_ptr(), t, k, n,
+                             None if add is None else add.data_ptr(), out.data_ptr(), t, weight.shape[1], n,
                              threads_for(n, threads), mode, None if norm is None else norm.data_ptr(), float(eps))
     if rc != 0:
         raise MemoryError("CPU linear kernel: no memory for its input buffer")
