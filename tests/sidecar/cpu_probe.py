@@ -6,7 +6,7 @@ Starts a fake engine (a raw asyncio server in a subprocess that streams ``specop
 serve``-shaped ``/v1/completions`` SSE events, chunked, one write per event a few
 hundred µs apart) and a real ``specops sidecar`` process in front of it, sends the
 same streamed requests through it from this process, and reads the sidecar's
-``utime + stime`` from ``/proc/<pid>/stat`` before and after each batch. CPU time of
+CPU time (its threads' ``/proc/<pid>/task/*/schedstat``) before and after each batch. CPU time of
 one process does not depend on how loaded the machine is (unlike wall-clock
 latencies), so the figures are comparable between runs on a busy machine.
 
@@ -30,7 +30,6 @@ from tests.services import free_port, wait_for_port
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICY = ROOT / "examples" / "policies" / "default.yaml"
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 def _event(obj) -> bytes:
@@ -87,9 +86,9 @@ async def _engine(port: int, gap_s: float) -> None:
 
 
 def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime (fields 14, 15)
+    from specops.bench.sidecar_overhead import _proc_cpu_s
+
+    return _proc_cpu_s(pid)  # its threads' run time, ns resolution (schedstat)
 
 
 async def _client(port: int, n_requests: int, chunks: int, concurrency: int) -> int:
