@@ -361,6 +361,7 @@ class ProxyApp:
         watcher = StreamWatcher(cfg.engine, started)
         deadline = started + cfg.request_timeout_s
         outcome = "ok"
+        ended = False
         gone = asyncio.ensure_future(receive())  # resolves with http.disconnect when the client leaves
         try:
             await send({"type": "http.response.start", "status": 200,
@@ -369,6 +370,11 @@ class ProxyApp:
                 async for data in resp.chunks():
                     now = time.monotonic()
                     watcher.feed(data, now)
+                    if resp.complete and watcher.done:
+                        # the engine's body ended with these bytes: so does ours, in the same write
+                        await send({"type": "http.response.body", "body": data, "more_body": False})
+                        ended = True
+                        continue
                     await send({"type": "http.response.body", "body": data, "more_body": True})
                     if gone.done():
                         if gone.cancelled() or gone.exception() or gone.result()["type"] == "http.disconnect":
@@ -393,7 +399,8 @@ class ProxyApp:
                            else f"upstream pool {pool!r} broke the stream ({exc.detail})")
                 await send({"type": "http.response.body", "more_body": True,
                             "body": _sse_error(message, f"upstream_{exc.kind}", bool(watcher.buffer.strip()))})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            if not ended:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             resp.release()  # back to the pool when read to its end, else closed (the engine aborts)
             gone.cancel()

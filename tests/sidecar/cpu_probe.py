@@ -120,6 +120,16 @@ async def _client(port: int, n_requests: int, chunks: int, concurrency: int) -> 
     return total[0]
 
 
+def _start_sidecar(root: Path, eport: int) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(root))
+    proc = subprocess.Popen([sys.executable, "-m", "specops.cli", "sidecar", "--engine", "specops", "--upstream",
+                             f"spec=http://127.0.0.1:{eport}", "--policy", str(POLICY), "--listen",
+                             f"127.0.0.1:{port}", "--log-level", "warning", "--scrape-s", "3600"],
+                            cwd=root, env=env)
+    return proc, port
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=200)
@@ -127,52 +137,62 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--gap-ms", type=float, default=0.3, help="engine pause between events")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds; the minimum is reported")
-    ap.add_argument("--profile", default=None, help="py-spy raw (collapsed) profile of the sidecar, b-chunk streams")
+    ap.add_argument("--compare", default=None, metavar="TREE",
+                    help="also run the sidecar of another source tree (e.g. a `git archive` of main), "
+                         "in alternating rounds against the same engine")
+    ap.add_argument("--profile", default=None,
+                    help="py-spy raw profile (or strace:PATH, syscall counts) of the sidecar, b-chunk streams")
     ap.add_argument("--engine-only", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.engine_only:
         asyncio.run(_engine(args.engine_only, args.gap_ms / 1000))
         return
     a, b = (int(x) for x in args.chunks.split(","))
-    eport, sport = free_port(), free_port()
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    eport = free_port()
     engine = subprocess.Popen([sys.executable, "-m", "tests.sidecar.cpu_probe", "--engine-only", str(eport),
-                               "--gap-ms", str(args.gap_ms)], cwd=ROOT, env=env)
-    side = subprocess.Popen([sys.executable, "-m", "specops.cli", "sidecar", "--engine", "specops", "--upstream",
-                             f"spec=http://127.0.0.1:{eport}", "--policy", str(POLICY), "--listen",
-                             f"127.0.0.1:{sport}", "--log-level", "warning", "--scrape-s", "3600"],
-                            cwd=ROOT, env=env)
+                               "--gap-ms", str(args.gap_ms)], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    trees = {"this tree": ROOT}
+    if args.compare:
+        trees[args.compare] = Path(args.compare).resolve()
+    sides = {label: _start_sidecar(root, eport) for label, root in trees.items()}
     try:
         wait_for_port(eport, 30)
-        wait_for_port(sport, 60, side)
-        asyncio.run(_client(sport, 20, b, args.concurrency))  # warm-up
-        best: dict[int, float] = {}
+        for proc, port in sides.values():
+            wait_for_port(port, 60, proc)
+            asyncio.run(_client(port, 20, b, args.concurrency))  # warm-up
+        best: dict[tuple[str, int], float] = {}
         for _ in range(args.rounds):
-            for n in (a, b):
-                t0 = _cpu_s(side.pid)
-                asyncio.run(_client(sport, args.requests, n, args.concurrency))
-                cpu = (_cpu_s(side.pid) - t0) / args.requests
-                best[n] = min(best.get(n, cpu), cpu)
+            for label, (proc, port) in sides.items():
+                for n in (a, b):
+                    t0 = _cpu_s(proc.pid)
+                    asyncio.run(_client(port, args.requests, n, args.concurrency))
+                    cpu = (_cpu_s(proc.pid) - t0) / args.requests
+                    best[label, n] = min(best.get((label, n), cpu), cpu)
         if args.profile:
-            spy = subprocess.Popen(["py-spy", "record", "-p", str(side.pid), "-f", "raw", "-r", "400", "-o",
-                                    args.profile, "--nonblocking"], stdout=subprocess.DEVNULL)
+            proc, port = sides["this tree"]
+            spy = subprocess.Popen(["py-spy", "record", "-p", str(proc.pid), "-f", "raw", "-r", "400", "-o",
+                                    args.profile, "--nonblocking"], stdout=subprocess.DEVNULL) \
+                if not args.profile.startswith("strace:") else \
+                subprocess.Popen(["strace", "-c", "-f", "-o", args.profile[7:], "-p", str(proc.pid)])
             time.sleep(1)
-            asyncio.run(_client(sport, args.requests, b, args.concurrency))
+            asyncio.run(_client(port, args.requests, b, args.concurrency))
             spy.send_signal(2)
             spy.wait(30)
-        per_chunk = (best[b] - best[a]) / (b - a)
-        per_req = best[a] - a * per_chunk
         print(f"sidecar CPU (min of {args.rounds} rounds, {args.requests} requests each, concurrency "
-              f"{args.concurrency}): {a} chunks {best[a] * 1e3:.3f} ms/request, {b} chunks {best[b] * 1e3:.3f} "
-              f"ms/request -> {per_chunk * 1e3:.4f} ms/chunk + {per_req * 1e3:.3f} ms/request; "
-              f"load {os.getloadavg()[0]:.2f}")
+              f"{args.concurrency}, load {os.getloadavg()[0]:.2f}):")
+        for label in sides:
+            per_chunk = (best[label, b] - best[label, a]) / (b - a)
+            per_req = best[label, a] - a * per_chunk
+            print(f"  {label}: {a} chunks {best[label, a] * 1e3:.3f} ms/request, {b} chunks "
+                  f"{best[label, b] * 1e3:.3f} ms/request -> {per_chunk * 1e3:.4f} ms/chunk + "
+                  f"{per_req * 1e3:.3f} ms/request")
     finally:
-        for p in (side, engine):
-            p.terminate()
+        for proc in [p for p, _ in sides.values()] + [engine]:
+            proc.terminate()
             try:
-                p.wait(10)
+                proc.wait(10)
             except subprocess.TimeoutExpired:
-                p.kill()
+                proc.kill()
 
 
 if __name__ == "__main__":
