@@ -232,3 +232,30 @@ def test_read_timeout_counts_the_engine_silence_not_a_slow_consumer():
             client.close()
 
     _run(go())
+
+
+def test_complete_is_known_with_the_last_piece_when_the_end_came_with_it():
+    async def with_end(writer):
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
+        await writer.drain()
+
+    async def end_later(writer):
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"0\r\n\r\n")
+
+    async def go():
+        async with Scripted([with_end, end_later, OK]) as url:
+            client = UpstreamClient({"p": url}, connect_timeout_s=1, read_timeout_s=2)
+            for expect in (True, False):
+                r = await client.request("p", "POST", "/x", b"{}", {})
+                seen = [(c, r.complete) async for c in r.chunks()]
+                assert seen == [(b"hello", expect)] and r.complete
+                r.release()
+            r = await client.request("p", "POST", "/x", b"{}", {})  # still one clean keep-alive connection
+            assert await r.body() == b"{}" and r.complete
+            r.release()
+            client.close()
+
+    _run(go())
