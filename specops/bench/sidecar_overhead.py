@@ -18,15 +18,16 @@ verdict whose spread straddles the limit — or zero — is not a measurement of
 The sidecar's own CPU time
 --------------------------
 Latency differences between two runs of one engine on a shared machine carry the
-engine's step jitter; CPU time of the sidecar process does not depend on how loaded the
-machine is. So each cell also reads the sidecar's CPU time (its threads' run time from
-``/proc/<pid>/task/*/schedstat``, in ns; Linux only, else absent) before and after: during a *direct* cell the sidecar is idle
-(its background loop: policy poll, engine scrape), which gives its idle rate; during a
-*via sidecar* cell it relays, and ``CPU − idle rate × wall`` is the relaying's CPU. The
-report gives it per request and per content chunk (``cpu_ms_per_request``,
-``cpu_ms_per_chunk``: all of it divided by the chunks, the per-request work included, so
-an upper bound of what one chunk costs). That is the proxy's work, which the engine and
-the load generator wait for only when they share its cores — a bound on what it can add.
+engine's step jitter; the CPU time of the sidecar process depends far less on what else
+runs. So each cell also reads the sidecar's CPU time (its threads' run time from
+``/proc/<pid>/task/*/schedstat``, in ns; Linux only, else absent) before and after:
+during a *direct* cell the sidecar is idle (its background loop: policy poll, engine
+scrape), which gives its idle rate; during a *via sidecar* cell it relays, and
+``CPU − idle rate × wall`` is the relaying's CPU. The report gives it per request and
+per content chunk (``cpu_ms_per_request``, ``cpu_ms_per_chunk``: all of it divided by
+the chunks, the per-request work included, so an upper bound of what one chunk costs).
+That is the proxy's own work; what it adds to a latency is that plus any wait for a
+core (on a busy machine, the wake-up of an idle process costs more CPU too: cold caches).
 
 ``--plain``
 -----------

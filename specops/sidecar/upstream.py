@@ -18,8 +18,9 @@ the pod's loopback, so this client does only that:
   writes once per read — fewer writes when it falls behind the engine) or read to EOF;
 - every wait has a deadline: connect (``connect_timeout_s``) and each read
   (``read_timeout_s``: one watchdog timer per body instead of a timeout context per
-  read, which cost more than the rest of the per-chunk Python work); a failure is an `UpstreamError` whose ``kind`` the proxy maps to
-  its error answers (``unreachable``, ``timeout``, ``truncated``).
+  read, which cost more than the rest of the per-chunk Python work; the response head
+  by a plain loop timer); a failure is an `UpstreamError` whose ``kind`` the proxy
+  maps to its error answers (``unreachable``, ``timeout``, ``truncated``).
 
 ``https://`` pools get TLS with the default trust store. Not supported (the engines do
 not send them on these routes): HTTP/2, ``1xx``
