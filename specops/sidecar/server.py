@@ -155,8 +155,9 @@ def run_sidecar(opts: SidecarOptions) -> None:
 
     sidecar = build_sidecar(opts)
     app = build_app(sidecar)
+    # proxy_headers off: no X-Forwarded-* rewriting middleware around every request (nothing reads the client address)
     config = uvicorn.Config(app, host=opts.host, port=opts.port, log_level=opts.log_level, access_log=False,
-                            timeout_graceful_shutdown=5)
+                            proxy_headers=False, timeout_graceful_shutdown=5)
     try:
         uvicorn.Server(config).run()
     finally:

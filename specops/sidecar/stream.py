@@ -7,10 +7,12 @@ the per-chunk cost small it does not JSON-decode every event:
   key whose value is a non-empty string (completions ``choices[].text``, chat
   ``choices[].delta.content``) — a byte search: inside JSON string values quotes are
   escaped, so the pattern cannot match prompt or completion text;
-- of the events that carry ``"usage"`` or the engine's speculation fields (vLLM
-  ``"speculative_decoding"``, SGLang ``"meta_info"``, specops ``"specops"``) only the
+- of the events that carry a ``"usage"`` object or the engine's speculation object
+  (vLLM ``"speculative_decoding"``, SGLang ``"meta_info"``, specops ``"specops"``; a
+  ``null`` value, as in specops' and vLLM's content chunks, does not count) only the
   *last* one of each is kept, and decoded once, when the numbers are read: the engines
-  report cumulative totals, so earlier ones carry nothing the last does not;
+  report cumulative totals, so earlier ones carry nothing the last does not (a
+  substring test first, the regex only on events that contain the key);
 - an event whose data is not a JSON object (does not start with ``{`` and end with
   ``}``), or a kept one that does not decode, is counted ``malformed``.
 """
@@ -27,6 +29,8 @@ MAX_EVENT_BYTES = 1024 * 1024  # the parse buffer; the relayed bytes are never h
 
 _CONTENT = re.compile(rb'"(?:text|content)"\s*:\s*"(?!")')
 _SPEC_MARKERS = {"vllm": b'"speculative_decoding"', "sglang": b'"meta_info"', "specops": b'"specops"'}
+_USAGE = re.compile(rb'"usage"\s*:\s*\{')
+_SPEC_OBJECTS = {engine: re.compile(re.escape(marker) + rb"\s*:\s*\{") for engine, marker in _SPEC_MARKERS.items()}
 
 
 class StreamWatcher:
@@ -35,8 +39,10 @@ class StreamWatcher:
     def __init__(self, engine: str, started: float) -> None:
         self.engine = engine
         self.marker = _SPEC_MARKERS[engine]
+        self._spec_object = _SPEC_OBJECTS[engine].search
         self.started = started
         self.buffer = b""
+        self._cr = False  # the last read ended in CR (its LF may come next)
         self.first: float | None = None
         self.last: float | None = None
         self.gaps: list[float] = []
@@ -48,7 +54,11 @@ class StreamWatcher:
         self._decoded: tuple[bytes, Any] | None = None
 
     def feed(self, data: bytes, now: float) -> None:
-        if b"\r" in data:
+        if self._cr or b"\r" in data:
+            if self._cr:  # a CRLF split between two reads
+                data, self._cr = b"\r" + data, False
+            if data.endswith(b"\r"):
+                data, self._cr = data[:-1], True
             data = data.replace(b"\r\n", b"\n")
         self.buffer = self.buffer + data if self.buffer else data
         if len(self.buffer) > MAX_EVENT_BYTES and b"\n\n" not in self.buffer:
@@ -71,9 +81,9 @@ class StreamWatcher:
         if not (payload.startswith(b"{") and payload.endswith(b"}")):
             self.malformed += 1
             return
-        if b'"usage"' in payload:
+        if b'"usage"' in payload and _USAGE.search(payload):
             self._usage_raw = payload
-        if self.marker in payload:
+        if self.marker in payload and self._spec_object(payload):
             self._spec_raw = payload
         if _CONTENT.search(payload):
             self.chunks += 1

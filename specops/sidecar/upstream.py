@@ -13,11 +13,14 @@ the pod's loopback, so this client does only that:
 - the request line, headers and body go out in one write;
 - a reused connection that fails before any response byte (the engine closed it while
   idle) is retried once on a new connection — nothing of the request was processed;
-- bodies: ``content-length``, ``transfer-encoding: chunked`` (yielded chunk by chunk,
-  as the engine flushed them) or read to EOF;
+- bodies: ``content-length``, ``transfer-encoding: chunked`` (decoded here, one piece
+  per socket read: the chunks that arrived together go on together, so the proxy
+  writes once per read — fewer writes when it falls behind the engine) or read to EOF;
 - every wait has a deadline: connect (``connect_timeout_s``) and each read
-  (``read_timeout_s``); a failure is an `UpstreamError` whose ``kind`` the proxy maps to
-  its error answers (``unreachable``, ``timeout``, ``truncated``).
+  (``read_timeout_s``: one watchdog timer per body instead of a timeout context per
+  read, which cost more than the rest of the per-chunk Python work; the response head
+  by a plain loop timer); a failure is an `UpstreamError` whose ``kind`` the proxy
+  maps to its error answers (``unreachable``, ``timeout``, ``truncated``).
 
 ``https://`` pools get TLS with the default trust store. Not supported (the engines do
 not send them on these routes): HTTP/2, ``1xx``
@@ -29,10 +32,11 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 MAX_HEAD_BYTES = 64 * 1024
+_TIMER_SLACK_S = 0.001  # a loop timer may run up to its clock resolution early
 
 
 class UpstreamError(Exception):
@@ -65,14 +69,25 @@ def endpoint(base_url: str) -> Endpoint:
     return Endpoint(host, port, parts.path.rstrip("/"), f"{shown}:{port}".encode(), tls)
 
 
+async def _nothing() -> AsyncIterator[bytes]:
+    return
+    yield  # pragma: no cover
+
+
 @dataclass
 class _Conn:
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
+    loop: asyncio.AbstractEventLoop
     reused: bool = False
+    expired: bool = False    # a timer aborted it (a response head that did not come in time)
 
     def close(self) -> None:
         self.writer.close()
+
+    def expire(self) -> None:
+        self.expired = True
+        self.writer.transport.abort()
 
 
 @dataclass
@@ -87,52 +102,189 @@ class UpstreamResponse:
     _chunked: bool = False
     _done: bool = False
     _keep: bool = True
-    _trailer: list[bytes] = field(default_factory=list)
+    _timed_out: bool = False
+    _reading: bool = False
+    _since: float = 0.0
+    _timer: asyncio.TimerHandle | None = None
+    _loop: asyncio.AbstractEventLoop | None = None
 
-    async def _read(self, coro):
-        try:
-            async with asyncio.timeout(self._pool.read_timeout_s):
-                return await coro
-        except TimeoutError:
-            raise UpstreamError("timeout", f"sent nothing for {self._pool.read_timeout_s:g}s") from None
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, OSError) as exc:
-            raise UpstreamError("truncated", f"broke the response ({type(exc).__name__})") from None
+    @property
+    def complete(self) -> bool:
+        """The body has been read to its end (set before its last piece is yielded, when known)."""
+        return self._done
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """The body as it arrives (transfer encoding removed)."""
+    def _arm(self) -> asyncio.StreamReader:
+        """Start the read watchdog (see `_check`); the connection's reader."""
         conn = self._conn
-        if conn is None or self._done:
+        self._loop = loop = conn.loop
+        self._timer = loop.call_at(loop.time() + self._pool.read_timeout_s, self._check)
+        return conn.reader
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _check(self) -> None:
+        """The read watchdog: one timer per body, not a timeout context per read.
+
+        A read notes when it started waiting; the timer fires ``read_timeout_s`` after
+        that, and when the read is still waiting it aborts the connection (the read then
+        ends and raises ``timeout``); otherwise it is set again (for ``read_timeout_s``
+        after the wait now in progress began, or from now when none is: time spent
+        passing chunks on to a slow client is not the engine's silence).
+        """
+        self._timer = None
+        if self._conn is None or self._done:
             return
-        r = conn.reader
-        if self._length is not None:
-            left = self._length
-            while left > 0:
-                data = await self._read(r.read(min(left, 65536)))
+        now = self._loop.time()
+        due = (self._since if self._reading else now) + self._pool.read_timeout_s
+        if self._reading and now >= due - _TIMER_SLACK_S:
+            self._timed_out = True
+            self._conn.writer.transport.abort()
+        else:
+            self._timer = self._loop.call_at(due, self._check)
+
+    async def _next(self, r: asyncio.StreamReader, n: int = 65536) -> bytes:
+        """Whatever the engine sent next, up to ``n`` bytes (b'' at its end); raises `UpstreamError`."""
+        self._since = self._loop.time()
+        self._reading = True
+        try:
+            data = await r.read(n)
+        except (ConnectionError, OSError) as exc:
+            if not self._timed_out:
+                raise UpstreamError("truncated", f"broke the response ({type(exc).__name__})") from None
+            data = b""
+        finally:
+            self._reading = False
+        if self._timed_out:
+            raise UpstreamError("timeout", f"sent nothing for {self._pool.read_timeout_s:g}s")
+        return data
+
+    def chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives (transfer encoding removed).
+
+        One piece per read of the socket: with ``transfer-encoding: chunked``, every
+        chunk that had arrived by then (and the arrived part of one still coming) is
+        passed on in one piece, so the proxy writes once per engine flush it reads —
+        fewer writes when it falls behind — and the bytes are the same. When the end of
+        the body came with the last piece, `complete` is already true when it is
+        yielded (the proxy then ends its own response with that write).
+        """
+        if self._conn is None or self._done:
+            return _nothing()
+        if self._chunked:
+            return self._dechunk()
+        return self._plain()
+
+    async def _plain(self) -> AsyncIterator[bytes]:
+        r = self._arm()
+        try:
+            if self._length is not None:
+                left = self._length
+                while left > 0:
+                    data = await self._next(r, min(left, 65536))
+                    if not data:
+                        raise UpstreamError("truncated", "closed the connection mid-body")
+                    left -= len(data)
+                    if not left:
+                        self._done = True
+                    yield data
+            else:
+                self._keep = False
+                while True:
+                    data = await self._next(r)
+                    if not data:
+                        break
+                    yield data
+            self._done = True
+        finally:
+            self._disarm()
+
+    async def _dechunk(self) -> AsyncIterator[bytes]:
+        """Decode ``transfer-encoding: chunked``: the payload bytes of each read, joined."""
+        r = self._arm()
+        try:
+            pending = b""  # an incomplete chunk-size line carried to the next read
+            left = 0       # bytes of the current chunk still to come, its closing CRLF included
+            while True:
+                data = await self._next(r)
                 if not data:
                     raise UpstreamError("truncated", "closed the connection mid-body")
-                left -= len(data)
-                yield data
-        elif self._chunked:
-            while True:
-                line = await self._read(r.readuntil(b"\n"))
-                try:
-                    size = int(line.split(b";", 1)[0].strip(), 16)
-                except ValueError:
-                    raise UpstreamError("truncated", "sent a bad chunk header") from None
-                if size == 0:
-                    while (await self._read(r.readuntil(b"\n"))).strip():  # trailers, then the blank line
-                        pass
-                    break
-                data = await self._read(r.readexactly(size + 2))
-                yield data[:-2]
+                if pending:
+                    data, pending = pending + data, b""
+                out: list[bytes] = []
+                pos, n = 0, len(data)
+                while pos < n:
+                    if left:
+                        take = min(left, n - pos)
+                        payload = min(take, left - 2)  # the last two bytes of a chunk are its CRLF
+                        if payload > 0:
+                            out.append(data if (pos == 0 and payload == n) else data[pos:pos + payload])
+                        pos += take
+                        left -= take
+                        continue
+                    eol = data.find(b"\n", pos)
+                    if eol < 0:
+                        pending = data[pos:]
+                        if len(pending) > MAX_HEAD_BYTES:
+                            raise UpstreamError("truncated", "sent a bad chunk header")
+                        break
+                    try:
+                        size = int(data[pos:eol].split(b";", 1)[0].strip(), 16)
+                    except ValueError:
+                        size = -1
+                    if size < 0:
+                        raise UpstreamError("truncated", "sent a bad chunk header")
+                    pos = eol + 1
+                    if size == 0:  # the last chunk: trailers, then a blank line
+                        rest = data[pos:]
+                        if self._trailers_end(rest):  # all here: the last piece is the end of the body
+                            self._done = True
+                            if out:
+                                yield out[0] if len(out) == 1 else b"".join(out)
+                            return
+                        if out:
+                            yield out[0] if len(out) == 1 else b"".join(out)
+                        await self._trailers(r, rest)
+                        self._done = True
+                        return
+                    left = size + 2
+                if out:
+                    yield out[0] if len(out) == 1 else b"".join(out)
+        finally:
+            self._disarm()
+
+    def _trailers_end(self, rest: bytes) -> bool:
+        """Whether ``rest`` holds the trailers' closing blank line (then no more reads)."""
+        if rest[:2] == b"\r\n" or rest[:1] == b"\n":  # no trailers: the usual case
+            end = 2 if rest[:1] == b"\r" else 1
         else:
+            i = rest.find(b"\n\r\n")
+            j = rest.find(b"\n\n")
+            if i < 0 and j < 0:
+                return False
+            end = i + 3 if j < 0 or (0 <= i < j) else j + 2
+        if len(rest) > end:  # bytes after the response: the connection is not clean, do not reuse it
             self._keep = False
-            while True:
-                data = await self._read(r.read(65536))
-                if not data:
-                    break
-                yield data
-        self._done = True
+        return True
+
+    async def _trailers(self, r: asyncio.StreamReader, rest: bytes) -> None:
+        while True:
+            eol = rest.find(b"\n")
+            if eol < 0:
+                if len(rest) > MAX_HEAD_BYTES:
+                    raise UpstreamError("truncated", "sent oversized trailers")
+                more = await self._next(r)
+                if not more:
+                    raise UpstreamError("truncated", "closed the connection mid-body")
+                rest += more
+                continue
+            line, rest = rest[:eol], rest[eol + 1:]
+            if not line.strip():
+                if rest:  # bytes after the response: the connection is not clean, do not reuse it
+                    self._keep = False
+                return
 
     async def body(self) -> bytes:
         return b"".join([part async for part in self.chunks()])
@@ -140,6 +292,7 @@ class UpstreamResponse:
     def release(self) -> None:
         """Return the connection to the pool (body read to its end) or close it."""
         conn, self._conn = self._conn, None
+        self._disarm()
         if conn is None:
             return
         if self._done and self._keep:
@@ -175,7 +328,7 @@ class UpstreamPool:
             raise UpstreamError("unreachable", "could not be connected to in time") from None
         except OSError as exc:
             raise UpstreamError("unreachable", f"is unreachable ({type(exc).__name__})") from None
-        return _Conn(reader, writer)
+        return _Conn(reader, writer, asyncio.get_running_loop())
 
     def _take(self) -> _Conn | None:
         while self._idle:
@@ -206,21 +359,24 @@ class UpstreamPool:
 
     async def _exchange(self, conn: _Conn, message: bytes) -> UpstreamResponse:
         conn.writer.write(message)
+        loop = conn.loop
+        timer = loop.call_at(loop.time() + self.read_timeout_s, conn.expire)  # cheaper than asyncio.timeout
         try:
-            async with asyncio.timeout(self.read_timeout_s):
-                raw = await conn.reader.readuntil(b"\r\n\r\n")
-        except TimeoutError:
-            raise UpstreamError("timeout", "did not answer in time") from None
-        except asyncio.IncompleteReadError as exc:
+            raw = await conn.reader.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, OSError) as exc:
+            if conn.expired:
+                raise UpstreamError("timeout", "did not answer in time") from None
+            if isinstance(exc, OSError):
+                raise UpstreamError("stale" if conn.reused else "unreachable",
+                                    f"is unreachable ({type(exc).__name__})") from None
             if not exc.partial:
                 raise UpstreamError("stale" if conn.reused else "unreachable",
                                     "closed the connection without answering") from None
             raise UpstreamError("unreachable", "sent a truncated response head") from None
         except asyncio.LimitOverrunError:
             raise UpstreamError("unreachable", f"sent a response head over {MAX_HEAD_BYTES} bytes") from None
-        except OSError as exc:
-            kind = "stale" if conn.reused else "unreachable"
-            raise UpstreamError(kind, f"is unreachable ({type(exc).__name__})") from None
+        finally:
+            timer.cancel()
         lines = raw.decode("latin-1").split("\r\n")
         status_line = lines[0].split(" ", 2)
         if len(status_line) < 2 or not status_line[0].startswith("HTTP/1.") or not status_line[1].isdigit():

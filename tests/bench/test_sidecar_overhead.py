@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from click.testing import CliRunner
 
-from specops.bench.sidecar_overhead import bench_sidecar_command, summarize
+from specops.bench.sidecar_overhead import _sidecar_cpu, bench_sidecar_command, format_table, summarize
 
 
 def _cell(ttft50, ttft99, itl, tpot, errors=0):
@@ -29,8 +29,20 @@ def test_summary_is_the_median_over_repeats_of_each_path_and_of_the_difference()
     assert row["overhead_ttft_p99_ms"] == 2 and row["overhead_itl_p50_ms"] == pytest.approx(0.2)
     assert row["within_budget"] == {"ttft_p50": True, "ttft_p99": True, "chunk_p50": True}
     assert row["errors"] == 1 and row["repeats"] == 3
+    assert (row["overhead_ttft_p50_ms_min"], row["overhead_ttft_p50_ms_max"]) == (1, 8)   # the spread beside it
+    assert row["overhead_ttft_p50_ms_runs"] == [1, 1.5, 8]
+    assert row["sidecar_cpu_ms_per_request"] is None  # runs without CPU readings
     runs[0]["sidecar"]["ttft_p50_ms"] = None  # a cell with no successful request
     assert summarize(runs)[0]["overhead_ttft_p50_ms"] == pytest.approx(4.75)
+
+
+def test_sidecar_cpu_is_what_relaying_took_beyond_its_idle_rate():
+    direct = {"_cpu_s": 0.02, "_wall_s": 10.0, "requests": 16, "_chunks": 500}   # idle: 2 ms/s
+    via = {"_cpu_s": 0.52, "_wall_s": 10.0, "requests": 16, "_chunks": 500}
+    cpu = _sidecar_cpu(direct, via)
+    assert cpu["cpu_ms_per_request"] == pytest.approx(500 / 16) and cpu["cpu_ms_per_chunk"] == pytest.approx(1.0)
+    assert cpu["cpu_idle_ms_per_s"] == pytest.approx(2.0)
+    assert _sidecar_cpu(dict(direct, _cpu_s=None), via)["cpu_ms_per_request"] is None
 
 
 class _Engine(BaseHTTPRequestHandler):
@@ -99,7 +111,13 @@ def test_a_run_against_a_scripted_engine_measures_both_paths(tmp_path):
         diffs = [r["sidecar"]["ttft_p50_ms"] - r["direct"]["ttft_p50_ms"]
                  for r in report["runs"] if r["concurrency"] == row["concurrency"]]
         assert row["overhead_ttft_p50_ms"] == pytest.approx(sum(diffs) / 2)  # the median of two
-    assert "overhead" in result.output and "direct" in result.output
+    assert "overhead" in result.output and "direct" in result.output and "spread" in result.output
+    for row in report["results"]:  # the sidecar's CPU was read (Linux) and is per request > per chunk > 0
+        assert row["sidecar_cpu_ms_per_request"] > row["sidecar_cpu_ms_per_chunk"] > 0
+        assert len(row["overhead_itl_p50_ms_runs"]) == 2
+    assert "sidecar CPU" in format_table(report)
+    plain = CliRunner().invoke(bench_sidecar_command, ["--plain", "--base-url", "http://127.0.0.1:1"])
+    assert plain.exit_code != 0 and "off.yaml" in plain.output
     port = int(report["sidecar_url"].rsplit(":", 1)[1])
     with socket.socket() as s:  # the sidecar it started has been stopped
         assert s.connect_ex(("127.0.0.1", port)) != 0

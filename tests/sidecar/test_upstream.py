@@ -168,3 +168,94 @@ def test_endpoint_urls():
     assert endpoint("https://engine").port == 443 and endpoint("https://engine").tls
     with pytest.raises(ValueError):
         endpoint("ftp://engine")
+
+
+def test_chunks_that_arrived_together_are_passed_on_together_and_framing_is_decoded_across_reads():
+    parts = [b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n"]
+    framed = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\nx-trailer: 1\r\n\r\n"
+
+    async def together(writer):
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + framed)
+        await writer.drain()
+
+    async def dribbled(writer):  # one byte per write: sizes, payloads, CRLFs and trailers split everywhere
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for i in range(len(framed)):
+            writer.write(framed[i:i + 1])
+            await writer.drain()
+            await asyncio.sleep(0.001)
+
+    async def go():
+        srv = Scripted([together, dribbled, OK])
+        async with srv as url:
+            client = UpstreamClient({"p": url}, connect_timeout_s=1, read_timeout_s=2)
+            r = await client.request("p", "POST", "/x", b"{}", {})
+            assert [c async for c in r.chunks()] == [b"".join(parts)]  # one piece: one write downstream
+            r.release()
+            r = await client.request("p", "POST", "/x", b"{}", {})
+            pieces = [c async for c in r.chunks()]
+            assert b"".join(pieces) == b"".join(parts) and all(pieces)
+            r.release()
+            r = await client.request("p", "POST", "/x", b"{}", {})  # the same connection, clean after trailers
+            assert await r.body() == b"{}"
+            r.release()
+            client.close()
+        assert srv.connections == 1
+
+    _run(go())
+
+
+def test_read_timeout_counts_the_engine_silence_not_a_slow_consumer():
+    async def slow_then_stall(writer):
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for _ in range(3):
+            writer.write(b"3\r\nabc\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.15)  # under the read timeout each time, over it in total
+        await asyncio.sleep(5)  # then silence
+
+    async def go():
+        async with Scripted([slow_then_stall]) as url:
+            client = UpstreamClient({"p": url}, connect_timeout_s=1, read_timeout_s=0.3)
+            r = await client.request("p", "POST", "/x", b"{}", {})
+            got = []
+            loop = asyncio.get_running_loop()
+            with pytest.raises(UpstreamError) as err:
+                async for c in r.chunks():
+                    got.append(c)
+                    if len(got) == 1:
+                        await asyncio.sleep(0.5)  # the consumer is slow: not the engine's silence
+                    t_last = loop.time()
+            assert err.value.kind == "timeout" and b"".join(got) == b"abc" * 3
+            assert 0.25 <= loop.time() - t_last < 1.0  # bounded by the read timeout after the last data
+            r.release()
+            client.close()
+
+    _run(go())
+
+
+def test_complete_is_known_with_the_last_piece_when_the_end_came_with_it():
+    async def with_end(writer):
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
+        await writer.drain()
+
+    async def end_later(writer):
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"0\r\n\r\n")
+
+    async def go():
+        async with Scripted([with_end, end_later, OK]) as url:
+            client = UpstreamClient({"p": url}, connect_timeout_s=1, read_timeout_s=2)
+            for expect in (True, False):
+                r = await client.request("p", "POST", "/x", b"{}", {})
+                seen = [(c, r.complete) async for c in r.chunks()]
+                assert seen == [(b"hello", expect)] and r.complete
+                r.release()
+            r = await client.request("p", "POST", "/x", b"{}", {})  # still one clean keep-alive connection
+            assert await r.body() == b"{}" and r.complete
+            r.release()
+            client.close()
+
+    _run(go())
