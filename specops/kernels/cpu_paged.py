@@ -40,7 +40,7 @@ SOURCE = Path(__file__).with_name("paged_attention.c")
 # pulls in crtfastmath.o, which turns on flush-to-zero for the whole process when the library
 # loads (subnormal floats become 0 in everyone's arithmetic, torch's and Python's included).
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
-          "-freciprocal-math", "-shared", "-fPIC", "-std=c99", "-pthread")
+          "-freciprocal-math", "-shared", "-fPIC", "-std=c11", "-pthread")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
