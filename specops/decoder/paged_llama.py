@@ -109,6 +109,7 @@ class PagedLlama:
                                  dtype=runner.dtype, device=runner.device)
         # the in-place CPU kernel for fp32 on CPU when it builds here; otherwise SDPA over gathered KV
         self.cpu_kernel = self.device.type == "cpu" and runner.dtype == torch.float32 and cpu_paged.available()
+        self._half_bytes = self.slots * runner.n_kv_heads * runner.head_dim * self.store.element_size()  # one [S, Hkv, D]
 
     def kernel_group(self, tq: int, tree: bool) -> bool:
         """Whether a group of ``tq`` queries per sequence runs on the CPU kernel."""
@@ -128,21 +129,30 @@ class PagedLlama:
         n = batch.input_ids.shape[0]
         half = d // 2
         gqa = hq != hkv
+        width = hq + 2 * hkv
+        # kernel groups: index tensors converted once for all layers (q rows are qkv's, stride width * d;
+        # layer i's keys and values are the contiguous [S, Hkv, D] halves of store[i])
+        if any(g.mask is None for g in batch.groups) and not (self.store.dtype == torch.float32
+                                                               and self.store.device.type == "cpu"):
+            raise ValueError("an attention group without a mask needs the CPU kernel (fp32 on CPU)")
+        store_ptr = self.store.data_ptr()
+        calls = [cpu_paged.PreparedCall(g.q_index, g.visible, g.kv_slots, n=n, hq=hq, hkv=hkv, d=d, q_stride=width * d,
+                                        scale=r.scale) if g.mask is None else None for g in batch.groups]
         with torch.inference_mode():
             cos, sin = self._rotary(batch.positions)  # [N, H', D] each
             x = F.embedding(batch.input_ids, r.embed)  # [N, E]
             for i, layer in enumerate(r.layers):
-                qkv = layer.qkv.normed(x, layer.ln1, r.eps).view(n, hq + 2 * hkv, d)  # [N, H', D]
+                qkv = layer.qkv.normed(x, layer.ln1, r.eps).view(n, width, d)  # [N, H', D]
                 qkv = torch.addcmul(qkv * cos, qkv.roll(half, -1), sin)  # rotary on q and k
                 kv_new = qkv[:, hq:].view(n, 2, hkv, d).transpose(0, 1)  # [2, N, Hkv, D]
                 store = self.store[i]  # [2, S, Hkv, D]
                 store.index_copy_(1, batch.write_slots, kv_new)
                 q_all = qkv[:, :hq]  # [N, Hq, D]
                 o = x.new_empty(n, hq * d) if (len(batch.groups) > 1 or batch.groups[0].mask is None) else None
-                for g in batch.groups:
-                    if g.mask is None:  # prefix-shaped masks: keys and values read in place
-                        cpu_paged.paged_attention(q_all, store[0], store[1], g.q_index, g.visible, g.kv_slots,
-                                        o.view(n, hq, d), r.scale)
+                for g, call in zip(batch.groups, calls):
+                    if call is not None:  # prefix-shaped masks: keys and values read in place
+                        k_ptr = store_ptr + (2 * i) * self._half_bytes
+                        call(qkv.data_ptr(), k_ptr, k_ptr + self._half_bytes, o)
                         continue
                     b, tq = g.q_index.shape
                     # index_select, not advanced indexing: ~5x faster on CPU for this gather

@@ -40,7 +40,7 @@ SOURCE = Path(__file__).with_name("paged_attention.c")
 # pulls in crtfastmath.o, which turns on flush-to-zero for the whole process when the library
 # loads (subnormal floats become 0 in everyone's arithmetic, torch's and Python's included).
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
-          "-freciprocal-math", "-shared", "-fPIC", "-std=c99", "-pthread")
+          "-freciprocal-math", "-shared", "-fPIC", "-std=c11", "-pthread")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -129,3 +129,34 @@ def paged_attention(q: Tensor, k_store: Tensor, v_store: Tensor, q_index: Tensor
                                       q.stride(0), int(threads or torch.get_num_threads()), float(scale))
     if rc != 0:
         raise ValueError(f"CPU paged-attention kernel refused the shapes (code {rc}): Hq={hq} Hkv={hkv}")
+
+
+class PreparedCall:
+    """`paged_attention` for one batch's attention group, with everything that is the same for
+    every layer (index tensors, shapes, scale, thread count) checked and converted once: a
+    forward calls the kernel once per layer, and the per-call checks and argument conversion
+    cost about as much as the kernel itself at batch 1. Call with the layer's q [N, Hq, D]
+    (row stride ``q_stride``), its key/value store pointers and the output tensor [N, Hq*D]."""
+
+    __slots__ = ("_fn", "_mid", "_tail", "_keep", "n", "q_stride")
+
+    def __init__(self, q_index: Tensor, visible: Tensor, kv_slots: Tensor, *, n: int, hq: int, hkv: int, d: int,
+                 q_stride: int, scale: float, threads: int | None = None) -> None:
+        if _lib is None and not available():
+            raise RuntimeError(f"CPU paged-attention kernel unavailable: {_error}")
+        if hkv <= 0 or hq % hkv:
+            raise ValueError(f"CPU paged-attention kernel refused the shapes (code 1): Hq={hq} Hkv={hkv}")
+        q_index, visible, kv_slots = q_index.contiguous(), visible.contiguous(), kv_slots.contiguous()
+        g, tq = q_index.shape
+        self._fn = _lib.specops_paged_attention
+        self._keep = (q_index, visible, kv_slots)  # the pointers below stay valid while this lives
+        self._mid = (q_index.data_ptr(), visible.data_ptr(), kv_slots.data_ptr())
+        self._tail = (g, tq, kv_slots.shape[1], hq, hkv, d, q_stride, int(threads or torch.get_num_threads()),
+                      float(scale))
+        self.n = n
+        self.q_stride = q_stride
+
+    def __call__(self, q_ptr: int, k_ptr: int, v_ptr: int, out: Tensor) -> None:
+        rc = self._fn(q_ptr, k_ptr, v_ptr, *self._mid, out.data_ptr(), *self._tail)
+        if rc != 0:
+            raise ValueError(f"CPU paged-attention kernel failed (code {rc})")

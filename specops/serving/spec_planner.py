@@ -64,13 +64,19 @@ class Meter:
 
     def __init__(self, window: int = 15) -> None:
         self.values: deque[float] = deque(maxlen=window)
+        self._median: float | None = None  # cached until the next observation (read every step, per sequence)
 
     def observe(self, value: float) -> None:
         if value >= 0:
             self.values.append(value)
+            self._median = None
 
     def value(self, default: float = 0.0) -> float:
-        return statistics.median(self.values) if self.values else default
+        if not self.values:
+            return default
+        if self._median is None:
+            self._median = statistics.median(self.values)
+        return self._median
 
 
 class CostModel:
@@ -100,11 +106,18 @@ class CostModel:
         self._since_fit = 0
         self._seen: dict[tuple[int, int], int] = {}  # shape -> warm-up observations dropped
         self._ts: dict[int, set[int]] = {}  # B -> the T with samples (the stale check looks at one B only)
+        self._medians: dict[tuple[int, int], float] = {}  # (B, T) -> median of its window, kept on observe
 
     @property
     def points(self) -> dict[tuple[int, int], float]:
         """(B, T) -> median observed seconds."""
-        return {k: statistics.median(v) for k, v in self.samples.items()}
+        return {k: self._median(k) for k in self.samples}
+
+    def _median(self, key: tuple[int, int]) -> float:
+        m = self._medians.get(key)
+        if m is None:
+            m = self._medians[key] = statistics.median(self.samples[key])
+        return m
 
     def observe(self, b: int, t: int, seconds: float) -> None:
         if seconds <= 0:
@@ -118,11 +131,12 @@ class CostModel:
             self._ts.setdefault(b, set()).add(t)
             self._curves = None  # a new point: refit now
         window.append(seconds)
+        self._medians.pop((b, t), None)
         self._since_fit += 1
         if self._since_fit >= self.refit_every:
             self._curves = None
         if t > 1:
-            self._drop_stale_below(b, t, statistics.median(window))
+            self._drop_stale_below(b, t, self._median((b, t)))
 
     def _drop_stale_below(self, b: int, t: int, now: float) -> None:
         """A forward over fewer tokens never costs more than one over more: a point at T' < T
@@ -130,9 +144,10 @@ class CostModel:
         re-measured since, e.g. while the planner declined speculation); it is dropped and
         predictions interpolate around it until it is measured again."""
         ts = self._ts[b]
-        stale = [t2 for t2 in ts if 1 < t2 < t and statistics.median(self.samples[(b, t2)]) > 2.0 * now]
+        stale = [t2 for t2 in ts if 1 < t2 < t and self._median((b, t2)) > 2.0 * now]
         for t2 in stale:
             del self.samples[(b, t2)]
+            self._medians.pop((b, t2), None)
             ts.discard(t2)
         if stale:
             self._curves = None

@@ -258,3 +258,32 @@ def test_a_cost_spike_does_not_switch_speculation_off_for_good(qwen2):
     # the spike is gone from the medians the plans use (T <= 1 + gamma)
     assert max(v for (b, t), v in eng.cost.points.items() if 1 < t <= 5) < 1.0
     assert sum(g > 0 for g in trace[-20:]) >= 10  # and speculation is back for most of the tail
+
+
+def test_batched_greedy_verification_is_verify_greedy():
+    """The engine's one-argmax greedy verification of a batch (drafts of different lengths, none,
+    all accepted, rejected at once, ties in the logits) gives `verify_greedy`'s (accepted, next)."""
+    from types import SimpleNamespace
+
+    from specops.decoder.verify import verify_greedy
+    from specops.serving.batch_forward import ItemOutput
+
+    eng = Engine(Decoder.from_pretrained("bundled"), max_batch=8, kv_cache_mb=4, calibrate=False)
+    gen = torch.Generator().manual_seed(3)
+    vocab = 11
+    batch, plans, outs, want = [], {}, [], {}
+    for i, g in enumerate([0, 1, 3, 3, 5, 2, 4, 0]):
+        logits = torch.randn(g + 1, vocab, generator=gen)
+        if i == 6:
+            logits[:, :] = 0.0  # ties everywhere: the first maximal index, as torch.argmax picks
+        choice = logits.argmax(-1).tolist()
+        accept = [g, 0, g, 1, g - 2, 0, 4, 0][i]  # drafts equal the argmax up to here, then differ
+        drafts = [choice[j] if j < accept else (choice[j] + 1) % vocab for j in range(g)]
+        seq = SimpleNamespace(request_id=f"r{i}", sampling=SimpleNamespace(greedy=True))
+        batch.append(seq)
+        if i != 7:  # r7: a plain step without a plan
+            plans[seq.request_id] = {"drafts": drafts, "q": None}
+        outs.append(ItemOutput(logits, None))
+        v = verify_greedy(torch.tensor([drafts], dtype=torch.long).view(1, g), logits[None])
+        want[seq.request_id] = (int(v.accepted[0]), int(v.next_tokens[0]))
+    assert eng._verify_greedy_batch(batch, plans, outs) == want

@@ -175,3 +175,21 @@ def test_a_shapes_first_forward_is_not_its_cost():
     assert (1, 7) not in cost.points
     cost.observe(1, 7, 0.005)
     assert cost.points == {(1, 1): 0.004, (1, 7): 0.005}
+
+
+def test_cached_medians_follow_every_observation():
+    """Meter and CostModel keep their medians between observations (read per sequence and per
+    step): after each observation, stale-point drops included, they equal a fresh median."""
+    import random
+    import statistics
+
+    rng = random.Random(5)
+    meter, cost = Meter(window=5), CostModel(window=3)
+    for i in range(300):
+        meter.observe(rng.random())
+        assert meter.value() == statistics.median(meter.values)
+        b, t = rng.choice([1, 4]), rng.choice([1, 2, 3, 5, 8])
+        spike = 10.0 if i % 37 == 0 else 1.0  # now and then a point far above its neighbours, later dropped
+        cost.observe(b, b * t, spike * 1e-3 * (1 + 0.1 * t) * (0.9 + 0.2 * rng.random()))
+        assert cost.points == {k: statistics.median(v) for k, v in cost.samples.items()}
+    assert meter.value(default=7.0) == statistics.median(meter.values) and Meter().value(default=7.0) == 7.0
