@@ -99,13 +99,14 @@ static inline void dots(const float *const *xs, const float *w, int64_t K, const
 
 static void run_rows(const Job *j, int64_t n0, int64_t n1) {
     const int64_t T = j->T, K = j->K, N = j->N;
-    for (int64_t t0 = 0; t0 < T; t0 += 4) {
-        const int tb = (int)(T - t0 < 4 ? T - t0 : 4);
-        const float *xs[4];
-        for (int t = 0; t < tb; t++) xs[t] = j->x + (t0 + t) * K;
-        for (int64_t n = n0; n < n1; n++) {
+    for (int64_t n = n0; n < n1; n++) { /* each weight row streamed from memory once, for every row of x */
+        const float *wn = j->w + n * K;
+        const float bias = j->bias ? j->bias[n] : 0.f;
+        for (int64_t t0 = 0; t0 < T; t0 += 4) {
+            const int tb = (int)(T - t0 < 4 ? T - t0 : 4);
+            const float *xs[4];
             float r[4];
-            const float *wn = j->w + n * K;
+            for (int t = 0; t < tb; t++) xs[t] = j->x + (t0 + t) * K;
             switch (tb) { /* constant block sizes, so the accumulators stay in registers */
                 case 4: dots(xs, wn, K, 4, r); break;
                 case 3: dots(xs, wn, K, 3, r); break;
@@ -114,7 +115,7 @@ static void run_rows(const Job *j, int64_t n0, int64_t n1) {
             }
             for (int t = 0; t < tb; t++) {
                 float v = r[t];
-                if (j->bias) v += j->bias[n];
+                if (j->bias) v += bias;
                 const int64_t at = (t0 + t) * N + n;
                 if (j->add) v += j->add[at];
                 j->y[at] = v;
