@@ -35,7 +35,11 @@ was chosen for cheap probing; the next windows then refine it as usual.
 All of them pass their wish through :func:`guarded_step`: a change must beat the dead-band
 (relative expected gain), may not come sooner than the cooldown after the previous
 change (and never before a whole window was measured under the current value), and
-moves at most ``max_step`` per tick — so settings do not flap.
+moves at most ``max_step`` per tick — so settings do not flap. Those two durations are
+compared with a small timing slack (``Guard.slack_s``): ticks come once per interval
+give or take the scheduler's wake-up and a Redis round trip before the clock is read,
+so a cooldown or window that is a whole number of intervals would otherwise be missed
+by milliseconds at random and cost a whole extra tick.
 """
 
 from __future__ import annotations
@@ -140,6 +144,7 @@ class Guard:
     cooldown_s: float  # minimum seconds between two changes
     max_step: int  # largest change of the knob in one tick
     settle_s: float = 0.0  # a full metrics window must be measured under the current value
+    slack_s: float = 0.0  # timing tolerance of the cooldown and settle comparisons (tick jitter)
 
 
 @dataclass(frozen=True)
@@ -169,9 +174,9 @@ def guarded_step(current: int, proposal: Proposal, *, now: float, last_change_at
         return Step(current, False, proposal.reason or "already at the best value")
     if last_change_at is not None:
         since = now - last_change_at
-        if since < guard.cooldown_s:
+        if since + guard.slack_s < guard.cooldown_s:
             return Step(current, False, f"cooldown: {since:.0f}s since last change < {guard.cooldown_s:.0f}s")
-        if since < guard.settle_s:
+        if since + guard.slack_s < guard.settle_s:
             return Step(current, False, f"settling: {since:.0f}s since last change < window {guard.settle_s:.0f}s")
     if proposal.expected_gain < guard.dead_band:
         return Step(current, False, f"dead band: expected gain {proposal.expected_gain:+.1%} < {guard.dead_band:.1%}")

@@ -63,6 +63,10 @@ from specops.policies.state import EffectiveSettings
 
 log = logging.getLogger(__name__)
 
+#: Default timing slack of the adaptation guard, as a share of the metrics window: the
+#: cooldown and the settle time count as elapsed up to this much early (tick jitter).
+TIMING_SLACK = 0.01
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -108,9 +112,11 @@ class Controller:
     def __init__(self, store, sources: MetricSource, policy_provider: Callable[[], Any] | None = None,
                  clock: Callable[[], float] = time.time, registry=None, lease=None, *,
                  window_s: float = 30.0, canary_source: MetricSource | None = None,
-                 exit_margin: float = 0.02, keeper=None) -> None:
+                 exit_margin: float = 0.02, keeper=None, timing_slack_s: float | None = None) -> None:
         if window_s <= 0:
             raise ValueError(f"window_s must be positive, got {window_s}")
+        if timing_slack_s is not None and not 0 <= timing_slack_s < window_s:
+            raise ValueError(f"timing_slack_s must lie in [0, window_s), got {timing_slack_s}")
         if keeper is not None and (lease is None or keeper.lease is not lease):
             raise ValueError("the lease keeper must keep the controller's lease")
         self.store = store
@@ -121,6 +127,8 @@ class Controller:
         self.lease = lease
         self.keeper = keeper
         self.window_s = window_s
+        # tick jitter tolerated by the cooldown / settle comparisons (see specops.controller.adapt)
+        self.timing_slack_s = window_s * TIMING_SLACK if timing_slack_s is None else timing_slack_s
         self.fallback = FallbackManager(exit_margin=exit_margin)
         self.bandits: dict[str, dict[str, BanditState]] = {}  # class -> knob -> arms (a cache of the store's)
         self.rollout = RolloutDriver(store, canary_source, clock, self.metrics)
@@ -346,9 +354,9 @@ class Controller:
         bounds = getattr(rc, knob)
         value = bounds.clamp(getattr(current, knob))
         guard = Guard(dead_band=rc.adaptation.dead_band, cooldown_s=rc.adaptation.cooldown_s,
-                      max_step=rc.adaptation.max_step, settle_s=self.window_s)
+                      max_step=rc.adaptation.max_step, settle_s=self.window_s, slack_s=self.timing_slack_s)
         last_change = current.updated_at
-        settled = now - last_change >= self.window_s
+        settled = now - last_change + self.timing_slack_s >= self.window_s
         arms = self.bandits.setdefault(rc.name, {}) if mode == "bandit" or rc.method == "medusa" else {}
         if mode == "goodput":
             proposal = propose_goodput(stats, value, bounds.min, bounds.max)

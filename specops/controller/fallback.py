@@ -14,9 +14,14 @@ Like a Prometheus alert, a rule fires once it has been violated continuously for
 class's method ``off``. While off, a ``probe_fraction`` of the class's traffic still
 runs speculation; the window then mixes plain requests (speed-up exactly 1) with
 probes, so the mixed speed-up is above 1 exactly when the probes are faster than
-plain decoding. Speculation is turned back on when, for the same ``for_s``, the
-window carries enough drafted tokens, no fallback rule is violated and the mixed
-speed-up exceeds ``1 + exit_margin``.
+plain decoding. Speculation is turned back on when the window carries enough drafted
+tokens, no fallback rule is violated and the mixed speed-up exceeds ``1 + exit_margin``
+— at the first such window (like a Prometheus alert, which resolves at the first
+evaluation where its condition no longer holds; the window itself is ``window_s`` of
+probe traffic that paid) unless the class *flaps*: one that falls back again within
+``flap_window_s`` of its previous exit must see its probes pay for the rule's
+``for_s`` before its next exit (the previous, always-on hold), so a recovery that
+does not last costs at most that hold per cycle instead of a cycle per window.
 """
 
 from __future__ import annotations
@@ -138,6 +143,7 @@ class FallbackState:
     rule: str
     reason: str
     recovering_since: float | None = None
+    flapped: bool = False  # fell back again soon after its previous exit: the exit holds for for_s
 
 
 @dataclass(frozen=True)
@@ -154,8 +160,10 @@ class FallbackManager:
     """Decides entering and leaving fallback for each class."""
 
     exit_margin: float = 0.02
+    flap_window_s: float = 600.0  # a re-entry this soon after an exit counts as flapping
     rules: RuleTracker = field(default_factory=RuleTracker)
     active: dict[str, FallbackState] = field(default_factory=dict)
+    last_exit: dict[str, float] = field(default_factory=dict)  # class -> when its last fallback ended
 
     def is_active(self, request_class: str) -> bool:
         return request_class in self.active
@@ -164,8 +172,13 @@ class FallbackManager:
         """Enter fallback from outside (a webhook alert); False if already off."""
         if request_class in self.active:
             return False
-        self.active[request_class] = FallbackState(since=now, rule=rule, reason=reason)
+        self.active[request_class] = FallbackState(since=now, rule=rule, reason=reason,
+                                                   flapped=self._flapping(request_class, now))
         return True
+
+    def _flapping(self, request_class: str, now: float) -> bool:
+        last = self.last_exit.get(request_class)
+        return last is not None and now - last < self.flap_window_s
 
     def step(self, request_class: str, fallback_rules: list[Any], stats: Any, now: float,
              outcomes: list[RuleOutcome]) -> FallbackVerdict:
@@ -174,7 +187,8 @@ class FallbackManager:
         if state is None:
             firing = [o for o in outcomes if o.firing]
             if firing:
-                self.active[request_class] = FallbackState(since=now, rule=firing[0].rule, reason=firing[0].reason)
+                self.active[request_class] = FallbackState(since=now, rule=firing[0].rule, reason=firing[0].reason,
+                                                           flapped=self._flapping(request_class, now))
                 self.rules.forget(request_class)
                 return FallbackVerdict("enter", firing[0].rule, f"{firing[0].rule} firing: {firing[0].reason}")
             return FallbackVerdict("stay_on", None, "no fallback rule firing")
@@ -184,12 +198,15 @@ class FallbackManager:
             return FallbackVerdict("stay_off", state.rule, f"probes: {why}")
         if state.recovering_since is None:
             state.recovering_since = now
-        hold = max((r.for_s for r in fallback_rules), default=0.0)
+        hold = max((r.for_s for r in fallback_rules), default=0.0) if state.flapped else 0.0
         held = now - state.recovering_since
         if held < hold:
-            return FallbackVerdict("stay_off", state.rule, f"probes pay ({why}) for {held:.0f}s < {hold:.0f}s")
+            return FallbackVerdict("stay_off", state.rule,
+                                   f"probes pay ({why}) for {held:.0f}s < {hold:.0f}s (fell back again within "
+                                   f"{self.flap_window_s:.0f}s of its last exit)")
         del self.active[request_class]
         self.rules.forget(request_class)
+        self.last_exit[request_class] = now
         return FallbackVerdict("exit", state.rule, f"probes pay again: {why}")
 
     def _probes_pay(self, fallback_rules: list[Any], stats: Any, outcomes: list[RuleOutcome]) -> tuple[bool, str]:

@@ -51,6 +51,21 @@ def test_guard_max_step_dead_band_and_cooldown():
     assert step.changed and step.value == 6
 
 
+def test_guard_timing_slack_tolerates_tick_jitter():
+    big = Proposal(target=8, expected_gain=0.30, reason="r")
+    # the tick that should end the 60 s cooldown read its clock 5 ms early: without slack it
+    # waits a whole extra tick
+    assert not guarded_step(4, big, now=1059.995, last_change_at=1000, guard=GUARD).changed
+    jittery = Guard(dead_band=0.05, cooldown_s=60, max_step=2, settle_s=30, slack_s=0.3)
+    assert guarded_step(4, big, now=1059.995, last_change_at=1000, guard=jittery).value == 6
+    # the settle time likewise, and the slack is only a tolerance: 0.5 s early is still early
+    settle = Guard(dead_band=0.05, cooldown_s=0, max_step=2, settle_s=30, slack_s=0.3)
+    assert guarded_step(4, big, now=1029.9, last_change_at=1000, guard=settle).changed
+    step = guarded_step(4, big, now=1029.5, last_change_at=1000, guard=settle)
+    assert not step.changed and "settling" in step.reason
+    assert not guarded_step(4, big, now=1059.5, last_change_at=1000, guard=jittery).changed
+
+
 def test_guard_prevents_flapping_on_noisy_windows():
     # alternate windows whose optimum flips between 4 and 5 with a tiny gain: never moves
     value, last, changes = 4, None, 0

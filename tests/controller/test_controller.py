@@ -92,6 +92,24 @@ def test_goodput_adaptation_moves_gamma_within_max_step_and_audits(redis_client)
                                          {"class": "code", "kind": "adapt"}) == 1
 
 
+def test_first_window_after_a_revision_is_used_despite_tick_jitter(redis_client):
+    # the revision was written at a bucket's start and the first tick reads its clock 1 ms before
+    # that bucket (the whole window, measured under the revision's γ) ends: it adapts at once
+    rig = Rig(redis_client)
+    assert rig.ctl.timing_slack_s == pytest.approx(0.1)  # 1% of the 10 s window
+    start = rig.clock.now
+    assert start % 10 == 0 and rig.store.effective()["code"].updated_at == start
+    rig.clock.now = start + 1
+    rig.pub.publish(record_from("code", window(0.9, 2, rounds=2000)))
+    rig.clock.now = start + 10 - 0.001
+    decisions = {d.request_class: d for d in rig.ctl.tick()}
+    assert decisions["code"].kind == "adapt", decisions["code"].reason
+    assert rig.store.effective()["code"].gamma == 4
+    with pytest.raises(ValueError):
+        Controller(rig.store, rig.ctl.source, clock=rig.clock, registry=CollectorRegistry(), window_s=10,
+                   timing_slack_s=10)
+
+
 def test_fallback_after_for_duration_then_probe_recovery(redis_client):
     rig = Rig(redis_client)
     rig.step({"code": (0.9, 1.0), "chat": (0.9, 1.0)})
@@ -114,7 +132,7 @@ def test_fallback_after_for_duration_then_probe_recovery(redis_client):
         if any(d.kind == "fallback_off" for d in rig.ctl.tick()):
             back = i
             break
-    assert back == 2  # holds for for_s before turning back on
+    assert back == 0  # back on at the first window whose probes pay (it has not flapped)
     eff = rig.store.effective()["code"]
     assert not eff.fallback_active
     # it resumes at the goodput choice fitted to the probes (α 0.9: best γ 5), one max_step (2)

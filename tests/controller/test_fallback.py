@@ -65,12 +65,54 @@ def test_probe_turns_speculation_back_on_when_it_pays():
     for t in (30, 40, 50, 60):
         verdict = fb.step("c", rules, still_bad, t, [fb.rules.evaluate(SLOWER, "c", still_bad, t)])
         assert verdict.action == "stay_off"
-    # probes pay again: back on only after holding for for_s
+    # probes pay again: back on at the first window that shows it (no flapping so far)
     good = _mixed(0.9)
     assert good.speedup > 1.02
-    actions = [fb.step("c", rules, good, t, [fb.rules.evaluate(SLOWER, "c", good, t)]).action for t in (70, 80, 90)]
-    assert actions == ["stay_off", "stay_off", "exit"]
+    verdict = fb.step("c", rules, good, 70, [fb.rules.evaluate(SLOWER, "c", good, 70)])
+    assert verdict.action == "exit"
     assert not fb.is_active("c")
+
+
+def _enter(fb, rules, t0):
+    for t in (t0, t0 + 10, t0 + 20):
+        verdict = fb.step("c", rules, SLOW, t, [fb.rules.evaluate(SLOWER, "c", SLOW, t)])
+    assert verdict.action == "enter"
+
+
+def _recover(fb, rules, t0, n=5):
+    """Windows whose probes pay, one per 10 s from ``t0``: the verdicts up to the exit."""
+    good = _mixed(0.9)
+    verdicts = []
+    for t in range(t0, t0 + 10 * n, 10):
+        verdicts.append(fb.step("c", rules, good, t, [fb.rules.evaluate(SLOWER, "c", good, t)]))
+        if verdicts[-1].action == "exit":
+            break
+    return verdicts
+
+
+def test_a_class_that_flaps_holds_its_next_exit_for_for_s():
+    fb = FallbackManager(exit_margin=0.02, flap_window_s=600)
+    rules = [SLOWER]
+    _enter(fb, rules, 0)
+    assert [v.action for v in _recover(fb, rules, 30)] == ["exit"]
+    # slower again right after turning back on: the recovery did not last, so the next exit
+    # waits until the probes have paid for the rule's for_s (20 s: three windows)
+    _enter(fb, rules, 40)
+    verdicts = _recover(fb, rules, 70)
+    assert [v.action for v in verdicts] == ["stay_off", "stay_off", "exit"]
+    assert "within 600s of its last exit" in verdicts[0].reason
+
+
+def test_a_fallback_long_after_the_last_exit_is_not_flapping():
+    fb = FallbackManager(exit_margin=0.02, flap_window_s=600)
+    rules = [SLOWER]
+    _enter(fb, rules, 0)
+    assert [v.action for v in _recover(fb, rules, 30)] == ["exit"]
+    _enter(fb, rules, 700)  # 670 s after the exit
+    assert [v.action for v in _recover(fb, rules, 730)] == ["exit"]
+    # a forced (webhook) fallback soon after an exit counts as flapping too
+    fb.force("c", "webhook-rule", "webhook", 740)
+    assert [v.action for v in _recover(fb, rules, 750)] == ["stay_off", "stay_off", "exit"]
 
 
 def test_probe_needs_samples():
