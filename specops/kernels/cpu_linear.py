@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from specops.kernels.cpu_paged import CFLAGS, _cache_dir
+from specops.kernels.cpu_paged import CFLAGS, HEADER, _cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def build_library(source: Path, stem: str) -> ctypes.CDLL:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    src = source.read_bytes()
+    src = source.read_bytes() + HEADER.read_bytes()  # the shared header is part of what is built
     tag = hashlib.sha256(src + " ".join((cc, *CFLAGS)).encode()).hexdigest()[:16]
     out = _cache_dir() / f"{stem}-{tag}.so"
     if not out.exists():

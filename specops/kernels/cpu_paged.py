@@ -36,6 +36,7 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
+HEADER = Path(__file__).with_name("vexp.h")  # included by the C sources
 # Reassociation for vectorized sums; not -ffast-math itself: linking a shared library with it
 # pulls in crtfastmath.o, which turns on flush-to-zero for the whole process when the library
 # loads (subnormal floats become 0 in everyone's arithmetic, torch's and Python's included).
@@ -56,7 +57,7 @@ def _build() -> ctypes.CDLL:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    src = SOURCE.read_bytes()
+    src = SOURCE.read_bytes() + HEADER.read_bytes()  # the shared header is part of what is built
     tag = hashlib.sha256(src + " ".join((cc, *CFLAGS)).encode()).hexdigest()[:16]
     out = _cache_dir() / f"paged_attention-{tag}.so"
     if not out.exists():

@@ -34,6 +34,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "vexp.h" /* exp_nonpos */
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define SPECOPS_AVX2 1
@@ -317,7 +319,7 @@ static int attention(const float *q, int64_t q_b, int64_t q_row, const float *k,
                 }
                 float total = 0.f;
                 for (int64_t j = 0; j < visible; j++) {
-                    scores[j] = expf(scores[j] - m);
+                    scores[j] = exp_nonpos(scores[j] - m);
                     total += scores[j];
                 }
                 float *oh = orow + h * D;
