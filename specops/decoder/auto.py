@@ -55,6 +55,8 @@ STEP_WEIGHT = 0.2  # weight of the newest step in a request's running acceptance
 PROBE_EVERY = 24  # steps between tries of an option as good as the best; worse ones wait longer
 PROBE_BUDGET = 0.005  # time probes of one worse option may cost, as a share of the best option's
 PROBE_MAX_WAIT = 400  # no option waits longer than this many steps for its next try
+SCALE_WEIGHT = 0.2  # weight of the newest step in an option's measured / modelled cost ratio
+SCALE_BOUNDS = (0.25, 4.0)  # one step's ratio is clipped to these (a preemption is not a cost)
 PRIOR_ALPHA, PRIOR_TRIALS = 0.5, 3.0  # acceptance before any measurement: worth 3 trials
 PRIOR_TREE_TOKENS = 2.0  # tokens per Medusa step before any measurement
 COST_REPEATS = 5  # timings of a draft token (the fastest is kept)
@@ -93,6 +95,8 @@ class ProbeClock:
 
     step: int = 0
     last_used: dict[str, int] = field(default_factory=lambda: {name: 0 for name in OPTIONS})
+    # measured / modelled seconds of each option's steps (a running mean, see `Chooser.record`)
+    scale: dict[str, float] = field(default_factory=lambda: {name: 1.0 for name in OPTIONS})
 
 
 @dataclass
@@ -160,7 +164,10 @@ class Chooser:
         return self.clock.last_used
 
     def rate(self, option: str, drafted: int) -> float:
-        """Expected tokens per second of ``option`` drafting ``drafted`` tokens."""
+        """Expected tokens per second of ``option`` drafting ``drafted`` tokens: the modelled
+        seconds (isolated forwards, the fastest of several timings) times what this option's
+        steps have really taken against that model (cache misses between forwards, the
+        acceptance and bookkeeping around them, which grow with the drafted block)."""
         est = self.estimates[option]
         if option == "plain":
             tokens = 1.0
@@ -168,7 +175,7 @@ class Chooser:
             tokens = est.tokens
         else:
             tokens = expected_tokens(est.alpha, drafted)
-        return tokens / self.costs.seconds(option, drafted)
+        return tokens / (self.costs.seconds(option, drafted) * self.clock.scale[option])
 
     def choose(self, available: dict[str, int]) -> str:  # option -> tokens it would draft
         self.step += 1
@@ -186,7 +193,13 @@ class Chooser:
                 return option
         return best
 
-    def record(self, option: str, result: StepResult) -> None:
+    def record(self, option: str, result: StepResult, seconds: float | None = None, drafted: int = 0) -> None:
+        """Count a step; ``seconds``: what it took (planned to draft ``drafted`` tokens)."""
+        if seconds is not None and seconds > 0:
+            ratio = seconds / self.costs.seconds(option, drafted)
+            ratio = min(max(ratio, SCALE_BOUNDS[0]), SCALE_BOUNDS[1])
+            scale = self.clock.scale
+            scale[option] += SCALE_WEIGHT * (ratio - scale[option])
         if option != "plain":
             self.estimates[option].update(result.drafted, result.raw_accepted, len(result.emitted))
         self.last_used[option] = self.step
@@ -296,6 +309,7 @@ def generate_auto(
             available["medusa"] = min(room, medusa.spec.depth)
         option = chooser.choose(available) if len(available) > 1 else "plain"
         draft_before, verify_before = stats.draft_s, stats.verify_s
+        t_step = device_clock(v.device)
         if option == "ngram":
             result = v.verify(proposal, None)
         elif option == "draft":
@@ -304,8 +318,8 @@ def generate_auto(
             result = _medusa_step(v, medusa, room, sampling, generator)
         else:
             result = v.verify([], None)
-        chooser.record(option, result)
         index.extend(result.emitted)
+        chooser.record(option, result, device_clock(v.device) - t_step, available.get(option, 0))
         if option == "draft":  # γ schedules model a draft model's cost
             schedule.update(result.drafted, result.raw_accepted, stats.draft_s - draft_before,
                             stats.verify_s - verify_before)

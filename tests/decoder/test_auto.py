@@ -122,3 +122,27 @@ def test_short_requests_still_probe_an_option_that_looked_bad():
         estimates.finish(False, chooser.estimates)
     assert 3 <= picks.count("ngram") <= 30, picks.count("ngram")  # probed now and then, not chosen
     assert estimates.clock(greedy=False).step == 300 and estimates.clock(greedy=True).step == 0
+
+
+def test_measured_step_times_correct_the_cost_model():
+    """The model says an n-gram step costs 1.2 plain steps, but its steps really take 3x
+    that (cache misses, bookkeeping): after a few measured steps auto stops choosing it,
+    although its acceptance alone would make it look worth 2x."""
+    from specops.decoder.speculation import StepResult
+
+    est = {name: OptionEstimate() for name in ("plain", "ngram", "draft", "medusa")}
+    for _ in range(30):
+        est["ngram"].update(drafted=4, accepted=2, emitted=3)
+    costs = _costs()
+    chooser = Chooser(est, costs)
+    assert chooser.choose({"plain": 0, "ngram": 4}) == "ngram"  # on the model alone
+    plain_s, ngram_s = costs.seconds("plain", 0), 3.0 * costs.seconds("ngram", 4)
+    for _ in range(20):
+        chooser.record("plain", StepResult(drafted=0, accepted=0, emitted=[1], raw_accepted=0), plain_s, 0)
+        chooser.record("ngram", StepResult(drafted=4, accepted=2, emitted=[1, 2, 3], raw_accepted=2), ngram_s, 4)
+    assert chooser.clock.scale["ngram"] == pytest.approx(3.0, rel=0.05)
+    assert chooser.clock.scale["plain"] == pytest.approx(1.0)
+    picks = [chooser.choose({"plain": 0, "ngram": 4}) for _ in range(10)]
+    assert picks.count("plain") >= 9, picks
+    chooser.record("ngram", StepResult(drafted=4, accepted=0, emitted=[1], raw_accepted=0), 1e6, 4)  # a preemption
+    assert chooser.clock.scale["ngram"] <= 4.0
