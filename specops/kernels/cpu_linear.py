@@ -12,8 +12,9 @@ Each output element is computed in a fixed order, whatever the rows of x or the 
 count (see the C file), so a verification forward over several positions gives the
 same logits bit for bit as one-position forwards would.
 
-Built like `specops.kernels.cpu_paged` (system C compiler, ``-O3 -march=native``, cached
-by a hash of source and flags, loaded with ctypes, which releases the GIL). No compiler,
+Built like `specops.kernels.cpu_paged` (`specops.kernels.cbuild`: system C compiler,
+``-O3 -march=native``, cached by a hash of source and flags, loaded with ctypes, which
+releases the GIL). No compiler,
 a failed build, or ``SPECOPS_CPU_KERNELS=0``: `available()` is False and callers keep
 MKL / oneDNN.
 """
@@ -21,54 +22,19 @@ MKL / oneDNN.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from specops.kernels.cpu_paged import CFLAGS, HEADER, _cache_dir
-
-log = logging.getLogger(__name__)
+from specops.kernels.cbuild import LazyKernel
 
 SOURCE = Path(__file__).with_name("linear.c")
 MAX_ROWS = 8  # rows of x up to which the kernel is used (above, oneDNN's blocked GEMM wins)
 MIN_ROWS_PER_THREAD = 128  # output rows a thread must get for a split to pay
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_error: str | None = None
-_tried = False
 
-
-def build_library(source: Path, stem: str) -> ctypes.CDLL:
-    """Compile ``source`` into the kernel cache (once per source and flags) and load it."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    src = source.read_bytes() + HEADER.read_bytes()  # the shared header is part of what is built
-    tag = hashlib.sha256(src + " ".join((cc, *CFLAGS)).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"{stem}-{tag}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # build aside, then rename: no torn file
-            part = Path(tmp) / out.name
-            proc = subprocess.run([cc, *CFLAGS, "-o", str(part), str(source), "-lm"], capture_output=True,
-                                  text=True, timeout=120)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-400:]}")
-            os.replace(part, out)
-    return ctypes.CDLL(str(out))
-
-
-def _build() -> ctypes.CDLL:
-    lib = build_library(SOURCE, "linear")
+def _setup(lib: ctypes.CDLL) -> None:
     fn = lib.specops_linear
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
@@ -81,31 +47,19 @@ def _build() -> ctypes.CDLL:
     fused.restype = ctypes.c_int
     fused.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [
         ctypes.c_float]
-    return lib
+
+
+_kernel = LazyKernel(SOURCE, "linear", _setup, "CPU linear kernel", "MKL / oneDNN")
 
 
 def available() -> bool:
     """Whether the kernel is built and loaded (builds it on the first call)."""
-    global _lib, _error, _tried
-    if _tried:
-        return _lib is not None
-    with _lock:
-        if not _tried:
-            if os.environ.get("SPECOPS_CPU_KERNELS", "1") == "0":
-                _error = "turned off (SPECOPS_CPU_KERNELS=0)"
-            else:
-                try:
-                    _lib = _build()
-                except Exception as exc:  # no compiler, read-only cache, ...: MKL / oneDNN stay
-                    _error = f"{type(exc).__name__}: {exc}"
-                    log.warning("CPU linear kernel unavailable, using MKL / oneDNN: %s", _error)
-            _tried = True
-    return _lib is not None
+    return _kernel.available()
 
 
 def unavailable_reason() -> str | None:
-    available()
-    return _error
+    _kernel.available()
+    return _kernel.error
 
 
 def threads_for(rows_out: int, threads: int | None = None) -> int:
@@ -122,8 +76,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, add: Tensor | 
 
     f: identity; with ``norm`` [K], RMSNorm (``norm * x / sqrt(mean(x^2) + eps)``); with
     ``swiglu``, x is [T, 2K] (gate | up) and f(x) = silu(gate) * up."""
-    if _lib is None and not available():
-        raise RuntimeError(f"CPU linear kernel unavailable: {_error}")
+    _kernel.require()
     if norm is not None and swiglu:
         raise ValueError("norm and swiglu are exclusive")
     t, k = x.shape
@@ -155,12 +108,13 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, add: Tensor | 
 def unchecked(x: Tensor, weight: Tensor, bias: Tensor | None, add: Tensor | None, out: Tensor | None,
               norm: Tensor | None, eps: float, swiglu: bool, threads: int | None = None) -> Tensor:
     """`linear` without its argument checks, for callers that guarantee them (`PackedLinear`
-    validates its weights once; x, add and out must be contiguous fp32 of the right shapes)."""
+    validates its weights once and loads the kernel; x, add and out must be contiguous fp32
+    of the right shapes)."""
     t, n = x.shape[0], weight.shape[0]
     if out is None:
         out = torch.empty(t, n, dtype=torch.float32)
     mode = 1 if norm is not None else 2 if swiglu else 0
-    rc = _lib.specops_linear(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+    rc = _kernel.lib.specops_linear(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
                              None if add is None else add.data_ptr(), out.data_ptr(), t, weight.shape[1], n,
                              threads_for(n, threads), mode, None if norm is None else norm.data_ptr(), float(eps))
     if rc != 0:
@@ -175,8 +129,7 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, out: Tensor 
     q [B, T, Hq, D] (heads and dims contiguous, rows and sequences may be strided: a slice
     of the fused q/k/v output), k / v [B, Hkv, L, D] views with a contiguous last dim and unit stride
     between positions (the fast runner's `KVCache`). Returns [B * T, Hq * D] fp32."""
-    if _lib is None and not available():
-        raise RuntimeError(f"CPU linear kernel unavailable: {_error}")
+    lib = _kernel.require()
     b, t, hq, d = q.shape
     _, hkv, length, _ = k.shape
     if q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32:
@@ -189,7 +142,7 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, out: Tensor 
         raise ValueError(f"bad shapes: Hq={hq} Hkv={hkv} L={length} T={t}")
     if out is None:
         out = torch.empty(b * t, hq * d, dtype=torch.float32)
-    rc = _lib.specops_attention(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1),
+    rc = lib.specops_attention(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1),
                                 out.data_ptr(), b, t, hq, hkv, d, length, float(scale))
     if rc != 0:
         raise MemoryError("CPU attention kernel: no memory for its scores")
@@ -204,8 +157,7 @@ def rope_cache_attention(qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
     start..start+T-1, then `causal_attention` over start + T keys. ``cos`` / ``sin``
     [T, D] are the positions' rows (``sin`` with its first half negated). Returns
     [B * T, Hq * D]."""
-    if _lib is None and not available():
-        raise RuntimeError(f"CPU linear kernel unavailable: {_error}")
+    lib = _kernel.require()
     b, t, heads, d = qkv.shape
     _, hkv, slots, _ = k_cache.shape
     hq = heads - 2 * hkv
@@ -219,7 +171,7 @@ def rope_cache_attention(qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
     if hq < 1 or hq % hkv or start < 0 or start + t > slots or d % 2:
         raise ValueError(f"bad shapes: heads={heads} Hkv={hkv} D={d} start={start} T={t} S={slots}")
     out = torch.empty(b * t, hq * d, dtype=torch.float32)
-    rc = _lib.specops_rope_cache_attention(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
+    rc = lib.specops_rope_cache_attention(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
                                            v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), start,
                                            out.data_ptr(), b, t, hq, hkv, d, float(scale))
     if rc != 0:

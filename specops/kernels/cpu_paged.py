@@ -21,83 +21,33 @@ Supported: fp32 CPU tensors, masks of the form "query t sees the first visible[g
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-log = logging.getLogger(__name__)
+from specops.kernels.cbuild import LazyKernel
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
-HEADER = Path(__file__).with_name("vexp.h")  # included by the C sources
-# Reassociation for vectorized sums; not -ffast-math itself: linking a shared library with it
-# pulls in crtfastmath.o, which turns on flush-to-zero for the whole process when the library
-# loads (subnormal floats become 0 in everyone's arithmetic, torch's and Python's included).
-CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
-          "-freciprocal-math", "-shared", "-fPIC", "-std=c11", "-pthread")
-
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_error: str | None = None
-_tried = False
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("SPECOPS_CACHE_DIR") or Path.home() / ".cache" / "specops") / "kernels"
-
-
-def _build() -> ctypes.CDLL:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    src = SOURCE.read_bytes() + HEADER.read_bytes()  # the shared header is part of what is built
-    tag = hashlib.sha256(src + " ".join((cc, *CFLAGS)).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"paged_attention-{tag}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # build aside, then rename: no torn file
-            part = Path(tmp) / out.name
-            proc = subprocess.run([cc, *CFLAGS, "-o", str(part), str(SOURCE), "-lm"], capture_output=True,
-                                  text=True, timeout=120)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[-400:]}")
-            os.replace(part, out)
-    lib = ctypes.CDLL(str(out))
+def _setup(lib: ctypes.CDLL) -> None:
     fn = lib.specops_paged_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 8 + [ctypes.c_float]
-    return lib
+
+
+_kernel = LazyKernel(SOURCE, "paged_attention", _setup, "CPU paged-attention kernel", "SDPA over gathered KV")
 
 
 def available() -> bool:
     """Whether the kernel is built and loaded (builds it on the first call)."""
-    global _lib, _error, _tried
-    if _tried:
-        return _lib is not None
-    with _lock:
-        if not _tried:
-            if os.environ.get("SPECOPS_CPU_KERNELS", "1") == "0":
-                _error = "turned off (SPECOPS_CPU_KERNELS=0)"
-            else:
-                try:
-                    _lib = _build()
-                except Exception as exc:  # no compiler, read-only cache, ...: SDPA stays
-                    _error = f"{type(exc).__name__}: {exc}"
-                    log.warning("CPU paged-attention kernel unavailable, using SDPA over gathered KV: %s", _error)
-            _tried = True
-    return _lib is not None
+    return _kernel.available()
 
 
 def unavailable_reason() -> str | None:
-    available()
-    return _error
+    _kernel.available()
+    return _kernel.error
 
 
 def paged_attention(q: Tensor, k_store: Tensor, v_store: Tensor, q_index: Tensor, visible: Tensor,
@@ -109,8 +59,7 @@ def paged_attention(q: Tensor, k_store: Tensor, v_store: Tensor, q_index: Tensor
     kv_slots [G, Lk] int64. All fp32 on CPU. ``threads``: workers sharing the queries
     (default: torch's intra-op thread count; small calls stay on one).
     """
-    if _lib is None and not available():
-        raise RuntimeError(f"CPU paged-attention kernel unavailable: {_error}")
+    lib = _kernel.require()
     n, hq, d = q.shape
     hkv = k_store.shape[1]
     if q.dtype != torch.float32 or k_store.dtype != torch.float32 or out.dtype != torch.float32:
@@ -125,7 +74,7 @@ def paged_attention(q: Tensor, k_store: Tensor, v_store: Tensor, q_index: Tensor
     q_index = q_index.contiguous()
     visible = visible.contiguous()
     kv_slots = kv_slots.contiguous()
-    rc = _lib.specops_paged_attention(q.data_ptr(), k_store.data_ptr(), v_store.data_ptr(), q_index.data_ptr(),
+    rc = lib.specops_paged_attention(q.data_ptr(), k_store.data_ptr(), v_store.data_ptr(), q_index.data_ptr(),
                                       visible.data_ptr(), kv_slots.data_ptr(), out.data_ptr(), g, tq, lk, hq, hkv, d,
                                       q.stride(0), int(threads or torch.get_num_threads()), float(scale))
     if rc != 0:
@@ -143,13 +92,12 @@ class PreparedCall:
 
     def __init__(self, q_index: Tensor, visible: Tensor, kv_slots: Tensor, *, n: int, hq: int, hkv: int, d: int,
                  q_stride: int, scale: float, threads: int | None = None) -> None:
-        if _lib is None and not available():
-            raise RuntimeError(f"CPU paged-attention kernel unavailable: {_error}")
+        lib = _kernel.require()
         if hkv <= 0 or hq % hkv:
             raise ValueError(f"CPU paged-attention kernel refused the shapes (code 1): Hq={hq} Hkv={hkv}")
         q_index, visible, kv_slots = q_index.contiguous(), visible.contiguous(), kv_slots.contiguous()
         g, tq = q_index.shape
-        self._fn = _lib.specops_paged_attention
+        self._fn = lib.specops_paged_attention
         self._keep = (q_index, visible, kv_slots)  # the pointers below stay valid while this lives
         self._mid = (q_index.data_ptr(), visible.data_ptr(), kv_slots.data_ptr())
         self._tail = (g, tq, kv_slots.shape[1], hq, hkv, d, q_stride, int(threads or torch.get_num_threads()),

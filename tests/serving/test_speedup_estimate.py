@@ -10,22 +10,13 @@ request's decode steps by plain steps at the same batch size (see
 from __future__ import annotations
 
 import pytest
-import torch
 
-from specops.decoder import Decoder
 from specops.decoder.stats import DecodeStats
 from specops.serving.engine import Engine
 from specops.serving.sequence import SamplingParams, SpecSettings
 from specops.telemetry import WindowStats
+from tests.decoder.test_auto import bundled  # noqa: F401 (fixture: the bundled decoder on one thread)
 from tests.decoder.test_medusa_bundled import code_prompts
-
-
-@pytest.fixture(scope="module")
-def bundled():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield Decoder.from_pretrained("bundled")
-    torch.set_num_threads(before)
 
 
 def _speedups(eng: Engine, prompts: list[list[int]], method: str) -> list[float]:
