@@ -9,6 +9,8 @@ request's decode steps by plain steps at the same batch size (see
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from specops.decoder.stats import DecodeStats
@@ -36,8 +38,10 @@ def test_plain_requests_at_batch_8_are_estimated_near_one(bundled):
     prompts = code_prompts(bundled, 8)
     _speedups(eng, prompts, "ar")  # measures plain steps at these batch sizes
     speedups = _speedups(eng, prompts, "ar")
-    # plain decoding against itself: 1.0 up to the machine's step-time jitter (was ~0.1)
-    assert all(0.5 < s < 2.0 for s in speedups), speedups
+    # plain decoding against itself: 1.0 up to the machine's step-time jitter (it was ~0.11 for every
+    # request); a median and a loose floor, so one request caught in a load spike cannot fail it
+    assert 0.6 < statistics.median(speedups) < 1.6, speedups
+    assert min(speedups) > 0.3, speedups
 
 
 def test_count_plain_time_replaces_decode_steps_by_plain_steps_at_the_same_batch_size(bundled):
