@@ -169,12 +169,7 @@ class PagedLlama:
                     else:
                         o.index_copy_(0, g.flat_rows, og)
                 x = layer.o.add_to(x, o)  # [N, E]
-                gate_up = layer.gate_up.normed(x, layer.ln2, r.eps)  # [N, 2I]: gate | up
-                if layer.swiglu:
-                    x = layer.down.swiglu_add_to(x, gate_up)  # [N, E]
-                else:
-                    gate, up = gate_up.chunk(2, dim=-1)  # [N, I] each
-                    x = layer.down.add_to(x, layer.act(gate) * up)  # [N, E]
+                x = r._mlp(layer, x, r.eps)  # [N, E]: the fast runner's MLP block, residual added
             rows = x.index_select(0, batch.logit_rows)  # [R, E]
             rows = F.rms_norm(rows, (e,), r.norm, r.eps)  # [R, E]
             logits = r.lm_head(rows)  # [R, V]

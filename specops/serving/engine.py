@@ -90,8 +90,8 @@ def cost_clock(device: torch.device) -> Callable[[], float]:
 
 
 PROBE_EVERY = 16
-PLAIN_STEP_WINDOW = 64  # plain steps per batch size behind the speed-up estimate of batched requests
 """Declined-speculation steps between two probe steps (see `Engine.probe_every`)."""
+PLAIN_STEP_WINDOW = 64  # plain steps per batch size behind the speed-up estimate of batched requests
 
 
 class Engine:
