@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import torch
 
+from specops.decoder.clock import device_clock
 from specops.decoder.errors import InvalidRequestError, VocabMismatchError
+from specops.decoder.request import prompt_list
 from specops.decoder.runner import ModelRunner
 from specops.decoder.sampling import SamplingConfig, probabilities, sample
 from specops.decoder.schedule import ConstantSchedule, GammaSchedule
-from specops.decoder.clock import device_clock
-from specops.decoder.request import prompt_list
 from specops.decoder.speculation import TargetVerifier
 from specops.decoder.stats import DecodeStats
+from specops.kernels import cpu_linear
 
 
 def check_vocab(target: ModelRunner, draft: ModelRunner) -> None:
@@ -54,7 +55,7 @@ def _draft_block(
     for _ in range(gamma):
         logits = draft.forward(ids).logits[:, -1]  # [1, V]
         if sampling.greedy:
-            tok = torch.argmax(logits, dim=-1)  # [1]
+            tok = cpu_linear.argmax(logits)  # [1]
         else:
             q = probabilities(logits.to(sample_device), sampling)  # [1, V]
             tok = sample(q, generator)  # [1]

@@ -57,6 +57,7 @@ DEFAULT_MAX_CONTEXT = 4096  # preallocated positions when neither the caller nor
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 TREE_ATTENTION_IMPLS = ("auto", "sdpa", "kernel")
 GROUPED_ATTENTION_MAX_T = 64  # new positions up to which a forward after a prefix uses `grouped_attention`
+C_LAYERS_MAX_T = 16  # new positions up to which one sequence's forward runs the C layer stack
 # per-head rotary tables [S, Hq+2Hkv, D] are precomputed up to this size (cos + sin together);
 # above it each forward assembles them from the [S, D] tables
 ROPE_HEAD_TABLE_BYTES = 32 << 20
@@ -159,6 +160,13 @@ class FastLlamaRunner:
         self.layers = [_Layer(layer, self.onednn) for layer in base.layers[: config.num_hidden_layers]]
         self.norm = base.norm.weight.detach()  # [E]
         self.lm_head = PackedLinear(model.lm_head.weight, getattr(model.lm_head, "bias", None), onednn=self.onednn)
+        # forwards of up to C_LAYERS_MAX_T tokens of one sequence run the whole layer stack in one
+        # C call (`cpu_linear.llama_layers`) when every layer is SwiGLU on the C kernels (and the
+        # final norm and LM head with them)
+        self.c_layers = self.cpu_attention and all(
+            layer.swiglu and layer.qkv.weight is not None and layer.gate_up.weight is not None for layer in self.layers
+        ) and self.lm_head.weight is not None
+        self._table: tuple[int, object] | None = None  # (cache data pointer, C layer table)
 
         # rotary tables for every position: [S, D] each, in the model dtype (as transformers casts them)
         inv_freq = rotary.original_inv_freq.detach().to(device=self.device, dtype=torch.float32)  # [D/2]
@@ -255,6 +263,11 @@ class FastLlamaRunner:
             device=self.device,
         )
         with torch.inference_mode():
+            b, t = input_ids.shape
+            if (self.c_layers and b == 1 and t <= C_LAYERS_MAX_T
+                    and (t == 1 or self.cache.length > 0 or args.tree_mask is not None)):
+                hidden, logits = self._c_forward(input_ids.to(self.device), args.position_ids, args.tree_mask)
+                return RunnerOutput(logits=logits, hidden=hidden if need_hidden else None)
             hidden = self._forward(input_ids.to(self.device), args.position_ids, args.tree_mask)  # [B, T, E]
             b, t, e = hidden.shape
             logits = self.lm_head(hidden.view(b * t, e)).view(b, t, -1)  # [B, T, V]
@@ -326,6 +339,38 @@ class FastLlamaRunner:
             return layer.down.swiglu_add_to(x, gate_up)
         gate, up = gate_up.chunk(2, dim=-1)  # [B*T, I] each
         return layer.down.add_to(x, layer.act(gate) * up)
+
+    def _layer_table(self):
+        """The C table of every layer's weights and cache views (rebuilt when the cache is reallocated)."""
+        key = self.cache.data.data_ptr()
+        if self._table is None or self._table[0] != key:
+            rows = [dict(ln1=l.ln1, qkv_w=l.qkv.weight, qkv_b=l.qkv.bias, o_w=l.o.weight, o_b=l.o.bias, ln2=l.ln2,
+                         gu_w=l.gate_up.weight, gu_b=l.gate_up.bias, down_w=l.down.weight, down_b=l.down.bias,
+                         k_cache=self.cache.keys[i], v_cache=self.cache.values[i]) for i, l in enumerate(self.layers)]
+            self._table = (key, cpu_linear.layer_table(rows))
+        return self._table[1]
+
+    def _c_forward(self, input_ids: Tensor, position_ids: Tensor | None,
+                   tree_mask: Tensor | None) -> tuple[Tensor, Tensor]:  # [1, T, E] normed hidden, [1, T, V] logits
+        """The layer stack, final norm and LM head in one C call (one sequence, up to
+        C_LAYERS_MAX_T tokens)."""
+        t = input_ids.shape[1]
+        cache = self.cache
+        start = cache.length
+        if position_ids is None:
+            cos, sin = self._cos[start : start + t], self._sin[start : start + t]  # [T, D]
+        else:
+            cos, sin = self._cos[position_ids[0]], self._sin[position_ids[0]]  # [T, D]
+        mask = None if tree_mask is None else cpu_linear.mask_bits(tree_mask)  # [T] words
+        x = F.embedding(input_ids[0], self.embed)  # [T, E]
+        keys = cache.keys[0]
+        hidden, logits = cpu_linear.llama_layers(
+            self._layer_table(), x, heads=self.n_heads, kv_heads=self.n_kv_heads, head_dim=self.head_dim,
+            intermediate=self.layers[0].down.weight.shape[1], eps=self.eps, scale=self.scale, cos=cos, sin=sin,
+            kv_strides=(keys.stride(0), keys.stride(1)), start=start, norm=self.norm, head=self.lm_head.weight,
+            head_bias=self.lm_head.bias, mask=mask)  # [T, E], [T, V]
+        cache.advance(t)
+        return hidden.view(1, t, self.hidden_size), logits.view(1, t, -1)
 
     def _forward(self, input_ids: Tensor, position_ids: Tensor | None, tree_mask: Tensor | None) -> Tensor:
         b, t = input_ids.shape  # [B, T]

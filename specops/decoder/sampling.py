@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from specops.decoder.errors import InvalidRequestError
+from specops.kernels import cpu_linear
 
 
 # smallest sampling temperature: float32 logits of a few hundred divided by it stay finite
@@ -110,7 +111,7 @@ def next_token(
 ) -> torch.Tensor:  # [...] long
     """Greedy argmax or a filtered sample, as ``config`` says."""
     if config.greedy:
-        return torch.argmax(logits, dim=-1)
+        return cpu_linear.argmax(logits)
     return sample(probabilities(logits, config), generator)
 
 

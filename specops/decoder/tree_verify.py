@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from specops.decoder.tree import TreeBuffers
+from specops.kernels import cpu_linear
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def verify_tree_greedy(
 ) -> TreeVerification:
     """Longest path whose every token equals the target's argmax at its parent."""
     _check(tokens, logits, buffers, "logits")
-    choice = torch.argmax(logits, dim=-1).tolist()  # [N]
+    choice = cpu_linear.argmax(logits).tolist()  # [N]
     toks = tokens.tolist()
     path, node = [0], 0
     while True:

@@ -45,6 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specops.kernels import cpu_linear
+
 
 @dataclass
 class Verification:
@@ -76,7 +78,7 @@ def verify_greedy(
 ) -> Verification:
     """Accept drafted tokens while they equal the target's argmax; then its argmax follows."""
     _check_block(draft_tokens, target_logits, "target_logits")
-    choice = torch.argmax(target_logits, dim=-1)  # [B, G+1]
+    choice = cpu_linear.argmax(target_logits)  # [B, G+1]
     accepted = _accepted_prefix(draft_tokens == choice[:, :-1])  # [B]
     next_tokens = choice.gather(1, accepted[:, None])[:, 0]  # [B]
     return Verification(accepted=accepted, next_tokens=next_tokens)

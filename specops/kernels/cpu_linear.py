@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -42,11 +43,20 @@ def _setup(lib: ctypes.CDLL) -> None:
     att = lib.specops_attention
     att.restype = ctypes.c_int
     att.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                     ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_float])
+                     ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int])
+    arg = lib.specops_argmax_rows
+    arg.restype = None
+    arg.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    layers = lib.specops_llama_layers
+    layers.restype = ctypes.c_int
+    layers.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 6 +
+                       [ctypes.c_float, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 +
+                       [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] +
+                       [ctypes.c_void_p] * 2)
     fused = lib.specops_rope_cache_attention
     fused.restype = ctypes.c_int
     fused.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [
-        ctypes.c_float]
+        ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
 
 
 _kernel = LazyKernel(SOURCE, "linear", _setup, "CPU linear kernel", "MKL / oneDNN")
@@ -122,9 +132,26 @@ def unchecked(x: Tensor, weight: Tensor, bias: Tensor | None, add: Tensor | None
     return out
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, out: Tensor | None = None) -> Tensor:
+MAX_MASK_NODES = 64  # new positions a visibility mask (`mask_bits`) can describe
+
+
+def mask_bits(mask: Tensor) -> Tensor:
+    """A [T, T] bool visibility mask among new positions (``mask[t, i]``: query t sees new
+    position i; a Medusa tree's ancestor mask) as the kernel's [T] words (bit i of word t)."""
+    t = mask.shape[0]
+    if mask.dim() != 2 or mask.shape[1] != t or t > MAX_MASK_NODES:
+        raise ValueError(f"mask must be [T, T] with T <= {MAX_MASK_NODES}, got {tuple(mask.shape)}")
+    weights = np.left_shift(np.uint64(1), np.arange(t, dtype=np.uint64))  # [T]
+    words = (mask.cpu().numpy().astype(np.uint64) * weights[None, :]).sum(axis=1, dtype=np.uint64)  # [T]
+    return torch.from_numpy(words.view(np.int64).copy())
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, out: Tensor | None = None,
+                     mask: Tensor | None = None) -> Tensor:
     """Attention of T new positions per sequence over a dense cache, causal (query t sees
-    the first L - T + t + 1 keys); grouped-query heads as SDPA's ``enable_gqa``.
+    the first L - T + t + 1 keys) or, with ``mask`` (`mask_bits` of a [T, T] visibility
+    mask), the first L - T keys and the new ones its bits name; grouped-query heads as
+    SDPA's ``enable_gqa``.
 
     q [B, T, Hq, D] (heads and dims contiguous, rows and sequences may be strided: a slice
     of the fused q/k/v output), k / v [B, Hkv, L, D] views with a contiguous last dim and unit stride
@@ -140,23 +167,30 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, out: Tensor 
         raise ValueError("k and v must share one layout with contiguous [L, D] per head")
     if hq % hkv or length < t:
         raise ValueError(f"bad shapes: Hq={hq} Hkv={hkv} L={length} T={t}")
+    _check_mask(mask, t)
     if out is None:
         out = torch.empty(b * t, hq * d, dtype=torch.float32)
     rc = lib.specops_attention(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1),
-                                out.data_ptr(), b, t, hq, hkv, d, length, float(scale))
+                                out.data_ptr(), b, t, hq, hkv, d, length, float(scale),
+                                None if mask is None else mask.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise MemoryError("CPU attention kernel: no memory for its scores")
     return out
 
 
+def _check_mask(mask: Tensor | None, t: int) -> None:
+    if mask is not None and (mask.dtype != torch.int64 or mask.shape != (t,) or not mask.is_contiguous()):
+        raise ValueError(f"mask must be the [{t}] int64 words of mask_bits")
+
+
 def rope_cache_attention(qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, start: int,
-                         scale: float) -> Tensor:
+                         scale: float, mask: Tensor | None = None) -> Tensor:
     """The fast runner's attention block after the q/k/v projection, in one call: rotary on
     the q and k heads of ``qkv`` [B, T, Hq + 2Hkv, D] (contiguous; rotated in place), the new
-    keys / values written to ``k_cache`` / ``v_cache`` [B, Hkv, S, D] at positions
-    start..start+T-1, then `causal_attention` over start + T keys. ``cos`` / ``sin``
-    [T, D] are the positions' rows (``sin`` with its first half negated). Returns
-    [B * T, Hq * D]."""
+    keys / values written to ``k_cache`` / ``v_cache`` [B, Hkv, S, D] at slots
+    start..start+T-1, then `causal_attention` over start + T keys (causal, or by ``mask``).
+    ``cos`` / ``sin`` [T, D] are the rows of the tokens' positions (``sin`` with its first
+    half negated). Returns [B * T, Hq * D]."""
     lib = _kernel.require()
     b, t, heads, d = qkv.shape
     _, hkv, slots, _ = k_cache.shape
@@ -170,10 +204,73 @@ def rope_cache_attention(qkv: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
         raise ValueError("k and v caches must share one layout with contiguous [S, D] per head")
     if hq < 1 or hq % hkv or start < 0 or start + t > slots or d % 2:
         raise ValueError(f"bad shapes: heads={heads} Hkv={hkv} D={d} start={start} T={t} S={slots}")
+    _check_mask(mask, t)
     out = torch.empty(b * t, hq * d, dtype=torch.float32)
     rc = lib.specops_rope_cache_attention(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
                                            v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), start,
-                                           out.data_ptr(), b, t, hq, hkv, d, float(scale))
+                                           out.data_ptr(), b, t, hq, hkv, d, float(scale),
+                                           None if mask is None else mask.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise MemoryError(f"CPU attention kernel failed (code {rc})")
     return out
+
+
+class LayerWeights(ctypes.Structure):
+    """One layer's pointers for `llama_layers` (fields as the C struct ``LayerWeights``)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("ln1", "qkv_w", "qkv_b", "o_w", "o_b", "ln2", "gu_w", "gu_b",
+                                                       "down_w", "down_b", "k_cache", "v_cache")]
+
+
+def layer_table(layers: list[dict[str, Tensor | None]]) -> ctypes.Array:
+    """The C array of `LayerWeights` for `llama_layers`: one dict per layer with the fields'
+    tensors (contiguous fp32 CPU; biases may be None). The tensors must outlive the table."""
+    table = (LayerWeights * len(layers))()
+    for row, layer in zip(table, layers):
+        for name, _ in LayerWeights._fields_:
+            tensor = layer.get(name)
+            if tensor is not None and (tensor.dtype != torch.float32 or tensor.device.type != "cpu"):
+                raise ValueError(f"{name} must be an fp32 CPU tensor")
+            setattr(row, name, None if tensor is None else tensor.data_ptr())
+    return table
+
+
+def llama_layers(table: ctypes.Array, x: Tensor, *, heads: int, kv_heads: int, head_dim: int, intermediate: int,
+                 eps: float, scale: float, cos: Tensor, sin: Tensor, kv_strides: tuple[int, int], start: int,
+                 norm: Tensor, head: Tensor, head_bias: Tensor | None = None, mask: Tensor | None = None,
+                 threads: int | None = None) -> tuple[Tensor, Tensor]:
+    """Every layer of a Llama-family stack over T new tokens of one sequence, the final norm
+    and the LM head in one call (see ``specops_llama_layers`` in linear.c): x [T, E]
+    (contiguous) is the residual stream (updated in place). Returns the normed hidden states
+    [T, E] and the logits [T, V]. Arguments as `rope_cache_attention`; ``kv_strides`` the
+    caches' (sequence, head) strides; ``head`` [V, E]. Unchecked beyond the mask: the fast
+    runner calls it with the shapes it built the table for."""
+    _check_mask(mask, x.shape[0])
+    t, e = x.shape
+    vocab = head.shape[0]
+    hidden = torch.empty(t, e, dtype=torch.float32)
+    logits = torch.empty(t, vocab, dtype=torch.float32)
+    scratch = torch.empty(t * ((heads + 2 * kv_heads) * head_dim + heads * head_dim + 2 * intermediate),
+                          dtype=torch.float32)
+    rc = _kernel.lib.specops_llama_layers(table, len(table), x.data_ptr(), t, e, heads, kv_heads, head_dim,
+                                          intermediate, float(eps), float(scale), cos.data_ptr(), sin.data_ptr(),
+                                          kv_strides[0], kv_strides[1], start,
+                                          None if mask is None else mask.data_ptr(), scratch.data_ptr(),
+                                          int(threads or torch.get_num_threads()), norm.data_ptr(), head.data_ptr(),
+                                          None if head_bias is None else head_bias.data_ptr(), vocab,
+                                          hidden.data_ptr(), logits.data_ptr())
+    if rc != 0:
+        raise MemoryError(f"CPU layer-stack kernel failed (code {rc})")
+    return hidden, logits
+
+
+def argmax(x: Tensor) -> Tensor:
+    """``torch.argmax(x, dim=-1)`` for fp32 CPU logits, on the calling thread alone (torch
+    parallelizes a reduction of 32k+ elements over its OpenMP team, whose workers then spin
+    on the core the next forward's pool needs). Other tensors, or without the kernel: torch."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] == 0 or not available():
+        return torch.argmax(x, dim=-1)
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty(flat.shape[0], dtype=torch.int64)
+    _kernel.lib.specops_argmax_rows(flat.data_ptr(), flat.shape[0], flat.shape[1], out.data_ptr())
+    return out.view(x.shape[:-1])

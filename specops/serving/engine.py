@@ -49,11 +49,12 @@ from typing import Any, Callable
 import torch
 
 from specops.decoder.ngram import NgramIndex
-from specops.decoder.sampling import make_generator, probabilities
 from specops.decoder.request import eos_set
+from specops.decoder.sampling import make_generator, probabilities
 from specops.decoder.stats import DecodeStats
 from specops.decoder.tree_verify import verify_tree_greedy, verify_tree_sampling
 from specops.decoder.verify import verify_sampling
+from specops.kernels import cpu_linear
 from specops.serving.auto_method import MethodChooser
 from specops.serving.batch_forward import FeedItem, SeqKV, bytes_per_token, make_backend
 from specops.serving.kv_pool import BlockPool
@@ -376,7 +377,7 @@ class Engine:
         if not seqs:
             return {}
         flat = rows[0] if len(rows) == 1 else torch.cat(rows)  # [R, V]
-        choice = torch.argmax(flat, dim=-1).tolist()  # [R]
+        choice = cpu_linear.argmax(flat).tolist()  # [R]
         result: dict[str, tuple[int, int]] = {}
         r0 = 0
         for (seq, drafts), logits in zip(seqs, rows):

@@ -231,3 +231,126 @@ def test_rope_cache_attention_equals_the_torch_rotary_then_the_attention_kernel(
     assert torch.equal(got_cache[:, :, :, start + t :], cache[:, :, :, start + t :])  # nothing past the new rows
     with pytest.raises(ValueError, match="bad shapes"):
         cpu_linear.rope_cache_attention(qkv.clone(), cos, sin, got_cache[0], got_cache[1], slots - 1, runner.scale)
+
+
+def _tree_mask(parents: list[int]) -> torch.Tensor:  # [T, T] bool: node t sees itself and its ancestors
+    t = len(parents)
+    mask = torch.zeros(t, t, dtype=torch.bool)
+    for node in range(t):
+        at = node
+        while at >= 0:
+            mask[node, at] = True
+            at = parents[at]
+    return mask
+
+
+def test_mask_bits_packs_each_row_into_a_word():
+    mask = _tree_mask([-1, 0, 0, 1])
+    assert cpu_linear.mask_bits(mask).tolist() == [0b1, 0b11, 0b101, 0b1011]
+    wide = torch.ones(64, 64, dtype=torch.bool).tril()
+    assert cpu_linear.mask_bits(wide)[-1].item() == -1  # all 64 bits set (as a signed word)
+    with pytest.raises(ValueError, match="T <= 64"):
+        cpu_linear.mask_bits(torch.ones(65, 65, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_tree_attention_matches_sdpa_and_each_node_equals_its_own_decoding_step(threads):
+    """A node attends to the prefix, its ancestors and itself; its output is bit for bit what
+    one decoding step over the same keys (prefix, ancestors, node, in that order) gives."""
+    gen = torch.Generator().manual_seed(threads)
+    parents = [-1, 0, 0, 1, 1, 2, 3]
+    t, hq, hkv, d, prefix = len(parents), 8, 4, 32, 45
+    q = torch.randn(1, t, hq, d, generator=gen)
+    k = torch.randn(1, hkv, prefix + t, d, generator=gen)
+    v = torch.randn(1, hkv, prefix + t, d, generator=gen)
+    mask = _tree_mask(parents)
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_linear.causal_attention(q, k, v, 0.2, mask=cpu_linear.mask_bits(mask))  # [T, Hq*D]
+    finally:
+        torch.set_num_threads(2)
+    full = torch.cat([torch.ones(t, prefix, dtype=torch.bool), mask], dim=1)  # [T, L]
+    want = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=full, scale=0.2,
+                                                            enable_gqa=True)
+    torch.testing.assert_close(got, want.transpose(1, 2).reshape(t, hq * d), atol=1e-5, rtol=1e-5)
+    for node in range(t):
+        seen = [prefix + i for i in range(t) if mask[node, i]]  # ancestors then the node, in position order
+        keys = torch.cat([k[:, :, :prefix], k[:, :, seen]], dim=2).contiguous()
+        values = torch.cat([v[:, :, :prefix], v[:, :, seen]], dim=2).contiguous()
+        step = cpu_linear.causal_attention(q[:, node : node + 1], keys, values, 0.2)
+        assert torch.equal(step[0], got[node])
+
+
+def test_attention_past_the_stack_buffer_and_across_threads_is_the_same_bits():
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 3, 4, 16, generator=gen), torch.randn(1, 2, 5000, 16, generator=gen),
+               torch.randn(1, 2, 5000, 16, generator=gen))  # 5000 keys: the score buffer is allocated
+    torch.set_num_threads(1)
+    try:
+        one = cpu_linear.causal_attention(q, k, v, 0.25)
+    finally:
+        torch.set_num_threads(2)
+    assert torch.equal(cpu_linear.causal_attention(q, k, v, 0.25), one)
+    mask = torch.ones(3, 5000, dtype=torch.bool).tril(diagonal=4997)  # query i sees 4998 + i keys
+    want = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=0.25,
+                                                            enable_gqa=True)
+    torch.testing.assert_close(one, want.transpose(1, 2).reshape(3, 64), atol=1e-5, rtol=1e-5)
+
+
+def test_argmax_follows_torch_on_ties_and_nans():
+    x = torch.tensor([[1.0, 3.0, 3.0, 2.0], [0.0, float("nan"), 5.0, float("nan")], [-1.0, -1.0, -1.0, -1.0]])
+    assert cpu_linear.argmax(x).tolist() == torch.argmax(x, dim=-1).tolist() == [1, 1, 0]
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 4096, generator=gen)
+    assert torch.equal(cpu_linear.argmax(logits), torch.argmax(logits, dim=-1))
+    assert torch.equal(cpu_linear.argmax(logits[:, -1]), torch.argmax(logits[:, -1], dim=-1))  # a strided view
+    assert torch.equal(cpu_linear.argmax(logits.double()), torch.argmax(logits.double(), dim=-1))  # torch's path
+
+
+@pytest.mark.parametrize("t", [1, 3, 8, 13])
+def test_layer_stack_in_one_call_equals_the_per_call_path(t):
+    """`llama_layers` runs the same kernel calls the Python loop makes: the same cache contents
+    bit for bit (up to the kernel's row count), and logits with the same argmax."""
+    from specops.decoder import Decoder
+
+    runner = Decoder.from_pretrained("bundled").target
+    assert runner.c_layers
+    prompt = torch.arange(5, 40).view(1, -1)
+    new = torch.arange(100, 100 + t).view(1, -1)
+    outs = []
+    for c_layers in (True, False):
+        runner.c_layers = c_layers
+        runner.reset(1)
+        runner.forward(prompt)
+        out = runner.forward(new, need_hidden=True)
+        outs.append((out.logits.clone(), out.hidden.clone(), runner.cache.data[..., : runner.cache.length, :].clone()))
+    runner.c_layers = True
+    (logits, hidden, cache), (ref_logits, ref_hidden, ref_cache) = outs
+    if t <= cpu_linear.MAX_ROWS:  # the per-call path runs the same kernels (above: oneDNN, other rounding)
+        assert torch.equal(cache, ref_cache)
+    else:
+        torch.testing.assert_close(cache, ref_cache, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(hidden, ref_hidden, atol=1e-5, rtol=1e-5)  # the final norm: C vs torch rounding
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+    assert torch.equal(logits.argmax(-1), ref_logits.argmax(-1))
+
+
+def test_a_tree_forward_through_the_layer_stack_equals_decoding_its_path():
+    """Verifying a tree in one C call gives every node of a root-to-leaf path the logits its
+    own decoding steps would (same keys in the same order: bit for bit)."""
+    from specops.decoder import Decoder
+
+    runner = Decoder.from_pretrained("bundled").target
+    prompt = torch.arange(5, 60).view(1, -1)
+    parents = [-1, 0, 0, 1, 1, 3]
+    tokens = torch.tensor([[7, 11, 12, 13, 14, 15]])
+    depth = torch.tensor([0, 1, 1, 2, 2, 3])
+    runner.reset(1)
+    runner.forward(prompt)
+    start = runner.cache_len
+    tree = runner.forward(tokens, position_ids=(start + depth)[None], tree_mask=_tree_mask(parents)).logits[0]
+    path = [0, 1, 3, 5]
+    runner.truncate(start)
+    for node in path:
+        step = runner.forward(tokens[:, node : node + 1]).logits[0, 0]
+        assert torch.equal(step, tree[node])
