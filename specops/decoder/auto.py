@@ -283,15 +283,8 @@ def generate_auto(
         keep_hidden=medusa is not None,
     )
     v.prefill()
-    if draft is not None:
-        draft.reset(1)
-        if len(prompt) > 1:
-            t0 = device_clock(draft.device)
-            draft.forward(torch.tensor([prompt[:-1]], dtype=torch.long, device=draft.device))  # [1, P-1]
-            dt = device_clock(draft.device) - t0
-            stats.draft_forwards += 1
-            stats.draft_s += dt
-            stats.prefill_s += dt
+    if draft is not None:  # the draft reads the prompt at its first step (`_draft_block` feeds what it
+        draft.reset(1)     # has not seen), so a request that never drafts never pays its prefill
     request = estimates.start(sampling.greedy)
     chooser = Chooser(request, costs, estimates.clock(sampling.greedy))
 

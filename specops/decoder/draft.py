@@ -48,7 +48,7 @@ def _draft_block(
     sample_device: torch.device,
 ) -> tuple[list[int], torch.Tensor | None]:  # drafted tokens, q: [1, G, V] (sampling only)
     """Propose ``gamma`` tokens after ``tokens``, feeding the draft only what its cache lacks."""
-    unseen = tokens[draft.cache_len :]  # 1 or 2 tokens
+    unseen = tokens[draft.cache_len :]  # 1 or 2 tokens (the whole prompt at `auto`'s first draft step)
     ids = torch.tensor([unseen], dtype=torch.long, device=draft.device)  # [1, U]
     drafted: list[int] = []
     q_rows: list[torch.Tensor] = []

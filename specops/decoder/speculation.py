@@ -36,9 +36,9 @@ import torch
 from specops.decoder.clock import device_clock
 from specops.decoder.request import check_deadline, check_room, eos_cut, eos_set, stop_reason
 from specops.decoder.runner import ModelRunner
-from specops.decoder.sampling import SamplingConfig, probabilities
+from specops.decoder.sampling import SamplingConfig, next_token, probabilities
 from specops.decoder.stats import DecodeStats
-from specops.decoder.verify import verify_greedy, verify_sampling
+from specops.decoder.verify import Verification, verify_greedy, verify_sampling
 
 
 @dataclass
@@ -140,7 +140,10 @@ class TargetVerifier:
         out = self.target.forward(block, need_hidden=self.keep_hidden)
         logits = out.logits  # [1, G+1, V]
         draft_t = block[:, 1:]  # [1, G]
-        if self.sampling.greedy:
+        if g == 0:  # a plain step: the next token itself (what verifying nothing comes to, same draws)
+            result = Verification(accepted=torch.zeros(1, dtype=torch.long),
+                                  next_tokens=next_token(logits[:, 0], self.sampling, self.generator))
+        elif self.sampling.greedy:
             result = verify_greedy(draft_t, logits)
         else:
             p = probabilities(logits, self.sampling)  # [1, G+1, V]

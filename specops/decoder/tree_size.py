@@ -152,8 +152,23 @@ def verify_cost_curve(target: ModelRunner) -> VerifyCostCurve:
     return curve
 
 
+_HEADS_COSTS: "weakref.WeakKeyDictionary[object, dict[tuple[int, int], float]]" = weakref.WeakKeyDictionary()
+
+
 def heads_overhead_s(heads: HeadsLike, target: ModelRunner, num_heads: int, repeats: int = 5) -> float:
-    """Seconds of one proposal (fastest of ``repeats``): the heads on one hidden state plus their top-k."""
+    """Seconds of one proposal (fastest of ``repeats``): the heads on one hidden state plus their
+    top-k; measured once per (heads, runner, number of heads) and kept."""
+    try:
+        per_heads = _HEADS_COSTS.setdefault(heads, {})
+    except TypeError:  # heads that cannot be weakly referenced: measured every time
+        per_heads = {}
+    key = (id(target), num_heads)
+    if key not in per_heads:
+        per_heads[key] = _measure_heads(heads, target, num_heads, repeats)
+    return per_heads[key]
+
+
+def _measure_heads(heads: HeadsLike, target: ModelRunner, num_heads: int, repeats: int) -> float:
     hidden_size = getattr(getattr(heads, "config", None), "hidden_size", None)
     if hidden_size is None:
         return 0.0

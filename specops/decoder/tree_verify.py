@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from specops.decoder.sampling import draw
 from specops.decoder.tree import TreeBuffers
 from specops.kernels import cpu_linear
 
@@ -122,7 +123,7 @@ def verify_tree_sampling(
             else:
                 residual = residual / mass
         if accepted is None:
-            token = int(torch.multinomial(residual.float(), 1, generator=generator))
+            token = int(draw(residual.float()[None], generator)[0])
             return TreeVerification(path=path, next_token=token)
         path.append(accepted)
         node = accepted
@@ -161,7 +162,7 @@ def verify_tree_typical(
         floor = min(rule.threshold, rule.alpha * math.exp(-entropy))
         plausible = [(float(p[toks[c]]), c) for c in buffers.children[node] if float(p[toks[c]]) > floor]
         if not plausible:
-            token = int(torch.multinomial(p, 1, generator=generator))
+            token = int(draw(p[None], generator)[0])
             return TreeVerification(path=path, next_token=token)
         node = max(plausible)[1]
         path.append(node)

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specops.decoder.sampling import draw
 from specops.kernels import cpu_linear
 
 
@@ -119,5 +120,5 @@ def verify_sampling(
     # mass == 0 only when p == q up to rounding, where rejection has probability ~0;
     # sampling p itself is then the exact limit.
     dist = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(residual.dtype).tiny), p_n)  # [B, V]
-    next_tokens = torch.multinomial(dist, 1, generator=generator)[:, 0]  # [B]
+    next_tokens = draw(dist, generator)  # [B]
     return Verification(accepted=accepted, next_tokens=next_tokens)
