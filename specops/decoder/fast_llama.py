@@ -21,6 +21,10 @@ layer:
   `grouped_attention`, three batched matmuls with an additive mask built once per forward
   (causal, or the tree mask after the prefix), or the Triton tree kernel on CUDA.
 
+On fp32 CPU with the C kernels built, a forward of up to C_LAYERS_MAX_T tokens of one
+sequence (decoding steps, chain verifications, Medusa trees) skips all of the above: the
+layer stack, the final norm and the LM head run in one `cpu_linear.llama_layers` call.
+
 Logits are returned in float32 and equal transformers' forward up to float rounding.
 Sliding-window attention is rejected when the window is shorter than the context
 (`load_runner` then falls back to `HFRunner`), as are RoPE variants whose frequencies

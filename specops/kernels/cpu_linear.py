@@ -12,6 +12,11 @@ Each output element is computed in a fixed order, whatever the rows of x or the 
 count (see the C file), so a verification forward over several positions gives the
 same logits bit for bit as one-position forwards would.
 
+Beside the linear layer: the attention of a few new positions over a dense cache
+(causal, or a tree's visibility mask, split over the same pool), the fast runner's whole
+layer stack in one call (`llama_layers`), and a row argmax that leaves torch's OpenMP
+team asleep (`argmax`).
+
 Built like `specops.kernels.cpu_paged` (`specops.kernels.cbuild`: system C compiler,
 ``-O3 -march=native``, cached by a hash of source and flags, loaded with ctypes, which
 releases the GIL). No compiler,

@@ -12,6 +12,7 @@ import torch
 
 from specops.decoder.packed_linear import PackedLinear
 from specops.kernels import cpu_linear
+from tests.kernels.trees import mask_from_parents
 
 
 
@@ -233,19 +234,8 @@ def test_rope_cache_attention_equals_the_torch_rotary_then_the_attention_kernel(
         cpu_linear.rope_cache_attention(qkv.clone(), cos, sin, got_cache[0], got_cache[1], slots - 1, runner.scale)
 
 
-def _tree_mask(parents: list[int]) -> torch.Tensor:  # [T, T] bool: node t sees itself and its ancestors
-    t = len(parents)
-    mask = torch.zeros(t, t, dtype=torch.bool)
-    for node in range(t):
-        at = node
-        while at >= 0:
-            mask[node, at] = True
-            at = parents[at]
-    return mask
-
-
 def test_mask_bits_packs_each_row_into_a_word():
-    mask = _tree_mask([-1, 0, 0, 1])
+    mask = mask_from_parents([-1, 0, 0, 1])
     assert cpu_linear.mask_bits(mask).tolist() == [0b1, 0b11, 0b101, 0b1011]
     wide = torch.ones(64, 64, dtype=torch.bool).tril()
     assert cpu_linear.mask_bits(wide)[-1].item() == -1  # all 64 bits set (as a signed word)
@@ -263,7 +253,7 @@ def test_tree_attention_matches_sdpa_and_each_node_equals_its_own_decoding_step(
     q = torch.randn(1, t, hq, d, generator=gen)
     k = torch.randn(1, hkv, prefix + t, d, generator=gen)
     v = torch.randn(1, hkv, prefix + t, d, generator=gen)
-    mask = _tree_mask(parents)
+    mask = mask_from_parents(parents)
     torch.set_num_threads(threads)
     try:
         got = cpu_linear.causal_attention(q, k, v, 0.2, mask=cpu_linear.mask_bits(mask))  # [T, Hq*D]
@@ -348,7 +338,7 @@ def test_a_tree_forward_through_the_layer_stack_equals_decoding_its_path():
     runner.reset(1)
     runner.forward(prompt)
     start = runner.cache_len
-    tree = runner.forward(tokens, position_ids=(start + depth)[None], tree_mask=_tree_mask(parents)).logits[0]
+    tree = runner.forward(tokens, position_ids=(start + depth)[None], tree_mask=mask_from_parents(parents)).logits[0]
     path = [0, 1, 3, 5]
     runner.truncate(start)
     for node in path:
