@@ -185,13 +185,17 @@ OPTIONS: dict[str, frozenset[str]] = {
 }
 
 
+DRAFT_KERNEL_WEIGHTS = "bf16"  # a draft model's CPU kernel weights: it only proposes, so half the bytes per token
+
+
 def _as_runner(model: Any, *, impl: str, max_context: int | None, role: str) -> ModelRunner:
     """A runner for a transformers model, or the object itself when it already is one."""
     if isinstance(model, ModelRunner):
         return model
     if getattr(model, "config", None) is None:
         raise TypeError(f"{role} must be a transformers causal LM or a ModelRunner, got {type(model).__name__}")
-    return load_runner(model, max_context=max_context, impl=impl)
+    return load_runner(model, max_context=max_context, impl=impl,
+                       kernel_weights=DRAFT_KERNEL_WEIGHTS if role == "draft" else "fp32")
 
 
 def _load_model(path: str | Path, *, dtype: torch.dtype, device: str | torch.device, role: str):

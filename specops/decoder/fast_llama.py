@@ -97,14 +97,15 @@ class _Layer:
 
     __slots__ = ("ln1", "qkv", "o", "ln2", "gate_up", "down", "act", "swiglu")
 
-    def __init__(self, layer, onednn: bool) -> None:
+    def __init__(self, layer, onednn: bool, bf16: bool = False) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.ln1 = layer.input_layernorm.weight.detach()  # [E]
         self.ln2 = layer.post_attention_layernorm.weight.detach()  # [E]
-        self.qkv = PackedLinear.fuse([attn.q_proj, attn.k_proj, attn.v_proj], onednn=onednn)  # E -> (Hq+2Hkv)*D
-        self.o = PackedLinear(attn.o_proj.weight, attn.o_proj.bias, onednn=onednn)  # Hq*D -> E
-        self.gate_up = PackedLinear.fuse([mlp.gate_proj, mlp.up_proj], onednn=onednn)  # E -> 2I
-        self.down = PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias, onednn=onednn)  # I -> E
+        self.qkv = PackedLinear.fuse([attn.q_proj, attn.k_proj, attn.v_proj], onednn=onednn,
+                                     kernel_bf16=bf16)  # E -> (Hq+2Hkv)*D
+        self.o = PackedLinear(attn.o_proj.weight, attn.o_proj.bias, onednn=onednn, kernel_bf16=bf16)  # Hq*D -> E
+        self.gate_up = PackedLinear.fuse([mlp.gate_proj, mlp.up_proj], onednn=onednn, kernel_bf16=bf16)  # E -> 2I
+        self.down = PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias, onednn=onednn, kernel_bf16=bf16)  # I -> E
         # transformers' SiLU module is plain silu; calling the functional form skips a module call
         self.act = F.silu if type(mlp.act_fn).__name__ in ("SiLUActivation", "SiLU") else mlp.act_fn
         self.swiglu = self.act is F.silu  # silu(gate) * up can go into the down projection's kernel call
@@ -114,10 +115,16 @@ class FastLlamaRunner:
     """Compact Llama/Mistral/Qwen2 forward with a preallocated KV cache (`ModelRunner`)."""
 
     def __init__(
-        self, model, *, max_context: int | None = None, tree_attention: str = "auto", onednn: bool | None = None
+        self, model, *, max_context: int | None = None, tree_attention: str = "auto", onednn: bool | None = None,
+        kernel_weights: str = "fp32",
     ) -> None:
         """`tree_attention`: "auto" (Triton kernel on CUDA, `grouped_attention` elsewhere), "sdpa" or "kernel".
-        `onednn`: run multi-row matmuls with oneDNN prepacked weights (None: when usable here)."""
+        `onednn`: run multi-row matmuls with oneDNN prepacked weights (None: when usable here).
+        `kernel_weights`: "fp32", or "bf16" for the C kernels' copies of an fp32 model's
+        matrices (half the bytes streamed per token, logits to bf16 weight precision: for
+        a draft model, whose logits only propose; the prompt pass keeps fp32)."""
+        if kernel_weights not in ("fp32", "bf16"):
+            raise ValueError(f"kernel_weights must be 'fp32' or 'bf16', got {kernel_weights!r}")
         if tree_attention not in TREE_ATTENTION_IMPLS:
             raise ValueError(f"tree_attention must be one of {', '.join(TREE_ATTENTION_IMPLS)}, got {tree_attention!r}")
         self.tree_attention = tree_attention
@@ -161,9 +168,13 @@ class FastLlamaRunner:
         # the same arithmetic for 1 and for T new positions, and ~1/10 of SDPA's per-call overhead
         self.cpu_attention = self.device.type == "cpu" and self.dtype == torch.float32 and cpu_linear.available()
         self.embed = emb
-        self.layers = [_Layer(layer, self.onednn) for layer in base.layers[: config.num_hidden_layers]]
+        bf16 = kernel_weights == "bf16"
+        self.layers = [_Layer(layer, self.onednn, bf16) for layer in base.layers[: config.num_hidden_layers]]
         self.norm = base.norm.weight.detach()  # [E]
-        self.lm_head = PackedLinear(model.lm_head.weight, getattr(model.lm_head, "bias", None), onednn=self.onednn)
+        self.lm_head = PackedLinear(model.lm_head.weight, getattr(model.lm_head, "bias", None), onednn=self.onednn,
+                                    kernel_bf16=bf16)
+        self.kernel_weights = "bf16" if self.lm_head.weight is not None and self.lm_head.weight.dtype == torch.bfloat16 \
+            else "fp32"
         # forwards of up to C_LAYERS_MAX_T tokens of one sequence run the whole layer stack in one
         # C call (`cpu_linear.llama_layers`) when every layer is SwiGLU on the C kernels (and the
         # final norm and LM head with them)

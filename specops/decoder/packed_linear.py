@@ -78,17 +78,23 @@ class PackedLinear:
 
     __slots__ = ("weight_t", "weight", "bias", "packed", "out_features", "packed_from_rows", "kernel_rows")
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, *, onednn: bool, cpu_kernel: bool | None = None) -> None:
+    def __init__(self, weight: Tensor, bias: Tensor | None, *, onednn: bool, cpu_kernel: bool | None = None,
+                 kernel_bf16: bool = False) -> None:
         """``weight`` [out, in]. ``cpu_kernel``: use `cpu_linear` for up to MAX_ROWS rows (None:
-        when it is built and the weight is fp32 on CPU)."""
+        when it is built and the weight is fp32 on CPU). ``kernel_bf16``: the C kernel's copy
+        in bfloat16 (half the bytes per call; a drafter's choice, see `FastLlamaRunner`),
+        where the kernel reads it; the torch paths keep fp32."""
         if cpu_kernel is None:
             cpu_kernel = weight.device.type == "cpu" and weight.dtype == torch.float32 and cpu_linear.available()
+        kernel_bf16 = kernel_bf16 and cpu_kernel and cpu_linear.bf16_weights()
         with torch.no_grad():
             weight = weight.detach()
             self.bias = None if bias is None else bias.detach().clone().contiguous()  # [out]
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None) if onednn else None
-            self.weight = weight.contiguous().clone() if cpu_kernel else None  # [out, in] for the C kernel
-            self.weight_t = None if cpu_kernel else weight.t().contiguous()  # [in, out] for MKL's mm
+            kernel_dtype = torch.bfloat16 if kernel_bf16 else weight.dtype
+            self.weight = weight.contiguous().to(kernel_dtype, copy=True) if cpu_kernel else None  # [out, in], C kernel
+            # [in, out] for MKL's mm (kept beside a bf16 kernel copy for rows above the kernel's)
+            self.weight_t = None if cpu_kernel and not kernel_bf16 else weight.t().contiguous()
         self.kernel_rows = cpu_linear.MAX_ROWS if cpu_kernel else 0
         self.out_features = weight.shape[0]
         # rows from which oneDNN is used: fp32 measured (thread CPU time, the bundled target's 33
@@ -96,7 +102,7 @@ class PackedLinear:
         self.packed_from_rows = 1 if weight.dtype == torch.bfloat16 else FP32_ONEDNN_FROM_ROWS
 
     @classmethod
-    def fuse(cls, linears, *, onednn: bool) -> PackedLinear:
+    def fuse(cls, linears, *, onednn: bool, kernel_bf16: bool = False) -> PackedLinear:
         """One layer computing several nn.Linear layers side by side (outputs concatenated)."""
         weight = torch.cat([m.weight.detach() for m in linears], dim=0)  # [sum(out), in]
         bias = None
@@ -104,7 +110,7 @@ class PackedLinear:
             bias = torch.cat(
                 [m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.weight.shape[0]) for m in linears]
             )  # [sum(out)]
-        return cls(weight, bias, onednn=onednn)
+        return cls(weight, bias, onednn=onednn, kernel_bf16=kernel_bf16)
 
     def __call__(self, x: Tensor) -> Tensor:  # [N, in] -> [N, out]
         rows = x.shape[0]

@@ -213,12 +213,14 @@ def sliding_window(config) -> int | None:
     return window
 
 
-def load_runner(model, *, max_context: int | None = None, impl: str = "auto") -> ModelRunner:
+def load_runner(model, *, max_context: int | None = None, impl: str = "auto",
+                kernel_weights: str = "fp32") -> ModelRunner:
     """Wrap a loaded transformers causal LM in a runner.
 
     impl "auto": the compact `FastLlamaRunner` for llama / mistral / qwen2 configs it can
     run exactly, else `HFRunner`; "fast" or "hf" force one (forcing "fast" on a model it
-    cannot run raises `UnsupportedModelError`).
+    cannot run raises `UnsupportedModelError`). ``kernel_weights``: the fast runner's CPU
+    kernel weights ("bf16" for a draft model, see `FastLlamaRunner`).
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
@@ -234,10 +236,10 @@ def load_runner(model, *, max_context: int | None = None, impl: str = "auto") ->
     if impl == "hf":
         return HFRunner(model, max_context=max_context)
     if impl == "fast":
-        return FastLlamaRunner(model, max_context=max_context)
+        return FastLlamaRunner(model, max_context=max_context, kernel_weights=kernel_weights)
     if getattr(config, "model_type", None) in FAST_MODEL_TYPES:
         try:
-            return FastLlamaRunner(model, max_context=max_context)
+            return FastLlamaRunner(model, max_context=max_context, kernel_weights=kernel_weights)
         except UnsupportedModelError as exc:
             log.info("fast path unavailable (%s); using HFRunner", exc)
     return HFRunner(model, max_context=max_context)

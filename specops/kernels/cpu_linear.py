@@ -49,6 +49,8 @@ def _setup(lib: ctypes.CDLL) -> None:
     att.restype = ctypes.c_int
     att.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                      ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int])
+    lib.specops_bf16_weights.restype = ctypes.c_int
+    lib.specops_bf16_weights.argtypes = []
     arg = lib.specops_argmax_rows
     arg.restype = None
     arg.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
@@ -57,7 +59,7 @@ def _setup(lib: ctypes.CDLL) -> None:
     layers.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 6 +
                        [ctypes.c_float, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 +
                        [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] +
-                       [ctypes.c_void_p] * 2)
+                       [ctypes.c_void_p] * 2 + [ctypes.c_int])
     fused = lib.specops_rope_cache_attention
     fused.restype = ctypes.c_int
     fused.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [
@@ -75,6 +77,16 @@ def available() -> bool:
 def unavailable_reason() -> str | None:
     _kernel.available()
     return _kernel.error
+
+
+WEIGHTS_BF16 = 8  # mode flag of the C kernel: the weight is bfloat16 (`bf16_weights`)
+
+
+def bf16_weights() -> bool:
+    """Whether the kernel reads bfloat16 weights (widened to fp32 in registers: an AVX-512
+    BW/VL build). Drafting models use them: half the bytes per token, and a drafter's
+    logits only propose tokens, so the output stays exact."""
+    return available() and bool(_kernel.lib.specops_bf16_weights())
 
 
 def threads_for(rows_out: int, threads: int | None = None) -> int:
@@ -107,8 +119,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, add: Tensor | 
     for name, tensor in (("x", x), ("weight", weight), ("bias", bias), ("add", add), ("out", out), ("norm", norm)):
         if tensor is None:
             continue
-        if tensor.dtype != torch.float32 or tensor.device.type != "cpu" or not tensor.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous fp32 CPU tensor")
+        half = name == "weight" and tensor.dtype == torch.bfloat16 and bf16_weights()
+        if (tensor.dtype != torch.float32 and not half) or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous fp32 CPU tensor" +
+                             (" (or bfloat16, where bf16_weights())" if name == "weight" else ""))
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
     if add is not None and add.shape != (t, n):
@@ -124,16 +138,17 @@ def unchecked(x: Tensor, weight: Tensor, bias: Tensor | None, add: Tensor | None
               norm: Tensor | None, eps: float, swiglu: bool, threads: int | None = None) -> Tensor:
     """`linear` without its argument checks, for callers that guarantee them (`PackedLinear`
     validates its weights once and loads the kernel; x, add and out must be contiguous fp32
-    of the right shapes)."""
+    of the right shapes). ``weight`` may be bfloat16 where `bf16_weights` says so."""
     t, n = x.shape[0], weight.shape[0]
     if out is None:
         out = torch.empty(t, n, dtype=torch.float32)
-    mode = 1 if norm is not None else 2 if swiglu else 0
+    mode = (1 if norm is not None else 2 if swiglu else 0) | (WEIGHTS_BF16 if weight.dtype == torch.bfloat16 else 0)
     rc = _kernel.lib.specops_linear(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
                              None if add is None else add.data_ptr(), out.data_ptr(), t, weight.shape[1], n,
                              threads_for(n, threads), mode, None if norm is None else norm.data_ptr(), float(eps))
     if rc != 0:
-        raise MemoryError("CPU linear kernel: no memory for its input buffer")
+        raise MemoryError("CPU linear kernel: no memory for its input buffer" if rc == 2 else
+                          f"CPU linear kernel failed (code {rc}: bfloat16 weights this build cannot read)")
     return out
 
 
@@ -224,19 +239,26 @@ class LayerWeights(ctypes.Structure):
     """One layer's pointers for `llama_layers` (fields as the C struct ``LayerWeights``)."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in ("ln1", "qkv_w", "qkv_b", "o_w", "o_b", "ln2", "gu_w", "gu_b",
-                                                       "down_w", "down_b", "k_cache", "v_cache")]
+                                                       "down_w", "down_b", "k_cache", "v_cache")] + [
+        ("flags", ctypes.c_int64)]
 
 
 def layer_table(layers: list[dict[str, Tensor | None]]) -> ctypes.Array:
     """The C array of `LayerWeights` for `llama_layers`: one dict per layer with the fields'
-    tensors (contiguous fp32 CPU; biases may be None). The tensors must outlive the table."""
+    tensors (contiguous fp32 CPU, or the four ``*_w`` matrices all bfloat16; biases may be
+    None). The tensors must outlive the table."""
     table = (LayerWeights * len(layers))()
     for row, layer in zip(table, layers):
-        for name, _ in LayerWeights._fields_:
+        bf16 = layer["qkv_w"].dtype == torch.bfloat16
+        for name, kind in LayerWeights._fields_:
+            if kind is not ctypes.c_void_p:
+                continue
             tensor = layer.get(name)
-            if tensor is not None and (tensor.dtype != torch.float32 or tensor.device.type != "cpu"):
-                raise ValueError(f"{name} must be an fp32 CPU tensor")
+            want = torch.bfloat16 if bf16 and name.endswith("_w") else torch.float32
+            if tensor is not None and (tensor.dtype != want or tensor.device.type != "cpu"):
+                raise ValueError(f"{name} must be a {want} CPU tensor")
             setattr(row, name, None if tensor is None else tensor.data_ptr())
+        row.flags = WEIGHTS_BF16 if bf16 else 0
     return table
 
 
@@ -263,7 +285,8 @@ def llama_layers(table: ctypes.Array, x: Tensor, *, heads: int, kv_heads: int, h
                                           None if mask is None else mask.data_ptr(), scratch.data_ptr(),
                                           int(threads or torch.get_num_threads()), norm.data_ptr(), head.data_ptr(),
                                           None if head_bias is None else head_bias.data_ptr(), vocab,
-                                          hidden.data_ptr(), logits.data_ptr())
+                                          hidden.data_ptr(), logits.data_ptr(),
+                                          WEIGHTS_BF16 if head.dtype == torch.bfloat16 else 0)
     if rc != 0:
         raise MemoryError(f"CPU layer-stack kernel failed (code {rc})")
     return hidden, logits

@@ -48,6 +48,7 @@ typedef struct {
     const float *x, *w, *bias, *add;
     float *y;
     int64_t T, K, N;
+    int bf16; /* w holds bfloat16 weights (uint16 bit patterns; AVX-512 builds only) */
 } Job;
 
 static inline void cpu_relax(void) {
@@ -102,80 +103,115 @@ static inline void dots(const float *const *xs, const float *w, int64_t K, const
 
 #if defined(__AVX512F__) && defined(SPECOPS_AVX2)
 #define SPECOPS_AVX512 1
-#define PREFETCH_FLOATS 1024 /* 4 KB ahead of the weight rows being read */
 /* dots of tb rows of x (tb <= 8, a compile-time constant after inlining) with nw (1 or 2)
  * weight rows: one 16-lane accumulator per (row, weight row), k in blocks of 16 (the last
  * one masked), then _mm512_reduce_add_ps. The pairing of weight rows and the number of
- * rows of x do not change any output's arithmetic. */
-static inline __attribute__((always_inline)) void dots16(const float *const *xs, const float *w0, const float *w1,
-                                                          int64_t K, const int tb, const int nw, float *out0,
-                                                          float *out1) {
-    __m512 a0[8], a1[8];
-    for (int t = 0; t < tb; t++) a0[t] = a1[t] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-        /* the weights stream from L3 / memory: without a prefetch this far ahead the loads of the
-         * next lines wait behind the FMAs of several rows (measured, bundled target's 33 matrices,
-         * 2 threads, medians of 4 interleaved runs: 8 rows 2221 -> 1126 us, 1 row 786 -> 582 us) */
-        _mm_prefetch((const char *)(w0 + k + PREFETCH_FLOATS), _MM_HINT_T0);
-        if (nw > 1) _mm_prefetch((const char *)(w1 + k + PREFETCH_FLOATS), _MM_HINT_T0);
-        const __m512 v0 = _mm512_loadu_ps(w0 + k);
-        const __m512 v1 = nw > 1 ? _mm512_loadu_ps(w1 + k) : v0;
-        for (int t = 0; t < tb; t++) {
-            const __m512 xv = _mm512_loadu_ps(xs[t] + k);
-            a0[t] = _mm512_fmadd_ps(xv, v0, a0[t]);
-            if (nw > 1) a1[t] = _mm512_fmadd_ps(xv, v1, a1[t]);
-        }
+ * rows of x do not change any output's arithmetic. Defined twice: fp32 weights, and
+ * bfloat16 weights widened to fp32 in registers (half the bytes streamed; for drafters,
+ * whose logits only propose). The weights stream from L3 / memory: without a prefetch
+ * this far ahead the loads of the next lines wait behind the FMAs of several rows
+ * (measured, bundled target's 33 matrices, 2 threads, medians of 4 interleaved runs:
+ * 8 rows 2221 -> 1126 us, 1 row 786 -> 582 us). */
+#define PREFETCH_BYTES 4096
+#define LOAD_F32(p, k) _mm512_loadu_ps((p) + (k))
+#define LOAD_F32_MASKED(m, p, k) _mm512_maskz_loadu_ps((m), (p) + (k))
+#define WIDEN_BF16(h) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+#define LOAD_BF16(p, k) WIDEN_BF16(_mm256_loadu_si256((const __m256i *)((p) + (k))))
+#define LOAD_BF16_MASKED(m, p, k) WIDEN_BF16(_mm256_maskz_loadu_epi16((m), (p) + (k)))
+#define DEFINE_DOTS(NAME, WT, LOADW, LOADW_MASKED)                                                          \
+    static inline __attribute__((always_inline)) void NAME(const float *const *xs, const WT *w0, const WT *w1, \
+                                                           int64_t K, const int tb, const int nw, float *out0, \
+                                                           float *out1) {                                    \
+        __m512 a0[8], a1[8];                                                                                 \
+        for (int t = 0; t < tb; t++) a0[t] = a1[t] = _mm512_setzero_ps();                                   \
+        int64_t k = 0;                                                                                       \
+        for (; k + 16 <= K; k += 16) {                                                                       \
+            _mm_prefetch((const char *)(w0 + k) + PREFETCH_BYTES, _MM_HINT_T0);                              \
+            if (nw > 1) _mm_prefetch((const char *)(w1 + k) + PREFETCH_BYTES, _MM_HINT_T0);                  \
+            const __m512 v0 = LOADW(w0, k);                                                                  \
+            const __m512 v1 = nw > 1 ? LOADW(w1, k) : v0;                                                    \
+            for (int t = 0; t < tb; t++) {                                                                   \
+                const __m512 xv = _mm512_loadu_ps(xs[t] + k);                                                \
+                a0[t] = _mm512_fmadd_ps(xv, v0, a0[t]);                                                      \
+                if (nw > 1) a1[t] = _mm512_fmadd_ps(xv, v1, a1[t]);                                          \
+            }                                                                                                \
+        }                                                                                                    \
+        if (k < K) {                                                                                         \
+            const __mmask16 mk = (__mmask16)((1u << (K - k)) - 1u);                                         \
+            const __m512 v0 = LOADW_MASKED(mk, w0, k);                                                       \
+            const __m512 v1 = nw > 1 ? LOADW_MASKED(mk, w1, k) : v0;                                         \
+            for (int t = 0; t < tb; t++) {                                                                   \
+                const __m512 xv = _mm512_maskz_loadu_ps(mk, xs[t] + k);                                      \
+                a0[t] = _mm512_fmadd_ps(xv, v0, a0[t]);                                                      \
+                if (nw > 1) a1[t] = _mm512_fmadd_ps(xv, v1, a1[t]);                                          \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int t = 0; t < tb; t++) {                                                                       \
+            out0[t] = _mm512_reduce_add_ps(a0[t]);                                                           \
+            if (nw > 1) out1[t] = _mm512_reduce_add_ps(a1[t]);                                               \
+        }                                                                                                    \
     }
-    if (k < K) {
-        const __mmask16 mk = (__mmask16)((1u << (K - k)) - 1u);
-        const __m512 v0 = _mm512_maskz_loadu_ps(mk, w0 + k);
-        const __m512 v1 = nw > 1 ? _mm512_maskz_loadu_ps(mk, w1 + k) : v0;
-        for (int t = 0; t < tb; t++) {
-            const __m512 xv = _mm512_maskz_loadu_ps(mk, xs[t] + k);
-            a0[t] = _mm512_fmadd_ps(xv, v0, a0[t]);
-            if (nw > 1) a1[t] = _mm512_fmadd_ps(xv, v1, a1[t]);
-        }
+DEFINE_DOTS(dots16, float, LOAD_F32, LOAD_F32_MASKED)
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SPECOPS_BF16_WEIGHTS 1
+DEFINE_DOTS(dots16h, uint16_t, LOAD_BF16, LOAD_BF16_MASKED)
+#endif
+
+#define DOTS_CASE(FN, TB)                                                     \
+    case TB:                                                                  \
+        if (nw == 2) FN(xs, w0, w1, K, TB, 2, r0, r1);                        \
+        else FN(xs, w0, w0, K, TB, 1, r0, r1);                                \
+        break;
+
+/* each pair of weight rows streamed once, for every row of x */
+#define DEFINE_RUN_ROWS(NAME, WT, FN)                                                                       \
+    static void NAME(const Job *j, int64_t n0, int64_t n1) {                                               \
+        const int64_t T = j->T, K = j->K, N = j->N;                                                         \
+        for (int64_t n = n0; n < n1; n += 2) {                                                              \
+            const int nw = n + 1 < n1 ? 2 : 1;                                                              \
+            const WT *w0 = (const WT *)j->w + n * K, *w1 = w0 + K;                                          \
+            for (int64_t t0 = 0; t0 < T; t0 += 8) {                                                         \
+                const int tb = (int)(T - t0 < 8 ? T - t0 : 8);                                              \
+                const float *xs[8];                                                                         \
+                float r0[8], r1[8];                                                                         \
+                for (int t = 0; t < tb; t++) xs[t] = j->x + (t0 + t) * K;                                   \
+                switch (tb) { /* constant block sizes, so the accumulators stay in registers */             \
+                    DOTS_CASE(FN, 8) DOTS_CASE(FN, 7) DOTS_CASE(FN, 6) DOTS_CASE(FN, 5)                     \
+                    DOTS_CASE(FN, 4) DOTS_CASE(FN, 3) DOTS_CASE(FN, 2) DOTS_CASE(FN, 1)                     \
+                }                                                                                           \
+                store_rows(j, n, nw, t0, tb, r0, r1);                                                       \
+            }                                                                                               \
+        }                                                                                                   \
     }
-    for (int t = 0; t < tb; t++) {
-        out0[t] = _mm512_reduce_add_ps(a0[t]);
-        if (nw > 1) out1[t] = _mm512_reduce_add_ps(a1[t]);
+
+static inline void store_rows(const Job *j, int64_t n, int nw, int64_t t0, int tb, const float *r0,
+                              const float *r1) {
+    for (int w = 0; w < nw; w++) {
+        const float *r = w ? r1 : r0;
+        const float bias = j->bias ? j->bias[n + w] : 0.f;
+        for (int t = 0; t < tb; t++) {
+            float v = r[t];
+            if (j->bias) v += bias;
+            const int64_t at = (t0 + t) * j->N + n + w;
+            if (j->add) v += j->add[at];
+            j->y[at] = v;
+        }
     }
 }
 
-#define DOTS_CASE(TB)                                                         \
-    case TB:                                                                  \
-        if (nw == 2) dots16(xs, w0, w1, K, TB, 2, r0, r1);                    \
-        else dots16(xs, w0, w0, K, TB, 1, r0, r1);                            \
-        break;
+DEFINE_RUN_ROWS(run_rows_f32, float, dots16)
+#ifdef SPECOPS_BF16_WEIGHTS
+DEFINE_RUN_ROWS(run_rows_bf16, uint16_t, dots16h)
+#endif
 
 static void run_rows(const Job *j, int64_t n0, int64_t n1) {
-    const int64_t T = j->T, K = j->K, N = j->N;
-    for (int64_t n = n0; n < n1; n += 2) { /* each pair of weight rows streamed once, for every row of x */
-        const int nw = n + 1 < n1 ? 2 : 1;
-        const float *w0 = j->w + n * K, *w1 = w0 + K;
-        for (int64_t t0 = 0; t0 < T; t0 += 8) {
-            const int tb = (int)(T - t0 < 8 ? T - t0 : 8);
-            const float *xs[8];
-            float r0[8], r1[8];
-            for (int t = 0; t < tb; t++) xs[t] = j->x + (t0 + t) * K;
-            switch (tb) { /* constant block sizes, so the accumulators stay in registers */
-                DOTS_CASE(8) DOTS_CASE(7) DOTS_CASE(6) DOTS_CASE(5)
-                DOTS_CASE(4) DOTS_CASE(3) DOTS_CASE(2) DOTS_CASE(1)
-            }
-            for (int w = 0; w < nw; w++) {
-                const float *r = w ? r1 : r0;
-                const float bias = j->bias ? j->bias[n + w] : 0.f;
-                for (int t = 0; t < tb; t++) {
-                    float v = r[t];
-                    if (j->bias) v += bias;
-                    const int64_t at = (t0 + t) * N + n + w;
-                    if (j->add) v += j->add[at];
-                    j->y[at] = v;
-                }
-            }
-        }
+#ifdef SPECOPS_BF16_WEIGHTS
+    if (j->bf16) {
+        run_rows_bf16(j, n0, n1);
+        return;
     }
+#endif
+    run_rows_f32(j, n0, n1);
 }
 #else
 static void run_rows(const Job *j, int64_t n0, int64_t n1) {
@@ -496,11 +532,25 @@ static void swiglu_rows(const float *x, int64_t T, int64_t K, float *out) {
 
 static int linear_job(Job j, int threads);
 
-/* Returns 0, or 2 when a buffer could not be allocated; threads: how many threads may share
- * the rows (1: the caller alone); mode 0 plain, 1 RMSNorm(g, eps) first, 2 SwiGLU first. */
+/* Returns 0, 2 when a buffer could not be allocated, 4 for bf16 weights this build cannot
+ * read; threads: how many threads may share the rows (1: the caller alone); mode 0 plain,
+ * 1 RMSNorm(g, eps) first, 2 SwiGLU first, | WEIGHTS_BF16 when w is bfloat16. */
+#define WEIGHTS_BF16 8 /* a mode flag: w holds bfloat16 weights */
+
+/* Whether this build reads bfloat16 weights (AVX-512 BW/VL). */
+int specops_bf16_weights(void) {
+#ifdef SPECOPS_BF16_WEIGHTS
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int specops_linear(const float *x, const float *w, const float *bias, const float *add, float *y, int64_t T,
                    int64_t K, int64_t N, int threads, int mode, const float *g, float eps) {
-    Job j = {x, w, bias, add, y, T, K, N};
+    Job j = {x, w, bias, add, y, T, K, N, (mode & WEIGHTS_BF16) != 0};
+    mode &= ~WEIGHTS_BF16;
+    if (j.bf16 && !specops_bf16_weights()) return 4;
     if (mode == 0) return linear_job(j, threads);
     float stack[4096];
     float *buf = T * K <= 4096 ? stack : (float *)malloc(sizeof(float) * (size_t)(T * K));
@@ -650,28 +700,31 @@ static int split(int threads, int64_t rows_out) {
 typedef struct {
     const float *ln1, *qkv_w, *qkv_b, *o_w, *o_b, *ln2, *gu_w, *gu_b, *down_w, *down_b;
     float *k_cache, *v_cache; /* [B, Hkv, S, D] views of this layer's cache */
+    int64_t flags;            /* WEIGHTS_BF16 when the four matrices are bfloat16 */
 } LayerWeights;
 
 int specops_llama_layers(const LayerWeights *layers, int64_t n_layers, float *x, int64_t T, int64_t E, int64_t Hq,
                          int64_t Hkv, int64_t D, int64_t I, float eps, float scale, const float *cos,
                          const float *sin, int64_t kv_b, int64_t kv_h, int64_t start, const uint64_t *mask,
                          float *scratch, int threads, const float *norm, const float *head_w, const float *head_b,
-                         int64_t V, float *hidden, float *logits) {
+                         int64_t V, float *hidden, float *logits, int head_flags) {
     const int64_t H = Hq + 2 * Hkv;
     float *qkv = scratch, *att = qkv + T * H * D, *gu = att + T * Hq * D;
     for (int64_t i = 0; i < n_layers; i++) {
         const LayerWeights *l = layers + i;
-        int rc = specops_linear(x, l->qkv_w, l->qkv_b, NULL, qkv, T, E, H * D, split(threads, H * D), 1, l->ln1, eps);
+        const int f = (int)l->flags;
+        int rc = specops_linear(x, l->qkv_w, l->qkv_b, NULL, qkv, T, E, H * D, split(threads, H * D), 1 | f, l->ln1, eps);
         if (rc == 0)
             rc = specops_rope_cache_attention(qkv, cos, sin, l->k_cache, l->v_cache, kv_b, kv_h, start, att, 1, T, Hq,
                                               Hkv, D, scale, mask, threads);
-        if (rc == 0) rc = specops_linear(att, l->o_w, l->o_b, x, x, T, Hq * D, E, split(threads, E), 0, NULL, 0.f);
-        if (rc == 0) rc = specops_linear(x, l->gu_w, l->gu_b, NULL, gu, T, E, 2 * I, split(threads, 2 * I), 1, l->ln2, eps);
-        if (rc == 0) rc = specops_linear(gu, l->down_w, l->down_b, x, x, T, I, E, split(threads, E), 2, NULL, 0.f);
+        if (rc == 0) rc = specops_linear(att, l->o_w, l->o_b, x, x, T, Hq * D, E, split(threads, E), f, NULL, 0.f);
+        if (rc == 0) rc = specops_linear(x, l->gu_w, l->gu_b, NULL, gu, T, E, 2 * I, split(threads, 2 * I), 1 | f, l->ln2, eps);
+        if (rc == 0) rc = specops_linear(gu, l->down_w, l->down_b, x, x, T, I, E, split(threads, E), 2 | f, NULL, 0.f);
         if (rc != 0) return rc;
     }
     if (hidden != NULL) rms_norm_rows(x, norm, eps, T, E, hidden);
-    if (logits != NULL) return specops_linear(hidden, head_w, head_b, NULL, logits, T, E, V, split(threads, V), 0, NULL, 0.f);
+    if (logits != NULL)
+        return specops_linear(hidden, head_w, head_b, NULL, logits, T, E, V, split(threads, V), head_flags, NULL, 0.f);
     return 0;
 }
 

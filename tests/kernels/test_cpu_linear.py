@@ -344,3 +344,48 @@ def test_a_tree_forward_through_the_layer_stack_equals_decoding_its_path():
     for node in path:
         step = runner.forward(tokens[:, node : node + 1]).logits[0, 0]
         assert torch.equal(step, tree[node])
+
+
+def test_bf16_weights_are_widened_exactly_and_keep_the_row_and_thread_invariance():
+    """A bfloat16 weight (a draft model's kernel copy) computes what its fp32 widening does,
+    with the same bits for any row count or thread count."""
+    assert cpu_linear.bf16_weights()  # the CI machine's build reads them (AVX-512 BW/VL)
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(7, 264, generator=gen), torch.randn(300, 264, generator=gen).to(torch.bfloat16)
+    b = torch.randn(300, generator=gen)
+    want = cpu_linear.linear(x, w.float(), b, threads=1)  # the same values, stored as fp32
+    assert torch.equal(cpu_linear.linear(x, w, b, threads=1), want)
+    assert torch.equal(cpu_linear.linear(x, w, b, threads=2), want)
+    for t in range(7):
+        assert torch.equal(cpu_linear.linear(x[t : t + 1].contiguous(), w, b, threads=2)[0], want[t])
+
+
+def test_a_runner_with_bf16_kernel_weights_runs_the_c_stack_and_stays_close():
+    from specops.assets import DRAFT_DIR
+    from specops.decoder.fast_llama import FastLlamaRunner
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(DRAFT_DIR), dtype=torch.float32).eval()
+    half = FastLlamaRunner(model, kernel_weights="bf16")
+    full = FastLlamaRunner(model)
+    assert half.kernel_weights == "bf16" and half.c_layers and half.layers[0].qkv.weight.dtype == torch.bfloat16
+    assert full.kernel_weights == "fp32"
+    outs = []
+    for runner in (half, full):
+        runner.reset(1)
+        runner.forward(torch.arange(3, 40).view(1, -1))  # the prompt pass: torch, fp32 in both
+        outs.append(runner.forward(torch.tensor([[41, 42, 43]])).logits)
+    torch.testing.assert_close(outs[0], outs[1], atol=0.05, rtol=0.05)
+    with pytest.raises(ValueError, match="kernel_weights"):
+        FastLlamaRunner(model, kernel_weights="int8")
+
+
+def test_the_decoder_drafts_with_bf16_kernel_weights_and_stays_exact():
+    from specops.decoder import Decoder
+
+    dec = Decoder.from_pretrained("bundled")
+    assert dec.draft.kernel_weights == "bf16" and dec.target.kernel_weights == "fp32"
+    prompt = torch.arange(10, 60).view(1, -1)
+    ar = dec.generate(prompt, method="ar", max_new_tokens=48, temperature=0.0).tokens
+    draft = dec.generate(prompt, method="draft", max_new_tokens=48, temperature=0.0)
+    assert draft.tokens == ar and draft.stats.accepted > 0
