@@ -151,7 +151,10 @@ def test_step_invariants_and_kv_contents(dec):
                 torch.testing.assert_close(_paged_kv(eng.target, seq.target), ref, atol=1e-4, rtol=1e-4)
             if seq.spec.method == "draft" and seq.draft.computed:
                 ref = _contiguous_kv(dec.draft, seq.tokens[: seq.draft.computed])
-                torch.testing.assert_close(_paged_kv(eng.draft, seq.draft), ref, atol=1e-4, rtol=1e-4)
+                # the draft's decoding steps read bf16 kernel weights (its prompt pass fp32): the
+                # reference, one fp32 prompt pass, agrees to bf16 precision; a wrong slot is off by O(1)
+                tol = 5e-2 if getattr(dec.draft, "kernel_weights", "fp32") == "bf16" else 1e-4
+                torch.testing.assert_close(_paged_kv(eng.draft, seq.draft), ref, atol=tol, rtol=tol)
     assert spec_steps > 10
     assert moved_paths  # some accepted tree paths really needed moving (then checked contiguous above)
 
