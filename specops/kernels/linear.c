@@ -166,7 +166,7 @@ DEFINE_DOTS(dots16h, uint16_t, LOAD_BF16, LOAD_BF16_MASKED)
 /* each pair of weight rows streamed once, for every row of x */
 #define DEFINE_RUN_ROWS(NAME, WT, FN)                                                                       \
     static void NAME(const Job *j, int64_t n0, int64_t n1) {                                               \
-        const int64_t T = j->T, K = j->K, N = j->N;                                                         \
+        const int64_t T = j->T, K = j->K;                                                                   \
         for (int64_t n = n0; n < n1; n += 2) {                                                              \
             const int nw = n + 1 < n1 ? 2 : 1;                                                              \
             const WT *w0 = (const WT *)j->w + n * K, *w1 = w0 + K;                                          \
