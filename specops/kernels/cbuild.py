@@ -68,6 +68,7 @@ class LazyKernel:
         self._lock = threading.Lock()
 
     def available(self) -> bool:
+        """Whether the kernel is built and loaded (builds it on the first call)."""
         if self._tried:
             return self.lib is not None
         with self._lock:
@@ -84,6 +85,11 @@ class LazyKernel:
                         log.warning("%s unavailable, using %s: %s", self.what, self.fallback, self.error)
                 self._tried = True
         return self.lib is not None
+
+    def unavailable_reason(self) -> str | None:
+        """Why the kernel is not loaded (None when it is)."""
+        self.available()
+        return self.error
 
     def require(self) -> ctypes.CDLL:
         """The loaded library, or RuntimeError naming why there is none."""

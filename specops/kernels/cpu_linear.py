@@ -27,6 +27,7 @@ MKL / oneDNN.
 from __future__ import annotations
 
 import ctypes
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +38,6 @@ from specops.kernels.cbuild import LazyKernel
 
 SOURCE = Path(__file__).with_name("linear.c")
 MAX_ROWS = 8  # rows of x up to which the kernel is used (above, oneDNN's blocked GEMM wins)
-MIN_ROWS_PER_THREAD = 128  # output rows a thread must get for a split to pay
 
 
 def _setup(lib: ctypes.CDLL) -> None:
@@ -69,14 +69,8 @@ def _setup(lib: ctypes.CDLL) -> None:
 _kernel = LazyKernel(SOURCE, "linear", _setup, "CPU linear kernel", "MKL / oneDNN")
 
 
-def available() -> bool:
-    """Whether the kernel is built and loaded (builds it on the first call)."""
-    return _kernel.available()
-
-
-def unavailable_reason() -> str | None:
-    _kernel.available()
-    return _kernel.error
+available = _kernel.available  # whether the kernel is built and loaded (builds it on the first call)
+unavailable_reason = _kernel.unavailable_reason  # why not (None when it is)
 
 
 WEIGHTS_BF16 = 8  # mode flag of the C kernel: the weight is bfloat16 (`bf16_weights`)
@@ -87,12 +81,6 @@ def bf16_weights() -> bool:
     BW/VL build). Drafting models use them: half the bytes per token, and a drafter's
     logits only propose tokens, so the output stays exact."""
     return available() and bool(_kernel.lib.specops_bf16_weights())
-
-
-def threads_for(rows_out: int, threads: int | None = None) -> int:
-    """Threads worth splitting ``rows_out`` output rows over (torch's intra-op count at most)."""
-    n = int(threads or torch.get_num_threads())
-    return max(1, min(n, rows_out // MIN_ROWS_PER_THREAD))
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, add: Tensor | None = None,
@@ -145,7 +133,7 @@ def unchecked(x: Tensor, weight: Tensor, bias: Tensor | None, add: Tensor | None
     mode = (1 if norm is not None else 2 if swiglu else 0) | (WEIGHTS_BF16 if weight.dtype == torch.bfloat16 else 0)
     rc = _kernel.lib.specops_linear(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
                              None if add is None else add.data_ptr(), out.data_ptr(), t, weight.shape[1], n,
-                             threads_for(n, threads), mode, None if norm is None else norm.data_ptr(), float(eps))
+                             int(threads or torch.get_num_threads()), mode, None if norm is None else norm.data_ptr(), float(eps))
     if rc != 0:
         raise MemoryError("CPU linear kernel: no memory for its input buffer" if rc == 2 else
                           f"CPU linear kernel failed (code {rc}: bfloat16 weights this build cannot read)")
@@ -155,15 +143,27 @@ def unchecked(x: Tensor, weight: Tensor, bias: Tensor | None, add: Tensor | None
 MAX_MASK_NODES = 64  # new positions a visibility mask (`mask_bits`) can describe
 
 
+# id(mask) -> (a weak reference to it, a copy of its values then, its words); an entry goes with its tensor
+_MASK_WORDS: dict[int, tuple[weakref.ref, Tensor, Tensor]] = {}
+
+
 def mask_bits(mask: Tensor) -> Tensor:
     """A [T, T] bool visibility mask among new positions (``mask[t, i]``: query t sees new
-    position i; a Medusa tree's ancestor mask) as the kernel's [T] words (bit i of word t)."""
+    position i; a Medusa tree's ancestor mask) as the kernel's [T] words (bit i of word t).
+    Kept per mask tensor (a tree's mask is built once and verified every step), and redone
+    when its values changed in place (compared with a copy: inference tensors keep no version)."""
     t = mask.shape[0]
     if mask.dim() != 2 or mask.shape[1] != t or t > MAX_MASK_NODES:
         raise ValueError(f"mask must be [T, T] with T <= {MAX_MASK_NODES}, got {tuple(mask.shape)}")
+    cached = _MASK_WORDS.get(id(mask))
+    if cached is not None and cached[0]() is mask and torch.equal(cached[1], mask):
+        return cached[2]
     weights = np.left_shift(np.uint64(1), np.arange(t, dtype=np.uint64))  # [T]
     words = (mask.cpu().numpy().astype(np.uint64) * weights[None, :]).sum(axis=1, dtype=np.uint64)  # [T]
-    return torch.from_numpy(words.view(np.int64).copy())
+    out = torch.from_numpy(words.view(np.int64).copy())
+    key = id(mask)
+    _MASK_WORDS[key] = (weakref.ref(mask, lambda _, key=key: _MASK_WORDS.pop(key, None)), mask.clone(), out)
+    return out
 
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, out: Tensor | None = None,

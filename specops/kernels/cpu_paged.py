@@ -40,14 +40,8 @@ def _setup(lib: ctypes.CDLL) -> None:
 _kernel = LazyKernel(SOURCE, "paged_attention", _setup, "CPU paged-attention kernel", "SDPA over gathered KV")
 
 
-def available() -> bool:
-    """Whether the kernel is built and loaded (builds it on the first call)."""
-    return _kernel.available()
-
-
-def unavailable_reason() -> str | None:
-    _kernel.available()
-    return _kernel.error
+available = _kernel.available  # whether the kernel is built and loaded (builds it on the first call)
+unavailable_reason = _kernel.unavailable_reason  # why not (None when it is)
 
 
 def paged_attention(q: Tensor, k_store: Tensor, v_store: Tensor, q_index: Tensor, visible: Tensor,

@@ -533,7 +533,8 @@ static void swiglu_rows(const float *x, int64_t T, int64_t K, float *out) {
 static int linear_job(Job j, int threads);
 
 /* Returns 0, 2 when a buffer could not be allocated, 4 for bf16 weights this build cannot
- * read; threads: how many threads may share the rows (1: the caller alone); mode 0 plain,
+ * read; threads: how many threads may share the rows (1: the caller alone; fewer when the
+ * rows give a thread less than MIN_ROWS_PER_THREAD outputs); mode 0 plain,
  * 1 RMSNorm(g, eps) first, 2 SwiGLU first, | WEIGHTS_BF16 when w is bfloat16. */
 #define WEIGHTS_BF16 8 /* a mode flag: w holds bfloat16 weights */
 
@@ -599,8 +600,12 @@ static int pool_take(int64_t chunks, int threads) {
     return 1;
 }
 
+#define MIN_ROWS_PER_THREAD 128 /* output rows a thread must get for a split to pay */
+
 static int linear_job(Job j, int threads) {
     const int64_t N = j.N;
+    const int64_t most = N / MIN_ROWS_PER_THREAD;
+    if (most < threads) threads = most < 1 ? 1 : (int)most;
     const int64_t chunks = (N + CHUNK_ROWS - 1) / CHUNK_ROWS;
     if (!pool_take(chunks, threads)) {
         run_rows(&j, 0, N);
@@ -691,12 +696,6 @@ int specops_rope_cache_attention(float *qkv, const float *cos, const float *sin,
  * and logits [T, V] = hidden head_w^T (+ head_b).
  *   scratch  at least T * (Hq + 2 Hkv) * D + T * Hq * D + T * 2 * I floats
  * Returns 0, or the first failing call's code. */
-#define MIN_ROWS_PER_THREAD 128 /* output rows a thread must get for a split to pay (cpu_linear.threads_for) */
-static int split(int threads, int64_t rows_out) {
-    const int64_t most = rows_out / MIN_ROWS_PER_THREAD;
-    return (int)(most < 1 ? 1 : most < threads ? most : threads);
-}
-
 typedef struct {
     const float *ln1, *qkv_w, *qkv_b, *o_w, *o_b, *ln2, *gu_w, *gu_b, *down_w, *down_b;
     float *k_cache, *v_cache; /* [B, Hkv, S, D] views of this layer's cache */
@@ -713,18 +712,18 @@ int specops_llama_layers(const LayerWeights *layers, int64_t n_layers, float *x,
     for (int64_t i = 0; i < n_layers; i++) {
         const LayerWeights *l = layers + i;
         const int f = (int)l->flags;
-        int rc = specops_linear(x, l->qkv_w, l->qkv_b, NULL, qkv, T, E, H * D, split(threads, H * D), 1 | f, l->ln1, eps);
+        int rc = specops_linear(x, l->qkv_w, l->qkv_b, NULL, qkv, T, E, H * D, threads, 1 | f, l->ln1, eps);
         if (rc == 0)
             rc = specops_rope_cache_attention(qkv, cos, sin, l->k_cache, l->v_cache, kv_b, kv_h, start, att, 1, T, Hq,
                                               Hkv, D, scale, mask, threads);
-        if (rc == 0) rc = specops_linear(att, l->o_w, l->o_b, x, x, T, Hq * D, E, split(threads, E), f, NULL, 0.f);
-        if (rc == 0) rc = specops_linear(x, l->gu_w, l->gu_b, NULL, gu, T, E, 2 * I, split(threads, 2 * I), 1 | f, l->ln2, eps);
-        if (rc == 0) rc = specops_linear(gu, l->down_w, l->down_b, x, x, T, I, E, split(threads, E), 2 | f, NULL, 0.f);
+        if (rc == 0) rc = specops_linear(att, l->o_w, l->o_b, x, x, T, Hq * D, E, threads, f, NULL, 0.f);
+        if (rc == 0) rc = specops_linear(x, l->gu_w, l->gu_b, NULL, gu, T, E, 2 * I, threads, 1 | f, l->ln2, eps);
+        if (rc == 0) rc = specops_linear(gu, l->down_w, l->down_b, x, x, T, I, E, threads, 2 | f, NULL, 0.f);
         if (rc != 0) return rc;
     }
     if (hidden != NULL) rms_norm_rows(x, norm, eps, T, E, hidden);
     if (logits != NULL)
-        return specops_linear(hidden, head_w, head_b, NULL, logits, T, E, V, split(threads, V), head_flags, NULL, 0.f);
+        return specops_linear(hidden, head_w, head_b, NULL, logits, T, E, V, threads, head_flags, NULL, 0.f);
     return 0;
 }
 

@@ -66,7 +66,6 @@ from specops.serving.sequence import (
     PromptTooLongError,
     SamplingParams,
     Sequence,
-    SeqStatus,
     SpecSettings,
     StepOutput,
 )

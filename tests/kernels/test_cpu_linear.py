@@ -241,6 +241,11 @@ def test_mask_bits_packs_each_row_into_a_word():
     assert cpu_linear.mask_bits(wide)[-1].item() == -1  # all 64 bits set (as a signed word)
     with pytest.raises(ValueError, match="T <= 64"):
         cpu_linear.mask_bits(torch.ones(65, 65, dtype=torch.bool))
+    with torch.inference_mode():  # kept per tensor, redone when its values change (inference tensors too)
+        tree = mask_from_parents([-1, 0, 1])
+        assert cpu_linear.mask_bits(tree) is cpu_linear.mask_bits(tree)
+        tree[2, 1] = False
+        assert cpu_linear.mask_bits(tree).tolist() == [0b1, 0b11, 0b101]
 
 
 @pytest.mark.parametrize("threads", [1, 2])
