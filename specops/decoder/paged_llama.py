@@ -24,6 +24,14 @@ One forward:
    the gather: `specops.kernels.cpu_paged` reads the keys and values in place;
 5. logits are computed only for the rows the caller asks for (``logit_rows``).
 
+On fp32 CPU with the C kernels built (the runner's ``c_layers``), a batch of up to
+``C_LAYERS_MAX_N`` flat tokens skips all of the above: `forward_ragged` runs the whole layer
+stack, the final norm and the LM head in one C call (`cpu_linear.paged_layers`), which
+reads every sequence's keys through its block table and writes each token's key/value to
+its slot; no attention groups, no padding, no mask tensors, ~1/3 of a plain step's Python
+and dispatch overhead gone. It makes the same kernel calls as the runner's single-sequence
+forward, so each sequence's logits equal `FastLlamaRunner.forward`'s bit for bit.
+
 Compaction of an accepted tree path is `copy_slots` (one gather + one scatter over all
 layers). Results equal `FastLlamaRunner.forward` up to float rounding (different matmul
 row counts and SDPA's masked path round differently).
@@ -37,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specops.kernels import cpu_paged
+from specops.kernels import cpu_linear, cpu_paged
 
 
 @dataclass
@@ -90,6 +98,7 @@ def kv_bytes_per_token(runner) -> int:
 
 
 KERNEL_MAX_TQ = 16  # queries per sequence up to which the CPU kernel runs (longer prefills: SDPA)
+C_LAYERS_MAX_N = 128  # flat tokens up to which a batch runs the C layer stack (larger: oneDNN matmuls pay)
 
 
 class PagedLlama:
@@ -110,6 +119,15 @@ class PagedLlama:
         # the in-place CPU kernel for fp32 on CPU when it builds here; otherwise SDPA over gathered KV
         self.cpu_kernel = self.device.type == "cpu" and runner.dtype == torch.float32 and cpu_paged.available()
         self._half_bytes = self.slots * runner.n_kv_heads * runner.head_dim * self.store.element_size()  # one [S, Hkv, D]
+        # a batch of up to C_LAYERS_MAX_N tokens runs the whole layer stack in one C call (`forward_ragged`)
+        # where the runner's single-sequence forward does (fp32 CPU, SwiGLU layers on the C kernels)
+        self.c_layers = bool(getattr(runner, "c_layers", False))
+        self._c_table = None
+        if self.c_layers:
+            self._c_table = cpu_linear.layer_table([
+                dict(ln1=l.ln1, qkv_w=l.qkv.weight, qkv_b=l.qkv.bias, o_w=l.o.weight, o_b=l.o.bias, ln2=l.ln2,
+                     gu_w=l.gate_up.weight, gu_b=l.gate_up.bias, down_w=l.down.weight, down_b=l.down.bias,
+                     k_cache=self.store[i, 0], v_cache=self.store[i, 1]) for i, l in enumerate(runner.layers)])
 
     def kernel_group(self, tq: int, tree: bool) -> bool:
         """Whether a group of ``tq`` queries per sequence runs on the CPU kernel."""
@@ -176,6 +194,28 @@ class PagedLlama:
             if logits.dtype != torch.float32:
                 logits = logits.float()
         return logits, (rows if need_hidden else None)
+
+    def forward_ragged(self, input_ids: Tensor, batch: cpu_linear.RaggedBatch, logit_rows: Tensor,
+                       need_hidden: bool = False) -> tuple[Tensor, Tensor | None]:
+        """`forward` in one C call (`cpu_linear.paged_layers`; ``c_layers`` must be set):
+        ``input_ids`` [N] flat, ``batch`` says which sequence, cache slots and attention pattern
+        each token has. Each sequence's logits equal the fast runner's single-sequence
+        forward bit for bit (the same kernel calls). Returns logits [R, V] and hidden [R, E]."""
+        r = self.r
+        if not self.c_layers:
+            raise ValueError("forward_ragged needs the runner's C layer stack (fp32 CPU, SwiGLU, kernels built)")
+        n = input_ids.shape[0]
+        if batch.tables.size and (int(batch.tables.min()) < 0 or int(batch.tables.max()) >= self.num_blocks):
+            raise ValueError(f"a block table names a block outside 0..{self.num_blocks - 1}")
+        if logit_rows.numel() and (int(logit_rows.min()) < 0 or int(logit_rows.max()) >= n):
+            raise ValueError(f"logit rows must lie in 0..{n - 1}")
+        with torch.inference_mode():
+            x = F.embedding(input_ids, r.embed)  # [N, E]
+            hidden, logits = cpu_linear.paged_layers(
+                self._c_table, x, batch, logit_rows, heads=r.n_heads, kv_heads=r.n_kv_heads, head_dim=r.head_dim,
+                intermediate=r.layers[0].down.weight.shape[1], eps=r.eps, scale=r.scale, cos=r._cos, sin=r._sin,
+                norm=r.norm, head=r.lm_head.weight, head_bias=r.lm_head.bias)  # [R, E], [R, V]
+        return logits, (hidden if need_hidden else None)
 
     def copy_slots(self, src: Tensor, dst: Tensor) -> None:  # src, dst: [n] long slot ids
         """Move the entries of slots ``src`` to slots ``dst`` in every layer (gathered first)."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +61,14 @@ def _setup(lib: ctypes.CDLL) -> None:
                        [ctypes.c_float, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 +
                        [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] +
                        [ctypes.c_void_p] * 2 + [ctypes.c_int])
+    paged = lib.specops_paged_layers
+    paged.restype = ctypes.c_int
+    paged.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 6 +
+                      [ctypes.c_float, ctypes.c_float] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] +
+                      [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] +
+                      [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p,
+                                                                                 ctypes.c_int64] +
+                      [ctypes.c_void_p] * 2 + [ctypes.c_int])
     fused = lib.specops_rope_cache_attention
     fused.restype = ctypes.c_int
     fused.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [
@@ -289,6 +298,73 @@ def llama_layers(table: ctypes.Array, x: Tensor, *, heads: int, kv_heads: int, h
                                           WEIGHTS_BF16 if head.dtype == torch.bfloat16 else 0)
     if rc != 0:
         raise MemoryError(f"CPU layer-stack kernel failed (code {rc})")
+    return hidden, logits
+
+
+@dataclass
+class RaggedBatch:
+    """Where the flat tokens of a ragged batch belong, for `paged_layers` (numpy, C layouts).
+
+    Sequence s owns flat tokens ``first[s] .. first[s+1]-1``; they follow ``start[s]`` cached
+    entries; cache position p of s is slot ``tables[s, p // block_size] * block_size +
+    p % block_size``; its new tokens see each other causally, or, where ``masked[s]``, by
+    ``words[n]`` (`mask_bits` of its [T, T] tree mask, T <= 64). ``positions[n]`` is token
+    n's rotary position (cache position for chains, prefix + depth for tree nodes)."""
+
+    positions: np.ndarray  # [N] int32
+    first: np.ndarray  # [S + 1] int64
+    start: np.ndarray  # [S] int64
+    tables: np.ndarray  # [S, blocks] int32
+    block_size: int
+    words: np.ndarray  # [N] int64 (uint64 bits)
+    masked: np.ndarray  # [S] int8
+
+    def keys(self) -> int:
+        """The most keys any token attends to."""
+        return int((self.start + np.diff(self.first)).max())
+
+
+def paged_layers(table: ctypes.Array, x: Tensor, batch: RaggedBatch, rows: Tensor, *, heads: int, kv_heads: int,
+                 head_dim: int, intermediate: int, eps: float, scale: float, cos: Tensor, sin: Tensor, norm: Tensor,
+                 head: Tensor | None, head_bias: Tensor | None = None,
+                 threads: int | None = None) -> tuple[Tensor, Tensor | None]:
+    """`llama_layers` over a ragged batch of sequences on a block-paged store (see
+    ``specops_paged_layers`` in linear.c): x [N, E] (contiguous fp32, updated in place) holds
+    the embeddings of every sequence's new tokens, flat; ``table`` is `layer_table` with each
+    layer's k_cache / v_cache its [slots, Hkv, D] half of the store; ``cos`` / ``sin`` the
+    runner's [positions, D] rotary tables. Each token's key and value go to its cache slot,
+    and its outputs equal the single-sequence stack's bit for bit. Returns the normed hidden
+    states [R, E] and logits [R, V] (None without ``head``) of the flat rows ``rows`` [R]."""
+    n, e = x.shape
+    s = batch.start.shape[0]
+    if batch.positions.shape != (n,) or batch.first.shape != (s + 1,) or batch.words.shape != (n,):
+        raise ValueError("a ragged batch's positions, first and words disagree with x")
+    if int(batch.positions.max(initial=0)) >= cos.shape[0]:
+        raise ValueError(f"a rotary position is past the table's {cos.shape[0]}")
+    rows = rows.contiguous()
+    r = rows.shape[0]
+    vocab = 0 if head is None else head.shape[0]
+    hidden = torch.empty(r, e, dtype=torch.float32)
+    logits = None if head is None else torch.empty(r, vocab, dtype=torch.float32)
+    scratch = torch.empty(n * ((heads + 2 * kv_heads) * head_dim + heads * head_dim + 2 * intermediate),
+                          dtype=torch.float32)
+    tables = np.ascontiguousarray(batch.tables, dtype=np.int32)
+    arrays = [np.ascontiguousarray(a, dtype=t) for a, t in ((batch.positions, np.int32), (batch.first, np.int64),
+                                                            (batch.start, np.int64), (batch.words, np.int64),
+                                                            (batch.masked, np.int8))]
+    pos, first, start, words, masked = arrays
+    rc = _kernel.lib.specops_paged_layers(
+        table, len(table), x.data_ptr(), n, e, heads, kv_heads, head_dim, intermediate, float(eps), float(scale),
+        cos.data_ptr(), sin.data_ptr(), pos.ctypes.data, s, first.ctypes.data, start.ctypes.data,
+        tables.ctypes.data, tables.shape[1], batch.block_size, words.ctypes.data, masked.ctypes.data, batch.keys(),
+        scratch.data_ptr(), int(threads or torch.get_num_threads()), norm.data_ptr(),
+        None if head is None else head.data_ptr(), None if head_bias is None else head_bias.data_ptr(), vocab,
+        rows.data_ptr(), r, hidden.data_ptr(), None if logits is None else logits.data_ptr(),
+        WEIGHTS_BF16 if head is not None and head.dtype == torch.bfloat16 else 0)
+    if rc == 3:
+        raise ValueError("CPU paged layer-stack kernel refused the batch's shapes")
+    if rc != 0:
+        raise MemoryError(f"CPU paged layer-stack kernel failed (code {rc})")
     return hidden, logits
 
 

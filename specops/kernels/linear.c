@@ -262,6 +262,19 @@ static void run_rows(const Job *j, int64_t n0, int64_t n1) {
  */
 #define ATTN_STACK_KEYS 4096
 
+/* A ragged batch over a block-paged store (`specops_paged_layers`): sequence s owns flat
+ * tokens first[s] .. first[s+1]-1, which follow start[s] cached ones; cache position p of
+ * s lives in slot tables[s * tstride + p / bs] * bs + p % bs of a slot-major [S, Hkv, D]
+ * store; its new tokens see each other causally, or by words[token] when masked[s]. */
+typedef struct {
+    const int64_t *first, *start;
+    const int32_t *tables;
+    int64_t tstride, bs;
+    const uint64_t *words;
+    const int8_t *masked;
+    const int32_t *tok_seq; /* [N] the sequence of each flat token */
+} PagedMeta;
+
 typedef struct {
     const float *q, *k, *v;
     const uint64_t *mask; /* [T] or NULL (causal) */
@@ -269,6 +282,7 @@ typedef struct {
     int64_t q_b, q_row, kv_b, kv_h, B, T, Hq, Hkv, D, L;
     float scale;
     int failed;
+    const PagedMeta *pg; /* NULL: a dense cache; else B = 1, T = N flat tokens, L = most keys of a token */
 } AttnJob;
 
 #ifdef SPECOPS_AVX2
@@ -282,14 +296,14 @@ static inline __m256 hsum8(const __m256 *a) {
 #endif
 
 /* scores[c] = scale * q . k[keys[c]] for c < n (keys: position of each visible key) */
-static void attn_scores(const float *qh, const float *kh, const int32_t *keys, int64_t n, int64_t D, float scale,
-                        float *scores) {
+static void attn_scores(const float *qh, const float *kh, const int32_t *keys, int64_t n, int64_t D, int64_t stride,
+                        float scale, float *scores) {
 #ifdef SPECOPS_AVX2
     if (D % 8 == 0) {
         const __m256 vs = _mm256_set1_ps(scale);
         for (int64_t c0 = 0; c0 < n; c0 += 8) {
             const float *kr[8];
-            for (int i = 0; i < 8; i++) kr[i] = kh + (int64_t)keys[c0 + i < n ? c0 + i : c0] * D; /* pad: a real key, result dropped */
+            for (int i = 0; i < 8; i++) kr[i] = kh + (int64_t)keys[c0 + i < n ? c0 + i : c0] * stride; /* pad: a real key, result dropped */
             __m256 acc[8];
             for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
             for (int64_t d = 0; d < D; d += 8) {
@@ -305,31 +319,19 @@ static void attn_scores(const float *qh, const float *kh, const int32_t *keys, i
     }
 #endif
     for (int64_t c = 0; c < n; c++) {
-        const float *kj = kh + (int64_t)keys[c] * D;
+        const float *kj = kh + (int64_t)keys[c] * stride;
         float s = 0.f;
         for (int64_t d = 0; d < D; d++) s += qh[d] * kj[d];
         scores[c] = s * scale;
     }
 }
 
-static void attn_row(const AttnJob *a, int64_t row, float *scores, int32_t *keys) {
-    const int64_t T = a->T, Hq = a->Hq, D = a->D, L = a->L, P = L - T;
-    const int64_t h = row % Hq, t = (row / Hq) % T, b = row / (Hq * T);
-    const int64_t g = h / (Hq / a->Hkv);
-    const float *qh = a->q + b * a->q_b + t * a->q_row + h * D;
-    const float *kh = a->k + b * a->kv_b + g * a->kv_h;
-    const float *vh = a->v + b * a->kv_b + g * a->kv_h;
-    float *oh = a->out + (b * T + t) * Hq * D + h * D;
-    int64_t n = 0;
-    for (int64_t j = 0; j < P; j++) keys[n++] = (int32_t)j;
-    if (a->mask == NULL) {
-        for (int64_t i = 0; i <= t; i++) keys[n++] = (int32_t)(P + i);
-    } else {
-        const uint64_t bits = a->mask[t];
-        for (int64_t i = 0; i < T; i++)
-            if ((bits >> i) & 1u) keys[n++] = (int32_t)(P + i);
-    }
-    attn_scores(qh, kh, keys, n, D, a->scale, scores);
+/* One (query, head) row over its n keys (key c at kh / vh + keys[c] * stride). One compiled
+ * copy serves the dense and the paged batches, so both round alike. */
+static __attribute__((noinline)) void attend(const float *qh, const float *kh, const float *vh, const int32_t *keys,
+                                             int64_t n, int64_t D, int64_t stride, float scale, float *scores,
+                                             float *oh) {
+    attn_scores(qh, kh, keys, n, D, stride, scale, scores);
 #ifdef SPECOPS_AVX2
     if (D % 8 == 0 && D <= 128) {
         /* max, exp and the denominator in 8 lanes by rank (a zero-padded last block), then the
@@ -360,7 +362,7 @@ static void attn_row(const AttnJob *a, int64_t row, float *scores, int32_t *keys
         int64_t cc = 0;
         for (; cc + 2 <= n; cc += 2) {
             const __m256 p0 = _mm256_set1_ps(scores[cc]), p1 = _mm256_set1_ps(scores[cc + 1]);
-            const float *v0 = vh + (int64_t)keys[cc] * D, *v1 = vh + (int64_t)keys[cc + 1] * D;
+            const float *v0 = vh + (int64_t)keys[cc] * stride, *v1 = vh + (int64_t)keys[cc + 1] * stride;
             for (int64_t i = 0; i < nv; i++) {
                 e[i] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * i), e[i]);
                 o[i] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v1 + 8 * i), o[i]);
@@ -368,7 +370,7 @@ static void attn_row(const AttnJob *a, int64_t row, float *scores, int32_t *keys
         }
         if (cc < n) {
             const __m256 p0 = _mm256_set1_ps(scores[cc]);
-            const float *v0 = vh + (int64_t)keys[cc] * D;
+            const float *v0 = vh + (int64_t)keys[cc] * stride;
             for (int64_t i = 0; i < nv; i++) e[i] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * i), e[i]);
         }
         const __m256 vi = _mm256_set1_ps(1.0f / total);
@@ -388,10 +390,58 @@ static void attn_row(const AttnJob *a, int64_t row, float *scores, int32_t *keys
     for (int64_t d = 0; d < D; d++) oh[d] = 0.f;
     for (int64_t cc = 0; cc < n; cc++) {
         const float p = scores[cc];
-        const float *vj = vh + (int64_t)keys[cc] * D;
+        const float *vj = vh + (int64_t)keys[cc] * stride;
         for (int64_t d = 0; d < D; d++) oh[d] = __builtin_fmaf(p, vj[d], oh[d]);
     }
     for (int64_t d = 0; d < D; d++) oh[d] *= inv;
+}
+
+/* Row `row` = (token, head) of a job; the key list is built once per token (*have names the
+ * token keys[0..*n) belong to) and shared by its heads. */
+static void attn_row(const AttnJob *a, int64_t row, float *scores, int32_t *keys, int64_t *have, int64_t *n) {
+    const int64_t Hq = a->Hq, D = a->D;
+    const int64_t h = row % Hq, tok = row / Hq;
+    const int64_t g = h / (Hq / a->Hkv);
+    const PagedMeta *pg = a->pg;
+    if (pg != NULL) { /* flat token tok of sequence s: its prefix, then its visible new tokens, as slots */
+        const int64_t s = pg->tok_seq[tok], t = tok - pg->first[s], P = pg->start[s];
+        const int64_t T = pg->first[s + 1] - pg->first[s], bs = pg->bs;
+        if (*have != tok) {
+            const int32_t *table = pg->tables + s * pg->tstride;
+            int64_t c = 0;
+            for (int64_t j = 0; j < P; j++) keys[c++] = (int32_t)((int64_t)table[j / bs] * bs + j % bs);
+            const int masked = pg->masked[s] != 0;
+            const uint64_t bits = masked ? pg->words[tok] : 0;
+            for (int64_t i = 0; i < (masked ? T : t + 1); i++) {
+                if (masked && !((bits >> i) & 1u)) continue;
+                const int64_t p = P + i;
+                keys[c++] = (int32_t)((int64_t)table[p / bs] * bs + p % bs);
+            }
+            *n = c;
+            *have = tok;
+        }
+        const int64_t stride = a->Hkv * D;
+        attend(a->q + tok * a->q_row + h * D, a->k + g * D, a->v + g * D, keys, *n, D, stride, a->scale, scores,
+               a->out + tok * Hq * D + h * D);
+        return;
+    }
+    const int64_t T = a->T, L = a->L, P = L - T;
+    const int64_t t = tok % T, b = tok / T;
+    if (*have != t) { /* the same positions for every sequence of the batch */
+        int64_t c = 0;
+        for (int64_t j = 0; j < P; j++) keys[c++] = (int32_t)j;
+        if (a->mask == NULL) {
+            for (int64_t i = 0; i <= t; i++) keys[c++] = (int32_t)(P + i);
+        } else {
+            const uint64_t bits = a->mask[t];
+            for (int64_t i = 0; i < T; i++)
+                if ((bits >> i) & 1u) keys[c++] = (int32_t)(P + i);
+        }
+        *n = c;
+        *have = t;
+    }
+    attend(a->q + b * a->q_b + t * a->q_row + h * D, a->k + b * a->kv_b + g * a->kv_h,
+           a->v + b * a->kv_b + g * a->kv_h, keys, *n, D, D, a->scale, scores, a->out + (b * T + t) * Hq * D + h * D);
 }
 
 static void attn_rows(AttnJob *a, int64_t r0, int64_t r1) {
@@ -409,7 +459,8 @@ static void attn_rows(AttnJob *a, int64_t r0, int64_t r1) {
             return;
         }
     }
-    for (int64_t r = r0; r < r1; r++) attn_row(a, r, scores, keys);
+    int64_t have = -1, n = 0;
+    for (int64_t r = r0; r < r1; r++) attn_row(a, r, scores, keys, &have, &n);
     if (scores != stack_scores) {
         free(scores);
         free(keys);
@@ -643,8 +694,22 @@ int specops_attention(const float *q, int64_t q_b, int64_t q_row, const float *k
                       int64_t kv_h, float *out, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t L,
                       float scale, const uint64_t *mask, int threads) {
     if (mask != NULL && T > 64) return 3;
-    AttnJob a = {q, k, v, mask, out, q_b, q_row, kv_b, kv_h, B, T, Hq, Hkv, D, L, scale, 0};
+    AttnJob a = {q, k, v, mask, out, q_b, q_row, kv_b, kv_h, B, T, Hq, Hkv, D, L, scale, 0, NULL};
     return attention(a, threads);
+}
+
+#define ROPE_MAX_D 1024
+/* Rotary embeddings on `heads` heads of one token's row (in place; sin with its first half
+ * negated). One compiled copy for the dense and the paged paths: the same bits. */
+static __attribute__((noinline)) void rope_row(float *row, const float *c, const float *s, int64_t heads, int64_t D) {
+    const int64_t half = D / 2;
+    float tmp[ROPE_MAX_D];
+    for (int64_t h = 0; h < heads; h++) {
+        float *x = row + h * D;
+        for (int64_t d = 0; d < half; d++) tmp[d] = x[d] * c[d] + x[d + half] * s[d];
+        for (int64_t d = half; d < D; d++) tmp[d] = x[d] * c[d] + x[d - half] * s[d];
+        memcpy(x, tmp, sizeof(float) * (size_t)D);
+    }
 }
 
 /* The whole attention block of a decoding step / chain or tree verification after the
@@ -661,20 +726,13 @@ int specops_rope_cache_attention(float *qkv, const float *cos, const float *sin,
                                  int64_t kv_b, int64_t kv_h, int64_t start, float *out, int64_t B, int64_t T,
                                  int64_t Hq, int64_t Hkv, int64_t D, float scale, const uint64_t *mask,
                                  int threads) {
-    const int64_t H = Hq + 2 * Hkv, half = D / 2;
+    const int64_t H = Hq + 2 * Hkv;
     if (mask != NULL && T > 64) return 3;
-    float tmp[1024];
-    if (D > 1024 || D % 2) return 3;
+    if (D > ROPE_MAX_D || D % 2) return 3;
     for (int64_t b = 0; b < B; b++) {
         for (int64_t t = 0; t < T; t++) {
             float *row = qkv + (b * T + t) * H * D;
-            const float *c = cos + t * D, *s = sin + t * D;
-            for (int64_t h = 0; h < Hq + Hkv; h++) { /* q and k heads */
-                float *x = row + h * D;
-                for (int64_t d = 0; d < half; d++) tmp[d] = x[d] * c[d] + x[d + half] * s[d];
-                for (int64_t d = half; d < D; d++) tmp[d] = x[d] * c[d] + x[d - half] * s[d];
-                memcpy(x, tmp, sizeof(float) * (size_t)D);
-            }
+            rope_row(row, cos + t * D, sin + t * D, Hq + Hkv, D);
             for (int64_t g = 0; g < Hkv; g++) {
                 const int64_t at = b * kv_b + g * kv_h + (start + t) * D;
                 memcpy(k_cache + at, row + (Hq + g) * D, sizeof(float) * (size_t)D);
@@ -682,7 +740,8 @@ int specops_rope_cache_attention(float *qkv, const float *cos, const float *sin,
             }
         }
     }
-    AttnJob a = {qkv, k_cache, v_cache, mask, out, T * H * D, H * D, kv_b, kv_h, B, T, Hq, Hkv, D, start + T, scale, 0};
+    AttnJob a = {qkv, k_cache, v_cache, mask, out, T * H * D, H * D, kv_b, kv_h, B, T, Hq, Hkv, D, start + T, scale, 0,
+                 NULL};
     return attention(a, threads);
 }
 
@@ -724,6 +783,65 @@ int specops_llama_layers(const LayerWeights *layers, int64_t n_layers, float *x,
     if (hidden != NULL) rms_norm_rows(x, norm, eps, T, E, hidden);
     if (logits != NULL)
         return specops_linear(hidden, head_w, head_b, NULL, logits, T, E, V, threads, head_flags, NULL, 0.f);
+    return 0;
+}
+
+/* -- the same layer stack over a ragged batch on a block-paged store -----------------------
+ * N flat tokens of S sequences (`PagedMeta`: first [S+1], start [S], tables [S, tstride]
+ * int32, words [N] and masked [S] for trees), token n at rotary position pos[n] (cos_tab /
+ * sin_tab [positions, D], sin as above) and cache position start[s] + (n - first[s]), where
+ * its key and value go before attention. Each layer's k_cache / v_cache in `layers` is its
+ * [slots, Hkv, D] half of the store. Every call is the one the single-sequence stack makes
+ * (linear rows, rope_row, attend), so a sequence's tokens come out bit for bit as
+ * `specops_llama_layers` computes them. After the last layer, hidden [R, E] = rmsnorm of the
+ * rows `rows` [R] and logits [R, V] = hidden head_w^T (+ head_b) (logits NULL: none).
+ *   L        most keys any token sees (max over s of start[s] + its new tokens)
+ *   scratch  at least N * (Hq + 2 Hkv) * D + N * Hq * D + N * 2 * I floats
+ * Returns 0, or the first failing call's code (2: no memory, 3: bad shapes). */
+int specops_paged_layers(const LayerWeights *layers, int64_t n_layers, float *x, int64_t N, int64_t E, int64_t Hq,
+                         int64_t Hkv, int64_t D, int64_t I, float eps, float scale, const float *cos_tab,
+                         const float *sin_tab, const int32_t *pos, int64_t S, const int64_t *first, const int64_t *start,
+                         const int32_t *tables, int64_t tstride, int64_t bs, const uint64_t *words, const int8_t *masked,
+                         int64_t L, float *scratch, int threads, const float *norm, const float *head_w,
+                         const float *head_b, int64_t V, const int64_t *rows, int64_t R, float *hidden, float *logits,
+                         int head_flags) {
+    const int64_t H = Hq + 2 * Hkv;
+    if (D > ROPE_MAX_D || D % 2 || S < 1 || first[0] != 0 || first[S] != N || bs < 1) return 3;
+    for (int64_t s = 0; s < S; s++)
+        if (first[s + 1] < first[s] || (masked[s] && first[s + 1] - first[s] > 64) ||
+            start[s] + first[s + 1] - first[s] > L || start[s] + first[s + 1] - first[s] > tstride * bs)
+            return 3;
+    int32_t *tok_seq = (int32_t *)malloc(sizeof(int32_t) * (size_t)(N > 0 ? N : 1));
+    if (tok_seq == NULL) return 2;
+    for (int64_t s = 0; s < S; s++)
+        for (int64_t n = first[s]; n < first[s + 1]; n++) tok_seq[n] = (int32_t)s;
+    const PagedMeta meta = {first, start, tables, tstride, bs, words, masked, tok_seq};
+    float *qkv = scratch, *att = qkv + N * H * D, *gu = att + N * Hq * D;
+    int rc = 0;
+    for (int64_t i = 0; i < n_layers && rc == 0; i++) {
+        const LayerWeights *l = layers + i;
+        const int f = (int)l->flags;
+        rc = specops_linear(x, l->qkv_w, l->qkv_b, NULL, qkv, N, E, H * D, threads, 1 | f, l->ln1, eps);
+        if (rc != 0) break;
+        for (int64_t n = 0; n < N; n++) { /* rotary, then the new key / value into its slot */
+            float *row = qkv + n * H * D;
+            rope_row(row, cos_tab + (int64_t)pos[n] * D, sin_tab + (int64_t)pos[n] * D, Hq + Hkv, D);
+            const int64_t s = tok_seq[n], p = start[s] + n - first[s];
+            const int64_t slot = (int64_t)tables[s * tstride + p / bs] * bs + p % bs;
+            memcpy(l->k_cache + slot * Hkv * D, row + Hq * D, sizeof(float) * (size_t)(Hkv * D));
+            memcpy(l->v_cache + slot * Hkv * D, row + (Hq + Hkv) * D, sizeof(float) * (size_t)(Hkv * D));
+        }
+        AttnJob a = {qkv, l->k_cache, l->v_cache, NULL, att, 0, H * D, 0, 0, 1, N, Hq, Hkv, D, L, scale, 0, &meta};
+        rc = attention(a, threads);
+        if (rc == 0) rc = specops_linear(att, l->o_w, l->o_b, x, x, N, Hq * D, E, threads, f, NULL, 0.f);
+        if (rc == 0) rc = specops_linear(x, l->gu_w, l->gu_b, NULL, gu, N, E, 2 * I, threads, 1 | f, l->ln2, eps);
+        if (rc == 0) rc = specops_linear(gu, l->down_w, l->down_b, x, x, N, I, E, threads, 2 | f, NULL, 0.f);
+    }
+    free(tok_seq);
+    if (rc != 0) return rc;
+    for (int64_t r = 0; r < R; r++) rms_norm_rows(x + rows[r] * E, norm, eps, 1, E, hidden + r * E);
+    if (logits != NULL)
+        return specops_linear(hidden, head_w, head_b, NULL, logits, R, E, V, threads, head_flags, NULL, 0.f);
     return 0;
 }
 

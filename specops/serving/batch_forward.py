@@ -19,11 +19,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from specops.decoder.hf_runner import HFRunner
-from specops.decoder.paged_llama import AttnGroup, PagedBatch, PagedLlama, kv_bytes_per_token
+from specops.decoder.paged_llama import C_LAYERS_MAX_N, AttnGroup, PagedBatch, PagedLlama, kv_bytes_per_token
+from specops.kernels import cpu_linear
+from specops.kernels.cpu_linear import MAX_MASK_NODES
 from specops.serving.kv_pool import BlockPool, blocks_for
 from specops.serving.sequence import SeqKV
 
@@ -68,6 +71,10 @@ class PagedBackend:
         return [table[p // bs] * bs + p % bs for p in positions]
 
     def forward(self, items: list[FeedItem], need_hidden: bool = False) -> list[ItemOutput]:
+        n = sum(len(it.tokens) for it in items)
+        if (self.model.c_layers and n <= C_LAYERS_MAX_N
+                and all(it.intra is None or len(it.tokens) <= MAX_MASK_NODES for it in items)):
+            return self._forward_c(items, need_hidden)
         dev = self.device
         ids: list[int] = []
         pos: list[int] = []
@@ -104,6 +111,48 @@ class PagedBackend:
             logit_rows=torch.tensor(rows, dtype=torch.long, device=dev),
         )
         logits, hidden = self.model.forward(batch, need_hidden)  # [R, V], [R, E]
+        outs: list[ItemOutput] = []
+        r0 = 0
+        for it in items:
+            r = len(it.rows)
+            outs.append(ItemOutput(logits[r0 : r0 + r], None if hidden is None else hidden[r0 : r0 + r]))
+            r0 += r
+            it.kv.computed += len(it.tokens)
+        return outs
+
+    def _forward_c(self, items: list[FeedItem], need_hidden: bool) -> list[ItemOutput]:
+        """The whole step in one C call (`PagedLlama.forward_ragged`): no attention groups, no
+        padding; each sequence's key list is read from its block table inside the kernel."""
+        s = len(items)
+        first = np.zeros(s + 1, dtype=np.int64)
+        start = np.empty(s, dtype=np.int64)
+        masked = np.zeros(s, dtype=np.int8)
+        width = max(len(it.kv.blocks) for it in items)
+        tables = np.zeros((s, max(width, 1)), dtype=np.int32)
+        ids: list[int] = []
+        pos: list[int] = []
+        rows: list[int] = []
+        words = []
+        for i, it in enumerate(items):
+            c, t = it.kv.computed, len(it.tokens)
+            if len(it.kv.blocks) * self.bs < c + t:
+                raise RuntimeError(f"sequence needs {c + t} slots but holds {len(it.kv.blocks)} blocks")
+            start[i] = c
+            tables[i, : len(it.kv.blocks)] = it.kv.blocks
+            rows.extend(len(ids) + r for r in it.rows)
+            ids.extend(it.tokens)
+            pos.extend(range(c, c + t) if it.positions is None else it.positions)
+            first[i + 1] = len(ids)
+            if it.intra is not None:
+                masked[i] = 1
+                words.append(cpu_linear.mask_bits(it.intra).numpy())
+            else:
+                words.append(np.zeros(t, dtype=np.int64))
+        batch = cpu_linear.RaggedBatch(positions=np.asarray(pos, dtype=np.int32), first=first, start=start,
+                                       tables=tables, block_size=self.bs, words=np.concatenate(words),
+                                       masked=masked)
+        logits, hidden = self.model.forward_ragged(torch.tensor(ids, dtype=torch.long),
+                                                   batch, torch.tensor(rows, dtype=torch.long), need_hidden)
         outs: list[ItemOutput] = []
         r0 = 0
         for it in items:

@@ -95,6 +95,7 @@ def test_paged_forward_with_the_kernel_equals_the_sdpa_path():
     for use in (True, False):
         eng = Engine(dec, max_batch=4, kv_cache_mb=8, calibrate=False)
         eng.target.model.cpu_kernel = use
+        eng.target.model.c_layers = False  # the per-layer path (the C layer stack has its own tests)
         for i, p in enumerate(prompts):
             method = "ngram" if i % 2 else "ar"  # chain drafts verify through the kernel too
             eng.add(f"r{i}", p, SamplingParams(max_tokens=24, ignore_eos=True), SpecSettings(method=method, gamma=4))
