@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 _ADDED = object()  # the engine accepted the request
 
 HTTP_CORE_FROM = 4
-"""Running sequences from which the engine's steps leave one core to the event loop.
+"""Running sequences from which the engine's steps leave one core to the event loop, when
+its forwards run on torch's intra-op threads (`core_rule`).
 
 The engine thread's torch ops run on all intra-op threads; while many requests stream,
 the event loop (detokenizing, SSE framing, socket writes: per token) competes with them
@@ -46,6 +47,17 @@ for cores, and an OpenMP region whose worker is preempted waits for it. Measured
 2-core machine with `specops bench serve`-style load (16 streams, ~150-token prompts):
 1 engine thread gave 696-733 tok/s against 482-594 with 2; with one stream, 2 threads
 are faster (the event loop is nearly idle). None: always all threads."""
+
+
+def core_rule(engine: Any) -> int | None:
+    """`HTTP_CORE_FROM` for an engine whose target forwards use torch's OpenMP team; None
+    (every thread, always) when they run the C layer stack (`PagedLlama.c_layers`): its
+    pool's caller takes the chunks of a worker the OS has not scheduled, so a core busy with
+    the event loop slows a step only by that worker's share, never to a stall. Measured with
+    the bench's prompt mix, 16 streams, 2 cores: 1359-1552 tok/s with both threads against
+    818-846 with one from 4 sequences on."""
+    model = getattr(getattr(engine, "target", None), "model", None)
+    return None if getattr(model, "c_layers", False) else HTTP_CORE_FROM
 
 
 class QueueFullError(RuntimeError):

@@ -34,8 +34,9 @@ import click
 @click.option("--reconcile-s", type=click.FloatRange(min=0.05), default=5.0, show_default=True,
               help="Re-read the policy settings at least this often (change notifications apply at once).")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
-              help="torch CPU threads (default: torch's); from 4 running sequences the engine "
-                   "leaves one of them to the HTTP event loop.")
+              help="CPU threads of the engine's forwards (default: torch's); on torch's own kernels "
+                   "(not the C layer stack) the engine leaves one of them to the HTTP event loop "
+                   "from 4 running sequences on.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 def serve_command(model, draft, medusa, policy_file, redis_url, state_dir, namespace, pod, host, port, max_batch,

@@ -75,6 +75,37 @@ log = logging.getLogger(__name__)
 
 ALPHA_PRIOR = {"draft": 0.7, "ngram": 0.6, "medusa": 0.7}
 ALPHA_RECOVERY = 0.05  # per plain step, toward the prior (a switched-off sequence probes again)
+PRIOR_WEIGHT = 0.05  # weight of one speculative step in its class's acceptance prior (`AcceptancePriors`)
+
+
+class AcceptancePriors:
+    """What earlier requests of the same kind achieved: the starting point of a new request's
+    acceptance estimates (and where a sequence that stopped speculating drifts back to).
+
+    A kind is (request class — `SpecSettings.auto_key` —, method, sampled or greedy). Without
+    it every request started at `ALPHA_PRIOR` (Medusa: the heads' greedy accuracy table at
+    face value), so each temperature-1.0 request paid several steps of wide, mostly rejected
+    speculation before its own estimate fell (Medusa at temperature 1.0 ran at 0.67x plain
+    decoding on the bench's hot prompts). Each speculative step moves its kind's prior by
+    `PRIOR_WEIGHT` toward what it measured; a kind never seen keeps the fixed prior."""
+
+    def __init__(self) -> None:
+        self._alpha: dict[tuple, float] = {}  # per-token acceptance of linear drafts (draft, ngram)
+        self._scale: dict[tuple, float] = {}  # Medusa: accepted / the accuracy table's expectation
+
+    def alpha(self, key: tuple, method: str) -> float:
+        return self._alpha.get(key, ALPHA_PRIOR.get(method, 0.0))
+
+    def scale(self, key: tuple) -> float:
+        return self._scale.get(key, 1.0)
+
+    def observe_alpha(self, key: tuple, method: str, value: float) -> None:
+        a = self.alpha(key, method)
+        self._alpha[key] = a + PRIOR_WEIGHT * (value - a)
+
+    def observe_scale(self, key: tuple, value: float) -> None:
+        a = self.scale(key)
+        self._scale[key] = a + PRIOR_WEIGHT * (value - a)
 CALIBRATION_PREFIX = 32
 DRAFT_LAG_CHARGE = 4  # at most this many catch-up tokens of a lagging draft cache are charged to one step
 
@@ -155,6 +186,7 @@ class Engine:
         self._ngram_s: dict[str, float] = {}
         self.seqs: dict[str, Sequence] = {}
         self.auto: dict[tuple[str | None, bool], MethodChooser] = {}  # method="auto": per (auto_key, sampled)
+        self.priors = AcceptancePriors()
         self._last_batch = 0
         if calibrate:
             self._calibrate()
@@ -205,8 +237,11 @@ class Engine:
             generator=make_generator(params.seed, self.device), arrival=now,
             budget=min(params.max_tokens, limit - len(ids)), stats=stats,
             deadline_at=None if spec.deadline_s is None else now + spec.deadline_s,
-            alpha=ALPHA_PRIOR.get(spec.method, 0.0), heads=heads,
+            heads=heads,
         )
+        seq.prior_key = (spec.auto_key, spec.method, params.temperature > 0)
+        seq.alpha = self.priors.alpha(seq.prior_key, spec.method)
+        seq.accept_scale = self.priors.scale(seq.prior_key)
         if spec.method == "ngram":
             seq.ngram = NgramIndex()
             seq.ngram.extend(ids)
@@ -533,6 +568,7 @@ class Engine:
             drafted, accepted = buffers.spec.depth, len(path) - 1
             if p.get("expected"):  # what the accuracy table expected of this tree vs what came
                 seq.accept_scale = 0.8 * seq.accept_scale + 0.2 * accepted / p["expected"]
+                self.priors.observe_scale(seq.prior_key, accepted / p["expected"])
             self.target.compact(seq.target, old_len - 1, path)
             seq.hidden = out.hidden[path[-1]]
         else:
@@ -578,11 +614,12 @@ class Engine:
             stats.steps += 1
         else:
             stats.record_step(drafted, accepted, gamma=gamma)
-            if drafted:
+            if drafted and "tree_tokens" not in (p or {}):
                 seq.alpha = 0.8 * seq.alpha + 0.2 * (accepted / drafted)
-            else:  # not speculating: drift back toward the prior, so speculation is probed again later
-                seq.alpha += ALPHA_RECOVERY * (ALPHA_PRIOR[seq.spec.method] - seq.alpha)
-                seq.accept_scale += ALPHA_RECOVERY * (1.0 - seq.accept_scale)
+                self.priors.observe_alpha(seq.prior_key, seq.spec.method, accepted / drafted)
+            elif not drafted:  # not speculating: drift back toward its kind's prior, so it is probed again later
+                seq.alpha += ALPHA_RECOVERY * (self.priors.alpha(seq.prior_key, seq.spec.method) - seq.alpha)
+                seq.accept_scale += ALPHA_RECOVERY * (self.priors.scale(seq.prior_key) - seq.accept_scale)
         stats.record_emitted(len(new))
         if reason is not None:
             return self._finish(seq, reason, new)

@@ -175,6 +175,8 @@ class Sequence:
     accept_scale: float = 1.0
     """Medusa: running ratio of accepted tokens to the tree's expected accepted tokens (the
     heads' accuracy table is an average; this request may do better or worse)."""
+    prior_key: tuple = ()
+    """(request class, method, sampled): its kind in the engine's `AcceptancePriors`."""
     hidden: Any = None
     """Medusa: target hidden state [E] that produced the pending token."""
     ngram: Any = None

@@ -96,7 +96,7 @@ def build_engine_client(cfg: ServeConfig, serving_client: Any, policy: Any, regi
     from specops.controller.rollout_driver import canary_namespace
     from specops.decoder import Decoder
     from specops.policies.store import PolicyStore
-    from specops.serving.async_engine import AsyncEngine
+    from specops.serving.async_engine import AsyncEngine, core_rule
     from specops.serving.engine import Engine
     from specops.serving.live_policy import LivePolicy, RecordBuffer
     from specops.serving.metrics import ServingMetrics
@@ -118,7 +118,7 @@ def build_engine_client(cfg: ServeConfig, serving_client: Any, policy: Any, regi
                             exporter=PrometheusExporter(registry), records=records)
     return AsyncEngine(engine, runtime, decoder.tokenizer, metrics=ServingMetrics(registry),
                        max_batch=cfg.max_batch, max_queue=cfg.max_queue, vocab_size=decoder.target.vocab_size,
-                       threads=cfg.threads)
+                       threads=cfg.threads, http_core_from=core_rule(engine))
 
 
 def run_server(cfg: ServeConfig) -> None:

@@ -146,6 +146,19 @@ def test_engine_leaves_a_core_to_the_event_loop_while_many_sequences_stream():
     assert calls == [1, 2]  # one thread: nothing to leave
 
 
+def test_the_core_rule_applies_only_to_engines_on_torch_threads():
+    from types import SimpleNamespace
+
+    from specops.serving.async_engine import HTTP_CORE_FROM, core_rule
+
+    c_stack = SimpleNamespace(target=SimpleNamespace(model=SimpleNamespace(c_layers=True)))
+    torch_path = SimpleNamespace(target=SimpleNamespace(model=SimpleNamespace(c_layers=False)))
+    generic = SimpleNamespace(target=SimpleNamespace(hf_model=object()))
+    assert core_rule(c_stack) is None
+    assert core_rule(torch_path) == HTTP_CORE_FROM
+    assert core_rule(generic) == HTTP_CORE_FROM
+
+
 @pytest.mark.parametrize("api_key", [None, "sk-test"])
 def test_openapi_declares_the_bearer_key_on_v1_routes_only_when_set(api_key):
     from specops.serving.app import build_app

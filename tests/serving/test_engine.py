@@ -291,3 +291,31 @@ def test_batched_greedy_verification_is_verify_greedy():
         v = verify_greedy(torch.tensor([drafts], dtype=torch.long).view(1, g), logits[None])
         want[seq.request_id] = (int(v.accepted[0]), int(v.next_tokens[0]))
     assert eng._verify_greedy_batch(batch, plans, outs) == want
+
+
+def test_new_requests_start_from_what_their_kind_achieved(qwen2):
+    """Acceptance priors per (class, method, sampled): after sampled Medusa and n-gram requests
+    of one class accepted little, a new request of that kind starts with estimates below the
+    fixed priors (the planner then does not open with wide, rejected speculation); a request
+    of another class, or greedy, still starts from the fixed priors."""
+    from specops.serving.engine import ALPHA_PRIOR
+
+    eng = full_speculation(Engine(qwen2, max_batch=4, kv_cache_mb=4, calibrate=False))
+    prompts = _random_prompts(4, seed=31)
+    for i, p in enumerate(prompts):
+        for method in ("medusa", "ngram"):
+            eng.add(f"{method}-{i}", p, SamplingParams(max_tokens=24, temperature=1.0, seed=i, ignore_eos=True),
+                    SpecSettings(method=method, gamma=4, tree_size=8, auto_key="hot"))
+    while eng.has_unfinished():
+        eng.step()
+    medusa_kind = ("hot", "medusa", True)
+    assert eng.priors.scale(medusa_kind) < 0.9  # random heads at temperature 1 fall far short of their table
+    eng.add("next", prompts[0], SamplingParams(max_tokens=4, temperature=1.0, seed=9),
+            SpecSettings(method="medusa", tree_size=8, auto_key="hot"))
+    eng.add("other-class", prompts[0], SamplingParams(max_tokens=4, temperature=1.0, seed=9),
+            SpecSettings(method="medusa", tree_size=8, auto_key="code"))
+    eng.add("greedy", prompts[0], SamplingParams(max_tokens=4), SpecSettings(method="ngram", auto_key="hot"))
+    assert eng.seqs["next"].accept_scale == pytest.approx(eng.priors.scale(medusa_kind))
+    assert eng.seqs["other-class"].accept_scale == 1.0
+    assert eng.seqs["greedy"].alpha == ALPHA_PRIOR["ngram"]
+    assert eng.priors.alpha(("hot", "ngram", True), "ngram") != ALPHA_PRIOR["ngram"]  # n-gram steps were measured
