@@ -15,6 +15,11 @@ Modes switch the server through its Redis, as an operator would:
               had its ticks and its alert rules their ``for_s``.
 
 The bench waits until the server's ``/readyz`` shows the settings before measuring.
+With ``--repeats R`` every cell runs R times (a mode's repeats back to back, after its
+settings and warm-up); a row is the repeat with the median output tokens/s (a measured
+row, its latencies from the same run), with every repeat's tokens/s beside it. Below the
+table, the ratios the serving goals are stated in (off c_max / c_min, adaptive / off,
+adaptive / max(off, fixed)) from those medians.
 Terms: TTFT = arrival → first token; TPOT = (E2E − TTFT) / (output tokens − 1);
 ITL = gaps between streamed chunks; goodput = requests/s meeting every SLO.
 """
@@ -64,6 +69,7 @@ class ServeBenchConfig:
     api_key: str | None = None
     seed: int = 0
     warmup: int = 2
+    repeats: int = 1                        # runs of every cell; rows are the median run
     controller_interval_s: float = 2.0
     adaptive_warmup_s: float = 45.0         # adaptive: traffic before measuring (controller ticks + alert for_s)
     server_args: list[str] = field(default_factory=list)
@@ -167,6 +173,37 @@ def summarize(mode: str, concurrency: int, results: list[RequestResult], duratio
         "error_samples": sorted({r.error for r in results if not r.ok})[:3],
     }
     return row
+
+
+def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median output tokens/s (the lower middle of an even count), with every
+    run's tokens/s (``output_tokens_per_s_runs``) and errors summed over the runs."""
+    ordered = sorted(runs, key=lambda r: r["output_tokens_per_s"])
+    row = dict(ordered[(len(ordered) - 1) // 2])
+    row["repeats"] = len(runs)
+    row["output_tokens_per_s_runs"] = [r["output_tokens_per_s"] for r in runs]
+    row["errors_all_runs"] = sum(r["errors"] for r in runs)
+    return row
+
+
+def goal_ratios(report: dict[str, Any]) -> dict[str, float]:
+    """The ratios the serving goals are stated in, from the rows' (median) output tokens/s."""
+    tps = {(r["mode"], r["concurrency"]): r["output_tokens_per_s"] for r in report["results"]}
+    concs = sorted({c for _, c in tps})
+    out: dict[str, float] = {}
+    lo, hi = concs[0], concs[-1]
+    if ("off", lo) in tps and ("off", hi) in tps and hi > lo and tps[("off", lo)] > 0:
+        out[f"off c{hi} / off c{lo}"] = tps[("off", hi)] / tps[("off", lo)]
+    for c in concs:
+        ad = tps.get(("adaptive", c))
+        if ad is None:
+            continue
+        if tps.get(("off", c)):
+            out[f"adaptive / off at c{c}"] = ad / tps[("off", c)]
+        best = max((tps.get((m, c)) or 0.0) for m in ("off", "fixed"))
+        if best > 0:
+            out[f"adaptive / max(off, fixed) at c{c}"] = ad / best
+    return out
 
 
 # -- the load generator ---------------------------------------------------------------------
@@ -354,7 +391,7 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
         ready = _wait_ready(url, 60)
         model = ready.get("model", "bundled")
         counts = {c: cfg.num_prompts or max(8, 4 * c) for c in cfg.concurrency}
-        total = sum(counts.values()) * len(cfg.modes)
+        total = sum(counts.values()) * len(cfg.modes) * cfg.repeats
         rows = []
         bar = click.progressbar(length=total, label="bench serve", file=sys.stderr) if cfg.progress else None
         try:
@@ -367,11 +404,14 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
                 asyncio.run(run_cell(url, model, warm, min(len(warm), max(cfg.concurrency)), cfg))
                 if mode == "adaptive":
                     _adaptive_warmup(url, model, cfg)
-                for c in cfg.concurrency:
-                    prompts = build_prompts(cfg, counts[c])
-                    results, duration = asyncio.run(run_cell(url, model, prompts, c, cfg,
-                                                             on_done=(lambda: bar.update(1)) if bar else None))
-                    rows.append(summarize(mode, c, results, duration, cfg))
+                runs: dict[int, list[dict[str, Any]]] = {c: [] for c in cfg.concurrency}
+                for _ in range(cfg.repeats):
+                    for c in cfg.concurrency:
+                        prompts = build_prompts(cfg, counts[c])
+                        results, duration = asyncio.run(run_cell(url, model, prompts, c, cfg,
+                                                                 on_done=(lambda: bar.update(1)) if bar else None))
+                        runs[c].append(summarize(mode, c, results, duration, cfg))
+                rows += [median_row(runs[c]) for c in cfg.concurrency]
                 if controller is not None:
                     _stop(controller)
                     controller = None
@@ -437,6 +477,12 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{_fmt(r['tpot_p50_s'], 1000):>10}{_fmt(r['tpot_p99_s'], 1000):>8}"
                      f"{_fmt(r['itl_p99_s'], 1000):>9}{_fmt(r['e2e_p99_s'], 1000):>9}{r['goodput_rps']:>9.2f}"
                      f"{_fmt(r['acceptance_rate'], 1, 2):>8}")
+    if any(r.get("repeats", 1) > 1 for r in report["results"]):
+        lines.append(f"  (each row: the median of {report['results'][0]['repeats']} runs by tok/s; "
+                     "all runs' tok/s in the JSON)")
+    ratios = goal_ratios(report)
+    if ratios:
+        lines.append("ratios: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
     return "\n".join(lines)
 
 
@@ -490,10 +536,12 @@ def plot_report(report: dict[str, Any], path: str | Path) -> Path:
 @click.option("--server-arg", "server_args", multiple=True,
               help="Extra argument for the started server (repeatable; it runs in a scratch folder, so give "
                    "file paths absolute).")
+@click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Runs of every cell; each row is the median run (use 3 or more for a claim).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def bench_serve_command(base_url, redis_url, namespace, modes, concurrency, num_prompts, request_rate, max_tokens, mix,
                         prompts_file, slo, api_key_env, json_path, plot_path, seed, adaptive_warmup_s, server_args,
-                        quiet) -> None:
+                        repeats, quiet) -> None:
     """Benchmark a specops server over HTTP: off / fixed / adaptive at several concurrencies."""
     try:
         mode_list = [m.strip() for m in modes.split(",") if m.strip()]
@@ -514,7 +562,7 @@ def bench_serve_command(base_url, redis_url, namespace, modes, concurrency, num_
                            concurrency=conc, num_prompts=num_prompts, request_rate=request_rate, max_tokens=max_tokens,
                            mix=mix_weights, prompts_file=prompts_file, slo_ttft_s=ttft, slo_tpot_s=tpot,
                            api_key=api_key, seed=seed, server_args=list(server_args), progress=not quiet,
-                           adaptive_warmup_s=adaptive_warmup_s)
+                           adaptive_warmup_s=adaptive_warmup_s, repeats=repeats)
     try:
         report = run_bench_serve(cfg)
     except BenchServeError as exc:

@@ -90,3 +90,33 @@ def test_a_started_server_that_exits_is_reported_with_what_it_said(tmp_path):
     proc.wait(30)
     with pytest.raises(serve.BenchServeError, match="code 2; it said: Error: No such option --bogus"):
         serve._wait_ready("http://127.0.0.1:9", 5, proc)
+
+
+def test_repeats_report_the_median_run_and_the_goal_ratios():
+    from specops.bench.serve import format_table, goal_ratios, median_row
+
+    def row(mode, c, tps, ttft):
+        return {"mode": mode, "concurrency": c, "requests": 8, "errors": 0, "output_tokens_per_s": tps,
+                "requests_per_s": 1.0, "ttft_p50_s": ttft, "ttft_p99_s": ttft, "tpot_p50_s": 0.002,
+                "tpot_p99_s": 0.003, "itl_p99_s": 0.004, "e2e_p99_s": 0.2, "goodput_rps": 1.0, "acceptance_rate": None}
+
+    runs = [row("off", 1, 300.0, 0.03), row("off", 1, 100.0, 0.09), row("off", 1, 250.0, 0.01)]
+    runs[1]["errors"] = 2
+    med = median_row(runs)
+    assert med["output_tokens_per_s"] == 250.0 and med["ttft_p50_s"] == 0.01  # the whole median run, not a mix
+    assert med["output_tokens_per_s_runs"] == [300.0, 100.0, 250.0] and med["repeats"] == 3
+    assert med["errors_all_runs"] == 2
+    assert median_row(runs[:2])["output_tokens_per_s"] == 100.0  # an even count: the lower middle
+    report = {"results": [med, dict(med, mode="off", concurrency=16, output_tokens_per_s=1000.0),
+                          dict(med, mode="fixed", concurrency=1, output_tokens_per_s=350.0),
+                          dict(med, mode="fixed", concurrency=16, output_tokens_per_s=900.0),
+                          dict(med, mode="adaptive", concurrency=1, output_tokens_per_s=325.0),
+                          dict(med, mode="adaptive", concurrency=16, output_tokens_per_s=990.0)]}
+    ratios = goal_ratios(report)
+    assert ratios["off c16 / off c1"] == pytest.approx(4.0)
+    assert ratios["adaptive / off at c1"] == pytest.approx(1.3)
+    assert ratios["adaptive / max(off, fixed) at c1"] == pytest.approx(325 / 350)
+    assert ratios["adaptive / max(off, fixed) at c16"] == pytest.approx(0.99)
+    table = format_table(report)
+    assert "median of 3 runs" in table and "off c16 / off c1 4.00x" in table
+    assert goal_ratios({"results": [dict(med, mode="fixed")]}) == {}  # nothing to compare: no ratio line
