@@ -107,7 +107,6 @@ class AcceptancePriors:
         a = self.scale(key)
         self._scale[key] = a + PRIOR_WEIGHT * (value - a)
 CALIBRATION_PREFIX = 32
-DRAFT_LAG_CHARGE = 4  # at most this many catch-up tokens of a lagging draft cache are charged to one step
 
 
 def cost_clock(device: torch.device) -> Callable[[], float]:
@@ -122,6 +121,10 @@ def cost_clock(device: torch.device) -> Callable[[], float]:
 
 PROBE_EVERY = 16
 """Declined-speculation steps between two probe steps (see `Engine.probe_every`)."""
+PLAN_PREFILL_LIMIT = 32
+"""Prompt tokens in a step beyond which its sequences do not speculate (see `Engine._plan`)."""
+QUIET_AFTER_DECLINE = 3
+"""Steps at the same batch size that skip planning after the planner declined speculation."""
 PLAIN_STEP_WINDOW = 64  # plain steps per batch size behind the speed-up estimate of batched requests
 
 
@@ -180,6 +183,8 @@ class Engine:
         # 0: never probe.
         self.probe_every = PROBE_EVERY
         self._declined = 0
+        self._quiet = (0, 0)  # (steps left, batch size): planning skipped after a declined plan
+        self.quiet_after_decline = QUIET_AFTER_DECLINE
         self.probes = 0  # probe steps run (planner diagnostics)
         self._propose_s = 0.0  # this step's proposal seconds (n-gram lookups, draft rounds, Medusa trees)
         self._propose_share: dict[str, float] = {}  # request -> its share of them, beyond the draft forwards
@@ -426,6 +431,19 @@ class Engine:
         """Choose every decoding sequence's speculation, grant its blocks, and propose."""
         cands, owners = [], []
         self._ngram_s, self._propose_share = {}, {}
+        if sum(len(seq.tokens) - 1 - seq.target.computed for seq in batch) > PLAN_PREFILL_LIMIT:
+            # a long prefill shares this forward: its cost is outside the measured (B, T) curves (they are
+            # fitted on decode / verify steps), so the planner's marginal verify cost here is a guess
+            # (extrapolated, it made drafts look free beside a prompt); the step decodes plainly
+            return {}
+        left, size = self._quiet
+        if left > 0 and size == len(batch) and not (self.probe_every and (self._declined + 1) % self.probe_every == 0):
+            # the plan at this batch size just declined speculation: nothing it reads has moved but the
+            # plain steps' drift, so the next few steps skip it (its proposals and predictions cost ~5%
+            # of a step at batch 16); a probe step, or another batch size, plans again
+            self._quiet = (left - 1, size)
+            self._declined += 1
+            return {}
         now = self.clock()
         for seq in batch:
             if seq.spec.method == "ar" or seq.target.computed != len(seq.tokens) - 1:
@@ -444,12 +462,19 @@ class Engine:
         base = sum(len(s.tokens) - s.target.computed for s in batch)
         chosen = plan(cands, self.cost, batch=len(batch), base_tokens=base, draft_cost=self.draft_cost,
                       fixed_s=self._fixed_s(len(batch)), margin=self.margin)
+        # quiet only after the planner weighed real proposals and said no (an n-gram index with no
+        # match now may have one next step)
+        offered = any(c.gains for c in cands)
+        self._quiet = (self.quiet_after_decline, len(batch)) if offered and not any(chosen) else (0, 0)
         if not any(chosen) and self.probe_every:
             self._declined += 1
             if self._declined % self.probe_every == 0:
-                # one sequence (the likeliest to gain) runs its best plan, predicted loss or not:
-                # the step measures speculating at this batch size at the cost of one sequence's draft
-                i = max(range(len(cands)), key=lambda j: cands[j].gains[0] if cands[j].gains else -1.0)
+                # one sequence runs its best plan, predicted loss or not: the step measures speculating at
+                # this batch size at the cost of one sequence's draft. The cheapest probe (least overhead:
+                # not a draft cache a whole prompt behind), then the likeliest to gain
+                i = max(range(len(cands)),
+                        key=lambda j: (bool(cands[j].gains), -round(cands[j].overhead_s, 4),
+                                       cands[j].gains[0] if cands[j].gains else -1.0))
                 chosen = [0] * len(cands)
                 chosen[i] = plan([cands[i]], self.cost, batch=len(batch), base_tokens=base,
                                  draft_cost=self.draft_cost, fixed_s=self._fixed_s(len(batch)), margin=-1.0)[0]
@@ -523,9 +548,14 @@ class Engine:
         if method == "draft":
             bound = min(bound, self.draft.max_context - len(seq.tokens) + 1)
             lag = len(seq.tokens) - seq.draft.computed  # the first round feeds what the draft cache lacks
-            if lag > 1:  # after steps without drafting: a catch-up forward, charged to speculating now,
-                # bounded (it is paid once for all later drafting, so a long pause must not lock drafting out)
-                overhead += self.draft_cost.predict(1, min(lag, DRAFT_LAG_CHARGE)) - self.draft_cost.predict(1, 1)
+            if lag > 1:  # a catch-up forward (the whole prompt for a request that never drafted): paid once
+                # for all its later drafting, so charged spread over the steps it has left if it keeps drafting
+                # (a long pause does not lock drafting out; a fresh request at high load is not made to pay a
+                # prompt-length draft prefill for one marginal step: that cost 4-6x a plain step at batch 16)
+                gamma = max(1, min(seq.spec.gamma, bound))
+                per_step = 1.0 + sum(linear_gains(seq.alpha, gamma))  # expected tokens of a drafting step
+                steps_left = max(1.0, seq.remaining / per_step)
+                overhead += (self.draft_cost.predict(1, lag) - self.draft_cost.predict(1, 1)) / steps_left
             return Candidate(gains=linear_gains(seq.alpha, max(0, min(seq.spec.gamma, bound))), draft_rounds=True,
                              overhead_s=overhead)
         if seq.hidden is None:

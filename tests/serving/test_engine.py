@@ -30,6 +30,7 @@ class FlatCost(CostModel):
 
 def full_speculation(eng: Engine) -> Engine:
     eng.cost = FlatCost()
+    eng.quiet_after_decline = 0  # plan every step
     return eng
 
 
@@ -90,7 +91,9 @@ def test_bundled_mixed_methods_join_mid_batch_equal_single_request_ar(bundled):
              "for i in range(10):\n    print(i)\nfor", "Q: What is two plus two?\nA:", "import os\nimport",
              "The cat sat on the mat. The cat", "class Stack:\n    def push(self, x):\n"]
     prompts = [tok.encode(t) for t in texts]
-    eng = Engine(bundled, max_batch=8, kv_cache_mb=8)
+    # every speculative step the bounds allow (the measured planner drafts little here, timing-dependently;
+    # exactness needs speculation that really runs)
+    eng = full_speculation(Engine(bundled, max_batch=8, kv_cache_mb=8))
     records = check_exact(bundled, eng, prompts, max_tokens=48, eos=1)
     spec = [r for r in records.values() if r.method != "ar"]
     assert sum(r.accepted for r in spec) > 0  # speculation really ran and was accepted
