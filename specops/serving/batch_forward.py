@@ -52,6 +52,18 @@ class ItemOutput:
     hidden: Tensor | None  # [r, E]
 
 
+def _split_outputs(items: list[FeedItem], logits: Tensor, hidden: Tensor | None) -> list[ItemOutput]:
+    """Each item's rows of a batched forward's logits [R, V] (and hidden [R, E]); advances its KV counter."""
+    outs: list[ItemOutput] = []
+    r0 = 0
+    for it in items:
+        r = len(it.rows)
+        outs.append(ItemOutput(logits[r0 : r0 + r], None if hidden is None else hidden[r0 : r0 + r]))
+        r0 += r
+        it.kv.computed += len(it.tokens)
+    return outs
+
+
 class PagedBackend:
     """A `FastLlamaRunner`'s weights over a paged cache of ``pool.num_blocks`` blocks."""
 
@@ -111,14 +123,7 @@ class PagedBackend:
             logit_rows=torch.tensor(rows, dtype=torch.long, device=dev),
         )
         logits, hidden = self.model.forward(batch, need_hidden)  # [R, V], [R, E]
-        outs: list[ItemOutput] = []
-        r0 = 0
-        for it in items:
-            r = len(it.rows)
-            outs.append(ItemOutput(logits[r0 : r0 + r], None if hidden is None else hidden[r0 : r0 + r]))
-            r0 += r
-            it.kv.computed += len(it.tokens)
-        return outs
+        return _split_outputs(items, logits, hidden)
 
     def _forward_c(self, items: list[FeedItem], need_hidden: bool) -> list[ItemOutput]:
         """The whole step in one C call (`PagedLlama.forward_ragged`): no attention groups, no
@@ -153,14 +158,7 @@ class PagedBackend:
                                        masked=masked)
         logits, hidden = self.model.forward_ragged(torch.tensor(ids, dtype=torch.long),
                                                    batch, torch.tensor(rows, dtype=torch.long), need_hidden)
-        outs: list[ItemOutput] = []
-        r0 = 0
-        for it in items:
-            r = len(it.rows)
-            outs.append(ItemOutput(logits[r0 : r0 + r], None if hidden is None else hidden[r0 : r0 + r]))
-            r0 += r
-            it.kv.computed += len(it.tokens)
-        return outs
+        return _split_outputs(items, logits, hidden)
 
     def _group(self, items: list[FeedItem], offsets: list[int]) -> AttnGroup:
         """One padded attention call over ``items`` (whose flat tokens start at ``offsets``)."""

@@ -16,6 +16,7 @@ from specops.serving.batch_forward import FeedItem, PagedBackend
 from specops.serving.kv_pool import BlockPool
 from specops.serving.sequence import SeqKV
 from tests.decoder.tiny_models import tiny_llama, tiny_other
+from tests.kernels.trees import mask_from_parents
 from tests.services import require_binary
 
 BLOCK = 4
@@ -31,17 +32,6 @@ def _models():
     torch.manual_seed(0)
     return {"llama": tiny_llama(seed=3, vocab=96, layers=2, hidden=64),
             "qwen2": tiny_other("qwen2", seed=4, vocab=96)}  # q/k/v biases, grouped kv heads
-
-
-def _tree_mask(parents: list[int]) -> torch.Tensor:  # [T, T] bool: node i sees itself and its ancestors
-    t = len(parents)
-    mask = torch.zeros(t, t, dtype=torch.bool)
-    for i in range(t):
-        j = i
-        while j >= 0:
-            mask[i, j] = True
-            j = parents[j]
-    return mask
 
 
 def _steps(rng: np.random.Generator) -> list[list[dict]]:
@@ -80,7 +70,7 @@ def test_ragged_batch_equals_single_sequence_forwards_bit_for_bit(arch):
         for s, feed in enumerate(step):
             t = len(feed["t"])
             tree = feed.get("tree")
-            mask = None if tree is None else _tree_mask(tree)
+            mask = None if tree is None else mask_from_parents(tree)
             if tree is None:
                 p = list(range(lengths[s], lengths[s] + t))
             else:  # depth of each node after the prefix
