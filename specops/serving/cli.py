@@ -14,7 +14,8 @@ import click
               help="Draft model folder (default: the bundled draft with the bundled target).")
 @click.option("--medusa", type=click.Path(exists=True), default=None, help="Medusa heads (default: bundled heads).")
 @click.option("--policy", "policy_file", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Bootstrap policy (default: examples/policies/default.yaml); stored when Redis has none.")
+              help="Bootstrap policy (default: examples/policies/default.yaml); stored when Redis has none "
+                   "(when it holds another, a warning: roll it out with `specops policy rollout`).")
 @click.option("--redis", "redis_url", envvar="SPECOPS_REDIS", default=None,
               help="Redis URL (redis://, rediss://, unix://); none: an embedded Redis in --state-dir.")
 @click.option("--state-dir", default=".specops", show_default=True, help="Data directory of the embedded Redis.")

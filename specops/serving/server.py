@@ -73,16 +73,26 @@ def _open_redis(cfg: ServeConfig) -> tuple[Any, Any]:
     return admin, serving_redis(unix_socket_path=admin.socket_file)
 
 
-def _bootstrap(admin: Any, namespace: str, policy: Any, text: str) -> None:
+def _bootstrap(admin: Any, namespace: str, policy: Any, text: str, source: str | None = None) -> None:
+    """Store ``policy`` as the first revision when Redis has none. ``source``: the file the
+    operator named with ``--policy`` (None: the default): when Redis already holds another
+    policy, say that the file is not applied (rolling out is `specops policy rollout`'s job)."""
     from specops.policies import rollout as machine
     from specops.policies.errors import ConflictError, StateError, StoreUnavailableError
     from specops.policies.store import PolicyStore
 
     store = PolicyStore(admin, namespace=namespace)
     try:
-        if store.current_revision() is None:
+        current = store.current_revision()
+        if current is None:
             machine.start_rollout(store, policy, text, actor="serve-bootstrap")
             log.info("stored the bootstrap policy %s as the current revision", policy.version)
+        elif source is not None:
+            stored = store.get_revision(current)
+            if stored.policy.version != policy.version:
+                log.warning("--policy %s (version %s) is not applied: Redis already holds revision %s (version %s); "
+                            "roll the file out with `specops policy rollout %s`, or start with an empty --state-dir",
+                            source, policy.version, current, stored.policy.version, source)
     except ConflictError:
         log.info("another process stored the first policy; using it")
     except (StateError, StoreUnavailableError) as exc:
@@ -142,7 +152,7 @@ def run_server(cfg: ServeConfig) -> None:
     server: uvicorn.Server | None = None
     try:
         if admin is not None:
-            _bootstrap(admin, cfg.namespace, policy, text)
+            _bootstrap(admin, cfg.namespace, policy, text, source=cfg.policy_file)
         registry = CollectorRegistry()
         name = cfg.served_model_name or ("bundled" if cfg.model == "bundled" else Path(cfg.model).name)
 

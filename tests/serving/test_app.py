@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from specops.serving import protocol as p
@@ -169,3 +171,36 @@ def test_openapi_declares_the_bearer_key_on_v1_routes_only_when_set(api_key):
     assert v1 == {"/v1/models", "/v1/completions", "/v1/chat/completions"}
     assert secured == (v1 if api_key else set())
     assert ("bearer" in doc.get("components", {}).get("securitySchemes", {})) == bool(api_key)
+
+
+def test_serve_says_when_its_policy_file_is_not_the_stored_one(tmp_path, caplog):
+    """``--policy FILE`` seeds an empty Redis; against a Redis that holds another policy it is not
+    applied (rolling out is `specops policy rollout`'s job), and serve says so instead of silently
+    serving the stored one."""
+    import logging
+
+    from specops.policies import load_policy
+    from specops.policies.loader import read_source
+    from specops.policies.redis_backend import close, connect
+    from specops.policies.store import PolicyStore
+    from specops.serving.server import _bootstrap
+
+    root = Path(__file__).resolve().parents[2] / "examples" / "policies"
+    default, off = str(root / "default.yaml"), str(root / "off.yaml")
+    client = connect(None, tmp_path / "redis")
+    try:
+        with caplog.at_level(logging.INFO, logger="specops.serving.server"):
+            _bootstrap(client, "ns", load_policy(default), read_source(default)[0], source=None)
+            store = PolicyStore(client, namespace="ns")
+            assert store.get_revision(store.current_revision()).policy.version == load_policy(default).version
+            caplog.clear()
+            _bootstrap(client, "ns", load_policy(default), read_source(default)[0], source=default)  # the same policy
+            _bootstrap(client, "ns", load_policy(off), read_source(off)[0], source=None)  # nothing named: no warning
+            assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+            _bootstrap(client, "ns", load_policy(off), read_source(off)[0], source=off)
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warned) == 1 and "off.yaml" in warned[0] and "not applied" in warned[0]
+        assert "specops policy rollout" in warned[0]
+        assert store.get_revision(store.current_revision()).policy.version == load_policy(default).version
+    finally:
+        close(client)
