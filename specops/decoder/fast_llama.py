@@ -355,14 +355,20 @@ class FastLlamaRunner:
         gate, up = gate_up.chunk(2, dim=-1)  # [B*T, I] each
         return layer.down.add_to(x, layer.act(gate) * up)
 
+    def c_layer_table(self, caches: list[tuple[Tensor, Tensor]]):
+        """The C table (`cpu_linear.layer_table`) of every layer's weights with layer i's key /
+        value storage ``caches[i]`` (this runner's dense cache, or a paged store's halves)."""
+        return cpu_linear.layer_table([
+            dict(ln1=l.ln1, qkv_w=l.qkv.weight, qkv_b=l.qkv.bias, o_w=l.o.weight, o_b=l.o.bias, ln2=l.ln2,
+                 gu_w=l.gate_up.weight, gu_b=l.gate_up.bias, down_w=l.down.weight, down_b=l.down.bias,
+                 k_cache=k, v_cache=v) for l, (k, v) in zip(self.layers, caches)])
+
     def _layer_table(self):
-        """The C table of every layer's weights and cache views (rebuilt when the cache is reallocated)."""
+        """The C table over this runner's cache (rebuilt when the cache is reallocated)."""
         key = self.cache.data.data_ptr()
         if self._table is None or self._table[0] != key:
-            rows = [dict(ln1=l.ln1, qkv_w=l.qkv.weight, qkv_b=l.qkv.bias, o_w=l.o.weight, o_b=l.o.bias, ln2=l.ln2,
-                         gu_w=l.gate_up.weight, gu_b=l.gate_up.bias, down_w=l.down.weight, down_b=l.down.bias,
-                         k_cache=self.cache.keys[i], v_cache=self.cache.values[i]) for i, l in enumerate(self.layers)]
-            self._table = (key, cpu_linear.layer_table(rows))
+            caches = [(self.cache.keys[i], self.cache.values[i]) for i in range(len(self.layers))]
+            self._table = (key, self.c_layer_table(caches))
         return self._table[1]
 
     def _c_forward(self, input_ids: Tensor, position_ids: Tensor | None,

@@ -122,12 +122,8 @@ class PagedLlama:
         # a batch of up to C_LAYERS_MAX_N tokens runs the whole layer stack in one C call (`forward_ragged`)
         # where the runner's single-sequence forward does (fp32 CPU, SwiGLU layers on the C kernels)
         self.c_layers = bool(getattr(runner, "c_layers", False))
-        self._c_table = None
-        if self.c_layers:
-            self._c_table = cpu_linear.layer_table([
-                dict(ln1=l.ln1, qkv_w=l.qkv.weight, qkv_b=l.qkv.bias, o_w=l.o.weight, o_b=l.o.bias, ln2=l.ln2,
-                     gu_w=l.gate_up.weight, gu_b=l.gate_up.bias, down_w=l.down.weight, down_b=l.down.bias,
-                     k_cache=self.store[i, 0], v_cache=self.store[i, 1]) for i, l in enumerate(runner.layers)])
+        halves = [(self.store[i, 0], self.store[i, 1]) for i in range(len(runner.layers))]  # [S, Hkv, D] each
+        self._c_table = runner.c_layer_table(halves) if self.c_layers else None
 
     def kernel_group(self, tq: int, tree: bool) -> bool:
         """Whether a group of ``tq`` queries per sequence runs on the CPU kernel."""

@@ -326,15 +326,14 @@ class RaggedBatch:
 
 def paged_layers(table: ctypes.Array, x: Tensor, batch: RaggedBatch, rows: Tensor, *, heads: int, kv_heads: int,
                  head_dim: int, intermediate: int, eps: float, scale: float, cos: Tensor, sin: Tensor, norm: Tensor,
-                 head: Tensor | None, head_bias: Tensor | None = None,
-                 threads: int | None = None) -> tuple[Tensor, Tensor | None]:
+                 head: Tensor, head_bias: Tensor | None = None, threads: int | None = None) -> tuple[Tensor, Tensor]:
     """`llama_layers` over a ragged batch of sequences on a block-paged store (see
     ``specops_paged_layers`` in linear.c): x [N, E] (contiguous fp32, updated in place) holds
     the embeddings of every sequence's new tokens, flat; ``table`` is `layer_table` with each
     layer's k_cache / v_cache its [slots, Hkv, D] half of the store; ``cos`` / ``sin`` the
     runner's [positions, D] rotary tables. Each token's key and value go to its cache slot,
     and its outputs equal the single-sequence stack's bit for bit. Returns the normed hidden
-    states [R, E] and logits [R, V] (None without ``head``) of the flat rows ``rows`` [R]."""
+    states [R, E] and logits [R, V] of the flat rows ``rows`` [R]."""
     n, e = x.shape
     s = batch.start.shape[0]
     if batch.positions.shape != (n,) or batch.first.shape != (s + 1,) or batch.words.shape != (n,):
@@ -343,9 +342,9 @@ def paged_layers(table: ctypes.Array, x: Tensor, batch: RaggedBatch, rows: Tenso
         raise ValueError(f"a rotary position is past the table's {cos.shape[0]}")
     rows = rows.contiguous()
     r = rows.shape[0]
-    vocab = 0 if head is None else head.shape[0]
+    vocab = head.shape[0]
     hidden = torch.empty(r, e, dtype=torch.float32)
-    logits = None if head is None else torch.empty(r, vocab, dtype=torch.float32)
+    logits = torch.empty(r, vocab, dtype=torch.float32)
     scratch = torch.empty(n * ((heads + 2 * kv_heads) * head_dim + heads * head_dim + 2 * intermediate),
                           dtype=torch.float32)
     tables = np.ascontiguousarray(batch.tables, dtype=np.int32)
@@ -358,9 +357,8 @@ def paged_layers(table: ctypes.Array, x: Tensor, batch: RaggedBatch, rows: Tenso
         cos.data_ptr(), sin.data_ptr(), pos.ctypes.data, s, first.ctypes.data, start.ctypes.data,
         tables.ctypes.data, tables.shape[1], batch.block_size, words.ctypes.data, masked.ctypes.data, batch.keys(),
         scratch.data_ptr(), int(threads or torch.get_num_threads()), norm.data_ptr(),
-        None if head is None else head.data_ptr(), None if head_bias is None else head_bias.data_ptr(), vocab,
-        rows.data_ptr(), r, hidden.data_ptr(), None if logits is None else logits.data_ptr(),
-        WEIGHTS_BF16 if head is not None and head.dtype == torch.bfloat16 else 0)
+        head.data_ptr(), None if head_bias is None else head_bias.data_ptr(), vocab,
+        rows.data_ptr(), r, hidden.data_ptr(), logits.data_ptr(), WEIGHTS_BF16 if head.dtype == torch.bfloat16 else 0)
     if rc == 3:
         raise ValueError("CPU paged layer-stack kernel refused the batch's shapes")
     if rc != 0:

@@ -761,6 +761,17 @@ typedef struct {
     int64_t flags;            /* WEIGHTS_BF16 when the four matrices are bfloat16 */
 } LayerWeights;
 
+/* The rest of a layer after attention, the same calls for both stacks: x += o(att), then
+ * x += down(silu(gate) * up) with gate | up = gate_up(rmsnorm(x, ln2)); gu is [T, 2 I] scratch. */
+static int layer_tail(const LayerWeights *l, const float *att, float *x, float *gu, int64_t T, int64_t E, int64_t A,
+                      int64_t I, float eps, int threads) {
+    const int f = (int)l->flags;
+    int rc = specops_linear(att, l->o_w, l->o_b, x, x, T, A, E, threads, f, NULL, 0.f);
+    if (rc == 0) rc = specops_linear(x, l->gu_w, l->gu_b, NULL, gu, T, E, 2 * I, threads, 1 | f, l->ln2, eps);
+    if (rc == 0) rc = specops_linear(gu, l->down_w, l->down_b, x, x, T, I, E, threads, 2 | f, NULL, 0.f);
+    return rc;
+}
+
 int specops_llama_layers(const LayerWeights *layers, int64_t n_layers, float *x, int64_t T, int64_t E, int64_t Hq,
                          int64_t Hkv, int64_t D, int64_t I, float eps, float scale, const float *cos,
                          const float *sin, int64_t kv_b, int64_t kv_h, int64_t start, const uint64_t *mask,
@@ -775,9 +786,7 @@ int specops_llama_layers(const LayerWeights *layers, int64_t n_layers, float *x,
         if (rc == 0)
             rc = specops_rope_cache_attention(qkv, cos, sin, l->k_cache, l->v_cache, kv_b, kv_h, start, att, 1, T, Hq,
                                               Hkv, D, scale, mask, threads);
-        if (rc == 0) rc = specops_linear(att, l->o_w, l->o_b, x, x, T, Hq * D, E, threads, f, NULL, 0.f);
-        if (rc == 0) rc = specops_linear(x, l->gu_w, l->gu_b, NULL, gu, T, E, 2 * I, threads, 1 | f, l->ln2, eps);
-        if (rc == 0) rc = specops_linear(gu, l->down_w, l->down_b, x, x, T, I, E, threads, 2 | f, NULL, 0.f);
+        if (rc == 0) rc = layer_tail(l, att, x, gu, T, E, Hq * D, I, eps, threads);
         if (rc != 0) return rc;
     }
     if (hidden != NULL) rms_norm_rows(x, norm, eps, T, E, hidden);
@@ -833,9 +842,7 @@ int specops_paged_layers(const LayerWeights *layers, int64_t n_layers, float *x,
         }
         AttnJob a = {qkv, l->k_cache, l->v_cache, NULL, att, 0, H * D, 0, 0, 1, N, Hq, Hkv, D, L, scale, 0, &meta};
         rc = attention(a, threads);
-        if (rc == 0) rc = specops_linear(att, l->o_w, l->o_b, x, x, N, Hq * D, E, threads, f, NULL, 0.f);
-        if (rc == 0) rc = specops_linear(x, l->gu_w, l->gu_b, NULL, gu, N, E, 2 * I, threads, 1 | f, l->ln2, eps);
-        if (rc == 0) rc = specops_linear(gu, l->down_w, l->down_b, x, x, N, I, E, threads, 2 | f, NULL, 0.f);
+        if (rc == 0) rc = layer_tail(l, att, x, gu, N, E, Hq * D, I, eps, threads);
     }
     free(tok_seq);
     if (rc != 0) return rc;

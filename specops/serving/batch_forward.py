@@ -137,7 +137,7 @@ class PagedBackend:
         ids: list[int] = []
         pos: list[int] = []
         rows: list[int] = []
-        words = []
+        trees: list[tuple[int, FeedItem]] = []
         for i, it in enumerate(items):
             c, t = it.kv.computed, len(it.tokens)
             if len(it.kv.blocks) * self.bs < c + t:
@@ -149,13 +149,13 @@ class PagedBackend:
             pos.extend(range(c, c + t) if it.positions is None else it.positions)
             first[i + 1] = len(ids)
             if it.intra is not None:
-                masked[i] = 1
-                words.append(cpu_linear.mask_bits(it.intra).numpy())
-            else:
-                words.append(np.zeros(t, dtype=np.int64))
+                trees.append((i, it))
+        words = np.zeros(len(ids), dtype=np.int64)  # causal sequences need no words
+        for i, it in trees:
+            masked[i] = 1
+            words[first[i] : first[i + 1]] = cpu_linear.mask_bits(it.intra).numpy()
         batch = cpu_linear.RaggedBatch(positions=np.asarray(pos, dtype=np.int32), first=first, start=start,
-                                       tables=tables, block_size=self.bs, words=np.concatenate(words),
-                                       masked=masked)
+                                       tables=tables, block_size=self.bs, words=words, masked=masked)
         logits, hidden = self.model.forward_ragged(torch.tensor(ids, dtype=torch.long),
                                                    batch, torch.tensor(rows, dtype=torch.long), need_hidden)
         return _split_outputs(items, logits, hidden)

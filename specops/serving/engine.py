@@ -76,6 +76,7 @@ log = logging.getLogger(__name__)
 ALPHA_PRIOR = {"draft": 0.7, "ngram": 0.6, "medusa": 0.7}
 ALPHA_RECOVERY = 0.05  # per plain step, toward the prior (a switched-off sequence probes again)
 PRIOR_WEIGHT = 0.05  # weight of one speculative step in its class's acceptance prior (`AcceptancePriors`)
+CALIBRATION_PREFIX = 32
 
 
 class AcceptancePriors:
@@ -106,7 +107,6 @@ class AcceptancePriors:
     def observe_scale(self, key: tuple, value: float) -> None:
         a = self.scale(key)
         self._scale[key] = a + PRIOR_WEIGHT * (value - a)
-CALIBRATION_PREFIX = 32
 
 
 def cost_clock(device: torch.device) -> Callable[[], float]:
@@ -437,7 +437,7 @@ class Engine:
             # (extrapolated, it made drafts look free beside a prompt); the step decodes plainly
             return {}
         left, size = self._quiet
-        if left > 0 and size == len(batch) and not (self.probe_every and (self._declined + 1) % self.probe_every == 0):
+        if left > 0 and size == len(batch) and not self._probe_due(self._declined + 1):
             # the plan at this batch size just declined speculation: nothing it reads has moved but the
             # plain steps' drift, so the next few steps skip it (its proposals and predictions cost ~5%
             # of a step at batch 16); a probe step, or another batch size, plans again
@@ -468,7 +468,7 @@ class Engine:
         self._quiet = (self.quiet_after_decline, len(batch)) if offered and not any(chosen) else (0, 0)
         if not any(chosen) and self.probe_every:
             self._declined += 1
-            if self._declined % self.probe_every == 0:
+            if self._probe_due(self._declined):
                 # one sequence runs its best plan, predicted loss or not: the step measures speculating at
                 # this batch size at the cost of one sequence's draft. The cheapest probe (least overhead:
                 # not a draft cache a whole prompt behind), then the likeliest to gain
@@ -533,6 +533,10 @@ class Engine:
             self.draft_cost.observe(b, t, seconds)
         return observe
 
+    def _probe_due(self, declined: int) -> bool:
+        """Whether the ``declined``-th declined step is a probe step (`probe_every`)."""
+        return bool(self.probe_every) and declined % self.probe_every == 0
+
     def _candidate(self, seq: Sequence, bound: int) -> Candidate | None:
         method = seq.spec.method
         overhead = self.overhead[method].value()
@@ -587,7 +591,8 @@ class Engine:
         old_len = len(seq.tokens)
         prefill = seq.target.computed - len(item.tokens) < old_len - 1  # fed more than the pending token
         greedy = seq.sampling.greedy
-        if p is not None and "tree_tokens" in p:
+        tree = p is not None and "tree_tokens" in p
+        if tree:
             tokens, buffers = p["tree_tokens"], p["buffers"]
             if greedy:
                 v = verify_tree_greedy(tokens, out.logits, buffers)
@@ -644,7 +649,7 @@ class Engine:
             stats.steps += 1
         else:
             stats.record_step(drafted, accepted, gamma=gamma)
-            if drafted and "tree_tokens" not in (p or {}):
+            if drafted and not tree:
                 seq.alpha = 0.8 * seq.alpha + 0.2 * (accepted / drafted)
                 self.priors.observe_alpha(seq.prior_key, seq.spec.method, accepted / drafted)
             elif not drafted:  # not speculating: drift back toward its kind's prior, so it is probed again later
