@@ -49,6 +49,11 @@ def _draft_block(
 ) -> tuple[list[int], torch.Tensor | None]:  # drafted tokens, q: [1, G, V] (sampling only)
     """Propose ``gamma`` tokens after ``tokens``, feeding the draft only what its cache lacks."""
     unseen = tokens[draft.cache_len :]  # 1 or 2 tokens (the whole prompt at `auto`'s first draft step)
+    if sampling.greedy:
+        chain = getattr(draft, "greedy_chain", None)  # the whole block in one C call (fast runner)
+        drafted = chain(unseen, gamma) if chain is not None else None
+        if drafted is not None:
+            return drafted, None
     ids = torch.tensor([unseen], dtype=torch.long, device=draft.device)  # [1, U]
     drafted: list[int] = []
     q_rows: list[torch.Tensor] = []

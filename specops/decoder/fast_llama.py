@@ -393,6 +393,26 @@ class FastLlamaRunner:
         cache.advance(t)
         return hidden.view(1, t, self.hidden_size), logits.view(1, t, -1)
 
+    def greedy_chain(self, tokens: list[int], count: int) -> list[int] | None:
+        """Greedy drafting in one C call: feed ``tokens`` (what the cache lacks), then ``count - 1``
+        argmax tokens one by one; returns the ``count`` argmaxes, the cache grown by
+        ``len(tokens) + count - 1``. The tokens equal a loop of `forward` and argmax bit for bit
+        (the same C forwards). None, with nothing done, where `forward` would not take the C
+        path for these tokens or the cache lacks room: the caller loops instead."""
+        t, start = len(tokens), self.cache.length
+        if not (self.c_layers and self.cache.batch == 1 and 1 <= t <= C_LAYERS_MAX_T and count >= 1
+                and (t == 1 or start > 0) and start + t + count - 1 <= self.max_context
+                and self.embed.is_contiguous()):
+            return None
+        keys = self.cache.keys[0]
+        out = cpu_linear.llama_greedy(
+            self._layer_table(), self.embed, tokens, count, heads=self.n_heads, kv_heads=self.n_kv_heads,
+            head_dim=self.head_dim, intermediate=self.layers[0].down.weight.shape[1], eps=self.eps, scale=self.scale,
+            cos=self._cos, sin=self._sin, kv_strides=(keys.stride(0), keys.stride(1)), start=start, norm=self.norm,
+            head=self.lm_head.weight, head_bias=self.lm_head.bias)
+        self.cache.advance(t + count - 1)
+        return out
+
     def _forward(self, input_ids: Tensor, position_ids: Tensor | None, tree_mask: Tensor | None) -> Tensor:
         b, t = input_ids.shape  # [B, T]
         hq, hkv, d, e = self.n_heads, self.n_kv_heads, self.head_dim, self.hidden_size

@@ -61,6 +61,12 @@ def _setup(lib: ctypes.CDLL) -> None:
                        [ctypes.c_float, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 +
                        [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] +
                        [ctypes.c_void_p] * 2 + [ctypes.c_int])
+    greedy = lib.specops_llama_greedy
+    greedy.restype = ctypes.c_int
+    greedy.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 2 +
+                       [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_float] +
+                       [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int] +
+                       [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_void_p])
     paged = lib.specops_paged_layers
     paged.restype = ctypes.c_int
     paged.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 6 +
@@ -299,6 +305,42 @@ def llama_layers(table: ctypes.Array, x: Tensor, *, heads: int, kv_heads: int, h
     if rc != 0:
         raise MemoryError(f"CPU layer-stack kernel failed (code {rc})")
     return hidden, logits
+
+
+def llama_greedy(table: ctypes.Array, embed: Tensor, tokens: list[int], count: int, *, heads: int, kv_heads: int,
+                 head_dim: int, intermediate: int, eps: float, scale: float, cos: Tensor, sin: Tensor,
+                 kv_strides: tuple[int, int], start: int, norm: Tensor, head: Tensor, head_bias: Tensor | None = None,
+                 threads: int | None = None) -> list[int]:
+    """Greedy drafting in one C call (``specops_llama_greedy`` in linear.c): `llama_layers` over
+    ``tokens`` after ``start`` cached positions, then ``count - 1`` single-token steps, each
+    feeding back the argmax of the last logits. Returns the ``count`` argmaxes; the cache
+    gains ``len(tokens) + count - 1`` positions (the caller advances its length). ``embed``
+    [vocab, E] fp32 contiguous, ``cos`` / ``sin`` the runner's whole [positions, D] tables.
+    Unchecked beyond the token ids: the fast runner calls it with the shapes it built the
+    table for and room in its cache."""
+    t = len(tokens)
+    vocab, e = head.shape[0], embed.shape[1]
+    if t < 1 or count < 1:
+        raise ValueError(f"llama_greedy needs >= 1 token and count >= 1, got {t} tokens, count {count}")
+    ids = torch.tensor(tokens, dtype=torch.int64)
+    if int(ids.min()) < 0 or int(ids.max()) >= min(vocab, embed.shape[0]):
+        raise ValueError(f"token ids must be in [0, {min(vocab, embed.shape[0])})")
+    out = torch.empty(count, dtype=torch.int64)
+    x = torch.empty(t, e, dtype=torch.float32)
+    hidden = torch.empty(t, e, dtype=torch.float32)
+    logits = torch.empty(vocab, dtype=torch.float32)
+    scratch = torch.empty(t * ((heads + 2 * kv_heads) * head_dim + heads * head_dim + 2 * intermediate),
+                          dtype=torch.float32)
+    rc = _kernel.lib.specops_llama_greedy(table, len(table), embed.data_ptr(), ids.data_ptr(), t, count, x.data_ptr(),
+                                          e, heads, kv_heads, head_dim, intermediate, float(eps), float(scale),
+                                          cos.data_ptr(), sin.data_ptr(), kv_strides[0], kv_strides[1], start,
+                                          scratch.data_ptr(), int(threads or torch.get_num_threads()), norm.data_ptr(),
+                                          head.data_ptr(), None if head_bias is None else head_bias.data_ptr(), vocab,
+                                          hidden.data_ptr(), logits.data_ptr(),
+                                          WEIGHTS_BF16 if head.dtype == torch.bfloat16 else 0, out.data_ptr())
+    if rc != 0:
+        raise MemoryError(f"CPU greedy drafting kernel failed (code {rc})")
+    return out.tolist()
 
 
 @dataclass

@@ -118,6 +118,30 @@ static inline void dots(const float *const *xs, const float *w, int64_t K, const
 #define WIDEN_BF16(h) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
 #define LOAD_BF16(p, k) WIDEN_BF16(_mm256_loadu_si256((const __m256i *)((p) + (k))))
 #define LOAD_BF16_MASKED(m, p, k) WIDEN_BF16(_mm256_maskz_loadu_epi16((m), (p) + (k)))
+/* The 16 sums of v[0..15] at once, each by the tree of _mm512_reduce_add_ps (lanes j + j+8,
+ * then j + j+4, then j + j+2, then j + j+1), so a sum's bits do not depend on whether it was
+ * reduced alone or with others; lanes of different vectors never meet, so zero vectors
+ * pad a short group. Sum i lands in lane REDUCE16_LANE(i). 45 shuffles and adds for 16
+ * sums where one reduce_add_ps each takes 7: the reductions of a block of 8 rows x 2
+ * weight rows had cost about half as much as its FMAs over K = 256. */
+#define REDUCE16_MIN 8
+#define REDUCE16_LANE(i) (4 * ((i) % 4) + (i) / 4)
+static inline __attribute__((always_inline)) __m512 reduce16(const __m512 *v) {
+    __m512 c[8], d[4], e[2];
+    for (int i = 0; i < 8; i++) /* lanes 0-7: j + j+8 of v[2i]; lanes 8-15: of v[2i+1] */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* 128-bit lane q: j + j+4 of v[4i + q] */
+        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int i = 0; i < 2; i++) /* in 128-bit lane q: j + j+2 of v[8i + q] (2 lanes), then of v[8i + 4 + q] */
+        e[i] = _mm512_add_ps(_mm512_shuffle_ps(d[2 * i], d[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(d[2 * i], d[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* lane 4q + m: the sum of v[4m + q] */
+    return _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 #define DEFINE_DOTS(NAME, WT, LOADW, LOADW_MASKED)                                                          \
     static inline __attribute__((always_inline)) void NAME(const float *const *xs, const WT *w0, const WT *w1, \
                                                            int64_t K, const int tb, const int nw, float *out0, \
@@ -145,6 +169,21 @@ static inline void dots(const float *const *xs, const float *w, int64_t K, const
                 a0[t] = _mm512_fmadd_ps(xv, v0, a0[t]);                                                      \
                 if (nw > 1) a1[t] = _mm512_fmadd_ps(xv, v1, a1[t]);                                          \
             }                                                                                                \
+        }                                                                                                    \
+        if (tb * nw >= REDUCE16_MIN) { /* all accumulators at once, each summed as reduce_add_ps would */    \
+            __m512 v[16];                                                                                    \
+            for (int i = 0; i < 16; i++) v[i] = _mm512_setzero_ps();                                         \
+            for (int t = 0; t < tb; t++) {                                                                   \
+                v[nw * t] = a0[t];                                                                           \
+                if (nw > 1) v[nw * t + 1] = a1[t];                                                           \
+            }                                                                                                \
+            float r[16];                                                                                     \
+            _mm512_storeu_ps(r, reduce16(v));                                                                \
+            for (int t = 0; t < tb; t++) {                                                                   \
+                out0[t] = r[REDUCE16_LANE(nw * t)];                                                          \
+                if (nw > 1) out1[t] = r[REDUCE16_LANE(nw * t + 1)];                                          \
+            }                                                                                                \
+            return;                                                                                          \
         }                                                                                                    \
         for (int t = 0; t < tb; t++) {                                                                       \
             out0[t] = _mm512_reduce_add_ps(a0[t]);                                                           \
@@ -761,6 +800,8 @@ typedef struct {
     int64_t flags;            /* WEIGHTS_BF16 when the four matrices are bfloat16 */
 } LayerWeights;
 
+void specops_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out); /* below */
+
 /* The rest of a layer after attention, the same calls for both stacks: x += o(att), then
  * x += down(silu(gate) * up) with gate | up = gate_up(rmsnorm(x, ln2)); gu is [T, 2 I] scratch. */
 static int layer_tail(const LayerWeights *l, const float *att, float *x, float *gu, int64_t T, int64_t E, int64_t A,
@@ -792,6 +833,42 @@ int specops_llama_layers(const LayerWeights *layers, int64_t n_layers, float *x,
     if (hidden != NULL) rms_norm_rows(x, norm, eps, T, E, hidden);
     if (logits != NULL)
         return specops_linear(hidden, head_w, head_b, NULL, logits, T, E, V, threads, head_flags, NULL, 0.f);
+    return 0;
+}
+
+/* Greedy drafting in one call: the T tokens `tokens` (embedding rows of `embed` [vocab, E]),
+ * then G - 1 more steps, each feeding the argmax of the last row's logits back as the next
+ * token; out[g] is the g-th argmax (G tokens in all; the last one is not fed, so the cache
+ * grows by T + G - 1 positions from `start`). Every forward is the `specops_llama_layers`
+ * call the runner makes for that step (cos_tab / sin_tab are the [positions, D] tables, row
+ * p for position p), the LM head runs on the last row only (a row's logits do not depend on
+ * the other rows) and the argmax is `specops_argmax_rows`, so the tokens are those of a
+ * Python loop of forwards and argmaxes, bit for bit.
+ *   x        at least T * E floats (the residual stream), hidden at least T * E, logits V
+ *   scratch  as `specops_llama_layers` for T rows
+ * Returns 0, or the first failing call's code. */
+int specops_llama_greedy(const LayerWeights *layers, int64_t n_layers, const float *embed, const int64_t *tokens,
+                         int64_t T, int64_t G, float *x, int64_t E, int64_t Hq, int64_t Hkv, int64_t D, int64_t I,
+                         float eps, float scale, const float *cos_tab, const float *sin_tab, int64_t kv_b,
+                         int64_t kv_h, int64_t start, float *scratch, int threads, const float *norm,
+                         const float *head_w, const float *head_b, int64_t V, float *hidden, float *logits,
+                         int head_flags, int64_t *out) {
+    if (T < 1 || G < 1) return 3;
+    int64_t t = T, at = start;
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t *ids = g == 0 ? tokens : out + g - 1;
+        for (int64_t r = 0; r < t; r++) memcpy(x + r * E, embed + ids[r] * E, sizeof(float) * (size_t)E);
+        int rc = specops_llama_layers(layers, n_layers, x, t, E, Hq, Hkv, D, I, eps, scale, cos_tab + at * D,
+                                      sin_tab + at * D, kv_b, kv_h, at, NULL, scratch, threads, norm, head_w, head_b,
+                                      V, hidden, NULL, head_flags);
+        if (rc == 0)
+            rc = specops_linear(hidden + (t - 1) * E, head_w, head_b, NULL, logits, 1, E, V, threads, head_flags,
+                                NULL, 0.f);
+        if (rc != 0) return rc;
+        specops_argmax_rows(logits, 1, V, out + g);
+        at += t;
+        t = 1;
+    }
     return 0;
 }
 

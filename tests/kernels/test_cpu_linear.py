@@ -36,11 +36,13 @@ def test_matches_addmm(k, n, rows):
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
 def test_every_row_is_the_same_bits_for_any_row_count_and_thread_count(threads):
     gen = torch.Generator().manual_seed(threads)
-    k, n = 264, 1100  # a tail after the 16-wide blocks, and an 8-wide one; a partial last chunk
-    x, w, b = torch.randn(7, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    # a tail after the 16-wide blocks, and an 8-wide one; a partial last chunk; an odd weight
+    # row count (a lone last row); 17 rows: blocks of 8 (sums reduced 16 at a time) and 1
+    k, n, rows = 264, 1101, 17
+    x, w, b = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
     one_thread = cpu_linear.linear(x, w, b, threads=1)
     assert torch.equal(cpu_linear.linear(x, w, b, threads=threads), one_thread)
-    for t in range(7):  # a row alone, and in blocks of 2..4 at other offsets
+    for t in range(rows):  # a row alone (sums reduced one by one), and in blocks of 2..8 at other offsets
         assert torch.equal(cpu_linear.linear(x[t : t + 1].contiguous(), w, b, threads=threads)[0], one_thread[t])
         assert torch.equal(cpu_linear.linear(x[t:].contiguous(), w, b, threads=threads), one_thread[t:])
 
@@ -328,6 +330,55 @@ def test_layer_stack_in_one_call_equals_the_per_call_path(t):
     torch.testing.assert_close(hidden, ref_hidden, atol=1e-5, rtol=1e-5)  # the final norm: C vs torch rounding
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
     assert torch.equal(logits.argmax(-1), ref_logits.argmax(-1))
+
+
+@pytest.mark.parametrize("fed,count", [(1, 1), (1, 4), (2, 6), (5, 3), (16, 8)])
+def test_greedy_drafting_in_one_call_equals_the_loop_of_forwards(fed, count):
+    """`FastLlamaRunner.greedy_chain` (one `specops_llama_greedy` call) drafts the tokens a
+    loop of forwards and argmaxes does, and leaves the same cache bits and length (neither
+    feeds the last token), on the bf16 draft and the fp32 target."""
+    from specops.assets import DRAFT_DIR, TARGET_DIR
+    from specops.decoder.fast_llama import FastLlamaRunner
+    from transformers import AutoModelForCausalLM
+
+    gen = torch.Generator().manual_seed(fed * 10 + count)
+    for path, weights in ((DRAFT_DIR, "bf16"), (TARGET_DIR, "fp32")):
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        runner = FastLlamaRunner(model, kernel_weights=weights)
+        prompt = torch.randint(0, runner.vocab_size, (1, 30), generator=gen)
+        tokens = torch.randint(0, runner.vocab_size, (fed,), generator=gen).tolist()
+        runner.reset(1)
+        runner.forward(prompt)
+        ids, loop = torch.tensor([tokens]), []
+        for _ in range(count):
+            tok = cpu_linear.argmax(runner.forward(ids).logits[:, -1])  # [1]
+            loop.append(int(tok[0]))
+            ids = tok[:, None]
+        want = runner.cache.data[..., : runner.cache_len, :].clone()
+        runner.reset(1)
+        runner.forward(prompt)
+        assert runner.greedy_chain(tokens, count) == loop
+        assert runner.cache_len == 30 + fed + count - 1
+        assert torch.equal(runner.cache.data[..., : runner.cache_len, :], want)
+
+
+def test_greedy_drafting_declines_what_the_c_forward_would_not_take():
+    """None, the cache untouched, where `forward` would leave the C stack (too many tokens, a
+    prefill from an empty cache, no room left) or the chain asks for nothing; bad ids raise."""
+    from specops.decoder import Decoder
+
+    runner = Decoder.from_pretrained("bundled").target
+    runner.reset(1)
+    assert runner.greedy_chain([5, 6], 2) is None  # a prompt pass on an empty cache: torch's path
+    runner.forward(torch.arange(5, 40).view(1, -1))
+    assert runner.greedy_chain(list(range(17)), 2) is None  # wider than the C stack
+    assert runner.greedy_chain([5], 0) is None
+    room = runner.max_context - runner.cache_len
+    assert runner.greedy_chain([5], room + 1) is None  # would run past the cache
+    assert runner.cache_len == 35
+    with pytest.raises(ValueError, match="token ids"):
+        runner.greedy_chain([runner.vocab_size], 2)
+    assert runner.greedy_chain([5], room) is not None and runner.cache_len == runner.max_context
 
 
 def test_a_tree_forward_through_the_layer_stack_equals_decoding_its_path():
