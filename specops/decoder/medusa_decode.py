@@ -43,7 +43,7 @@ from specops.decoder.medusa_heads import HeadsLike
 from specops.decoder.request import check_deadline, check_room, eos_cut, eos_set, prompt_list, stop_reason
 from specops.decoder.stats import DecodeStats
 from specops.decoder.tree import TreeBuffers, TreeError, TreeSpec, build_buffers, resolve_tree
-from specops.decoder.tree_size import plan_tree
+from specops.decoder.tree_size import TreePlanner, plan_tree, tree_planner
 from specops.decoder.tree_verify import (
     TreeVerification,
     TypicalAcceptance,
@@ -133,11 +133,16 @@ def generate_medusa(
         raise InvalidRequestError(f"heads must be in 1..{heads.num_heads} (the Medusa heads loaded), got {num_heads!r}")
     if isinstance(tree, int) and not isinstance(tree, bool) and tree < 1:
         raise InvalidRequestError(f"a tree size bound must be >= 1 node, got {tree}")
+    planner: TreePlanner | None = None  # a planned tree: each step's size from live step times
     try:
         if isinstance(tree, int) and not isinstance(tree, bool):
-            spec = plan_tree(target, heads, k, max_nodes=tree)
+            planner = tree_planner(target, heads, k, max_nodes=tree)
+            spec = planner.best() if planner is not None else plan_tree(target, heads, k, max_nodes=tree)
+        elif tree is None or tree == "auto":
+            planner = tree_planner(target, heads, k)
+            spec = planner.best() if planner is not None else plan_tree(target, heads, k)
         else:
-            spec = plan_tree(target, heads, k) if tree is None or tree == "auto" else resolve_tree(tree, k)
+            spec = resolve_tree(tree, k)
     except TreeError as exc:
         raise InvalidRequestError(str(exc)) from None
     if typical is True:
@@ -173,6 +178,8 @@ def generate_medusa(
             if stats.fallback_reason is None:
                 stats.fallback_reason = "deadline"
             room = 1  # root only: one plain decoding step
+        if planner is not None:
+            spec = planner.next_spec()
         step_spec = spec.limit(max_depth=remaining - 1, max_nodes=room)
         t0 = device_clock(device)
         tree_tokens, buffers = state.propose(hidden, step_spec, root, len(output) - 1)  # [N]
@@ -187,7 +194,10 @@ def generate_medusa(
         hidden = step.hidden
         root = new[-1]
         output.extend(new)
-        stats.verify_s += device_clock(device) - t1
+        t2 = device_clock(device)
+        stats.verify_s += t2 - t1
+        if planner is not None and step_spec.num_nodes == spec.num_nodes:  # the whole tree ran: a clean timing
+            planner.observe(spec.num_nodes, t2 - t0)
         stats.target_forwards += 1
         stats.record_step(drafted, accepted)
         stats.record_emitted(len(new))

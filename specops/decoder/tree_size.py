@@ -10,6 +10,15 @@ T tree positions on top of a prefix, for several T) into a ``VerifyCostCurve``;
     expected tokens per step / (verify_cost(n) + per-step overhead)
 
 where the per-step overhead (running the heads, building the tree) is measured too.
+
+That startup curve is only a prior. The host a runner lives on changes under it: on the
+reference machine a T = 1 forward took 0.98 ms in one run and 2.03 ms in the next, with
+c(8)/c(1) 1.55 and 1.33, and a curve timed once said 8 positions cost what 1 does in one
+state while 16 nodes lost 20% to 4 in the other. `TreePlanner` therefore keeps, per runner
+and heads, the measured seconds of whole decoding steps (heads, tree forward, walk, KV
+compaction: everything a step costs) per tree size, starts from the curve, and picks each
+step's size from those live costs, trying a neighbouring size now and then so a size
+that got cheaper is noticed.
 """
 
 from __future__ import annotations
@@ -140,7 +149,6 @@ def choose_tree(accuracy: Sequence[Sequence[float]], cost: VerifyCostCurve, *, o
 
 # -- the tree for a runner and its heads, planned once and kept ----------------------------
 _COST_CURVES: "weakref.WeakKeyDictionary[object, VerifyCostCurve]" = weakref.WeakKeyDictionary()
-_PLANS: "weakref.WeakKeyDictionary[object, dict[tuple[int, int, int | None], TreeChoice]]" = weakref.WeakKeyDictionary()
 
 
 def verify_cost_curve(target: ModelRunner) -> VerifyCostCurve:
@@ -185,20 +193,105 @@ def _measure_heads(heads: HeadsLike, target: ModelRunner, num_heads: int, repeat
 
 def plan_tree(target: ModelRunner, heads: HeadsLike, num_heads: int, max_nodes: int | None = None) -> TreeSpec:
     """The tree for ``tree=None``: the sparse tree from the heads' measured accuracy whose size
-    maximises expected tokens/s under the runner's measured verify cost; "small" when the
-    heads carry no accuracy table. ``max_nodes`` bounds its node count (root included)."""
-    accuracy = getattr(getattr(heads, "config", None), "head_topk_accuracy", None)
-    if not accuracy:
+    maximises expected tokens/s under the runner's measured costs (the `TreePlanner`'s current
+    choice); "small" when the heads carry no accuracy table. ``max_nodes`` bounds its node
+    count (root included)."""
+    planner = tree_planner(target, heads, num_heads, max_nodes)
+    if planner is None:
         small = preset("small", num_heads)
         return small if max_nodes is None else small.limit(max_nodes=max_nodes)
-    plans = _PLANS.setdefault(heads, {})
+    return planner.best()
+
+
+PLANNER_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)  # tree sizes the live planner chooses among
+EXPLORE_EVERY = 16  # one step in this many tries a size next to the best one
+COST_EMA = 0.1  # weight of a new step time in the running cost of the size in use
+EXPLORED_WEIGHT = 0.5  # ... and in that of a size only tried now and then
+
+
+class TreePlanner:
+    """Each step's tree size from live step times (module docstring).
+
+    ``cost[n]`` starts as the startup curve's verify cost plus the heads' overhead and moves
+    to the measured seconds of whole steps with n nodes (an exponential average, weighted
+    more towards new timings for the sizes only explored); ``best``
+    maximises expected tokens / cost[n]; ``next_spec`` returns it, or every EXPLORE_EVERY-th
+    step a neighbouring size (alternately smaller and larger). Trees are sparse trees of the
+    heads' accuracy table, as `choose_tree` builds them. One planner serves every request of
+    a (runner, heads, number of heads, bound); not thread-safe beyond the GIL's per-operation
+    atomicity (a lost update only delays learning)."""
+
+    def __init__(self, accuracy: Sequence[Sequence[float]], curve: VerifyCostCurve, *, overhead_s: float,
+                 max_nodes: int | None = None, sizes: Sequence[int] = PLANNER_SIZES) -> None:
+        limit = min(max_nodes if max_nodes is not None else curve.sizes[-1], max(sizes))
+        if limit < 1:
+            raise TreeError(f"max_nodes must be >= 1, got {limit}")
+        ranked = ranked_nodes(accuracy, limit)
+        self.sizes = tuple(n for n in sorted(set(sizes)) if n <= len(ranked) + 1) or (1,)
+        self.specs: dict[int, TreeSpec] = {}
+        self.expected: dict[int, float] = {}
+        for n in self.sizes:
+            self.specs[n] = make_spec([p for p, _ in ranked[: n - 1]], name=f"sparse{n}")
+            self.expected[n] = 1.0 + sum(a for _, a in ranked[: n - 1])
+        self.cost = {n: curve.at(n) + overhead_s for n in self.sizes}
+        self.samples = {n: 0 for n in self.sizes}
+        self.steps = 0
+
+    def best_size(self) -> int:
+        return max(self.sizes, key=lambda n: (self.expected[n] / self.cost[n], -n))
+
+    def best(self) -> TreeSpec:
+        return self.specs[self.best_size()]
+
+    def next_spec(self) -> TreeSpec:
+        """The tree for the next step: the best size, or now and then a neighbour of it."""
+        self.steps += 1
+        n = self.best_size()
+        if self.steps % EXPLORE_EVERY == 0 and len(self.sizes) > 1:
+            i = self.sizes.index(n)
+            step = -1 if (self.steps // EXPLORE_EVERY) % 2 else 1
+            j = i + step if 0 <= i + step < len(self.sizes) else i - step
+            n = self.sizes[j]
+        return self.specs[n]
+
+    def observe(self, nodes: int, seconds: float) -> None:
+        """A whole step over a tree of ``nodes`` nodes (one of `sizes`) took ``seconds``."""
+        if nodes not in self.cost or not seconds > 0:
+            return
+        self.samples[nodes] += 1
+        if self.samples[nodes] == 1:
+            weight = 1.0  # the first measurement replaces the prior
+        elif nodes == self.best_size():
+            weight = COST_EMA
+        else:  # an explored size: its last timing may be long stale, so a rare new one counts more
+            weight = EXPLORED_WEIGHT
+        self.cost[nodes] += weight * (seconds - self.cost[nodes])
+
+
+_PLANNERS: "weakref.WeakKeyDictionary[object, dict[tuple[int, int, int | None], TreePlanner]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def tree_planner(target: ModelRunner, heads: HeadsLike, num_heads: int,
+                 max_nodes: int | None = None) -> TreePlanner | None:
+    """The live planner of (runner, heads, number of heads, bound), made on first use from the
+    runner's measured verify-cost curve and the heads' overhead; None when the heads carry no
+    accuracy table (then the "small" preset is used)."""
+    accuracy = getattr(getattr(heads, "config", None), "head_topk_accuracy", None)
+    if not accuracy:
+        return None
+    try:
+        planners = _PLANNERS.setdefault(heads, {})
+    except TypeError:  # heads that cannot be weakly referenced: a planner per call
+        planners = {}
     key = (id(target), num_heads, max_nodes)
-    if key not in plans:
+    if key not in planners:
         curve = verify_cost_curve(target)
         cap = None if max_nodes is None else min(max_nodes, curve.sizes[-1])
-        plans[key] = choose_tree(accuracy[:num_heads], curve, max_nodes=cap,
-                                 overhead_s=heads_overhead_s(heads, target, num_heads))
-        choice = plans[key]
-        logger.info("medusa tree for %d heads: %d nodes, %.2f expected tokens/step, %.0f tokens/s expected",
-                    num_heads, choice.spec.num_nodes, choice.expected_tokens, choice.tokens_per_s)
-    return plans[key].spec
+        planner = TreePlanner(accuracy[:num_heads], curve, max_nodes=cap,
+                              overhead_s=heads_overhead_s(heads, target, num_heads))
+        planners[key] = planner
+        n = planner.best_size()
+        logger.info("medusa tree for %d heads: starts at %d nodes (%.2f expected tokens/step), adapts to step times",
+                    num_heads, n, planner.expected[n])
+    return planners[key]

@@ -47,3 +47,24 @@ def test_bad_tree_bound_is_a_request_error(one_thread):
     with pytest.raises(InvalidRequestError, match=">= 1 node"):
         generate_medusa(runner, torch.tensor([[1, 2]]), heads=heads, sampling=GREEDY, generator=make_generator(0),
                         max_new_tokens=4, tree=0)
+
+
+def test_planned_trees_learn_from_the_steps_they_run(one_thread):
+    """A planned tree (none given, or a bound) times each whole step into the runner's live
+    planner, which every later request of the same runner and heads shares; the output stays
+    `ar`'s whatever size each step took."""
+    from specops.decoder.tree_size import tree_planner
+
+    runner, heads = _case([[0.7, 0.15, 0.08, 0.05]] * 3)
+    prompt = torch.tensor([[5, 9, 11, 2]])
+    want, _ = generate_ar(runner, prompt, sampling=GREEDY, generator=make_generator(0), max_new_tokens=24)
+    for tree in (None, 4):
+        planner = tree_planner(runner, heads, 3, max_nodes=tree)
+        seen = sum(planner.samples.values())
+        got, stats = generate_medusa(runner, prompt, heads=heads, sampling=GREEDY, generator=make_generator(0),
+                                     max_new_tokens=24, num_heads=3, tree=tree)
+        assert got == want
+        assert sum(planner.samples.values()) > seen  # its steps were timed
+        assert tree_planner(runner, heads, 3, max_nodes=tree) is planner  # and kept for the next request
+        if tree is not None:
+            assert max(planner.sizes) <= tree

@@ -173,3 +173,49 @@ def tiny_llama_runner(one_thread):
     from specops.decoder.hf_runner import HFRunner
 
     return HFRunner(tiny_model("llama"))
+
+
+ACCURACY = [[0.8, 0.1, 0.05], [0.6, 0.1, 0.05], [0.5, 0.1]]
+
+
+def test_the_live_planner_starts_from_the_curve_and_follows_measured_step_times():
+    """`TreePlanner` begins at the size the startup curve favours; when whole steps at that size
+    measure slow it moves to the size with the best measured tokens per second; one step in
+    EXPLORE_EVERY tries a neighbouring size, so a size that got cheaper is seen again."""
+    from specops.decoder import tree_size
+    from specops.decoder.tree_size import EXPLORE_EVERY, TreePlanner
+
+    flat = VerifyCostCurve(sizes=(1, 32), seconds=(1.0, 1.0))  # at startup, every size costs one forward
+    planner = TreePlanner(ACCURACY, flat, overhead_s=0.1)
+    assert planner.sizes == tree_size.PLANNER_SIZES and planner.best_size() == 16  # free nodes: the biggest
+    assert planner.best().num_nodes == 16
+    for n in planner.sizes:  # the host changed: a step costs 1 + 0.3 per node beyond the root
+        planner.observe(n, 1.0 + 0.3 * (n - 1))
+    rates = {n: planner.expected[n] / (1.0 + 0.3 * (n - 1)) for n in planner.sizes}
+    assert planner.best_size() == max(rates, key=rates.get) < 16
+    best = planner.best_size()
+    picked = [planner.next_spec().num_nodes for _ in range(4 * EXPLORE_EVERY)]
+    explored = [n for n in picked if n != best]
+    assert len(explored) == 4 and set(explored) <= set(planner.sizes) - {best}
+    assert {abs(planner.sizes.index(n) - planner.sizes.index(best)) for n in explored} == {1}  # neighbours
+    planner.observe(best, 100.0)  # one slow step moves the estimate by COST_EMA of the way, not all of it
+    assert planner.cost[best] == pytest.approx(1.0 + 0.3 * (best - 1) + tree_size.COST_EMA * (100.0 - 1.0 - 0.3 * (best - 1)))
+    other = next(n for n in planner.sizes if n != planner.best_size())
+    was = planner.cost[other]
+    planner.observe(other, was + 1.0)  # an explored size's new timing counts for more
+    assert planner.cost[other] == pytest.approx(was + tree_size.EXPLORED_WEIGHT)
+    before = dict(planner.cost)
+    planner.observe(5, 1.0)  # not a planner size
+    planner.observe(best, 0.0)  # not a timing
+    assert planner.cost == before
+
+
+def test_the_live_planner_keeps_a_bound_and_plain_decoding_when_nothing_pays():
+    from specops.decoder.tree_size import TreePlanner
+
+    steep = VerifyCostCurve(sizes=(1, 32), seconds=(1.0, 63.0))  # every node doubles the step
+    planner = TreePlanner(ACCURACY, steep, overhead_s=0.0, max_nodes=5)
+    assert max(planner.sizes) <= 5
+    assert planner.best_size() == 1  # speculation cannot pay: the root alone, a plain step
+    with pytest.raises(TreeError):
+        TreePlanner(ACCURACY, steep, overhead_s=0.0, max_nodes=0)
