@@ -49,11 +49,17 @@ def _draft_block(
 ) -> tuple[list[int], torch.Tensor | None]:  # drafted tokens, q: [1, G, V] (sampling only)
     """Propose ``gamma`` tokens after ``tokens``, feeding the draft only what its cache lacks."""
     unseen = tokens[draft.cache_len :]  # 1 or 2 tokens (the whole prompt at `auto`'s first draft step)
-    if sampling.greedy:
-        chain = getattr(draft, "greedy_chain", None)  # the whole block in one C call (fast runner)
-        drafted = chain(unseen, gamma) if chain is not None else None
-        if drafted is not None:
-            return drafted, None
+    chain = getattr(draft, "draft_chain", None)  # the whole block in one C call (fast runner, fp32 CPU)
+    if chain is not None and sampling.greedy:
+        done = chain(unseen, gamma)
+        if done is not None:
+            return done[0], None
+    elif chain is not None and sampling.top_k is None and sampling.top_p is None and sample_device.type == "cpu":
+        # one uniform per token, as `sampling.draw` takes; q = softmax(logits / T) drawn in C
+        uniforms = torch.rand(gamma, generator=generator, dtype=torch.float64, device=generator.device).cpu()
+        done = chain(unseen, gamma, uniforms=uniforms, temperature=sampling.temperature)
+        if done is not None:
+            return done[0], done[1][None]  # q: [1, G, V]
     ids = torch.tensor([unseen], dtype=torch.long, device=draft.device)  # [1, U]
     drafted: list[int] = []
     q_rows: list[torch.Tensor] = []

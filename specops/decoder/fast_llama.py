@@ -393,12 +393,16 @@ class FastLlamaRunner:
         cache.advance(t)
         return hidden.view(1, t, self.hidden_size), logits.view(1, t, -1)
 
-    def greedy_chain(self, tokens: list[int], count: int) -> list[int] | None:
-        """Greedy drafting in one C call: feed ``tokens`` (what the cache lacks), then ``count - 1``
-        argmax tokens one by one; returns the ``count`` argmaxes, the cache grown by
-        ``len(tokens) + count - 1``. The tokens equal a loop of `forward` and argmax bit for bit
-        (the same C forwards). None, with nothing done, where `forward` would not take the C
-        path for these tokens or the cache lacks room: the caller loops instead."""
+    def draft_chain(self, tokens: list[int], count: int, *, uniforms: Tensor | None = None,
+                    temperature: float = 1.0) -> tuple[list[int], Tensor | None] | None:
+        """Drafting in one C call (`cpu_linear.llama_greedy`): feed ``tokens`` (what the cache
+        lacks), then ``count - 1`` chosen tokens one by one; returns the ``count`` tokens and,
+        when sampling, q [count, V]; the cache grows by ``len(tokens) + count - 1``.
+        Greedy (no ``uniforms``): the argmax tokens, equal to a loop of `forward` and argmax bit
+        for bit (the same C forwards). Sampling: each token drawn from q = softmax(logits /
+        temperature) with ``uniforms`` [count] (float64 in [0, 1)). None, with nothing done,
+        where `forward` would not take the C path for these tokens or the cache lacks room:
+        the caller loops instead."""
         t, start = len(tokens), self.cache.length
         if not (self.c_layers and self.cache.batch == 1 and 1 <= t <= C_LAYERS_MAX_T and count >= 1
                 and (t == 1 or start > 0) and start + t + count - 1 <= self.max_context
@@ -409,7 +413,7 @@ class FastLlamaRunner:
             self._layer_table(), self.embed, tokens, count, heads=self.n_heads, kv_heads=self.n_kv_heads,
             head_dim=self.head_dim, intermediate=self.layers[0].down.weight.shape[1], eps=self.eps, scale=self.scale,
             cos=self._cos, sin=self._sin, kv_strides=(keys.stride(0), keys.stride(1)), start=start, norm=self.norm,
-            head=self.lm_head.weight, head_bias=self.lm_head.bias)
+            head=self.lm_head.weight, head_bias=self.lm_head.bias, uniforms=uniforms, temperature=temperature)
         self.cache.advance(t + count - 1)
         return out
 

@@ -66,7 +66,8 @@ def _setup(lib: ctypes.CDLL) -> None:
     greedy.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 2 +
                        [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_float] +
                        [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int] +
-                       [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_void_p])
+                       [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_void_p] +
+                       [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p])
     paged = lib.specops_paged_layers
     paged.restype = ctypes.c_int
     paged.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 6 +
@@ -310,14 +311,17 @@ def llama_layers(table: ctypes.Array, x: Tensor, *, heads: int, kv_heads: int, h
 def llama_greedy(table: ctypes.Array, embed: Tensor, tokens: list[int], count: int, *, heads: int, kv_heads: int,
                  head_dim: int, intermediate: int, eps: float, scale: float, cos: Tensor, sin: Tensor,
                  kv_strides: tuple[int, int], start: int, norm: Tensor, head: Tensor, head_bias: Tensor | None = None,
-                 threads: int | None = None) -> list[int]:
-    """Greedy drafting in one C call (``specops_llama_greedy`` in linear.c): `llama_layers` over
+                 threads: int | None = None, uniforms: Tensor | None = None,
+                 temperature: float = 1.0) -> tuple[list[int], Tensor | None]:
+    """Drafting in one C call (``specops_llama_greedy`` in linear.c): `llama_layers` over
     ``tokens`` after ``start`` cached positions, then ``count - 1`` single-token steps, each
-    feeding back the argmax of the last logits. Returns the ``count`` argmaxes; the cache
-    gains ``len(tokens) + count - 1`` positions (the caller advances its length). ``embed``
+    feeding back the token chosen from the last logits: their argmax, or with ``uniforms``
+    ([count] float64 in [0, 1)) a draw from q = softmax(logits / temperature). Returns the
+    ``count`` tokens and, when sampling, q [count, V] (else None); the cache gains
+    ``len(tokens) + count - 1`` positions (the caller advances its length). ``embed``
     [vocab, E] fp32 contiguous, ``cos`` / ``sin`` the runner's whole [positions, D] tables.
-    Unchecked beyond the token ids: the fast runner calls it with the shapes it built the
-    table for and room in its cache."""
+    Unchecked beyond the token ids and uniforms: the fast runner calls it with the shapes it
+    built the table for and room in its cache."""
     t = len(tokens)
     vocab, e = head.shape[0], embed.shape[1]
     if t < 1 or count < 1:
@@ -325,6 +329,13 @@ def llama_greedy(table: ctypes.Array, embed: Tensor, tokens: list[int], count: i
     ids = torch.tensor(tokens, dtype=torch.int64)
     if int(ids.min()) < 0 or int(ids.max()) >= min(vocab, embed.shape[0]):
         raise ValueError(f"token ids must be in [0, {min(vocab, embed.shape[0])})")
+    q = None
+    if uniforms is not None:
+        if uniforms.dtype != torch.float64 or uniforms.shape != (count,) or not uniforms.is_contiguous():
+            raise ValueError(f"uniforms must be a contiguous float64 tensor of shape ({count},)")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        q = torch.empty(count, vocab, dtype=torch.float32)
     out = torch.empty(count, dtype=torch.int64)
     x = torch.empty(t, e, dtype=torch.float32)
     hidden = torch.empty(t, e, dtype=torch.float32)
@@ -337,10 +348,12 @@ def llama_greedy(table: ctypes.Array, embed: Tensor, tokens: list[int], count: i
                                           scratch.data_ptr(), int(threads or torch.get_num_threads()), norm.data_ptr(),
                                           head.data_ptr(), None if head_bias is None else head_bias.data_ptr(), vocab,
                                           hidden.data_ptr(), logits.data_ptr(),
-                                          WEIGHTS_BF16 if head.dtype == torch.bfloat16 else 0, out.data_ptr())
+                                          WEIGHTS_BF16 if head.dtype == torch.bfloat16 else 0, out.data_ptr(),
+                                          None if uniforms is None else uniforms.data_ptr(), 1.0 / float(temperature),
+                                          None if q is None else q.data_ptr())
     if rc != 0:
-        raise MemoryError(f"CPU greedy drafting kernel failed (code {rc})")
-    return out.tolist()
+        raise MemoryError(f"CPU drafting kernel failed (code {rc})")
+    return out.tolist(), q
 
 
 @dataclass

@@ -836,6 +836,39 @@ int specops_llama_layers(const LayerWeights *layers, int64_t n_layers, float *x,
     return 0;
 }
 
+/* q = softmax(logits * inv_temp) over V entries (exp_nonpos after the max), and the index
+ * drawn from q by inverse CDF with the uniform u: the first index whose running sum, in
+ * double, exceeds u times the sum of q. A zero entry is never drawn (the running sum does
+ * not move past it). The draft's proposal distribution in sampled drafting: the verifier
+ * accepts against exactly this q, so the output stays the target's distribution. */
+static int64_t draw_softmax(const float *logits, int64_t V, float inv_temp, double u, float *q) {
+    float m = -INFINITY;
+    for (int64_t v = 0; v < V; v++) {
+        q[v] = logits[v] * inv_temp;
+        m = q[v] > m ? q[v] : m;
+    }
+    double sum = 0.0;
+    for (int64_t v = 0; v < V; v++) {
+        q[v] = exp_nonpos(q[v] - m);
+        sum += q[v];
+    }
+    const float inv = (float)(1.0 / sum);
+    double total = 0.0;
+    for (int64_t v = 0; v < V; v++) {
+        q[v] *= inv;
+        total += q[v];
+    }
+    const double target = u * total;
+    double run = 0.0;
+    for (int64_t v = 0; v < V; v++) {
+        run += q[v];
+        if (run > target) return v;
+    }
+    for (int64_t v = V - 1; v > 0; v--) /* u * total rounded up to the total: the last nonzero entry */
+        if (q[v] > 0.f) return v;
+    return 0;
+}
+
 /* Greedy drafting in one call: the T tokens `tokens` (embedding rows of `embed` [vocab, E]),
  * then G - 1 more steps, each feeding the argmax of the last row's logits back as the next
  * token; out[g] is the g-th argmax (G tokens in all; the last one is not fed, so the cache
@@ -844,6 +877,8 @@ int specops_llama_layers(const LayerWeights *layers, int64_t n_layers, float *x,
  * p for position p), the LM head runs on the last row only (a row's logits do not depend on
  * the other rows) and the argmax is `specops_argmax_rows`, so the tokens are those of a
  * Python loop of forwards and argmaxes, bit for bit.
+ * Sampling instead (uniforms != NULL): each step's token is drawn from q = softmax(logits *
+ * inv_temp), stored in q[g * V ..] (`draw_softmax`, uniforms[g] in [0, 1)), and fed back.
  *   x        at least T * E floats (the residual stream), hidden at least T * E, logits V
  *   scratch  as `specops_llama_layers` for T rows
  * Returns 0, or the first failing call's code. */
@@ -852,7 +887,7 @@ int specops_llama_greedy(const LayerWeights *layers, int64_t n_layers, const flo
                          float eps, float scale, const float *cos_tab, const float *sin_tab, int64_t kv_b,
                          int64_t kv_h, int64_t start, float *scratch, int threads, const float *norm,
                          const float *head_w, const float *head_b, int64_t V, float *hidden, float *logits,
-                         int head_flags, int64_t *out) {
+                         int head_flags, int64_t *out, const double *uniforms, float inv_temp, float *q) {
     if (T < 1 || G < 1) return 3;
     int64_t t = T, at = start;
     for (int64_t g = 0; g < G; g++) {
@@ -865,7 +900,8 @@ int specops_llama_greedy(const LayerWeights *layers, int64_t n_layers, const flo
             rc = specops_linear(hidden + (t - 1) * E, head_w, head_b, NULL, logits, 1, E, V, threads, head_flags,
                                 NULL, 0.f);
         if (rc != 0) return rc;
-        specops_argmax_rows(logits, 1, V, out + g);
+        if (uniforms == NULL) specops_argmax_rows(logits, 1, V, out + g);
+        else out[g] = draw_softmax(logits, V, inv_temp, uniforms[g], q + g * V);
         at += t;
         t = 1;
     }

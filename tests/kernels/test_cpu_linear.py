@@ -334,7 +334,7 @@ def test_layer_stack_in_one_call_equals_the_per_call_path(t):
 
 @pytest.mark.parametrize("fed,count", [(1, 1), (1, 4), (2, 6), (5, 3), (16, 8)])
 def test_greedy_drafting_in_one_call_equals_the_loop_of_forwards(fed, count):
-    """`FastLlamaRunner.greedy_chain` (one `specops_llama_greedy` call) drafts the tokens a
+    """`FastLlamaRunner.draft_chain` (one `specops_llama_greedy` call) drafts the tokens a
     loop of forwards and argmaxes does, and leaves the same cache bits and length (neither
     feeds the last token), on the bf16 draft and the fp32 target."""
     from specops.assets import DRAFT_DIR, TARGET_DIR
@@ -357,9 +357,43 @@ def test_greedy_drafting_in_one_call_equals_the_loop_of_forwards(fed, count):
         want = runner.cache.data[..., : runner.cache_len, :].clone()
         runner.reset(1)
         runner.forward(prompt)
-        assert runner.greedy_chain(tokens, count) == loop
+        assert runner.draft_chain(tokens, count) == (loop, None)
         assert runner.cache_len == 30 + fed + count - 1
         assert torch.equal(runner.cache.data[..., : runner.cache_len, :], want)
+
+
+@pytest.mark.parametrize("fed,count,temperature", [(1, 4, 1.0), (3, 6, 0.7), (16, 2, 1.3)])
+def test_sampled_drafting_in_one_call_draws_from_the_q_it_returns(fed, count, temperature):
+    """With uniforms, each drafted token is the inverse-CDF draw of its uniform from the q row
+    returned beside it; q is softmax(logits / T) of the logits a loop of forwards over the
+    same tokens computes, and the cache holds what that loop writes."""
+    from specops.decoder import Decoder
+
+    runner = Decoder.from_pretrained("bundled").target
+    gen = torch.Generator().manual_seed(fed + count)
+    prompt = torch.randint(0, runner.vocab_size, (1, 30), generator=gen)
+    tokens = torch.randint(0, runner.vocab_size, (fed,), generator=gen).tolist()
+    uniforms = torch.rand(count, generator=gen, dtype=torch.float64)
+    runner.reset(1)
+    runner.forward(prompt)
+    drafted, q = runner.draft_chain(tokens, count, uniforms=uniforms, temperature=temperature)
+    got_cache = runner.cache.data[..., : runner.cache_len, :].clone()
+    assert len(drafted) == count and q.shape == (count, runner.vocab_size)
+    torch.testing.assert_close(q.sum(-1), torch.ones(count, dtype=torch.float32), atol=1e-5, rtol=0)
+    for g in range(count):
+        cdf = torch.cumsum(q[g], 0, dtype=torch.float64)
+        assert drafted[g] == int(torch.searchsorted(cdf, uniforms[g] * cdf[-1], right=True))
+        assert q[g, drafted[g]] > 0
+    runner.reset(1)
+    runner.forward(prompt)
+    ids = torch.tensor([tokens])
+    for g in range(count):  # the loop, fed the drafted tokens
+        logits = runner.forward(ids).logits[0, -1]
+        torch.testing.assert_close(q[g], torch.softmax(logits / temperature, -1), atol=2e-6, rtol=1e-4)
+        ids = torch.tensor([[drafted[g]]])
+    assert torch.equal(runner.cache.data[..., : runner.cache_len, :], got_cache)
+    with pytest.raises(ValueError, match="uniforms"):
+        runner.draft_chain(tokens, count, uniforms=uniforms.float())
 
 
 def test_greedy_drafting_declines_what_the_c_forward_would_not_take():
@@ -369,16 +403,16 @@ def test_greedy_drafting_declines_what_the_c_forward_would_not_take():
 
     runner = Decoder.from_pretrained("bundled").target
     runner.reset(1)
-    assert runner.greedy_chain([5, 6], 2) is None  # a prompt pass on an empty cache: torch's path
+    assert runner.draft_chain([5, 6], 2) is None  # a prompt pass on an empty cache: torch's path
     runner.forward(torch.arange(5, 40).view(1, -1))
-    assert runner.greedy_chain(list(range(17)), 2) is None  # wider than the C stack
-    assert runner.greedy_chain([5], 0) is None
+    assert runner.draft_chain(list(range(17)), 2) is None  # wider than the C stack
+    assert runner.draft_chain([5], 0) is None
     room = runner.max_context - runner.cache_len
-    assert runner.greedy_chain([5], room + 1) is None  # would run past the cache
+    assert runner.draft_chain([5], room + 1) is None  # would run past the cache
     assert runner.cache_len == 35
     with pytest.raises(ValueError, match="token ids"):
-        runner.greedy_chain([runner.vocab_size], 2)
-    assert runner.greedy_chain([5], room) is not None and runner.cache_len == runner.max_context
+        runner.draft_chain([runner.vocab_size], 2)
+    assert runner.draft_chain([5], room) is not None and runner.cache_len == runner.max_context
 
 
 def test_a_tree_forward_through_the_layer_stack_equals_decoding_its_path():
