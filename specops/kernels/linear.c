@@ -869,6 +869,72 @@ static int64_t draw_softmax(const float *logits, int64_t V, float inv_temp, doub
     return 0;
 }
 
+/* max and 1 / sum of exp(x * inv_temp - max) over a row of V logits (the softmax's constants) */
+static void softmax_consts(const float *x, int64_t V, float inv_temp, float *m_out, double *sum_out) {
+    float m = -INFINITY;
+    for (int64_t v = 0; v < V; v++) m = x[v] * inv_temp > m ? x[v] * inv_temp : m;
+    double sum = 0.0;
+    for (int64_t v = 0; v < V; v++) sum += exp_nonpos(x[v] * inv_temp - m);
+    *m_out = m;
+    *sum_out = sum;
+}
+
+/* Lossless rejection sampling of one drafted block in one call (Leviathan et al. 2023,
+ * Algorithm 1), the target's p = softmax(logits * inv_temp) computed here from its logits
+ * [G + 1, V]: drafted token i (of `draft`, drawn from q row i [G, V], or q NULL: a
+ * deterministic drafter, a point mass) is accepted while u[i] * q_i(x) < p_i(x); at the
+ * first rejection n the next token is drawn from max(p_n - q_n, 0) normalized (p_n itself
+ * when that is all zero), after a fully accepted block from p_G. The draw is by inverse
+ * CDF with u_draw: the first index whose running sum, in double, exceeds u_draw times the
+ * total. The same uniforms in the same roles as `verify.verify_sampling`. */
+void specops_verify_sampled(const float *logits, const float *q, const int64_t *draft, int64_t G, int64_t V,
+                            float inv_temp, const float *u, double u_draw, int64_t *accepted, int64_t *next) {
+    int64_t n = 0;
+    float m = 0.f;
+    double sum = 1.0;
+    for (; n < G; n++) {
+        softmax_consts(logits + n * V, V, inv_temp, &m, &sum);
+        const int64_t x = draft[n];
+        const float p_x = (float)(exp_nonpos(logits[n * V + x] * inv_temp - m) / sum);
+        const float q_x = q == NULL ? 1.0f : q[n * V + x];
+        if (!(u[n] * q_x < p_x)) break;
+    }
+    *accepted = n;
+    const float *row = logits + n * V;
+    if (n == G) softmax_consts(row, V, inv_temp, &m, &sum);
+    const float *qn = (n < G && q != NULL) ? q + n * V : NULL;
+    /* the residual's total (double), then the draw over the same terms */
+    double total = 0.0;
+    for (int64_t v = 0; v < V; v++) {
+        float p = (float)(exp_nonpos(row[v] * inv_temp - m) / sum);
+        float r = n == G ? p : p - (qn != NULL ? qn[v] : (v == draft[n] ? 1.0f : 0.0f));
+        total += r > 0.f ? r : 0.f;
+    }
+    const int residual = n < G && total > 0.0;
+    if (!residual) { /* p itself */
+        total = 0.0;
+        for (int64_t v = 0; v < V; v++) total += (float)(exp_nonpos(row[v] * inv_temp - m) / sum);
+    }
+    const double target = u_draw * total;
+    double run = 0.0;
+    int64_t last = 0;
+    for (int64_t v = 0; v < V; v++) {
+        float p = (float)(exp_nonpos(row[v] * inv_temp - m) / sum);
+        float r = p;
+        if (residual) {
+            r = p - (qn != NULL ? qn[v] : (v == draft[n] ? 1.0f : 0.0f));
+            r = r > 0.f ? r : 0.f;
+        }
+        if (r > 0.f) last = v;
+        run += r;
+        if (run > target && r > 0.f) {
+            *next = v;
+            return;
+        }
+    }
+    *next = last; /* u_draw * total rounded up to the total: the last nonzero entry */
+}
+
 /* Greedy drafting in one call: the T tokens `tokens` (embedding rows of `embed` [vocab, E]),
  * then G - 1 more steps, each feeding the argmax of the last row's logits back as the next
  * token; out[g] is the g-th argmax (G tokens in all; the last one is not fed, so the cache

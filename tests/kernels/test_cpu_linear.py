@@ -490,3 +490,36 @@ def test_the_decoder_drafts_with_bf16_kernel_weights_and_stays_exact():
     ar = dec.generate(prompt, method="ar", max_new_tokens=48, temperature=0.0).tokens
     draft = dec.generate(prompt, method="draft", max_new_tokens=48, temperature=0.0)
     assert draft.tokens == ar and draft.stats.accepted > 0
+
+
+def test_sampled_verification_in_one_call_makes_verify_samplings_choices():
+    """`verify_sampled` (softmax and rejection sampling in C) takes the same uniforms in the
+    same roles as `verify.verify_sampling`, so on the same generator state it accepts the
+    same prefix and draws the same next token (a row's softmax rounds differently in C, so a
+    uniform landing within a rounding step of a boundary may differ: none did in 600 cases
+    when this was written), with drafted tokens from q, off q, and a deterministic drafter."""
+    from specops.decoder.verify import verify_sampling
+
+    gen = torch.Generator().manual_seed(123)
+    differ, accepted_total = 0, 0
+    for case in range(600):
+        g, vocab = int(torch.randint(1, 7, (1,), generator=gen)), int(torch.randint(2, 300, (1,), generator=gen))
+        temperature = float(torch.rand(1, generator=gen)) * 1.5 + 0.3
+        logits = torch.randn(g + 1, vocab, generator=gen) * 3
+        q = torch.softmax(torch.randn(g, vocab, generator=gen) * 2, -1) if case % 3 else None
+        draft = [int(torch.randint(0, vocab, (1,), generator=gen)) for _ in range(g)]
+        if q is not None and case % 2:
+            draft = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(g)]
+        p = torch.softmax(logits / temperature, -1)[None]
+        ref = verify_sampling(torch.tensor([draft]), p, None if q is None else q[None],
+                              torch.Generator().manual_seed(case))
+        got = cpu_linear.verify_sampled(logits, draft, q, temperature, torch.Generator().manual_seed(case))
+        differ += got != (int(ref.accepted[0]), int(ref.next_tokens[0]))
+        accepted_total += got[0]
+    assert differ <= 3 and accepted_total > 100  # many blocks were (partly) accepted: both branches ran
+    with pytest.raises(ValueError, match="logits"):
+        cpu_linear.verify_sampled(torch.randn(3, 10), [1], None, 1.0, gen)
+    with pytest.raises(ValueError, match="drafted tokens"):
+        cpu_linear.verify_sampled(torch.randn(2, 10), [10], None, 1.0, gen)
+    with pytest.raises(ValueError, match="temperature"):
+        cpu_linear.verify_sampled(torch.randn(2, 10), [1], None, 0.0, gen)
