@@ -60,6 +60,8 @@ SCALE_BOUNDS = (0.25, 4.0)  # one step's ratio is clipped to these (a preemption
 PRIOR_ALPHA, PRIOR_TRIALS = 0.5, 3.0  # acceptance before any measurement: worth 3 trials
 PRIOR_TREE_TOKENS = 2.0  # tokens per Medusa step before any measurement
 COST_REPEATS = 5  # timings of a draft token (the fastest is kept)
+CATCHUP_FREE = 2  # unseen tokens a draft step feeds anyway (the pending one, and the bonus after a full block)
+CATCHUP_WEIGHT = 0.2  # weight of the newest catch-up in the running seconds per caught-up token
 
 
 @dataclass
@@ -100,12 +102,35 @@ class ProbeClock:
 
 
 @dataclass
+class CatchUp:
+    """Running seconds per token of the draft model reading tokens it has not seen (the
+    catch-up before its first step of a request, or after steps of other options)."""
+
+    token_s: float
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self.token_s += CATCHUP_WEIGHT * (seconds / tokens - self.token_s)
+
+
+@dataclass
 class AutoEstimates:
     """A decoder's running estimates per option, one set for greedy and one for sampling."""
 
     greedy: dict[str, OptionEstimate] = field(default_factory=dict)
     sampling: dict[str, OptionEstimate] = field(default_factory=dict)
     clocks: dict[bool, ProbeClock] = field(default_factory=dict)  # greedy? -> probe clock
+    catchups: "weakref.WeakKeyDictionary[object, CatchUp]" = field(default_factory=weakref.WeakKeyDictionary)
+
+    def catchup(self, draft: ModelRunner | None, draft_token_s: float) -> CatchUp:
+        """The running catch-up cost of ``draft``, kept across requests; it starts at one draft
+        token's seconds per token (a prefill reads tokens faster: the first measurement corrects it)."""
+        if draft is None:
+            return CatchUp(draft_token_s)
+        found = self.catchups.get(draft)
+        if found is None:
+            found = self.catchups[draft] = CatchUp(draft_token_s)
+        return found
 
     def start(self, greedy: bool) -> dict[str, OptionEstimate]:
         """A request's copy to work on."""
@@ -150,6 +175,9 @@ class Chooser:
         self.costs = costs
         self.clock = clock if clock is not None else ProbeClock()
         self.counts = {name: 0 for name in OPTIONS}
+        # seconds an option's next step costs once on top of its steady step (the draft model
+        # reading the tokens it has not seen), already spread over the steps it would pay off in
+        self.switch_s: dict[str, float] = {}
 
     @property
     def step(self) -> int:
@@ -167,7 +195,8 @@ class Chooser:
         """Expected tokens per second of ``option`` drafting ``drafted`` tokens: the modelled
         seconds (isolated forwards, the fastest of several timings) times what this option's
         steps have really taken against that model (cache misses between forwards, the
-        acceptance and bookkeeping around them, which grow with the drafted block)."""
+        acceptance and bookkeeping around them, which grow with the drafted block), plus its
+        `switch_s` (a lagging draft cache's catch-up, spread over the steps left)."""
         est = self.estimates[option]
         if option == "plain":
             tokens = 1.0
@@ -175,7 +204,8 @@ class Chooser:
             tokens = est.tokens
         else:
             tokens = expected_tokens(est.alpha, drafted)
-        return tokens / (self.costs.seconds(option, drafted) * self.clock.scale[option])
+        seconds = self.costs.seconds(option, drafted) * self.clock.scale[option] + self.switch_s.get(option, 0.0)
+        return tokens / seconds
 
     def choose(self, available: dict[str, int]) -> str:  # option -> tokens it would draft
         self.step += 1
@@ -287,6 +317,7 @@ def generate_auto(
         draft.reset(1)     # has not seen), so a request that never drafts never pays its prefill
     request = estimates.start(sampling.greedy)
     chooser = Chooser(request, costs, estimates.clock(sampling.greedy))
+    catchup = estimates.catchup(draft, costs.draft_token_s)
 
     while not v.done:
         stats.gamma = schedule.next_gamma()
@@ -298,6 +329,9 @@ def generate_auto(
             available["ngram"] = len(proposal)
         if draft is not None and gamma:
             available["draft"] = gamma
+            lag = len(v.tokens) - draft.cache_len - CATCHUP_FREE  # tokens the draft must read first
+            steps_left = max(1.0, v.remaining / expected_tokens(request["draft"].alpha, gamma))
+            chooser.switch_s["draft"] = max(lag, 0) * catchup.token_s / steps_left
         if medusa is not None and room and v.hidden is not None:
             available["medusa"] = min(room, medusa.spec.depth)
         option = chooser.choose(available) if len(available) > 1 else "plain"
@@ -306,7 +340,8 @@ def generate_auto(
         if option == "ngram":
             result = v.verify(proposal, None)
         elif option == "draft":
-            result = _draft_step(v, draft, gamma, sampling, generator)
+            result, caught_up = _draft_step(v, draft, gamma, sampling, generator, catchup)
+            t_step += caught_up  # the catch-up is charged through switch_s, not the step's cost scale
         elif option == "medusa":
             result = _medusa_step(v, medusa, room, sampling, generator)
         else:
@@ -326,8 +361,18 @@ def generate_auto(
 
 
 def _draft_step(v: TargetVerifier, draft: ModelRunner, gamma: int, sampling: SamplingConfig,
-                generator: torch.Generator) -> StepResult:
-    """Draft γ tokens with the draft model (after the tokens it has not seen) and verify them."""
+                generator: torch.Generator, catchup: CatchUp) -> tuple[StepResult, float]:
+    """Draft γ tokens with the draft model and verify them; returns the result and the seconds
+    the draft spent first reading the tokens it had not seen beyond CATCHUP_FREE (0 if none)."""
+    caught_up = 0.0
+    unseen = len(v.tokens) - draft.cache_len
+    if unseen > CATCHUP_FREE:  # after plain / other steps: read all but the pending token in one forward
+        t0 = device_clock(draft.device)
+        draft.forward(torch.tensor([v.tokens[draft.cache_len : -1]], dtype=torch.long, device=draft.device))
+        caught_up = device_clock(draft.device) - t0
+        v.stats.draft_s += caught_up
+        v.stats.draft_forwards += 1
+        catchup.observe(unseen - 1, caught_up)
     t0 = device_clock(draft.device)
     drafted, q = _draft_block(draft, v.tokens, gamma, sampling, generator, v.device)  # q: [1, G, V] | None
     v.stats.draft_s += device_clock(draft.device) - t0
@@ -335,7 +380,7 @@ def _draft_step(v: TargetVerifier, draft: ModelRunner, gamma: int, sampling: Sam
     result = v.verify(drafted, q)
     if not v.done:
         draft.truncate(min(draft.cache_len, len(v.tokens) - 1))
-    return result
+    return result, caught_up
 
 
 def _medusa_step(v: TargetVerifier, state: MedusaState, room: int, sampling: SamplingConfig,

@@ -146,3 +146,44 @@ def test_measured_step_times_correct_the_cost_model():
     assert picks.count("plain") >= 9, picks
     chooser.record("ngram", StepResult(drafted=4, accepted=0, emitted=[1], raw_accepted=0), 1e6, 4)  # a preemption
     assert chooser.clock.scale["ngram"] <= 4.0
+
+
+def test_a_lagging_draft_cache_is_a_switch_cost_spread_over_the_steps_left():
+    """The draft model's catch-up (the tokens it has not read since its last step) is charged to
+    the choice through `switch_s`, not to the draft's per-step cost: a draft that pays per step
+    is taken when its catch-up is small against the steps left, and not when it is large."""
+    est = {name: OptionEstimate() for name in ("plain", "ngram", "draft", "medusa")}
+    for _ in range(30):
+        est["draft"].update(drafted=4, accepted=3, emitted=4)
+    chooser = Chooser(est, _costs())
+    steady = chooser.rate("draft", 4)
+    assert steady > chooser.rate("plain", 0)
+    chooser.switch_s["draft"] = 0.05
+    assert chooser.rate("draft", 4) == pytest.approx(steady * _costs().seconds("draft", 4) /
+                                                     (_costs().seconds("draft", 4) + 0.05))
+    assert chooser.choose({"plain": 0, "draft": 4}) == "draft"
+    chooser.switch_s["draft"] = 50.0  # a long prefix to read for a few tokens' gain
+    assert chooser.choose({"plain": 0, "draft": 4}) == "plain"
+
+
+def test_the_draft_catch_up_is_measured_per_token_and_kept_across_requests(bundled):
+    from specops.decoder.auto import CATCHUP_WEIGHT, CatchUp
+
+    catch = CatchUp(token_s=1.0)
+    catch.observe(10, 2.0)  # 0.2 s per token
+    assert catch.token_s == pytest.approx(1.0 + CATCHUP_WEIGHT * (0.2 - 1.0))
+    catch.observe(0, 1.0)  # nothing read: no measurement
+    catch.observe(5, 0.0)
+    assert catch.token_s == pytest.approx(1.0 + CATCHUP_WEIGHT * (0.2 - 1.0))
+    from specops.decoder.auto import draft_token_s
+
+    previous, bundled.auto_estimates = bundled.auto_estimates, AutoEstimates()  # every option untried: draft runs
+    try:
+        prompt = code_prompts(bundled, 1)[0]
+        bundled.generate(prompt, method="auto", max_new_tokens=24)
+        kept = bundled.auto_estimates.catchup(bundled.draft, 123.0)
+        assert kept is bundled.auto_estimates.catchup(bundled.draft, 456.0)  # one per draft runner, across requests
+        # it started at one draft token's seconds; the first draft step read the prompt and moved it
+        assert kept.token_s > 0 and kept.token_s != draft_token_s(bundled.draft)
+    finally:
+        bundled.auto_estimates = previous
