@@ -36,10 +36,9 @@ import torch
 from specops.decoder.clock import device_clock
 from specops.decoder.request import check_deadline, check_room, eos_cut, eos_set, stop_reason
 from specops.decoder.runner import ModelRunner
-from specops.decoder.sampling import SamplingConfig, next_token, probabilities
+from specops.decoder.sampling import SamplingConfig, next_token
 from specops.decoder.stats import DecodeStats
-from specops.decoder.verify import Verification, verify_greedy, verify_sampling
-from specops.kernels import cpu_linear
+from specops.decoder.verify import Verification, verify_block_sampled, verify_greedy
 
 
 @dataclass
@@ -146,15 +145,10 @@ class TargetVerifier:
                                   next_tokens=next_token(logits[:, 0], self.sampling, self.generator))
         elif self.sampling.greedy:
             result = verify_greedy(draft_t, logits)
-        elif self._c_sampling(logits):  # temperature only, fp32 CPU: softmax and rejection in one C call
-            q = None if draft_probs is None else draft_probs[0].float().contiguous()  # [G, V]
-            n, nxt = cpu_linear.verify_sampled(logits[0].contiguous(), drafted, q, self.sampling.temperature,
-                                               self.generator)
-            result = Verification(accepted=torch.tensor([n]), next_tokens=torch.tensor([nxt]))
         else:
-            p = probabilities(logits, self.sampling)  # [1, G+1, V]
-            q = None if draft_probs is None else draft_probs.to(p.device)
-            result = verify_sampling(draft_t, p, q, self.generator)
+            n, nxt = verify_block_sampled(logits[0], drafted, None if draft_probs is None else draft_probs[0],
+                                          self.sampling, self.generator)
+            result = Verification(accepted=torch.tensor([n]), next_tokens=torch.tensor([nxt]))
         n = int(result.accepted[0])
         if self.keep_hidden:
             self.hidden = out.hidden[0, n]  # [E] at d_n, whose logits chose the next token
@@ -164,14 +158,6 @@ class TargetVerifier:
         self.stats.verify_s += device_clock(self.device) - t0
         self.stats.target_forwards += 1
         return step
-
-    def _c_sampling(self, logits: torch.Tensor) -> bool:
-        """Whether a sampled block verifies in C (`cpu_linear.verify_sampled`): no top-k / top-p
-        filter, fp32 logits on the CPU, the kernels built; a 5-token block's softmax and
-        rejection took ~0.5 ms in torch's small ops between two forwards."""
-        s = self.sampling
-        return (s.top_k is None and s.top_p is None and logits.dtype == torch.float32
-                and logits.device.type == "cpu" and self.generator.device.type == "cpu" and cpu_linear.available())
 
     def commit(self, accepted: list[int], next_token: int, *, drafted: int) -> StepResult:
         """Append one verified step: the ``accepted`` drafted tokens, then the recovered or

@@ -53,7 +53,7 @@ from specops.decoder.request import eos_set
 from specops.decoder.sampling import make_generator, probabilities
 from specops.decoder.stats import DecodeStats
 from specops.decoder.tree_verify import verify_tree_greedy, verify_tree_sampling
-from specops.decoder.verify import verify_sampling
+from specops.decoder.verify import verify_block_sampled
 from specops.kernels import cpu_linear
 from specops.serving.auto_method import MethodChooser
 from specops.serving.batch_forward import FeedItem, SeqKV, bytes_per_token, make_backend
@@ -611,10 +611,8 @@ class Engine:
             if greedy:
                 n, x = greedy_result  # batched greedy verification (_verify_greedy_batch)
             else:
-                d = torch.tensor([drafts], dtype=torch.long, device=out.logits.device)  # [1, G]
-                q = None if p is None or p["q"] is None else p["q"][None]  # [1, G, V]
-                v = verify_sampling(d, probabilities(out.logits[None], seq.sampling), q, seq.generator)
-                n, x = int(v.accepted[0]), int(v.next_tokens[0])
+                q = None if p is None else p["q"]  # [G, V] | None
+                n, x = verify_block_sampled(out.logits, drafts, q, seq.sampling, seq.generator)
             new = drafts[:n] + [x]
             drafted, accepted = len(drafts), n
             self.target.truncate(seq.target, old_len + n - 1 + 1)  # keep [.., pending, d_1 .. d_n]
