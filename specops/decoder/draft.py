@@ -54,7 +54,7 @@ def _draft_block(
         done = chain(unseen, gamma)
         if done is not None:
             return done[0], None
-    elif chain is not None and sampling.top_k is None and sampling.top_p is None and sample_device.type == "cpu":
+    elif chain is not None and sampling.unfiltered and sample_device.type == "cpu":
         # one uniform per token, as `sampling.draw` takes; q = softmax(logits / T) drawn in C
         uniforms = torch.rand(gamma, generator=generator, dtype=torch.float64, device=generator.device).cpu()
         done = chain(unseen, gamma, uniforms=uniforms, temperature=sampling.temperature)

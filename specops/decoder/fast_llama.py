@@ -395,7 +395,7 @@ class FastLlamaRunner:
 
     def draft_chain(self, tokens: list[int], count: int, *, uniforms: Tensor | None = None,
                     temperature: float = 1.0) -> tuple[list[int], Tensor | None] | None:
-        """Drafting in one C call (`cpu_linear.llama_greedy`): feed ``tokens`` (what the cache
+        """Drafting in one C call (`cpu_linear.llama_draft`): feed ``tokens`` (what the cache
         lacks), then ``count - 1`` chosen tokens one by one; returns the ``count`` tokens and,
         when sampling, q [count, V]; the cache grows by ``len(tokens) + count - 1``.
         Greedy (no ``uniforms``): the argmax tokens, equal to a loop of `forward` and argmax bit
@@ -409,7 +409,7 @@ class FastLlamaRunner:
                 and self.embed.is_contiguous()):
             return None
         keys = self.cache.keys[0]
-        out = cpu_linear.llama_greedy(
+        out = cpu_linear.llama_draft(
             self._layer_table(), self.embed, tokens, count, heads=self.n_heads, kv_heads=self.n_kv_heads,
             head_dim=self.head_dim, intermediate=self.layers[0].down.weight.shape[1], eps=self.eps, scale=self.scale,
             cos=self._cos, sin=self._sin, kv_strides=(keys.stride(0), keys.stride(1)), start=start, norm=self.norm,

@@ -60,6 +60,12 @@ class SamplingConfig:
         """True when decoding is deterministic argmax (temperature 0)."""
         return self.temperature == 0
 
+    @property
+    def unfiltered(self) -> bool:
+        """True when sampling is softmax(logits / temperature) alone (no top-k / top-p filter):
+        what the C drafting and verification kernels compute."""
+        return not self.greedy and self.top_k is None and self.top_p is None
+
 
 def filter_logits(
     logits: torch.Tensor,  # [..., V]

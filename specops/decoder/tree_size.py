@@ -4,8 +4,8 @@ A bigger tree accepts more tokens per verification but makes the verification
 forward slower; on a CPU in fp32 a forward over 8 positions costs roughly twice one
 position. ``measure_verify_cost`` times the actual runner at startup (a forward over
 T tree positions on top of a prefix, for several T) into a ``VerifyCostCurve``;
-``choose_tree`` then takes, over every tree size n, the sparse tree of
-`specops.decoder.tree.ranked_nodes` and keeps the n that maximises
+``tree_options`` lists, for every tree size n, the sparse tree of
+`specops.decoder.tree.ranked_nodes`, and ``choose_tree`` keeps the n that maximises
 
     expected tokens per step / (verify_cost(n) + per-step overhead)
 
@@ -118,7 +118,7 @@ def measure_verify_cost(runner, *, sizes: Sequence[int] = DEFAULT_SIZES, prefix_
 
 @dataclass(frozen=True)
 class TreeChoice:
-    """The tree ``choose_tree`` picked, and why."""
+    """A sparse tree of one size (`tree_options`), what it is expected to emit and cost."""
 
     spec: TreeSpec
     expected_tokens: float  # expected tokens emitted per verification step (greedy estimate)
@@ -126,23 +126,32 @@ class TreeChoice:
     tokens_per_s: float  # expected_tokens / step_seconds
 
 
-def choose_tree(accuracy: Sequence[Sequence[float]], cost: VerifyCostCurve, *, overhead_s: float = 0.0,
-                max_nodes: int | None = None) -> TreeChoice:
-    """The sparse tree size that maximises expected tokens per second."""
+def tree_options(accuracy: Sequence[Sequence[float]], cost: VerifyCostCurve, *, overhead_s: float = 0.0,
+                 max_nodes: int | None = None) -> list[TreeChoice]:
+    """The sparse tree of every size 1 .. max_nodes (or as many nodes as the accuracy table
+    ranks), each with its expected tokens per step and its seconds under ``cost``."""
     limit = max_nodes if max_nodes is not None else cost.sizes[-1]
     if limit < 1:
         raise TreeError(f"max_nodes must be >= 1, got {limit}")
     ranked = ranked_nodes(accuracy, limit)
-    best: TreeChoice | None = None
+    options: list[TreeChoice] = []
     expected = 1.0  # the root's successor (bonus token) always comes out
     for n in range(1, len(ranked) + 2):
         if n > 1:
             expected += ranked[n - 2][1]
         seconds = cost.at(n) + overhead_s
-        rate = expected / seconds
-        if best is None or rate > best.tokens_per_s * (1 + 1e-9):
-            best = TreeChoice(spec=make_spec([p for p, _ in ranked[: n - 1]], name=f"sparse{n}"),
-                              expected_tokens=expected, step_seconds=seconds, tokens_per_s=rate)
+        options.append(TreeChoice(spec=make_spec([p for p, _ in ranked[: n - 1]], name=f"sparse{n}"),
+                                  expected_tokens=expected, step_seconds=seconds, tokens_per_s=expected / seconds))
+    return options
+
+
+def choose_tree(accuracy: Sequence[Sequence[float]], cost: VerifyCostCurve, *, overhead_s: float = 0.0,
+                max_nodes: int | None = None) -> TreeChoice:
+    """The sparse tree size that maximises expected tokens per second (the smallest on a tie)."""
+    best: TreeChoice | None = None
+    for option in tree_options(accuracy, cost, overhead_s=overhead_s, max_nodes=max_nodes):
+        if best is None or option.tokens_per_s > best.tokens_per_s * (1 + 1e-9):
+            best = option
     assert best is not None
     return best
 
@@ -216,24 +225,20 @@ class TreePlanner:
     to the measured seconds of whole steps with n nodes (an exponential average, weighted
     more towards new timings for the sizes only explored); ``best``
     maximises expected tokens / cost[n]; ``next_spec`` returns it, or every EXPLORE_EVERY-th
-    step a neighbouring size (alternately smaller and larger). Trees are sparse trees of the
-    heads' accuracy table, as `choose_tree` builds them. One planner serves every request of
-    a (runner, heads, number of heads, bound); not thread-safe beyond the GIL's per-operation
+    step a neighbouring size (alternately smaller and larger). Trees and their priors are
+    `tree_options`' (the sparse trees of the heads' accuracy table). One planner serves every
+    request of a (runner, heads, number of heads, bound); not thread-safe beyond the GIL's per-operation
     atomicity (a lost update only delays learning)."""
 
     def __init__(self, accuracy: Sequence[Sequence[float]], curve: VerifyCostCurve, *, overhead_s: float,
                  max_nodes: int | None = None, sizes: Sequence[int] = PLANNER_SIZES) -> None:
         limit = min(max_nodes if max_nodes is not None else curve.sizes[-1], max(sizes))
-        if limit < 1:
-            raise TreeError(f"max_nodes must be >= 1, got {limit}")
-        ranked = ranked_nodes(accuracy, limit)
-        self.sizes = tuple(n for n in sorted(set(sizes)) if n <= len(ranked) + 1) or (1,)
-        self.specs: dict[int, TreeSpec] = {}
-        self.expected: dict[int, float] = {}
-        for n in self.sizes:
-            self.specs[n] = make_spec([p for p, _ in ranked[: n - 1]], name=f"sparse{n}")
-            self.expected[n] = 1.0 + sum(a for _, a in ranked[: n - 1])
-        self.cost = {n: curve.at(n) + overhead_s for n in self.sizes}
+        options = {o.spec.num_nodes: o for o in tree_options(accuracy, curve, overhead_s=overhead_s,
+                                                               max_nodes=limit)}
+        self.sizes = tuple(n for n in sorted(set(sizes)) if n in options) or (1,)
+        self.specs = {n: options[n].spec for n in self.sizes}
+        self.expected = {n: options[n].expected_tokens for n in self.sizes}
+        self.cost = {n: options[n].step_seconds for n in self.sizes}
         self.samples = {n: 0 for n in self.sizes}
         self.steps = 0
 

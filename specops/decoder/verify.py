@@ -41,17 +41,12 @@ A deterministic drafter (n-gram lookup, greedy Medusa candidates) is the special
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from dataclasses import dataclass
 
 import torch
 
-from specops.decoder.sampling import draw
+from specops.decoder.sampling import SamplingConfig, draw, probabilities
 from specops.kernels import cpu_linear
-
-if TYPE_CHECKING:
-    from specops.decoder.sampling import SamplingConfig
 
 
 @dataclass
@@ -133,7 +128,7 @@ def verify_block_sampled(
     logits: torch.Tensor,  # [G+1, V]: target logits at [pending, d_1 .. d_G]
     drafted: list[int],
     draft_probs: torch.Tensor | None,  # [G, V] the drafter's filtered distributions; None = deterministic
-    sampling: "SamplingConfig",
+    sampling: SamplingConfig,
     generator: torch.Generator,
 ) -> tuple[int, int]:
     """One sequence's sampled block: (accepted drafted tokens, the next token). With
@@ -142,10 +137,8 @@ def verify_block_sampled(
     roles; a 5-token block's torch ops took ~0.5 ms between two forwards); else
     `verify_sampling` over `sampling.probabilities`. Shared by `TargetVerifier` and the
     serving engine."""
-    from specops.decoder.sampling import probabilities
-
-    if (sampling.top_k is None and sampling.top_p is None and logits.dtype == torch.float32
-            and logits.device.type == "cpu" and generator.device.type == "cpu" and cpu_linear.available()):
+    if (sampling.unfiltered and logits.dtype == torch.float32 and logits.device.type == "cpu"
+            and generator.device.type == "cpu" and cpu_linear.available()):
         q = None if draft_probs is None else draft_probs.float().contiguous()
         return cpu_linear.verify_sampled(logits.contiguous(), drafted, q, sampling.temperature, generator)
     d = torch.tensor([drafted], dtype=torch.long, device=logits.device)  # [1, G]

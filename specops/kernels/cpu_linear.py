@@ -61,9 +61,9 @@ def _setup(lib: ctypes.CDLL) -> None:
                        [ctypes.c_float, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 +
                        [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] +
                        [ctypes.c_void_p] * 2 + [ctypes.c_int])
-    greedy = lib.specops_llama_greedy
-    greedy.restype = ctypes.c_int
-    greedy.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 2 +
+    draft = lib.specops_llama_draft
+    draft.restype = ctypes.c_int
+    draft.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 2 +
                        [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_float] +
                        [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int] +
                        [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_void_p] +
@@ -71,7 +71,7 @@ def _setup(lib: ctypes.CDLL) -> None:
     vs = lib.specops_verify_sampled
     vs.restype = None
     vs.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_double,
-                                                                    ctypes.c_void_p, ctypes.c_void_p]
+                                                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     paged = lib.specops_paged_layers
     paged.restype = ctypes.c_int
     paged.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 6 +
@@ -312,12 +312,12 @@ def llama_layers(table: ctypes.Array, x: Tensor, *, heads: int, kv_heads: int, h
     return hidden, logits
 
 
-def llama_greedy(table: ctypes.Array, embed: Tensor, tokens: list[int], count: int, *, heads: int, kv_heads: int,
+def llama_draft(table: ctypes.Array, embed: Tensor, tokens: list[int], count: int, *, heads: int, kv_heads: int,
                  head_dim: int, intermediate: int, eps: float, scale: float, cos: Tensor, sin: Tensor,
                  kv_strides: tuple[int, int], start: int, norm: Tensor, head: Tensor, head_bias: Tensor | None = None,
                  threads: int | None = None, uniforms: Tensor | None = None,
                  temperature: float = 1.0) -> tuple[list[int], Tensor | None]:
-    """Drafting in one C call (``specops_llama_greedy`` in linear.c): `llama_layers` over
+    """Drafting in one C call (``specops_llama_draft`` in linear.c): `llama_layers` over
     ``tokens`` after ``start`` cached positions, then ``count - 1`` single-token steps, each
     feeding back the token chosen from the last logits: their argmax, or with ``uniforms``
     ([count] float64 in [0, 1)) a draw from q = softmax(logits / temperature). Returns the
@@ -329,7 +329,7 @@ def llama_greedy(table: ctypes.Array, embed: Tensor, tokens: list[int], count: i
     t = len(tokens)
     vocab, e = head.shape[0], embed.shape[1]
     if t < 1 or count < 1:
-        raise ValueError(f"llama_greedy needs >= 1 token and count >= 1, got {t} tokens, count {count}")
+        raise ValueError(f"llama_draft needs >= 1 token and count >= 1, got {t} tokens, count {count}")
     ids = torch.tensor(tokens, dtype=torch.int64)
     if int(ids.min()) < 0 or int(ids.max()) >= min(vocab, embed.shape[0]):
         raise ValueError(f"token ids must be in [0, {min(vocab, embed.shape[0])})")
@@ -346,7 +346,7 @@ def llama_greedy(table: ctypes.Array, embed: Tensor, tokens: list[int], count: i
     logits = torch.empty(vocab, dtype=torch.float32)
     scratch = torch.empty(t * ((heads + 2 * kv_heads) * head_dim + heads * head_dim + 2 * intermediate),
                           dtype=torch.float32)
-    rc = _kernel.lib.specops_llama_greedy(table, len(table), embed.data_ptr(), ids.data_ptr(), t, count, x.data_ptr(),
+    rc = _kernel.lib.specops_llama_draft(table, len(table), embed.data_ptr(), ids.data_ptr(), t, count, x.data_ptr(),
                                           e, heads, kv_heads, head_dim, intermediate, float(eps), float(scale),
                                           cos.data_ptr(), sin.data_ptr(), kv_strides[0], kv_strides[1], start,
                                           scratch.data_ptr(), int(threads or torch.get_num_threads()), norm.data_ptr(),
@@ -383,9 +383,10 @@ def verify_sampled(logits: Tensor, draft: list[int], q: Tensor | None, temperatu
     u = torch.rand(g, generator=generator, dtype=torch.float32, device=generator.device).cpu()
     u_draw = float(torch.rand(1, generator=generator, dtype=torch.float64, device=generator.device))
     out = torch.empty(2, dtype=torch.int64)
+    scratch = torch.empty(2 * vocab, dtype=torch.float32)  # a row of p and its residual
     _kernel.lib.specops_verify_sampled(logits.data_ptr(), None if q is None else q.data_ptr(), tokens.data_ptr(), g,
-                                       vocab, 1.0 / float(temperature), u.data_ptr(), u_draw, out.data_ptr(),
-                                       out[1:].data_ptr())
+                                       vocab, 1.0 / float(temperature), u.data_ptr(), u_draw, scratch.data_ptr(),
+                                       out.data_ptr(), out[1:].data_ptr())
     return int(out[0]), int(out[1])
 
 

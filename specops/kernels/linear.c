@@ -836,106 +836,78 @@ int specops_llama_layers(const LayerWeights *layers, int64_t n_layers, float *x,
     return 0;
 }
 
-/* q = softmax(logits * inv_temp) over V entries (exp_nonpos after the max), and the index
- * drawn from q by inverse CDF with the uniform u: the first index whose running sum, in
- * double, exceeds u times the sum of q. A zero entry is never drawn (the running sum does
- * not move past it). The draft's proposal distribution in sampled drafting: the verifier
- * accepts against exactly this q, so the output stays the target's distribution. */
-static int64_t draw_softmax(const float *logits, int64_t V, float inv_temp, double u, float *q) {
-    float m = -INFINITY;
-    for (int64_t v = 0; v < V; v++) {
-        q[v] = logits[v] * inv_temp;
-        m = q[v] > m ? q[v] : m;
-    }
-    double sum = 0.0;
-    for (int64_t v = 0; v < V; v++) {
-        q[v] = exp_nonpos(q[v] - m);
-        sum += q[v];
-    }
-    const float inv = (float)(1.0 / sum);
+/* The index drawn from the non-negative weights w[0..V-1] (a positive total) by inverse
+ * CDF with the uniform u: the first index whose running sum, in double, exceeds u times the
+ * total (summed in the same order). A zero weight is never drawn (the running sum does not
+ * move past it); u * total rounded up to the total gives the last nonzero entry. */
+static int64_t draw_cdf(const float *w, int64_t V, double u) {
     double total = 0.0;
-    for (int64_t v = 0; v < V; v++) {
-        q[v] *= inv;
-        total += q[v];
-    }
+    for (int64_t v = 0; v < V; v++) total += w[v];
     const double target = u * total;
     double run = 0.0;
     for (int64_t v = 0; v < V; v++) {
-        run += q[v];
+        run += w[v];
         if (run > target) return v;
     }
-    for (int64_t v = V - 1; v > 0; v--) /* u * total rounded up to the total: the last nonzero entry */
-        if (q[v] > 0.f) return v;
+    for (int64_t v = V - 1; v > 0; v--)
+        if (w[v] > 0.f) return v;
     return 0;
 }
 
-/* max and 1 / sum of exp(x * inv_temp - max) over a row of V logits (the softmax's constants) */
-static void softmax_consts(const float *x, int64_t V, float inv_temp, float *m_out, double *sum_out) {
+/* p = softmax(x * inv_temp) over V entries into p (exp_nonpos after the max, each term
+ * divided by the sum in double, then rounded to float) */
+static void softmax_row(const float *x, int64_t V, float inv_temp, float *p) {
     float m = -INFINITY;
     for (int64_t v = 0; v < V; v++) m = x[v] * inv_temp > m ? x[v] * inv_temp : m;
     double sum = 0.0;
     for (int64_t v = 0; v < V; v++) sum += exp_nonpos(x[v] * inv_temp - m);
-    *m_out = m;
-    *sum_out = sum;
+    for (int64_t v = 0; v < V; v++) p[v] = (float)(exp_nonpos(x[v] * inv_temp - m) / sum);
 }
 
 /* Lossless rejection sampling of one drafted block in one call (Leviathan et al. 2023,
  * Algorithm 1), the target's p = softmax(logits * inv_temp) computed here from its logits
  * [G + 1, V]: drafted token i (of `draft`, drawn from q row i [G, V], or q NULL: a
  * deterministic drafter, a point mass) is accepted while u[i] * q_i(x) < p_i(x); at the
- * first rejection n the next token is drawn from max(p_n - q_n, 0) normalized (p_n itself
- * when that is all zero), after a fully accepted block from p_G. The draw is by inverse
- * CDF with u_draw: the first index whose running sum, in double, exceeds u_draw times the
- * total. The same uniforms in the same roles as `verify.verify_sampling`. */
+ * first rejection n the next token is drawn from max(p_n - q_n, 0) (p_n itself when that is
+ * all zero), after a fully accepted block from p_G, by `draw_cdf` with u_draw. The same
+ * uniforms in the same roles as `verify.verify_sampling`. `row` is V floats of scratch. */
 void specops_verify_sampled(const float *logits, const float *q, const int64_t *draft, int64_t G, int64_t V,
-                            float inv_temp, const float *u, double u_draw, int64_t *accepted, int64_t *next) {
+                            float inv_temp, const float *u, double u_draw, float *row, int64_t *accepted,
+                            int64_t *next) {
     int64_t n = 0;
-    float m = 0.f;
-    double sum = 1.0;
     for (; n < G; n++) {
-        softmax_consts(logits + n * V, V, inv_temp, &m, &sum);
+        softmax_row(logits + n * V, V, inv_temp, row);
         const int64_t x = draft[n];
-        const float p_x = (float)(exp_nonpos(logits[n * V + x] * inv_temp - m) / sum);
         const float q_x = q == NULL ? 1.0f : q[n * V + x];
-        if (!(u[n] * q_x < p_x)) break;
+        if (!(u[n] * q_x < row[x])) break;
     }
     *accepted = n;
-    const float *row = logits + n * V;
-    if (n == G) softmax_consts(row, V, inv_temp, &m, &sum);
-    const float *qn = (n < G && q != NULL) ? q + n * V : NULL;
-    /* the residual's total (double), then the draw over the same terms */
-    double total = 0.0;
+    if (n == G) {
+        softmax_row(logits + n * V, V, inv_temp, row);
+        *next = draw_cdf(row, V, u_draw);
+        return;
+    }
+    /* row holds p_n: the residual max(p_n - q_n, 0) goes to its own buffer so p_n stays for the
+     * all-zero case */
+    float *residual = row + V;
+    double mass = 0.0;
     for (int64_t v = 0; v < V; v++) {
-        float p = (float)(exp_nonpos(row[v] * inv_temp - m) / sum);
-        float r = n == G ? p : p - (qn != NULL ? qn[v] : (v == draft[n] ? 1.0f : 0.0f));
-        total += r > 0.f ? r : 0.f;
+        const float r = row[v] - (q != NULL ? q[n * V + v] : (v == draft[n] ? 1.0f : 0.0f));
+        residual[v] = r > 0.f ? r : 0.f;
+        mass += residual[v];
     }
-    const int residual = n < G && total > 0.0;
-    if (!residual) { /* p itself */
-        total = 0.0;
-        for (int64_t v = 0; v < V; v++) total += (float)(exp_nonpos(row[v] * inv_temp - m) / sum);
-    }
-    const double target = u_draw * total;
-    double run = 0.0;
-    int64_t last = 0;
-    for (int64_t v = 0; v < V; v++) {
-        float p = (float)(exp_nonpos(row[v] * inv_temp - m) / sum);
-        float r = p;
-        if (residual) {
-            r = p - (qn != NULL ? qn[v] : (v == draft[n] ? 1.0f : 0.0f));
-            r = r > 0.f ? r : 0.f;
-        }
-        if (r > 0.f) last = v;
-        run += r;
-        if (run > target && r > 0.f) {
-            *next = v;
-            return;
-        }
-    }
-    *next = last; /* u_draw * total rounded up to the total: the last nonzero entry */
+    *next = draw_cdf(mass > 0.0 ? residual : row, V, u_draw);
 }
 
-/* Greedy drafting in one call: the T tokens `tokens` (embedding rows of `embed` [vocab, E]),
+/* q = softmax(logits * inv_temp) into q, and its `draw_cdf` index with the uniform u: the
+ * draft's proposal distribution in sampled drafting (the verifier accepts against exactly
+ * this q, so the output stays the target's distribution). */
+static int64_t draw_softmax(const float *logits, int64_t V, float inv_temp, double u, float *q) {
+    softmax_row(logits, V, inv_temp, q);
+    return draw_cdf(q, V, u);
+}
+
+/* Drafting in one call: the T tokens `tokens` (embedding rows of `embed` [vocab, E]),
  * then G - 1 more steps, each feeding the argmax of the last row's logits back as the next
  * token; out[g] is the g-th argmax (G tokens in all; the last one is not fed, so the cache
  * grows by T + G - 1 positions from `start`). Every forward is the `specops_llama_layers`
@@ -948,7 +920,7 @@ void specops_verify_sampled(const float *logits, const float *q, const int64_t *
  *   x        at least T * E floats (the residual stream), hidden at least T * E, logits V
  *   scratch  as `specops_llama_layers` for T rows
  * Returns 0, or the first failing call's code. */
-int specops_llama_greedy(const LayerWeights *layers, int64_t n_layers, const float *embed, const int64_t *tokens,
+int specops_llama_draft(const LayerWeights *layers, int64_t n_layers, const float *embed, const int64_t *tokens,
                          int64_t T, int64_t G, float *x, int64_t E, int64_t Hq, int64_t Hkv, int64_t D, int64_t I,
                          float eps, float scale, const float *cos_tab, const float *sin_tab, int64_t kv_b,
                          int64_t kv_h, int64_t start, float *scratch, int threads, const float *norm,

@@ -334,7 +334,7 @@ def test_layer_stack_in_one_call_equals_the_per_call_path(t):
 
 @pytest.mark.parametrize("fed,count", [(1, 1), (1, 4), (2, 6), (5, 3), (16, 8)])
 def test_greedy_drafting_in_one_call_equals_the_loop_of_forwards(fed, count):
-    """`FastLlamaRunner.draft_chain` (one `specops_llama_greedy` call) drafts the tokens a
+    """`FastLlamaRunner.draft_chain` (one `specops_llama_draft` call) drafts the tokens a
     loop of forwards and argmaxes does, and leaves the same cache bits and length (neither
     feeds the last token), on the bf16 draft and the fp32 target."""
     from specops.assets import DRAFT_DIR, TARGET_DIR
