@@ -4,7 +4,10 @@ Two strategies, both bounded by the policy's ``IntRange`` for the knob:
 
 ``goodput``
     A model of one speculation round fitted to the window: the marginal acceptance
-    probability of each draft position ``p_i = accepted_per_pos[i] / rounds``, the
+    probability of each draft position ``p_i = accepted_per_pos[i] / drafted_per_pos[i]``
+    (the rounds that drafted that far; where a source does not report
+    ``drafted_per_pos``, every round is taken to have drafted the γ in force, so
+    ``p_i = accepted_per_pos[i] / rounds`` with ``rounds = drafted / γ``), the
     draft cost per drafted token, the plain single-token forward cost and the verify
     cost per round. For a candidate length ``k`` the expected tokens per round are
     ``1 + sum(p_i for i < k)`` (the accepted prefix plus the corrected or bonus
@@ -86,20 +89,31 @@ class RoundModel:
         (acceptance and draft cost come from the probes only anyway)."""
         if measured_k < 1 or stats.drafted <= 0 or stats.new_tokens <= 0 or stats.plain_s_estimate <= 0:
             return None
-        rounds = stats.drafted / measured_k
-        if rounds <= 0:
-            return None
+        reached = list(getattr(stats, "drafted_per_pos", None) or [])
         probs = []
-        for i in range(measured_k):
-            count = stats.accepted_per_pos[i] if i < len(stats.accepted_per_pos) else 0
-            probs.append(min(1.0, max(0.0, count / rounds)))
+        if reached and reached[0] > 0 and sum(reached) == stats.drafted:
+            # Rounds of varying length (the serving engine shortens blocks under load): each
+            # position's acceptance among the rounds that drafted it, and the plain steps
+            # the engine ran between rounds taken out of the verify time like plain requests.
+            rounds = float(reached[0])
+            for i, n in enumerate(reached[:measured_k]):
+                if n <= 0:
+                    break
+                count = stats.accepted_per_pos[i] if i < len(stats.accepted_per_pos) else 0
+                probs.append(min(1.0, max(0.0, count / n)))
+            with_plain = True
+        else:
+            rounds = stats.drafted / measured_k
+            for i in range(measured_k):
+                count = stats.accepted_per_pos[i] if i < len(stats.accepted_per_pos) else 0
+                probs.append(min(1.0, max(0.0, count / rounds)))
         plain = stats.plain_s_estimate / stats.new_tokens
         verify_s = stats.verify_s
         if with_plain:
             plain_tokens = max(0.0, stats.new_tokens - stats.accepted - rounds)
             verify_s = max(0.0, verify_s - plain_tokens * plain)
         verify_round = verify_s / rounds
-        b = max(0.0, (verify_round - plain) / measured_k)
+        b = max(0.0, (verify_round - plain) / (stats.drafted / rounds))  # per drafted token of a mean round
         return cls(
             measured_k=measured_k,
             rounds=rounds,

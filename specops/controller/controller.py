@@ -103,6 +103,7 @@ def window_inputs(stats: Any) -> dict[str, Any]:
         v = getattr(stats, k, None)
         out[k] = round(v, 4) if isinstance(v, float) else v
     out["accepted_per_pos"] = list(getattr(stats, "accepted_per_pos", []))[:16]
+    out["drafted_per_pos"] = list(getattr(stats, "drafted_per_pos", []))[:16]
     return out
 
 

@@ -135,6 +135,7 @@ _PROM_SERIES: tuple[tuple[str, str, str | None], ...] = (
     ("drafted", contract.DRAFTED_TOKENS.name, None),
     ("accepted", contract.ACCEPTED_TOKENS.name, None),
     ("accepted_per_pos", contract.ACCEPTED_BY_POSITION.name, "position"),
+    ("drafted_per_pos", contract.DRAFTED_BY_POSITION.name, "position"),
     ("target_forwards", contract.TARGET_FORWARDS.name, None),
     ("draft_s", contract.DRAFT_SECONDS.name, None),
     ("verify_s", contract.VERIFY_SECONDS.name, None),
@@ -204,7 +205,8 @@ def window_query(request_class: str, seconds: float, match: str = "") -> str:
 def parse_window_result(result: list[dict]) -> SourceWindow:
     """Build a window from the ``data.result`` vector of :func:`window_query`."""
     scalars: dict[str, float] = {}
-    indexed: dict[str, dict[int, float]] = {"accepted_per_pos": {}, "head_predictions": {}, "head_correct": {}}
+    indexed: dict[str, dict[int, float]] = {"accepted_per_pos": {}, "drafted_per_pos": {}, "head_predictions": {},
+                                            "head_correct": {}}
     p99: float | None = None
     for sample in result:
         labels = sample.get("metric", {})
@@ -218,7 +220,7 @@ def parse_window_result(result: list[dict]) -> SourceWindow:
         if name == "p99_token_latency_s":
             p99 = value
         elif name in indexed:
-            key = "position" if name == "accepted_per_pos" else "head"
+            key = "position" if name.endswith("_per_pos") else "head"
             try:
                 idx = int(labels[key])
             except (KeyError, ValueError):
@@ -240,6 +242,7 @@ def parse_window_result(result: list[dict]) -> SourceWindow:
         drafted=round(scalars.get("drafted", 0.0)),
         accepted=round(scalars.get("accepted", 0.0)),
         accepted_per_pos=ints(indexed["accepted_per_pos"]),
+        drafted_per_pos=ints(indexed["drafted_per_pos"]),
         target_forwards=round(scalars.get("target_forwards", 0.0)),
         draft_s=scalars.get("draft_s", 0.0),
         verify_s=scalars.get("verify_s", 0.0),

@@ -184,6 +184,7 @@ class DecodeStats:
             gamma=self.gamma,
             heads=self.heads,
             fallback_reason=self.fallback_reason,
+            drafted_per_pos=list(self.drafted_per_pos),
         )
 
     def summary(self) -> dict[str, float]:

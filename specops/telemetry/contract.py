@@ -82,6 +82,13 @@ ACCEPTED_BY_POSITION = MetricSpec(
     "Accepted draft tokens by draft position (0-based).",
     BASE_LABELS + ("position",),
 )
+DRAFTED_BY_POSITION = MetricSpec(
+    "specops_drafted_tokens_by_position_total",
+    "counter",
+    "Verification rounds that drafted at least position+1 tokens, by draft position (0-based; "
+    "position 0 counts the rounds).",
+    BASE_LABELS + ("position",),
+)
 TARGET_FORWARDS = MetricSpec("specops_target_forwards_total", "counter", "Target model forward passes.")
 FALLBACKS = MetricSpec(
     "specops_fallbacks_total", "counter", "Requests that fell back to plain decoding, by reason.", BASE_LABELS + ("reason",)
@@ -107,7 +114,8 @@ GAMMA = MetricSpec("specops_gamma", "gauge", "Speculation length (gamma) in forc
 MEDUSA_HEADS = MetricSpec("specops_medusa_heads", "gauge", "Medusa heads in use.")
 
 METRICS: tuple[MetricSpec, ...] = (
-    REQUESTS, GENERATED_TOKENS, DRAFTED_TOKENS, ACCEPTED_TOKENS, ACCEPTED_BY_POSITION, TARGET_FORWARDS,
+    REQUESTS, GENERATED_TOKENS, DRAFTED_TOKENS, ACCEPTED_TOKENS, ACCEPTED_BY_POSITION, DRAFTED_BY_POSITION,
+    TARGET_FORWARDS,
     FALLBACKS, HEAD_PREDICTIONS, HEAD_CORRECT, DRAFT_SECONDS, VERIFY_SECONDS, DECODE_SECONDS,
     PLAIN_SECONDS_ESTIMATE, TOKEN_LATENCY, GAMMA, MEDUSA_HEADS,
 )

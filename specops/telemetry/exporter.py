@@ -54,6 +54,8 @@ class PrometheusExporter:
         self._inc(c.PLAIN_SECONDS_ESTIMATE, base, record.plain_s_estimate)
         for position, count in enumerate(record.accepted_per_pos):
             self._inc(c.ACCEPTED_BY_POSITION, base + (str(position),), count)
+        for position, count in enumerate(record.drafted_per_pos):
+            self._inc(c.DRAFTED_BY_POSITION, base + (str(position),), count)
         for head, (predicted, correct) in enumerate(zip(record.head_predictions, record.head_correct)):
             self._inc(c.HEAD_PREDICTIONS, base + (str(head),), predicted)
             self._inc(c.HEAD_CORRECT, base + (str(head),), correct)

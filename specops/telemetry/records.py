@@ -78,6 +78,11 @@ class DecodeRecord:
     """Medusa heads in use (0 for other methods)."""
     fallback_reason: str | None = None
     """Why the request fell back to plain decoding (e.g. ``deadline``), or None."""
+    drafted_per_pos: list[int] = field(default_factory=list)
+    """Verification steps that drafted at least i+1 tokens, by position i; element 0 is the
+    number of speculative rounds. Empty when unknown (then rounds are taken to have
+    drafted the γ in force). Needed wherever γ varies per step (the serving engine
+    shortens blocks under load), so acceptance per position is read per drafted position."""
 
     def __post_init__(self) -> None:
         if not self.request_class:
@@ -103,6 +108,14 @@ class DecodeRecord:
             raise ValueError(
                 f"DecodeRecord.accepted_per_pos sums to {sum(self.accepted_per_pos)}, accepted is {self.accepted}"
             )
+        if self.drafted_per_pos:
+            if sum(self.drafted_per_pos) != self.drafted:
+                raise ValueError(f"DecodeRecord.drafted_per_pos sums to {sum(self.drafted_per_pos)}, "
+                                 f"drafted is {self.drafted}")
+            for i, a in enumerate(self.accepted_per_pos):
+                d = self.drafted_per_pos[i] if i < len(self.drafted_per_pos) else 0
+                if a > d:
+                    raise ValueError(f"DecodeRecord.accepted_per_pos[{i}]={a} exceeds drafted_per_pos[{i}]={d}")
         if len(self.head_predictions) != len(self.head_correct):
             raise ValueError("DecodeRecord.head_predictions and head_correct must have the same length")
         for i, (p, c) in enumerate(zip(self.head_predictions, self.head_correct)):
@@ -135,6 +148,10 @@ class WindowStats:
     heads: float = 0.0
     fallbacks: dict[str, int] = field(default_factory=dict)
     """Fallback counts by reason (additive to the interface; empty when unknown)."""
+    drafted_per_pos: list[int] = field(default_factory=list)
+    """Rounds that drafted at least i+1 tokens, by position (see `DecodeRecord`). Complete
+    only when it sums to ``drafted``: a source that does not report it (or a window
+    mixing such requests) leaves it empty or short."""
 
     @classmethod
     def from_record(cls, record: DecodeRecord) -> WindowStats:
@@ -155,6 +172,7 @@ class WindowStats:
             gamma=float(record.gamma),
             heads=float(record.heads),
             fallbacks={record.fallback_reason: 1} if record.fallback_reason else {},
+            drafted_per_pos=list(record.drafted_per_pos),
         )
 
     @property
@@ -204,4 +222,5 @@ class WindowStats:
             gamma=(self.gamma * self.requests + other.gamma * other.requests) / total if total else 0.0,
             heads=(self.heads * self.requests + other.heads * other.requests) / total if total else 0.0,
             fallbacks=fallbacks,
+            drafted_per_pos=_add_lists(self.drafted_per_pos, other.drafted_per_pos),
         )

@@ -34,6 +34,7 @@ from specops.telemetry.records import DecodeRecord, WindowStats
 _INT_FIELDS = ("requests", "new_tokens", "drafted", "accepted", "target_forwards")
 _FLOAT_FIELDS = ("draft_s", "verify_s", "wall_s", "plain_s_estimate", "gamma_sum", "heads_sum")
 _ACCEPTED_POS = "app:"
+_DRAFTED_POS = "dpp:"
 _HEAD_PRED = "hp:"
 _HEAD_CORRECT = "hc:"
 _FALLBACK = "fb:"
@@ -72,6 +73,8 @@ def _record_fields(record: DecodeRecord) -> tuple[dict[str, int], dict[str, floa
     }
     for i, n in enumerate(record.accepted_per_pos):
         ints[f"{_ACCEPTED_POS}{i}"] = n
+    for i, n in enumerate(record.drafted_per_pos):
+        ints[f"{_DRAFTED_POS}{i}"] = n
     for i, (p, c) in enumerate(zip(record.head_predictions, record.head_correct)):
         ints[f"{_HEAD_PRED}{i}"] = p
         ints[f"{_HEAD_CORRECT}{i}"] = c
@@ -150,6 +153,7 @@ def _stats_from_hashes(hashes: Iterable[dict]) -> WindowStats:
     pred: dict[int, int] = {}
     corr: dict[int, int] = {}
     fallbacks: dict[str, int] = {}
+    dpos: dict[int, int] = {}
     for raw in hashes:
         for k, v in raw.items():
             name, value = _text(k), _text(v)
@@ -157,6 +161,9 @@ def _stats_from_hashes(hashes: Iterable[dict]) -> WindowStats:
                 ints[name] += int(value)
             elif name in floats:
                 floats[name] += float(value)
+            elif name.startswith(_DRAFTED_POS):
+                i = int(name[len(_DRAFTED_POS):])
+                dpos[i] = dpos.get(i, 0) + int(value)
             elif name.startswith(_ACCEPTED_POS):
                 i = int(name[len(_ACCEPTED_POS):])
                 pos[i] = pos.get(i, 0) + int(value)
@@ -187,6 +194,7 @@ def _stats_from_hashes(hashes: Iterable[dict]) -> WindowStats:
         gamma=floats["gamma_sum"] / requests if requests else 0.0,
         heads=floats["heads_sum"] / requests if requests else 0.0,
         fallbacks=fallbacks,
+        drafted_per_pos=_indexed(dpos),
     )
 
 

@@ -14,6 +14,27 @@ def _setup_logging(verbose: bool) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def _command_line(prefix: str, ctx: click.Context) -> str:
+    """The command as it ran, rebuilt from its parsed options (for training reports)."""
+    import shlex
+
+    parts: list[str] = []
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if not isinstance(param, click.Option) or param.name in ("quiet", "verbose"):
+            continue
+        default = param.get_default(ctx)
+        if param.is_flag:
+            if bool(value) != bool(default):
+                parts.append(param.opts[0] if value else param.secondary_opts[0])
+            continue
+        if value is None or value == default or value == ():
+            continue
+        for item in (value if param.multiple else [value]):
+            parts += [param.opts[0], str(item)]
+    return prefix + " " + shlex.join(parts)
+
+
 @click.command("tiny")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Output folder (default: the package's specops/assets).")
@@ -59,32 +80,54 @@ def train_tiny_command(out_dir, minutes, target_steps, draft_steps, seed, thread
 @click.command("draft")
 @click.option("--target", "target_path", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Target model folder (any transformers causal LM).")
-@click.option("--layers", type=int, default=1, show_default=True, help="Draft layers (fewer than the target's).")
-@click.option("--data", "data_files", multiple=True, required=True,
+@click.option("--layers", type=int, default=None, help="Draft layers, fewer than the target's  [default: 1; "
+              "not with --init-draft, which keeps its own]")
+@click.option("--init-draft", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="Continue training this draft instead of starting from the target's first layers.")
+@click.option("--data", "data_files", multiple=True,
               type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Text files to distil on (repeat the option, or pass a shell glob).")
+@click.option("--stdlib", is_flag=True,
+              help="Distil on this interpreter's stdlib (tests held out, as `train tiny`) instead of --data; "
+                   "evaluate on the held-out code prompts of `bench decode --suite code`.")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path))
 @click.option("--steps", type=int, default=200, show_default=True)
 @click.option("--minutes", type=float, default=None, help="Wall budget instead of --steps.")
 @click.option("--batch-size", type=int, default=8, show_default=True)
 @click.option("--seq-len", type=int, default=512, show_default=True)
 @click.option("--lr", type=float, default=2e-3, show_default=True)
+@click.option("--self-distill", "sd_sequences", type=int, default=0, show_default=True,
+              help="Generate this many greedy continuations with the target and train mostly on them (0: off).")
+@click.option("--self-distill-share", "sd_share", type=float, default=0.75, show_default=True,
+              help="Fraction of every batch's rows taken from the continuations.")
+@click.option("--eval-prompts", type=int, default=8, show_default=True, help="Prompts for the acceptance report.")
+@click.option("--eval-new-tokens", type=int, default=32, show_default=True,
+              help="Greedy tokens per prompt for the acceptance report.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--threads", type=int, default=2, show_default=True)
 @click.option("--bf16/--fp32", "bf16", default=False, show_default=True, help="bf16 autocast for training forwards.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @click.option("-v", "--verbose", is_flag=True)
-def train_draft_command(target_path, layers, data_files, out_dir, steps, minutes, batch_size, seq_len, lr, seed,
-                        threads, bf16, quiet, verbose):
+def train_draft_command(target_path, layers, init_draft, data_files, stdlib, out_dir, steps, minutes, batch_size, seq_len,
+                        lr, sd_sequences, sd_share, eval_prompts, eval_new_tokens, seed, threads, bf16, quiet, verbose):
     """Distil a small draft from any target model (KL to the target's logits)."""
+    from specops.train.distill import DraftJob, SelfDistill, distill_from_files
     from specops.train.target import TrainConfig
-    from specops.train.distill import DraftJob, distill_from_files
 
     _setup_logging(verbose)
+    if stdlib == bool(data_files):
+        raise click.UsageError("give --data files or --stdlib (one of them)")
+    if init_draft is not None and layers is not None:
+        raise click.UsageError("--layers cannot be combined with --init-draft (the draft keeps its own layers)")
+    for name, value in (("--eval-prompts", eval_prompts), ("--eval-new-tokens", eval_new_tokens)):
+        if value < 1:
+            raise click.BadParameter("must be >= 1", param_hint=name)
     cfg = TrainConfig(steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr, seed=seed, minutes=minutes,
                       warmup_fraction=0.02, bf16_autocast=bf16, progress=not quiet)
-    job = DraftJob(target=target_path, layers=layers, data=list(data_files), out_dir=out_dir, train=cfg,
-                   threads=threads)
+    job = DraftJob(target=target_path, layers=1 if layers is None else layers, data=list(data_files), out_dir=out_dir,
+                   train=cfg, threads=threads, eval_prompts=eval_prompts, eval_new_tokens=eval_new_tokens,
+                   init_draft=init_draft, self_distill=SelfDistill(sequences=sd_sequences, share=sd_share),
+                   stdlib=stdlib, command=_command_line("specops train draft", click.get_current_context()))
     try:
         summary = distill_from_files(job)
     except (ValueError, FileNotFoundError) as exc:

@@ -128,3 +128,29 @@ def test_goodput_fit_takes_plain_requests_out_of_a_fallen_back_window():
         assert fitted.goodput(k) == pytest.approx(alone.goodput(k), rel=1e-6)
     assert propose_goodput(mixed, 1, 1, 12, with_plain=True).target == propose_goodput(probes, 1, 1, 12).target == 5
     assert propose_goodput(mixed, 1, 1, 12).target == 1  # the bias the option removes
+
+
+@pytest.mark.parametrize("alpha", [0.6, 0.85])
+def test_goodput_reads_rounds_of_varying_length_from_drafted_per_pos(alpha):
+    """The serving engine shortens blocks under load below the class's γ (6 here): half
+    the rounds drafted 6 tokens, half 2. With ``drafted_per_pos`` the model recovers
+    the per-position acceptance and the costs and picks the true optimum; without it
+    (every round taken to have drafted 6) rounds are undercounted and the verify cost
+    per round inflated."""
+    long, short = window(alpha, 6, rounds=5000), window(alpha, 2, rounds=5000)
+    mixed = long.merge(short)
+    mixed.drafted_per_pos = [10_000, 10_000] + [5000] * 4
+    model = RoundModel.fit(mixed, 6)
+    assert model.rounds == 10_000
+    for i, p in enumerate(model.position_accept):
+        assert p == pytest.approx(alpha ** (i + 1), rel=0.01)
+    assert model.verify_s_per_extra_token == pytest.approx(COSTS.verify_slope_s, rel=1e-6)
+    assert model.draft_s_per_token == pytest.approx(COSTS.draft_s)
+    best_true = max(range(1, 13), key=lambda g: COSTS.speed(alpha, g))
+    assert propose_goodput(mixed, 6, 1, 12).target == best_true
+    legacy = long.merge(short)  # no drafted_per_pos: the old reading
+    assert RoundModel.fit(legacy, 6).rounds == pytest.approx(mixed.drafted / 6)
+    assert propose_goodput(legacy, 6, 1, 12).target != best_true  # (2 for both alphas)
+    incomplete = long.merge(short)
+    incomplete.drafted_per_pos = [5000, 5000]  # does not sum to drafted: not trusted
+    assert RoundModel.fit(incomplete, 6).rounds == pytest.approx(mixed.drafted / 6)

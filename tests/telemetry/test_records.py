@@ -62,4 +62,19 @@ def test_record_matches_interface_field_order():
     names = [f for f in DecodeRecord.__dataclass_fields__]
     assert names == ["request_class", "method", "new_tokens", "drafted", "accepted", "accepted_per_pos",
                      "target_forwards", "draft_s", "verify_s", "wall_s", "plain_s_estimate", "token_latencies_s",
-                     "head_predictions", "head_correct", "gamma", "heads", "fallback_reason"]
+                     "head_predictions", "head_correct", "gamma", "heads", "fallback_reason",
+                     "drafted_per_pos"]  # additive: appended, with a default
+
+
+def test_drafted_per_pos_is_checked_and_summed_like_the_accepted_counts():
+    with pytest.raises(ValueError, match="drafted_per_pos sums to 5, drafted is 6"):
+        make_record(drafted=6, accepted=3, accepted_per_pos=[2, 1], drafted_per_pos=[3, 2])
+    with pytest.raises(ValueError, match=r"accepted_per_pos\[1\]=2 exceeds drafted_per_pos\[1\]=1"):
+        make_record(drafted=6, accepted=3, accepted_per_pos=[1, 2], drafted_per_pos=[5, 1])
+    a = make_record(drafted=6, accepted=3, accepted_per_pos=[2, 1], drafted_per_pos=[3, 2, 1])
+    b = make_record(drafted=2, accepted=1, accepted_per_pos=[1], drafted_per_pos=[2])
+    window = WindowStats.from_record(a).merge(WindowStats.from_record(b))
+    assert window.drafted_per_pos == [5, 2, 1] and sum(window.drafted_per_pos) == window.drafted
+    legacy = make_record(drafted=2, accepted=1, accepted_per_pos=[1])  # a source that does not report it
+    mixed = WindowStats.from_record(a).merge(WindowStats.from_record(legacy))
+    assert sum(mixed.drafted_per_pos) != mixed.drafted  # incomplete: the goodput model will not use it

@@ -50,3 +50,24 @@ def test_weights_are_stored_in_fp16(folder):
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
         dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
     assert dtypes == {"F16"}
+
+
+def test_the_shipped_draft_is_the_self_distilled_one():
+    """The draft's own report (``specops train draft --self-distill``) and a fresh
+    measurement of the shipped weights: greedy agreement with the target on 12
+    held-out code prompts is 0.73 (the session-1 draft it continued: 0.58)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specops.train.data import code_prompts, split_stdlib
+    from specops.train.evaluate import greedy_acceptance
+
+    report = json.loads((DRAFT_DIR / "train_report.json").read_text())
+    before, after = report["greedy_acceptance_before"], report["greedy_acceptance"]
+    assert report["self_distill"]["sequences"] > 0 and after["new_tokens"] == before["new_tokens"]
+    assert after["mean_accepted_len"] > before["mean_accepted_len"]
+    tok = AutoTokenizer.from_pretrained(str(ASSETS_DIR))
+    prompts = [tok.encode(p, add_special_tokens=False) for p in code_prompts(split_stdlib().heldout_files, count=12)]
+    target = AutoModelForCausalLM.from_pretrained(str(TARGET_DIR))
+    draft = AutoModelForCausalLM.from_pretrained(str(DRAFT_DIR))
+    measured = greedy_acceptance(target, draft, prompts, max_new_tokens=64, gamma=4, eos_token_id=tok.eos_token_id)
+    assert measured.top1_agreement > 0.68
