@@ -45,6 +45,9 @@ from typing import Any
 import click
 
 MODES = ("off", "fixed", "adaptive")
+# Fewest requests in a cell by default. At concurrency 1, 8 requests are ~1 s of traffic:
+# the same cell's repeats varied 309-524 tok/s, and a ratio of two such medians was noise.
+MIN_CELL_REQUESTS = 24
 MIX_KINDS = ("code", "prose", "hot")
 
 
@@ -59,7 +62,7 @@ class ServeBenchConfig:
     namespace: str = "specops"
     modes: list[str] = field(default_factory=lambda: list(MODES))
     concurrency: list[int] = field(default_factory=lambda: [1, 4, 16])
-    num_prompts: int | None = None          # per cell; None: max(8, 4 x concurrency)
+    num_prompts: int | None = None          # per cell; None: max(MIN_CELL_REQUESTS, 4 x concurrency)
     request_rate: float = math.inf
     max_tokens: int = 64
     mix: dict[str, float] = field(default_factory=lambda: {"code": 0.5, "prose": 0.3, "hot": 0.2})
@@ -390,7 +393,7 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
         store = PolicyStore(redis_lib.Redis.from_url(redis_url), namespace=cfg.namespace)
         ready = _wait_ready(url, 60)
         model = ready.get("model", "bundled")
-        counts = {c: cfg.num_prompts or max(8, 4 * c) for c in cfg.concurrency}
+        counts = {c: cfg.num_prompts or max(MIN_CELL_REQUESTS, 4 * c) for c in cfg.concurrency}
         total = sum(counts.values()) * len(cfg.modes) * cfg.repeats
         rows = []
         bar = click.progressbar(length=total, label="bench serve", file=sys.stderr) if cfg.progress else None
@@ -520,7 +523,7 @@ def plot_report(report: dict[str, Any], path: str | Path) -> Path:
 @click.option("--namespace", default="specops", show_default=True)
 @click.option("--modes", default=",".join(MODES), show_default=True, help="Comma-separated: off,fixed,adaptive.")
 @click.option("--concurrency", default="1,4,16", show_default=True, help="Comma-separated max concurrencies.")
-@click.option("--num-prompts", type=click.IntRange(min=1), default=None, help="Requests per cell (default 4 x conc, >= 8).")
+@click.option("--num-prompts", type=click.IntRange(min=1), default=None, help=f"Requests per cell (default 4 x conc, >= {MIN_CELL_REQUESTS}).")
 @click.option("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default: all at once).")
 @click.option("--max-tokens", type=click.IntRange(min=2), default=64, show_default=True)
 @click.option("--mix", default="code:0.5,prose:0.3,hot:0.2", show_default=True)
