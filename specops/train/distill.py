@@ -25,8 +25,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tqdm.auto import tqdm
-
 from specops.train.data import TokenWindows
 from specops.train.target import TrainConfig, TrainResult, make_optimizer, run_loop
 
@@ -107,21 +105,10 @@ def greedy_pool(target, stream: torch.Tensor, length: int, sd: SelfDistill, *, s
                 progress: bool = True) -> torch.Tensor:
     """``sd.sequences`` rows of ``length`` tokens: a random ``sd.prompt_len``-token
     prompt cut from ``stream`` [N], then the target's greedy continuation. -> [S, length]"""
-    from specops.train.heads import greedy_continuations
+    from specops.train.heads import greedy_rows
 
-    high = stream.numel() - sd.prompt_len
-    if high <= 0:
-        raise ValueError(f"training text has {stream.numel()} tokens, fewer than the prompt length {sd.prompt_len}")
-    gen = torch.Generator().manual_seed(seed)
-    rows = []
-    with tqdm(total=sd.sequences, desc="self-distill: generating", disable=not progress, dynamic_ncols=True) as bar:
-        for start in range(0, sd.sequences, sd.batch_size):
-            n = min(sd.batch_size, sd.sequences - start)
-            starts = torch.randint(0, high, (n,), generator=gen)                        # [n]
-            prompts = stream[starts[:, None] + torch.arange(sd.prompt_len)[None]]         # [n, P]
-            rows.append(greedy_continuations(target, prompts, length - sd.prompt_len))   # [n, length]
-            bar.update(n)
-    return torch.cat(rows)
+    return greedy_rows(target, stream, sequences=sd.sequences, prompt_len=sd.prompt_len, length=length,
+                       batch_size=sd.batch_size, gen=torch.Generator().manual_seed(seed), progress=progress)
 
 
 class MixedBatches:

@@ -219,24 +219,33 @@ class DistillPool:
     hidden: torch.Tensor  # [S, T, E] base hidden states (after the final norm)
 
 
+def greedy_rows(base, stream: torch.Tensor, *, sequences: int, prompt_len: int, length: int, batch_size: int,
+                gen: torch.Generator, progress: bool = True) -> torch.Tensor:
+    """``sequences`` rows of ``length`` tokens, generated ``batch_size`` at a time: a random
+    ``prompt_len``-token prompt cut from ``stream`` [N], then the base model's greedy
+    continuation. -> [S, length]. Shared by the heads' and the draft's self-distillation."""
+    high = stream.numel() - prompt_len
+    if high <= 0:
+        raise ValueError(f"training text has {stream.numel()} tokens, fewer than the prompt length {prompt_len}")
+    rows = []
+    with tqdm(total=sequences, desc="self-distill: generating", disable=not progress, dynamic_ncols=True) as bar:
+        for start in range(0, sequences, batch_size):
+            n = min(batch_size, sequences - start)
+            starts = torch.randint(0, high, (n,), generator=gen)                      # [n]
+            prompts = stream[starts[:, None] + torch.arange(prompt_len)[None]]          # [n, P]
+            rows.append(greedy_continuations(base, prompts, length - prompt_len))      # [n, length]
+            bar.update(n)
+    return torch.cat(rows)
+
+
 def distill_pool(base, stream: torch.Tensor, cfg: HeadsTrainConfig, gen: torch.Generator) -> DistillPool:
     """``cfg.distill_sequences`` greedy continuations of random prompts cut from ``stream`` [N]."""
-    high = stream.numel() - cfg.distill_prompt_len
-    if high <= 0:
-        raise ValueError(f"training text has {stream.numel()} tokens, fewer than distill_prompt_len")
-    tokens, hidden = [], []
-    batches = range(0, cfg.distill_sequences, cfg.batch_size)
-    for start in tqdm(batches, desc="self-distill: generating", disable=not cfg.progress):
-        n = min(cfg.batch_size, cfg.distill_sequences - start)
-        starts = torch.randint(0, high, (n,), generator=gen)  # [n]
-        prompts = stream[starts[:, None] + torch.arange(cfg.distill_prompt_len)[None]]  # [n, P]
-        seq = greedy_continuations(base, prompts, cfg.seq_len - cfg.distill_prompt_len)  # [n, T]
-        tokens.append(seq)
-        hidden.append(base_hidden(base, seq))
-    all_tokens = torch.cat(tokens)
-    labels = all_tokens.clone()
+    tokens = greedy_rows(base, stream, sequences=cfg.distill_sequences, prompt_len=cfg.distill_prompt_len,
+                         length=cfg.seq_len, batch_size=cfg.batch_size, gen=gen, progress=cfg.progress)
+    hidden = [base_hidden(base, tokens[i:i + cfg.batch_size]) for i in range(0, tokens.shape[0], cfg.batch_size)]
+    labels = tokens.clone()
     labels[:, : cfg.distill_prompt_len] = IGNORE
-    return DistillPool(tokens=all_tokens, labels=labels, hidden=torch.cat(hidden))
+    return DistillPool(tokens=tokens, labels=labels, hidden=torch.cat(hidden))
 
 
 def train_heads(base, heads: MedusaHeads, stream: torch.Tensor, heldout: torch.Tensor,
