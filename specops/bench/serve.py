@@ -15,9 +15,12 @@ Modes switch the server through its Redis, as an operator would:
               had its ticks and its alert rules their ``for_s``.
 
 The bench waits until the server's ``/readyz`` shows the settings before measuring.
-With ``--repeats R`` every cell runs R times (a mode's repeats back to back, after its
-settings and warm-up); a row is the repeat with the median output tokens/s (a measured
-row, its latencies from the same run), with every repeat's tokens/s beside it. Below the
+A started server is one process per mode (its own Redis namespace), and repeat r runs
+every mode's cells in turn, the order rotated by r, so the machine's drift over minutes
+falls on every mode alike; against ``--base-url`` the modes run one after the other.
+With ``--repeats R`` every cell runs R times; a row is the repeat with the median output
+tokens/s (a measured row, its latencies from the same run), with every repeat's tokens/s
+beside it and each class's live setting at the end of that run (``settings``). Below the
 table, the ratios the serving goals are stated in (off c_max / c_min, adaptive / off,
 adaptive / max(off, fixed)) from those medians.
 Terms: TTFT = arrival → first token; TPOT = (E2E − TTFT) / (output tokens − 1);
@@ -45,9 +48,11 @@ from typing import Any
 import click
 
 MODES = ("off", "fixed", "adaptive")
-# Fewest requests in a cell by default. At concurrency 1, 8 requests are ~1 s of traffic:
-# the same cell's repeats varied 309-524 tok/s, and a ratio of two such medians was noise.
-MIN_CELL_REQUESTS = 24
+# Fewest requests in a cell by default (and 8 per unit of concurrency). At concurrency 1,
+# 8 requests are ~1 s of traffic: the same cell's repeats varied 309-524 tok/s, and a
+# ratio of two such medians was noise; 24 still varied ±15% between repeats.
+MIN_CELL_REQUESTS = 48
+REQUESTS_PER_SLOT = 8
 MIX_KINDS = ("code", "prose", "hot")
 
 
@@ -62,7 +67,7 @@ class ServeBenchConfig:
     namespace: str = "specops"
     modes: list[str] = field(default_factory=lambda: list(MODES))
     concurrency: list[int] = field(default_factory=lambda: [1, 4, 16])
-    num_prompts: int | None = None          # per cell; None: max(MIN_CELL_REQUESTS, 4 x concurrency)
+    num_prompts: int | None = None          # per cell; None: max(MIN_CELL_REQUESTS, 8 x concurrency)
     request_rate: float = math.inf
     max_tokens: int = 64
     mix: dict[str, float] = field(default_factory=lambda: {"code": 0.5, "prose": 0.3, "hot": 0.2})
@@ -349,9 +354,10 @@ def _stop(proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
             proc.wait(timeout_s)
 
 
-def _start_controller(cfg: ServeBenchConfig, redis_url: str, workdir: Path) -> subprocess.Popen:
+def _start_controller(cfg: ServeBenchConfig, redis_url: str, workdir: Path,
+                      namespace: str | None = None) -> subprocess.Popen:
     argv = [sys.executable, "-m", "specops.cli", "controller", "run", "--redis", redis_url, "--namespace",
-            cfg.namespace, "--interval", str(cfg.controller_interval_s), "--window",
+            namespace or cfg.namespace, "--interval", str(cfg.controller_interval_s), "--window",
             str(max(5.0, 5 * cfg.controller_interval_s)), "--listen", f"127.0.0.1:{_free_port()}",
             "--lease-ttl-ms", str(int(max(15_000, 4000 * cfg.controller_interval_s)))]
     env = dict(os.environ, SPECOPS_WEBHOOK_TOKEN=secrets.token_hex(16))
@@ -359,18 +365,54 @@ def _start_controller(cfg: ServeBenchConfig, redis_url: str, workdir: Path) -> s
     return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
-def _start_server(cfg: ServeBenchConfig, redis_url: str, workdir: Path, max_batch: int) -> tuple[subprocess.Popen, str]:
+def _start_server(cfg: ServeBenchConfig, redis_url: str, workdir: Path, max_batch: int,
+                  namespace: str | None = None, name: str = "serve") -> tuple[subprocess.Popen, str]:
     port = _free_port()
     argv = [sys.executable, "-m", "specops.cli", "serve", "--port", str(port), "--redis", redis_url,
-            "--namespace", cfg.namespace, "--max-batch", str(max_batch), "--log-level", "warning", *cfg.server_args]
-    log = open(workdir / "serve.log", "wb")
-    proc = subprocess.Popen(argv, cwd=workdir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    proc.log_path = workdir / "serve.log"  # type: ignore[attr-defined]  # read by _wait_ready on failure
+            "--namespace", namespace or cfg.namespace, "--max-batch", str(max_batch), "--log-level", "warning", *cfg.server_args]
+    log_path = workdir / f"{name}.log"
+    run_dir = workdir / name
+    run_dir.mkdir(exist_ok=True)
+    proc = subprocess.Popen(argv, cwd=run_dir, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL)
+    proc.log_path = log_path  # type: ignore[attr-defined]  # read by _wait_ready on failure
     return proc, f"http://127.0.0.1:{port}"
 
 
+def _settings_text(url: str) -> dict[str, str]:
+    """Each class's live setting as the server reports it (``/readyz``), e.g. ``draft γ8``."""
+    out = {}
+    for name, c in sorted(_wait_ready(url, 30)["policy"].get("classes", {}).items()):
+        text = c.get("method") or "?"
+        if c.get("fallback"):
+            text += " (fallback)"
+        elif text == "medusa" and c.get("medusa_heads"):
+            text += f" h{c['medusa_heads']}"
+        elif text not in ("off", "ar") and c.get("gamma"):
+            text += f" γ{c['gamma']}"
+        out[name] = text
+    return out
+
+
+@dataclass
+class _Target:
+    """Where one mode's cells are sent: its server URL and its Redis namespace."""
+    mode: str
+    url: str
+    store: Any
+    namespace: str
+
+
 def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
-    """Run every mode × concurrency cell; returns ``{"config", "results"}``."""
+    """Run every mode × concurrency cell; returns ``{"config", "results"}``.
+
+    A started server (no ``--base-url``): one server process per mode, each on its own Redis
+    namespace (``NAMESPACE-MODE``; the controller runs against the adaptive one), all started
+    and warmed first; then repeat r runs every mode's cells, the modes in an order rotated by
+    r. The machine's speed drifts over minutes, and modes measured minutes apart compared
+    that drift as often as the modes. A running server (``--base-url``) holds one setting
+    at a time, so there the modes run one after the other.
+    """
     import redis as redis_lib
 
     from specops.policies.redis_backend import close, connect
@@ -379,56 +421,82 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
     if cfg.base_url and not cfg.redis_url:
         raise BenchServeError("a running server (--base-url) needs --redis, the server's Redis, to switch modes")
     workdir = Path(tempfile.mkdtemp(prefix="specops-bench-serve-"))
-    embedded = server = controller = None
+    embedded = controller = client = None
+    servers: list[subprocess.Popen] = []
+    bar = None
     try:
         redis_url = cfg.redis_url
         if redis_url is None:
             embedded = connect(None, workdir / "redis")
             redis_url = f"unix://{embedded.socket_file}"
-        url = cfg.base_url
-        if url is None:
-            server, url = _start_server(cfg, redis_url, workdir, max(cfg.concurrency))
-            _wait_ready(url, 600, server)
-        url = url.rstrip("/")
-        store = PolicyStore(redis_lib.Redis.from_url(redis_url), namespace=cfg.namespace)
-        ready = _wait_ready(url, 60)
-        model = ready.get("model", "bundled")
-        counts = {c: cfg.num_prompts or max(MIN_CELL_REQUESTS, 4 * c) for c in cfg.concurrency}
-        total = sum(counts.values()) * len(cfg.modes) * cfg.repeats
-        rows = []
-        bar = click.progressbar(length=total, label="bench serve", file=sys.stderr) if cfg.progress else None
-        try:
+        client = redis_lib.Redis.from_url(redis_url)
+        if cfg.base_url:
+            url = cfg.base_url.rstrip("/")
+            targets = {m: _Target(m, url, PolicyStore(client, namespace=cfg.namespace), cfg.namespace)
+                       for m in cfg.modes}
+        else:
+            targets = {}
             for mode in cfg.modes:
-                expected = _apply_mode(store, mode)
-                _wait_settings(url, expected)
-                if mode == "adaptive":
-                    controller = _start_controller(cfg, redis_url, workdir)
-                warm = build_prompts(cfg, max(cfg.warmup, 1))
-                asyncio.run(run_cell(url, model, warm, min(len(warm), max(cfg.concurrency)), cfg))
-                if mode == "adaptive":
-                    _adaptive_warmup(url, model, cfg)
-                runs: dict[int, list[dict[str, Any]]] = {c: [] for c in cfg.concurrency}
+                ns = f"{cfg.namespace}-{mode}"
+                proc, url = _start_server(cfg, redis_url, workdir, max(cfg.concurrency), ns, name=f"serve-{mode}")
+                servers.append(proc)
+                targets[mode] = _Target(mode, url, PolicyStore(client, namespace=ns), ns)
+            for proc, t in zip(servers, targets.values()):
+                _wait_ready(t.url, 600, proc)
+        first = next(iter(targets.values()))
+        model = _wait_ready(first.url, 60).get("model", "bundled")
+        counts = {c: cfg.num_prompts or max(MIN_CELL_REQUESTS, REQUESTS_PER_SLOT * c) for c in cfg.concurrency}
+        total = sum(counts.values()) * len(cfg.modes) * cfg.repeats
+        bar = click.progressbar(length=total, label="bench serve", file=sys.stderr) if cfg.progress else None
+        on_done = (lambda: bar.update(1)) if bar else None
+        runs: dict[tuple[str, int], list[dict[str, Any]]] = {(m, c): [] for m in cfg.modes for c in cfg.concurrency}
+
+        def prepare(t: _Target) -> subprocess.Popen | None:
+            expected = _apply_mode(t.store, t.mode)
+            _wait_settings(t.url, expected)
+            started = _start_controller(cfg, redis_url, workdir, t.namespace) if t.mode == "adaptive" else None
+            warm = build_prompts(cfg, max(cfg.warmup, 1))
+            asyncio.run(run_cell(t.url, model, warm, min(len(warm), max(cfg.concurrency)), cfg))
+            if t.mode == "adaptive":
+                _adaptive_warmup(t.url, model, cfg)
+            return started
+
+        def measure(t: _Target) -> None:
+            for c in cfg.concurrency:
+                results, duration = asyncio.run(run_cell(t.url, model, build_prompts(cfg, counts[c]), c, cfg,
+                                                         on_done=on_done))
+                row = summarize(t.mode, c, results, duration, cfg)
+                row["settings"] = _settings_text(t.url)  # at the cell's end (adaptive: what the controller chose)
+                runs[(t.mode, c)].append(row)
+
+        if cfg.base_url:
+            for mode in cfg.modes:
+                controller = prepare(targets[mode])
                 for _ in range(cfg.repeats):
-                    for c in cfg.concurrency:
-                        prompts = build_prompts(cfg, counts[c])
-                        results, duration = asyncio.run(run_cell(url, model, prompts, c, cfg,
-                                                                 on_done=(lambda: bar.update(1)) if bar else None))
-                        runs[c].append(summarize(mode, c, results, duration, cfg))
-                rows += [median_row(runs[c]) for c in cfg.concurrency]
+                    measure(targets[mode])
                 if controller is not None:
                     _stop(controller)
                     controller = None
-        finally:
-            if bar is not None:
-                bar.render_finish()
+        else:
+            for t in targets.values():
+                controller = prepare(t) or controller
+            for r in range(cfg.repeats):
+                for i in range(len(cfg.modes)):
+                    measure(targets[cfg.modes[(i + r) % len(cfg.modes)]])
+        rows = [median_row(runs[(m, c)]) for m in cfg.modes for c in cfg.concurrency]
         cfg_out = {k: v for k, v in asdict(cfg).items() if k != "api_key"}
         cfg_out["request_rate"] = None if math.isinf(cfg.request_rate) else cfg.request_rate
+        cfg_out["interleaved"] = not cfg.base_url
         return {"config": cfg_out, "model": model, "results": rows}
     finally:
+        if bar is not None:
+            bar.render_finish()
         if controller is not None:
             _stop(controller)
-        if server is not None:
-            _stop(server)
+        for proc in servers:
+            _stop(proc)
+        if client is not None:
+            client.close()
         if embedded is not None:
             embedded.connection_pool.disconnect()  # idle pooled connections would count as other users
             close(embedded)
@@ -486,6 +554,10 @@ def format_table(report: dict[str, Any]) -> str:
     ratios = goal_ratios(report)
     if ratios:
         lines.append("ratios: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    for r in report["results"]:
+        if r["mode"] == "adaptive" and r.get("settings"):
+            lines.append(f"adaptive c{r['concurrency']} settings at the end of its run: "
+                         + ", ".join(f"{k} {v}" for k, v in r["settings"].items()))
     return "\n".join(lines)
 
 
@@ -523,7 +595,7 @@ def plot_report(report: dict[str, Any], path: str | Path) -> Path:
 @click.option("--namespace", default="specops", show_default=True)
 @click.option("--modes", default=",".join(MODES), show_default=True, help="Comma-separated: off,fixed,adaptive.")
 @click.option("--concurrency", default="1,4,16", show_default=True, help="Comma-separated max concurrencies.")
-@click.option("--num-prompts", type=click.IntRange(min=1), default=None, help=f"Requests per cell (default 4 x conc, >= {MIN_CELL_REQUESTS}).")
+@click.option("--num-prompts", type=click.IntRange(min=1), default=None, help=f"Requests per cell (default {REQUESTS_PER_SLOT} x conc, >= {MIN_CELL_REQUESTS}).")
 @click.option("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default: all at once).")
 @click.option("--max-tokens", type=click.IntRange(min=2), default=64, show_default=True)
 @click.option("--mix", default="code:0.5,prose:0.3,hot:0.2", show_default=True)

@@ -35,6 +35,14 @@ Leaving a fallback (probes at the knob's minimum paid for the rule's ``for_s``),
 (``with_plain``: the window's plain requests taken out), not at the minimum that
 was chosen for cheap probing; the next windows then refine it as usual.
 
+A window whose every request says its knob was a cap the runtime planned each round
+under (``WindowStats.planned``: `specops serve`'s engine, which shortens or skips rounds
+from its own measured costs at the step's batch size) is only ever raised: both modes
+choose within ``[current, max]``, the tree-size grid likewise. Lowering such a cap for
+cost would fit the load of the window just measured (a concurrency-16 window cut the
+code class's cap, and the next concurrency-1 traffic ran under it); fallback still turns
+speculation off where it does not pay.
+
 All of them pass their wish through :func:`guarded_step`: a change must beat the dead-band
 (relative expected gain), may not come sooner than the cooldown after the previous
 change (and never before a whole window was measured under the current value), and

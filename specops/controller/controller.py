@@ -359,37 +359,53 @@ class Controller:
         last_change = current.updated_at
         settled = now - last_change + self.timing_slack_s >= self.window_s
         arms = self.bandits.setdefault(rc.name, {}) if mode == "bandit" or rc.method == "medusa" else {}
+        # Every request of the window ran under a planner (specops serve's engine), for which
+        # the knob is a cap it plans each round under, shortening or skipping rounds when its
+        # measured costs say so: a lower cap can only take choices from it. Such a knob is
+        # only ever raised here (acceptance that pays deeper at the window's load); lowering
+        # it for cost would fit a load that is gone by the next window (measured: caps cut
+        # at concurrency 16 then slowed concurrency 1). Fallback still turns it off.
+        planned = 0 < stats.requests <= getattr(stats, "planned", 0)
+        lo = value if planned else bounds.min
+        if planned:
+            inputs["planned"] = True
         if mode == "goodput":
-            proposal = propose_goodput(stats, value, bounds.min, bounds.max)
+            proposal = propose_goodput(stats, value, lo, bounds.max)
             if proposal is None:
                 return Decision(rc.name, "inconclusive", "window has no drafts to model", inputs=inputs), None
         else:
             bandit = arms.setdefault(knob, BanditState())
             if settled and stats.speedup and stats.speedup > 0:
                 bandit.update(value, float(stats.speedup))
-            proposal = propose_bandit(bandit, value, bounds.min, bounds.max)
+            proposal = propose_bandit(bandit, value, lo, bounds.max)
         inputs["estimates"] = {str(k): round(v, 3) for k, v in proposal.estimates.items()}
         inputs["estimate_unit"] = "tokens/s" if mode == "goodput" else "speed-up"
         inputs["expected_gain"] = round(proposal.expected_gain, 4) if proposal.expected_gain != float("inf") else None
         inputs["dead_band"] = rc.adaptation.dead_band
         step = guarded_step(value, proposal, now=now, last_change_at=last_change, guard=guard)
-        tree = self._adapt_tree(rc, current, stats, now, arms, guard, settled) if rc.method == "medusa" else None
+        tree = (self._adapt_tree(rc, current, stats, now, arms, guard, settled, planned)
+                if rc.method == "medusa" else None)
         if not step.changed:
             if tree is not None:  # heads hold: the tree size may move (one knob per window)
                 new_size, why, estimates = tree
                 inputs["tree_estimates"] = estimates
                 new = replace(current, tree_size=new_size, updated_at=now)
                 return Decision(rc.name, "adapt", why, _knobs(current), _knobs(new), inputs), new
-            return Decision(rc.name, "hold", step.reason, inputs=inputs), None
+            why = step.reason + ("; a planned runtime's cap is only raised" if planned else "")
+            return Decision(rc.name, "hold", why, inputs=inputs), None
         new = replace(current, **{knob: step.value}, updated_at=now)
         return Decision(rc.name, "adapt", step.reason, _knobs(current), _knobs(new), inputs), new
 
     def _adapt_tree(self, rc: Any, current: EffectiveSettings, stats: Any, now: float,
-                    arms: dict[str, BanditState], guard: Guard, settled: bool) -> tuple[int, str, dict] | None:
-        """The Medusa tree-size bound's bandit step (see ``specops.controller.adapt``); None when it holds."""
+                    arms: dict[str, BanditState], guard: Guard, settled: bool,
+                    planned: bool = False) -> tuple[int, str, dict] | None:
+        """The Medusa tree-size bound's bandit step (see ``specops.controller.adapt``); None when it holds.
+        ``planned``: the runtime sizes trees under the bound each round, so it is only raised."""
         bounds = rc.tree_size
         grid = tree_size_arms(bounds.min, bounds.max)
         value = nearest_arm(grid, bounds.clamp(current.tree_size))
+        if planned:
+            grid = [a for a in grid if a >= value]
         bandit = arms.setdefault("tree_size", BanditState())
         if settled and stats.speedup and stats.speedup > 0:
             bandit.update(value, float(stats.speedup))

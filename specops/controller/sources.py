@@ -137,6 +137,7 @@ _PROM_SERIES: tuple[tuple[str, str, str | None], ...] = (
     ("accepted_per_pos", contract.ACCEPTED_BY_POSITION.name, "position"),
     ("drafted_per_pos", contract.DRAFTED_BY_POSITION.name, "position"),
     ("target_forwards", contract.TARGET_FORWARDS.name, None),
+    ("planned", contract.PLANNED_REQUESTS.name, None),
     ("draft_s", contract.DRAFT_SECONDS.name, None),
     ("verify_s", contract.VERIFY_SECONDS.name, None),
     ("wall_s", contract.DECODE_SECONDS.name, None),
@@ -145,7 +146,7 @@ _PROM_SERIES: tuple[tuple[str, str, str | None], ...] = (
     ("head_correct", contract.HEAD_CORRECT.name, "head"),
 )
 _FIELD_LABEL = "specops_field"
-_INT_FIELDS = {"requests", "new_tokens", "drafted", "accepted", "target_forwards"}
+_INT_FIELDS = {"requests", "new_tokens", "drafted", "accepted", "target_forwards", "planned"}
 
 
 def prometheus_duration(seconds: float) -> str:
@@ -244,6 +245,7 @@ def parse_window_result(result: list[dict]) -> SourceWindow:
         accepted_per_pos=ints(indexed["accepted_per_pos"]),
         drafted_per_pos=ints(indexed["drafted_per_pos"]),
         target_forwards=round(scalars.get("target_forwards", 0.0)),
+        planned=round(scalars.get("planned", 0.0)),
         draft_s=scalars.get("draft_s", 0.0),
         verify_s=scalars.get("verify_s", 0.0),
         wall_s=scalars.get("wall_s", 0.0),

@@ -60,6 +60,7 @@ SCALE_BOUNDS = (0.25, 4.0)  # one step's ratio is clipped to these (a preemption
 PRIOR_ALPHA, PRIOR_TRIALS = 0.5, 3.0  # acceptance before any measurement: worth 3 trials
 PRIOR_TREE_TOKENS = 2.0  # tokens per Medusa step before any measurement
 COST_REPEATS = 5  # timings of a draft token (the fastest is kept)
+COST_CHAIN = 4  # tokens per timed C draft chain (the default γ), where the draft runner has one
 CATCHUP_FREE = 2  # unseen tokens a draft step feeds anyway (the pending one, and the bonus after a full block)
 CATCHUP_WEIGHT = 0.2  # weight of the newest catch-up in the running seconds per caught-up token
 
@@ -155,7 +156,7 @@ class Costs:
     several timings, so load on the machine does not bias one option against another)."""
 
     verify: VerifyCostCurve  # target forward over T new positions
-    draft_token_s: float  # one draft-model token (forward + argmax)
+    draft_token_s: float  # one draft-model token, drafted as decoding drafts (`draft_token_s`)
     heads_s: float  # one Medusa proposal
     tree_nodes: int  # N of the Medusa tree
 
@@ -236,26 +237,42 @@ class Chooser:
         self.counts[option] += 1
 
 
-_DRAFT_COSTS: "weakref.WeakKeyDictionary[object, float]" = weakref.WeakKeyDictionary()
+_DRAFT_COSTS: "weakref.WeakKeyDictionary[object, tuple[float, str]]" = weakref.WeakKeyDictionary()
 
 
 def draft_token_s(draft: ModelRunner) -> float:
-    """Seconds of one draft-model token after a short prefix (fastest of COST_REPEATS),
-    measured once per runner. Leaves the draft's cache empty."""
+    """Seconds of one draft-model token (`draft_token_cost`)."""
+    return draft_token_cost(draft)[0]
+
+
+def draft_token_cost(draft: ModelRunner) -> tuple[float, str]:
+    """Seconds of one draft-model token after a short prefix (fastest of COST_REPEATS), drafted
+    the way `draft._draft_block` drafts, and how: "C chain" (per token of a chain of
+    COST_CHAIN tokens in one call, where the runner has one: `FastLlamaRunner.draft_chain`,
+    fp32 CPU) or "forward" (one `forward` and argmax). Measured once per runner; leaves the
+    draft's cache empty."""
     cached = _DRAFT_COSTS.get(draft)
     if cached is None:
         draft.reset(1)
         draft.forward(torch.zeros(1, 16, dtype=torch.long, device=draft.device))  # [1, 16]
+        chain = getattr(draft, "draft_chain", None)
+        if chain is not None and chain([0], COST_CHAIN) is None:
+            chain = None  # this runner loops (`forward`) for these tokens
+        draft.truncate(16)
         ids = torch.zeros(1, 1, dtype=torch.long, device=draft.device)  # [1, 1]
         samples = []
         clock = cost_clock(draft.device)
         for _ in range(COST_REPEATS + 1):
             t0 = clock()
-            int(torch.argmax(draft.forward(ids).logits[0, -1]))
-            samples.append(clock() - t0)
+            if chain is not None:
+                chain([0], COST_CHAIN)
+                samples.append((clock() - t0) / COST_CHAIN)
+            else:
+                int(torch.argmax(draft.forward(ids).logits[0, -1]))
+                samples.append(clock() - t0)
             draft.truncate(16)
         draft.reset(1)
-        cached = _DRAFT_COSTS[draft] = min(samples[1:])
+        cached = _DRAFT_COSTS[draft] = (min(samples[1:]), "forward" if chain is None else "C chain")
     return cached
 
 

@@ -66,37 +66,64 @@ class MedusaState:
         self.head_guesses: list[tuple[int, int, int]] = []  # (output index, head 0-based, top-1 token)
 
     def buffers(self, spec: TreeSpec) -> TreeBuffers:
-        return _cached_buffers(spec, str(self.target.device))
+        return tree_buffers(spec, str(self.target.device))
 
     def propose(self, hidden: Tensor, spec: TreeSpec, root: int, root_index: int) -> tuple[Tensor, TreeBuffers]:
-        """Tree tokens [N] from the heads' top-k at ``hidden`` [E]; logs each used head's top-1 guess.
-
-        Only the D heads the tree reaches run (none for a root-only tree)."""
-        buffers = self.buffers(spec)
-        root_t = torch.tensor([root], dtype=torch.long, device=self.target.device)
-        if spec.depth == 0:
-            return root_t, buffers
-        with torch.inference_mode():
-            head_logits = self.heads(hidden, spec.depth)  # [D, V]
-            top = torch.topk(head_logits, buffers.top_k, dim=-1).indices.to(root_t.device)  # [D, top_k]
-        for k, tok in enumerate(top[:, 0].tolist()):
-            self.head_guesses.append((root_index + 1 + k, k, tok))
-        return torch.cat([root_t, top.reshape(-1)[buffers.candidate_index]]), buffers  # [N]
+        """Tree tokens [N] from the heads' top-k at ``hidden`` [E]; logs each used head's top-1 guess
+        (`propose_trees` for a batch of one)."""
+        tokens, buffers, guesses = propose_trees(self.heads, hidden[None], [spec], [root], self.target.device)[0]
+        self.head_guesses.extend((root_index + 1 + k, k, tok) for k, tok in enumerate(guesses))
+        return tokens, buffers
 
     def head_accuracy(self, output: Sequence[int]) -> tuple[list[int], list[int]]:
         """Per head: guesses whose position was emitted, and how many were right."""
-        predictions, correct = [0] * self.num_heads, [0] * self.num_heads
-        for index, k, tok in self.head_guesses:
-            if index < len(output):
-                predictions[k] += 1
-                correct[k] += int(output[index] == tok)
-        return predictions, correct
+        return head_accuracy(self.head_guesses, output, self.num_heads)
 
 
 @functools.lru_cache(maxsize=128)
-def _cached_buffers(spec: TreeSpec, device: str) -> TreeBuffers:
+def tree_buffers(spec: TreeSpec, device: str) -> TreeBuffers:
     """Buffers are immutable once built, so requests share them per (topology, device)."""
     return build_buffers(spec, device)
+
+
+def propose_trees(heads: HeadsLike, hidden: Tensor, specs: Sequence[TreeSpec], roots: Sequence[int],
+                  device: torch.device | str) -> list[tuple[Tensor, TreeBuffers, list[int]]]:
+    """One Medusa proposal over a batch (``Decoder.generate``'s batch of one, or an engine step).
+
+    ``hidden`` [B, E]: each sequence's hidden state at the node before its root; ``roots``:
+    the token each tree starts from (the last one chosen, not yet cached). The heads run
+    once for the batch, only as deep as the deepest tree (not at all when every tree is
+    root-only). Per sequence: its tree tokens [N] (root first, then each node's rank-th
+    token of its head), the tree's buffers, and the top-1 guess of each head it used."""
+    dev = str(device)
+    buffers = [tree_buffers(spec, dev) for spec in specs]
+    depth = max(spec.depth for spec in specs)
+    top_all = None
+    if depth:
+        with torch.inference_mode():
+            head_logits = heads(hidden, depth)  # [D, B, V]
+            top_all = torch.topk(head_logits, max(b.top_k for b in buffers), dim=-1).indices.to(device)  # [D, B, k]
+    out = []
+    for i, (spec, buf, root) in enumerate(zip(specs, buffers, roots)):
+        root_t = torch.tensor([root], dtype=torch.long, device=device)  # [1]
+        if spec.depth == 0:
+            out.append((root_t, buf, []))
+            continue
+        top = top_all[: spec.depth, i, : buf.top_k]  # [D_i, top_k]
+        out.append((torch.cat([root_t, top.reshape(-1)[buf.candidate_index]]), buf, top[:, 0].tolist()))  # [N]
+    return out
+
+
+def head_accuracy(guesses: Sequence[tuple[int, int, int]], output: Sequence[int],
+                  num_heads: int) -> tuple[list[int], list[int]]:
+    """Per head: of its top-1 ``guesses`` (output index, head, token) whose position was
+    emitted, how many there were and how many were right."""
+    predictions, correct = [0] * num_heads, [0] * num_heads
+    for index, k, tok in guesses:
+        if index < len(output):
+            predictions[k] += 1
+            correct[k] += int(output[index] == tok)
+    return predictions, correct
 
 
 def generate_medusa(

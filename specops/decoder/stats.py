@@ -88,6 +88,9 @@ class DecodeStats:
     """Batched serving: what those steps would have taken with plain decoding at the same
     batch sizes (tokens emitted x the engine's measured plain step time at that batch
     size); None outside the engine. Set, it replaces ``plain_token_s`` in `to_record`."""
+    planned: bool = False
+    """Batched serving: γ / tree size were upper bounds the engine planned each round under
+    (`DecodeRecord.planned`)."""
     _start: float = field(default=0.0, init=False, repr=False, compare=False)
     _last_emit: float = field(default=0.0, init=False, repr=False, compare=False)
 
@@ -185,6 +188,7 @@ class DecodeStats:
             heads=self.heads,
             fallback_reason=self.fallback_reason,
             drafted_per_pos=list(self.drafted_per_pos),
+            planned=self.planned,
         )
 
     def summary(self) -> dict[str, float]:

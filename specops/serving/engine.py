@@ -48,6 +48,7 @@ from typing import Any, Callable
 
 import torch
 
+from specops.decoder.medusa_decode import head_accuracy
 from specops.decoder.ngram import NgramIndex
 from specops.decoder.request import eos_set
 from specops.decoder.sampling import make_generator, probabilities
@@ -75,7 +76,17 @@ log = logging.getLogger(__name__)
 
 ALPHA_PRIOR = {"draft": 0.7, "ngram": 0.6, "medusa": 0.7}
 ALPHA_RECOVERY = 0.05  # per plain step, toward the prior (a switched-off sequence probes again)
-PRIOR_WEIGHT = 0.05  # weight of one speculative step in its class's acceptance prior (`AcceptancePriors`)
+PRIOR_WEIGHT = 0.05  # weight of one speculative step in its kind's Medusa scale prior (`AcceptancePriors`)
+# Per-token acceptance α of linear drafts is estimated as accepted / trials, where a round's
+# trials are its accepted tokens plus the rejection that ended it early (positions after a
+# rejection are never tried). accepted / drafted, the estimate before, reads a round of 6
+# at α = 0.8 (2.95 accepted on average) as 0.49: the deeper the engine drafted, the lower
+# its estimate fell and the more often it then skipped speculating, so a higher γ cap bought
+# nothing (bench: the same tokens per forward, 10% more time per token).
+SEQ_DECAY = 0.8  # per speculative round, on a request's own counts
+SEQ_PRIOR_TRIALS = 2.0  # its kind's prior counts as this many trials
+KIND_DECAY = 0.97  # per speculative round, on a kind's counts (`AcceptancePriors`)
+KIND_PRIOR_TRIALS = 4.0  # `ALPHA_PRIOR` counts as this many trials of a kind
 CALIBRATION_PREFIX = 32
 
 
@@ -87,22 +98,28 @@ class AcceptancePriors:
     it every request started at `ALPHA_PRIOR` (Medusa: the heads' greedy accuracy table at
     face value), so each temperature-1.0 request paid several steps of wide, mostly rejected
     speculation before its own estimate fell (Medusa at temperature 1.0 ran at 0.67x plain
-    decoding on the bench's hot prompts). Each speculative step moves its kind's prior by
-    `PRIOR_WEIGHT` toward what it measured; a kind never seen keeps the fixed prior."""
+    decoding on the bench's hot prompts). A kind's α is its decayed accepted tokens over
+    decayed trials (KIND_DECAY per round) with `ALPHA_PRIOR` worth KIND_PRIOR_TRIALS trials;
+    its Medusa scale moves by `PRIOR_WEIGHT` per step toward what was measured; a kind never
+    seen keeps the fixed prior."""
 
     def __init__(self) -> None:
-        self._alpha: dict[tuple, float] = {}  # per-token acceptance of linear drafts (draft, ngram)
+        self._counts: dict[tuple, tuple[float, float]] = {}  # linear drafts: decayed (accepted, trials)
         self._scale: dict[tuple, float] = {}  # Medusa: accepted / the accuracy table's expectation
 
     def alpha(self, key: tuple, method: str) -> float:
-        return self._alpha.get(key, ALPHA_PRIOR.get(method, 0.0))
+        """Per-token acceptance of the kind's linear drafts (draft, ngram)."""
+        prior = ALPHA_PRIOR.get(method, 0.0)
+        hits, trials = self._counts.get(key, (0.0, 0.0))
+        return (hits + KIND_PRIOR_TRIALS * prior) / (trials + KIND_PRIOR_TRIALS)
 
     def scale(self, key: tuple) -> float:
         return self._scale.get(key, 1.0)
 
-    def observe_alpha(self, key: tuple, method: str, value: float) -> None:
-        a = self.alpha(key, method)
-        self._alpha[key] = a + PRIOR_WEIGHT * (value - a)
+    def observe_alpha(self, key: tuple, accepted: int, trials: int) -> None:
+        """One linear round of the kind: ``accepted`` tokens in ``trials`` (see SEQ_DECAY)."""
+        hits, total = self._counts.get(key, (0.0, 0.0))
+        self._counts[key] = (KIND_DECAY * hits + accepted, KIND_DECAY * total + trials)
 
     def observe_scale(self, key: tuple, value: float) -> None:
         a = self.scale(key)
@@ -234,7 +251,9 @@ class Engine:
             heads = total if spec.medusa_heads is None else spec.medusa_heads
             if heads > total:
                 raise ValueError(f"medusa_heads must be in 1..{total} (the heads loaded), got {heads}")
-        stats = DecodeStats(method=spec.method, heads=heads, fallback_reason=fallback)
+        # γ / tree size are bounds the planner works under each step (`DecodeRecord.planned`)
+        stats = DecodeStats(method=spec.method, heads=heads, fallback_reason=fallback,
+                            planned=spec.method in ("draft", "ngram", "medusa"))
         stats.start()
         now = self.clock()
         seq = Sequence(
@@ -648,27 +667,33 @@ class Engine:
         else:
             stats.record_step(drafted, accepted, gamma=gamma)
             if drafted and not tree:
-                seq.alpha = 0.8 * seq.alpha + 0.2 * (accepted / drafted)
-                self.priors.observe_alpha(seq.prior_key, seq.spec.method, accepted / drafted)
+                trials = accepted + (1 if accepted < drafted else 0)
+                seq.acc_hits = SEQ_DECAY * seq.acc_hits + accepted
+                seq.acc_trials = SEQ_DECAY * seq.acc_trials + trials
+                self.priors.observe_alpha(seq.prior_key, accepted, trials)
+                self._update_alpha(seq)
             elif not drafted:  # not speculating: drift back toward its kind's prior, so it is probed again later
-                seq.alpha += ALPHA_RECOVERY * (self.priors.alpha(seq.prior_key, seq.spec.method) - seq.alpha)
+                seq.acc_hits *= 1.0 - ALPHA_RECOVERY
+                seq.acc_trials *= 1.0 - ALPHA_RECOVERY
+                self._update_alpha(seq)
                 seq.accept_scale += ALPHA_RECOVERY * (self.priors.scale(seq.prior_key) - seq.accept_scale)
         stats.record_emitted(len(new))
         if reason is not None:
             return self._finish(seq, reason, new)
         return StepOutput(request_id=seq.request_id, new_token_ids=new, finished=False)
 
+    def _update_alpha(self, seq: Sequence) -> None:
+        """The request's own counts shrunk toward its kind's prior (SEQ_PRIOR_TRIALS trials' worth)."""
+        prior = self.priors.alpha(seq.prior_key, seq.spec.method)
+        seq.alpha = (seq.acc_hits + SEQ_PRIOR_TRIALS * prior) / (seq.acc_trials + SEQ_PRIOR_TRIALS)
+
     def _finish(self, seq: Sequence, reason: str, new: list[int] | None = None) -> StepOutput:
         self.scheduler.finish(seq)
         self.seqs.pop(seq.request_id, None)
         stats = seq.stats
         if seq.heads:
-            out = seq.tokens[seq.prompt_len :]
-            stats.head_predictions, stats.head_correct = [0] * seq.heads, [0] * seq.heads
-            for index, k, tok in seq.head_guesses:
-                if index < len(out):
-                    stats.head_predictions[k] += 1
-                    stats.head_correct[k] += int(out[index] == tok)
+            stats.head_predictions, stats.head_correct = head_accuracy(
+                seq.head_guesses, seq.tokens[seq.prompt_len :], seq.heads)
         if seq.spec.method in ALPHA_PRIOR and stats.fallback_reason is None and not seq.aborted:
             self._chooser(seq.spec.auto_key, seq.params.temperature > 0).observe(
                 seq.spec.method, stats.new_tokens, stats.target_forwards)

@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 from specops.decoder.sampling import probabilities, sample
-from specops.decoder.tree import TreeBuffers, TreeSpec, build_buffers, make_spec, preset, ranked_nodes
+from specops.decoder.medusa_decode import propose_trees
+from specops.decoder.tree import TreeBuffers, TreeSpec, make_spec, preset, ranked_nodes
 from specops.serving.batch_forward import FeedItem
 from specops.serving.sequence import Sequence
 
@@ -72,11 +73,6 @@ def draft_blocks(backend, seqs: list[Sequence], gammas: list[int],
 
 
 @functools.lru_cache(maxsize=256)
-def tree_buffers(spec: TreeSpec, device: str) -> TreeBuffers:
-    """Buffers are immutable: shared per (topology, device)."""
-    return build_buffers(spec, device)
-
-
 class MedusaProposer:
     """Medusa heads plus the ranked tree nodes per number of heads."""
 
@@ -113,25 +109,13 @@ class MedusaProposer:
         return make_spec(paths, name=f"sparse{nodes}")
 
     def propose(self, seqs: list[Sequence], specs: list[TreeSpec]) -> list[tuple[Tensor, TreeBuffers]]:
-        """Per sequence: tree tokens [N] (root = pending token first) and the tree's buffers."""
-        depth = max(s.depth for s in specs)
-        dev = str(self.device)
-        top_all = None
-        if depth:
-            hidden = torch.stack([s.hidden for s in seqs])  # [B, E]
-            with torch.inference_mode():
-                head_logits = self.heads(hidden, depth)  # [D, B, V]
-                k = max(tree_buffers(s, dev).top_k for s in specs)
-                top_all = torch.topk(head_logits, k, dim=-1).indices.to(self.device)  # [D, B, k]
+        """Per sequence: tree tokens [N] (root = pending token first) and the tree's buffers
+        (`specops.decoder.medusa_decode.propose_trees`, which ``Decoder.generate`` runs too)."""
+        hidden = torch.stack([s.hidden for s in seqs]) if any(s.depth for s in specs) else None  # [B, E]
         out = []
-        for i, (seq, spec) in enumerate(zip(seqs, specs)):
-            buffers = tree_buffers(spec, dev)
-            root = torch.tensor([seq.tokens[-1]], dtype=torch.long, device=self.device)  # [1]
-            if spec.depth == 0:
-                out.append((root, buffers))
-                continue
-            top = top_all[: spec.depth, i, : buffers.top_k]  # [D_i, top_k]
+        for seq, (tokens, buffers, guesses) in zip(seqs, propose_trees(
+                self.heads, hidden, specs, [s.tokens[-1] for s in seqs], self.device)):
             base = seq.num_output  # head k guesses output index base + k (the root is output base - 1)
-            seq.head_guesses.extend((base + k, k, t) for k, t in enumerate(top[:, 0].tolist()))
-            out.append((torch.cat([root, top.reshape(-1)[buffers.candidate_index]]), buffers))  # [N]
+            seq.head_guesses.extend((base + k, k, t) for k, t in enumerate(guesses))
+            out.append((tokens, buffers))
         return out

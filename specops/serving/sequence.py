@@ -171,7 +171,12 @@ class Sequence:
     aborted: bool = False
     finish_reason: str | None = None
     alpha: float = 0.7
-    """Running estimate of the per-token acceptance probability (load-aware γ)."""
+    """Running estimate of the per-token acceptance probability (load-aware γ): decayed
+    accepted drafts over decayed trials (`acc_hits`, `acc_trials`), shrunk toward its kind's prior."""
+    acc_hits: float = 0.0
+    """Decayed accepted draft tokens of this request's linear rounds."""
+    acc_trials: float = 0.0
+    """Decayed trials: each accepted token, plus the rejection that ended a round early."""
     accept_scale: float = 1.0
     """Medusa: running ratio of accepted tokens to the tree's expected accepted tokens (the
     heads' accuracy table is an average; this request may do better or worse)."""

@@ -90,6 +90,12 @@ DRAFTED_BY_POSITION = MetricSpec(
     BASE_LABELS + ("position",),
 )
 TARGET_FORWARDS = MetricSpec("specops_target_forwards_total", "counter", "Target model forward passes.")
+PLANNED_REQUESTS = MetricSpec(
+    "specops_planned_requests_total",
+    "counter",
+    "Requests whose γ / tree size was an upper bound the runtime planned each round under "
+    "(specops serve's engine); the controller does not lower such bounds for cost.",
+)
 FALLBACKS = MetricSpec(
     "specops_fallbacks_total", "counter", "Requests that fell back to plain decoding, by reason.", BASE_LABELS + ("reason",)
 )
@@ -115,7 +121,7 @@ MEDUSA_HEADS = MetricSpec("specops_medusa_heads", "gauge", "Medusa heads in use.
 
 METRICS: tuple[MetricSpec, ...] = (
     REQUESTS, GENERATED_TOKENS, DRAFTED_TOKENS, ACCEPTED_TOKENS, ACCEPTED_BY_POSITION, DRAFTED_BY_POSITION,
-    TARGET_FORWARDS,
+    TARGET_FORWARDS, PLANNED_REQUESTS,
     FALLBACKS, HEAD_PREDICTIONS, HEAD_CORRECT, DRAFT_SECONDS, VERIFY_SECONDS, DECODE_SECONDS,
     PLAIN_SECONDS_ESTIMATE, TOKEN_LATENCY, GAMMA, MEDUSA_HEADS,
 )

@@ -48,6 +48,8 @@ class PrometheusExporter:
         self._inc(c.DRAFTED_TOKENS, base, record.drafted)
         self._inc(c.ACCEPTED_TOKENS, base, record.accepted)
         self._inc(c.TARGET_FORWARDS, base, record.target_forwards)
+        if record.planned:
+            self._inc(c.PLANNED_REQUESTS, base, 1)
         self._inc(c.DRAFT_SECONDS, base, record.draft_s)
         self._inc(c.VERIFY_SECONDS, base, record.verify_s)
         self._inc(c.DECODE_SECONDS, base, record.wall_s)

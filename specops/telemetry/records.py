@@ -83,6 +83,11 @@ class DecodeRecord:
     number of speculative rounds. Empty when unknown (then rounds are taken to have
     drafted the γ in force). Needed wherever γ varies per step (the serving engine
     shortens blocks under load), so acceptance per position is read per drafted position."""
+    planned: bool = False
+    """The γ / tree size in force was an upper bound under which the runtime planned each
+    round from its measured costs (`specops serve`'s engine shortens or skips rounds under
+    load by itself). The controller never lowers such a bound for cost (see
+    `specops.controller.adapt`)."""
 
     def __post_init__(self) -> None:
         if not self.request_class:
@@ -116,6 +121,8 @@ class DecodeRecord:
                 d = self.drafted_per_pos[i] if i < len(self.drafted_per_pos) else 0
                 if a > d:
                     raise ValueError(f"DecodeRecord.accepted_per_pos[{i}]={a} exceeds drafted_per_pos[{i}]={d}")
+        if not isinstance(self.planned, bool):
+            raise ValueError(f"DecodeRecord.planned must be a bool, got {self.planned!r}")
         if len(self.head_predictions) != len(self.head_correct):
             raise ValueError("DecodeRecord.head_predictions and head_correct must have the same length")
         for i, (p, c) in enumerate(zip(self.head_predictions, self.head_correct)):
@@ -152,6 +159,8 @@ class WindowStats:
     """Rounds that drafted at least i+1 tokens, by position (see `DecodeRecord`). Complete
     only when it sums to ``drafted``: a source that does not report it (or a window
     mixing such requests) leaves it empty or short."""
+    planned: int = 0
+    """Requests whose settings were upper bounds planned under per round (`DecodeRecord.planned`)."""
 
     @classmethod
     def from_record(cls, record: DecodeRecord) -> WindowStats:
@@ -173,6 +182,7 @@ class WindowStats:
             heads=float(record.heads),
             fallbacks={record.fallback_reason: 1} if record.fallback_reason else {},
             drafted_per_pos=list(record.drafted_per_pos),
+            planned=int(record.planned),
         )
 
     @property
@@ -223,4 +233,5 @@ class WindowStats:
             heads=(self.heads * self.requests + other.heads * other.requests) / total if total else 0.0,
             fallbacks=fallbacks,
             drafted_per_pos=_add_lists(self.drafted_per_pos, other.drafted_per_pos),
+            planned=self.planned + other.planned,
         )

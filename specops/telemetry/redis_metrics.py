@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 from specops.telemetry.keyspace import key_prefix
 from specops.telemetry.records import DecodeRecord, WindowStats
 
-_INT_FIELDS = ("requests", "new_tokens", "drafted", "accepted", "target_forwards")
+_INT_FIELDS = ("requests", "new_tokens", "drafted", "accepted", "target_forwards", "planned")
 _FLOAT_FIELDS = ("draft_s", "verify_s", "wall_s", "plain_s_estimate", "gamma_sum", "heads_sum")
 _ACCEPTED_POS = "app:"
 _DRAFTED_POS = "dpp:"
@@ -70,6 +70,7 @@ def _record_fields(record: DecodeRecord) -> tuple[dict[str, int], dict[str, floa
         "drafted": record.drafted,
         "accepted": record.accepted,
         "target_forwards": record.target_forwards,
+        "planned": int(record.planned),
     }
     for i, n in enumerate(record.accepted_per_pos):
         ints[f"{_ACCEPTED_POS}{i}"] = n
@@ -195,6 +196,7 @@ def _stats_from_hashes(hashes: Iterable[dict]) -> WindowStats:
         heads=floats["heads_sum"] / requests if requests else 0.0,
         fallbacks=fallbacks,
         drafted_per_pos=_indexed(dpos),
+        planned=ints["planned"],
     )
 
 

@@ -92,6 +92,36 @@ def test_goodput_adaptation_moves_gamma_within_max_step_and_audits(redis_client)
                                          {"class": "code", "kind": "adapt"}) == 1
 
 
+@pytest.mark.parametrize("planned", [False, True])
+def test_a_planned_runtimes_cap_is_raised_but_never_lowered_for_cost(redis_client, planned):
+    """Records of specops serve's engine say γ was a cap the engine planned each round under:
+    the controller raises it where acceptance pays deeper, and holds where a literal γ would
+    be cut (the engine shortens rounds under load by itself)."""
+    from dataclasses import replace
+
+    rig = Rig(redis_client)
+
+    def step(alpha, factor):
+        rig.clock.now = (rig.clock.now // 10 + 1) * 10 + 1
+        gamma = rig.store.effective()["code"].gamma
+        rig.pub.publish(replace(record_from("code", window(alpha, gamma, rounds=2000, draft_factor=factor)),
+                                planned=planned))
+        rig.clock.now += 8.9
+        return {d.request_class: d for d in rig.ctl.tick()}["code"]
+
+    for _ in range(3):
+        step(0.9, 1.0)
+    high = rig.store.effective()["code"].gamma
+    assert high >= 4  # raised from 2 either way
+    decisions = [step(0.6, 0.5) for _ in range(3)]  # lower acceptance: the model wants γ 2 (still > plain)
+    low = rig.store.effective()["code"].gamma
+    if planned:
+        assert low == high and all(d.kind == "hold" for d in decisions)
+        assert "planned runtime" in decisions[-1].reason and decisions[-1].inputs["planned"] is True
+    else:
+        assert low < high and any(d.kind == "adapt" for d in decisions)
+
+
 def test_first_window_after_a_revision_is_used_despite_tick_jitter(redis_client):
     # the revision was written at a bucket's start and the first tick reads its clock 1 ms before
     # that bucket (the whole window, measured under the revision's γ) ends: it adapts at once

@@ -120,3 +120,46 @@ def test_repeats_report_the_median_run_and_the_goal_ratios():
     table = format_table(report)
     assert "median of 3 runs" in table and "off c16 / off c1 4.00x" in table
     assert goal_ratios({"results": [dict(med, mode="fixed")]}) == {}  # nothing to compare: no ratio line
+
+
+def test_a_started_bench_runs_one_server_per_mode_and_interleaves_the_modes_per_repeat(monkeypatch, tmp_path):
+    """Each mode has its own server and namespace (the controller on the adaptive one), every
+    server is warmed before measuring, and repeat r measures the modes in an order rotated by r."""
+    from specops.bench import serve
+
+    started, measured, controllers = [], [], []
+
+    class FakeProc:
+        def __init__(self, name):
+            self.name, self.pid = name, 0
+
+        def poll(self):
+            return None
+
+    def start_server(cfg, redis_url, workdir, max_batch, namespace=None, name="serve"):
+        started.append(namespace)
+        return FakeProc(name), f"http://{namespace}"
+
+    async def cell(url, model, prompts, c, cfg, on_done=None):
+        if on_done is not None:  # a measured cell (warm-ups pass no progress callback)
+            measured.append((url.split("//")[1], c))
+        return [serve.RequestResult(ok=True, ttft_s=0.01, e2e_s=0.1, output_tokens=8)], 0.1
+
+    monkeypatch.setattr(serve, "_start_server", start_server)
+    monkeypatch.setattr(serve, "_start_controller", lambda cfg, r, w, ns=None: controllers.append(ns) or FakeProc("c"))
+    monkeypatch.setattr(serve, "_stop", lambda proc, timeout_s=20.0: None)
+    monkeypatch.setattr(serve, "_wait_ready", lambda url, timeout_s, proc=None: {"model": "m", "policy": {}})
+    monkeypatch.setattr(serve, "_apply_mode", lambda store, mode: {})
+    monkeypatch.setattr(serve, "_wait_settings", lambda url, expected, timeout_s=30.0: None)
+    monkeypatch.setattr(serve, "_adaptive_warmup", lambda url, model, cfg: None)
+    monkeypatch.setattr(serve, "run_cell", cell)
+    cfg = serve.ServeBenchConfig(redis_url="redis://127.0.0.1:9/0", concurrency=[1, 4], repeats=3, num_prompts=1,
+                                 progress=True)
+    report = serve.run_bench_serve(cfg)
+    assert started == ["specops-off", "specops-fixed", "specops-adaptive"] and controllers == ["specops-adaptive"]
+    modes = [ns.split("-")[1] for ns, _ in measured[::2]]
+    assert modes == ["off", "fixed", "adaptive", "fixed", "adaptive", "off", "adaptive", "off", "fixed"]
+    assert [c for _, c in measured] == [1, 4] * 9
+    assert [(r["mode"], r["concurrency"], r["repeats"]) for r in report["results"]] == [
+        (m, c, 3) for m in ("off", "fixed", "adaptive") for c in (1, 4)]
+    assert report["config"]["interleaved"] is True

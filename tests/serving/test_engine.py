@@ -69,6 +69,8 @@ def check_exact(dec: Decoder, eng: Engine, prompts: list[list[int]], max_tokens:
         assert got[rid] == want[rid], rid
         assert records[rid].method == rid.split("-")[0]
         assert records[rid].new_tokens == len(want[rid])
+        # γ / tree size were caps the planner worked under (the controller only raises those)
+        assert records[rid].to_record("c").planned == (records[rid].method != "ar")
     assert max_batch > 1  # requests really ran together
     if isinstance(eng.cost, FlatCost):  # every speculative method really drafted and got some accepted
         for method in set(methods) - {"ar"}:
@@ -322,3 +324,26 @@ def test_new_requests_start_from_what_their_kind_achieved(qwen2):
     assert eng.seqs["other-class"].accept_scale == 1.0
     assert eng.seqs["greedy"].alpha == ALPHA_PRIOR["ngram"]
     assert eng.priors.alpha(("hot", "ngram", True), "ngram") != ALPHA_PRIOR["ngram"]  # n-gram steps were measured
+
+
+def test_acceptance_is_estimated_per_trial_not_per_drafted_token():
+    """α is accepted / (accepted + the rejection that ended a round): rounds of 6 at α = 0.8
+    accept 2.95 tokens on average, which accepted / drafted read as 0.49 (and the planner,
+    believing it, skipped speculating the more, the deeper it drafted)."""
+    import random
+
+    from specops.serving.engine import ALPHA_PRIOR, AcceptancePriors
+
+    rng = random.Random(0)
+    priors, key, seen = AcceptancePriors(), ("code", "draft", False), []
+    assert priors.alpha(key, "draft") == ALPHA_PRIOR["draft"]  # nothing measured: the fixed prior
+    for i in range(3000):
+        drafted = 6
+        accepted = 0
+        while accepted < drafted and rng.random() < 0.8:
+            accepted += 1
+        priors.observe_alpha(key, accepted, accepted + (1 if accepted < drafted else 0))
+        if i >= 1000:
+            seen.append(priors.alpha(key, "draft"))
+    assert abs(sum(seen) / len(seen) - 0.8) < 0.03
+    assert priors.alpha(("prose", "draft", False), "draft") == ALPHA_PRIOR["draft"]  # kinds are kept apart

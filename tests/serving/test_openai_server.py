@@ -288,6 +288,7 @@ def test_bench_serve_modes_against_the_live_server(server, redis_box):
         assert r["output_tokens_per_s"] * r["duration_s"] == pytest.approx(3 * 8)  # ignore_eos: all 8 tokens
         assert r["ttft_p50_s"] > 0 and r["tpot_p99_s"] > 0
     assert all(r["acceptance_rate"] is None for r in rows if r["mode"] == "off")  # nothing drafted
+    assert rows[0]["settings"]["code"] == "off" and rows[2]["settings"]["code"].startswith("draft γ")
     assert "fixed" in format_table(report)
     classes = _ready(server)["policy"]["classes"]
     assert classes["code"]["method"] == "draft"  # fixed: the policy's initial settings are back

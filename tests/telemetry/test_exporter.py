@@ -42,7 +42,7 @@ def test_exporter_output_follows_the_contract():
     exporter = PrometheusExporter(registry)
     exporter.observe(make_record("code"))
     exporter.observe(make_record("code", drafted=8, accepted=2, accepted_per_pos=[2, 0, 0, 0],
-                                 fallback_reason="deadline", token_latencies_s=[0.003, 2.0]))
+                                 fallback_reason="deadline", token_latencies_s=[0.003, 2.0], planned=True))
     exporter.observe(make_record("chat", method="medusa", gamma=0, heads=2, drafted=10, accepted=6,
                                  accepted_per_pos=[4, 2], head_predictions=[10, 10], head_correct=[7, 3]))
     raw, text = _samples(registry)
@@ -58,6 +58,7 @@ def test_exporter_output_follows_the_contract():
     assert samples[("specops_plain_decode_seconds_estimate_total", code)] == pytest.approx(1.2)
     assert samples[("specops_accepted_tokens_by_position_total", code + (("position", "0"),))] == 6
     assert samples[("specops_fallbacks_total", code + (("reason", "deadline"),))] == 1
+    assert samples[("specops_planned_requests_total", code)] == 1
     assert samples[("specops_gamma", code)] == 4
     assert samples[("specops_token_latency_seconds_count", code)] == 22
     assert samples[("specops_token_latency_seconds_bucket", code + (("le", "0.005"),))] == 1

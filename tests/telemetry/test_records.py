@@ -63,7 +63,7 @@ def test_record_matches_interface_field_order():
     assert names == ["request_class", "method", "new_tokens", "drafted", "accepted", "accepted_per_pos",
                      "target_forwards", "draft_s", "verify_s", "wall_s", "plain_s_estimate", "token_latencies_s",
                      "head_predictions", "head_correct", "gamma", "heads", "fallback_reason",
-                     "drafted_per_pos"]  # additive: appended, with a default
+                     "drafted_per_pos", "planned"]  # additive: appended, with a default
 
 
 def test_drafted_per_pos_is_checked_and_summed_like_the_accepted_counts():
@@ -78,3 +78,11 @@ def test_drafted_per_pos_is_checked_and_summed_like_the_accepted_counts():
     legacy = make_record(drafted=2, accepted=1, accepted_per_pos=[1])  # a source that does not report it
     mixed = WindowStats.from_record(a).merge(WindowStats.from_record(legacy))
     assert sum(mixed.drafted_per_pos) != mixed.drafted  # incomplete: the goodput model will not use it
+
+
+def test_planned_requests_are_counted_and_checked():
+    planned = make_record(planned=True)
+    window = WindowStats.from_record(planned).merge(WindowStats.from_record(make_record()))
+    assert window.planned == 1 and window.requests == 2  # a mixed window: not every request planned
+    with pytest.raises(ValueError, match="planned must be a bool"):
+        make_record(planned=1)

@@ -100,7 +100,7 @@ def _records():
             plain_s_estimate=draw(st.floats(0, 10)), token_latencies_s=[],
             head_predictions=[max(p, c) for p, c in heads], head_correct=[min(p, c) for p, c in heads],
             gamma=draw(st.integers(0, 8)), heads=len(heads),
-            fallback_reason=draw(st.sampled_from([None, "deadline", "temperature"])))
+            fallback_reason=draw(st.sampled_from([None, "deadline", "temperature"])), planned=draw(st.booleans()))
 
     return st.lists(record(), min_size=1, max_size=8)
 
@@ -126,7 +126,7 @@ def test_redis_window_equals_merging_the_records(redis_client):
             got = reader.window(name, 10)
             want = reduce(WindowStats.merge, [WindowStats.from_record(r) for r in records if r.request_class == name])
             for field in ("requests", "new_tokens", "drafted", "accepted", "accepted_per_pos", "target_forwards",
-                          "head_predictions", "head_correct", "fallbacks"):
+                          "head_predictions", "head_correct", "fallbacks", "planned"):
                 got_v, want_v = getattr(got, field), getattr(want, field)
                 if isinstance(want_v, list):  # trailing zeros are not stored
                     n = max(len(got_v), len(want_v))
