@@ -20,7 +20,9 @@ every mode's cells in turn, the order rotated by r, so the machine's drift over 
 falls on every mode alike; against ``--base-url`` the modes run one after the other.
 With ``--repeats R`` every cell runs R times; a row is the repeat with the median output
 tokens/s (a measured row, its latencies from the same run), with every repeat's tokens/s
-beside it and each class's live setting at the end of that run (``settings``). Below the
+beside it and each class's live setting at the end of that run (``settings``). An
+interleaved run also reports the goal ratios paired per repeat (the median over repeats
+of each repeat's own ratio, ``paired_ratios``), beside the ratios of the medians. Below the
 table, the ratios the serving goals are stated in (off c_max / c_min, adaptive / off,
 adaptive / max(off, fixed)) from those medians.
 Terms: TTFT = arrival → first token; TPOT = (E2E − TTFT) / (output tokens − 1);
@@ -211,6 +213,41 @@ def goal_ratios(report: dict[str, Any]) -> dict[str, float]:
         best = max((tps.get((m, c)) or 0.0) for m in ("off", "fixed"))
         if best > 0:
             out[f"adaptive / max(off, fixed) at c{c}"] = ad / best
+    return out
+
+
+def paired_ratios(report: dict[str, Any]) -> dict[str, float]:
+    """The same ratios taken within each repeat, then the median over repeats: only for an
+    interleaved run (``config.interleaved``), where repeat r of every mode ran minutes
+    apart at most, so the host's drift cancels out of each pair."""
+    if not report.get("config", {}).get("interleaved"):
+        return {}
+    runs = {(r["mode"], r["concurrency"]): list(r.get("output_tokens_per_s_runs") or []) for r in report["results"]}
+    concs = sorted({c for _, c in runs})
+
+    def median(pairs: list[float]) -> float:
+        ordered = sorted(pairs)
+        mid = len(ordered) // 2
+        return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+    def paired(num: list[float], dens: list[list[float]]) -> float | None:
+        n = min([len(num)] + [len(d) for d in dens])
+        pairs = [num[i] / max(d[i] for d in dens) for i in range(n) if max(d[i] for d in dens) > 0]
+        return median(pairs) if pairs else None
+
+    out: dict[str, float] = {}
+    lo, hi = concs[0], concs[-1]
+    candidates = []
+    if hi > lo:
+        candidates.append((f"off c{hi} / off c{lo}", ("off", hi), [("off", lo)]))
+    for c in concs:
+        candidates.append((f"adaptive / off at c{c}", ("adaptive", c), [("off", c)]))
+        candidates.append((f"adaptive / max(off, fixed) at c{c}", ("adaptive", c), [("off", c), ("fixed", c)]))
+    for name, num, dens in candidates:
+        if runs.get(num) and all(runs.get(d) for d in dens):
+            value = paired(runs[num], [runs[d] for d in dens])
+            if value is not None:
+                out[name] = value
     return out
 
 
@@ -487,7 +524,9 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
         cfg_out = {k: v for k, v in asdict(cfg).items() if k != "api_key"}
         cfg_out["request_rate"] = None if math.isinf(cfg.request_rate) else cfg.request_rate
         cfg_out["interleaved"] = not cfg.base_url
-        return {"config": cfg_out, "model": model, "results": rows}
+        report = {"config": cfg_out, "model": model, "results": rows}
+        report["ratios"], report["paired_ratios"] = goal_ratios(report), paired_ratios(report)
+        return report
     finally:
         if bar is not None:
             bar.render_finish()
@@ -554,6 +593,10 @@ def format_table(report: dict[str, Any]) -> str:
     ratios = goal_ratios(report)
     if ratios:
         lines.append("ratios: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    paired = paired_ratios(report)
+    if paired:
+        lines.append("paired (each repeat's ratio, median over repeats): "
+                     + ", ".join(f"{k} {v:.2f}x" for k, v in paired.items()))
     for r in report["results"]:
         if r["mode"] == "adaptive" and r.get("settings"):
             lines.append(f"adaptive c{r['concurrency']} settings at the end of its run: "

@@ -163,3 +163,24 @@ def test_a_started_bench_runs_one_server_per_mode_and_interleaves_the_modes_per_
     assert [(r["mode"], r["concurrency"], r["repeats"]) for r in report["results"]] == [
         (m, c, 3) for m in ("off", "fixed", "adaptive") for c in (1, 4)]
     assert report["config"]["interleaved"] is True
+
+
+def test_paired_ratios_take_each_repeats_ratio_then_the_median():
+    from specops.bench.serve import format_table, paired_ratios
+
+    def row(mode, c, runs):
+        return {"mode": mode, "concurrency": c, "requests": 8, "errors": 0, "output_tokens_per_s": sorted(runs)[1],
+                "output_tokens_per_s_runs": runs, "repeats": 3, "requests_per_s": 1.0, "ttft_p50_s": 0.01,
+                "ttft_p99_s": 0.01, "tpot_p50_s": 0.002, "tpot_p99_s": 0.003, "itl_p99_s": 0.004, "e2e_p99_s": 0.2,
+                "goodput_rps": 1.0, "acceptance_rate": None}
+
+    # the host ran fast in repeat 2: every mode's cell was faster there
+    results = [row("off", 1, [200.0, 400.0, 210.0]), row("fixed", 1, [300.0, 560.0, 290.0]),
+               row("adaptive", 1, [290.0, 600.0, 300.0]), row("off", 16, [900.0, 1700.0, 950.0])]
+    report = {"config": {"interleaved": True}, "results": results}
+    paired = paired_ratios(report)
+    assert paired["adaptive / max(off, fixed) at c1"] == pytest.approx(300 / 290)  # of 0.967, 1.071, 1.034
+    assert paired["adaptive / off at c1"] == pytest.approx(1.45)  # of 1.45, 1.5, 1.43
+    assert paired["off c16 / off c1"] == pytest.approx(4.5)  # of 4.5, 4.25, 4.52
+    assert "paired (each repeat's ratio" in format_table(report)
+    assert paired_ratios({"config": {"interleaved": False}, "results": results}) == {}  # sequential: no pairs
