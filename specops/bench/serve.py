@@ -39,6 +39,7 @@ import random
 import secrets
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -196,23 +197,27 @@ def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
+def _goal_terms(concs: list[int]) -> list[tuple[str, tuple[str, int], list[tuple[str, int]]]]:
+    """Every ratio the serving goals are stated in: (name, numerator cell, denominator cells,
+    of which the best counts) over the measured concurrencies ``concs`` (sorted)."""
+    if not concs:
+        return []
+    lo, hi = concs[0], concs[-1]
+    terms = [(f"off c{hi} / off c{lo}", ("off", hi), [("off", lo)])] if hi > lo else []
+    for c in concs:
+        terms.append((f"adaptive / off at c{c}", ("adaptive", c), [("off", c)]))
+        terms.append((f"adaptive / max(off, fixed) at c{c}", ("adaptive", c), [("off", c), ("fixed", c)]))
+    return terms
+
+
 def goal_ratios(report: dict[str, Any]) -> dict[str, float]:
     """The ratios the serving goals are stated in, from the rows' (median) output tokens/s."""
     tps = {(r["mode"], r["concurrency"]): r["output_tokens_per_s"] for r in report["results"]}
-    concs = sorted({c for _, c in tps})
     out: dict[str, float] = {}
-    lo, hi = concs[0], concs[-1]
-    if ("off", lo) in tps and ("off", hi) in tps and hi > lo and tps[("off", lo)] > 0:
-        out[f"off c{hi} / off c{lo}"] = tps[("off", hi)] / tps[("off", lo)]
-    for c in concs:
-        ad = tps.get(("adaptive", c))
-        if ad is None:
-            continue
-        if tps.get(("off", c)):
-            out[f"adaptive / off at c{c}"] = ad / tps[("off", c)]
-        best = max((tps.get((m, c)) or 0.0) for m in ("off", "fixed"))
-        if best > 0:
-            out[f"adaptive / max(off, fixed) at c{c}"] = ad / best
+    for name, num, dens in _goal_terms(sorted({c for _, c in tps})):
+        best = max((tps[d] for d in dens if d in tps), default=0.0)
+        if num in tps and best > 0:
+            out[name] = tps[num] / best
     return out
 
 
@@ -223,31 +228,15 @@ def paired_ratios(report: dict[str, Any]) -> dict[str, float]:
     if not report.get("config", {}).get("interleaved"):
         return {}
     runs = {(r["mode"], r["concurrency"]): list(r.get("output_tokens_per_s_runs") or []) for r in report["results"]}
-    concs = sorted({c for _, c in runs})
-
-    def median(pairs: list[float]) -> float:
-        ordered = sorted(pairs)
-        mid = len(ordered) // 2
-        return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-    def paired(num: list[float], dens: list[list[float]]) -> float | None:
-        n = min([len(num)] + [len(d) for d in dens])
-        pairs = [num[i] / max(d[i] for d in dens) for i in range(n) if max(d[i] for d in dens) > 0]
-        return median(pairs) if pairs else None
-
     out: dict[str, float] = {}
-    lo, hi = concs[0], concs[-1]
-    candidates = []
-    if hi > lo:
-        candidates.append((f"off c{hi} / off c{lo}", ("off", hi), [("off", lo)]))
-    for c in concs:
-        candidates.append((f"adaptive / off at c{c}", ("adaptive", c), [("off", c)]))
-        candidates.append((f"adaptive / max(off, fixed) at c{c}", ("adaptive", c), [("off", c), ("fixed", c)]))
-    for name, num, dens in candidates:
-        if runs.get(num) and all(runs.get(d) for d in dens):
-            value = paired(runs[num], [runs[d] for d in dens])
-            if value is not None:
-                out[name] = value
+    for name, num, dens in _goal_terms(sorted({c for _, c in runs})):
+        cols = [runs[d] for d in dens if runs.get(d)]
+        if not runs.get(num) or not cols:
+            continue
+        n = min(len(runs[num]), *(len(col) for col in cols))
+        pairs = [runs[num][i] / best for i in range(n) if (best := max(col[i] for col in cols)) > 0]
+        if pairs:
+            out[name] = statistics.median(pairs)
     return out
 
 

@@ -16,7 +16,6 @@ called by the engine). The two model-based proposers run the whole batch at once
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Callable
 
@@ -72,7 +71,6 @@ def draft_blocks(backend, seqs: list[Sequence], gammas: list[int],
     return [(d, torch.stack(q) if q else None) for d, q in zip(drafted, qs)]
 
 
-@functools.lru_cache(maxsize=256)
 class MedusaProposer:
     """Medusa heads plus the ranked tree nodes per number of heads."""
 

@@ -347,3 +347,13 @@ def test_acceptance_is_estimated_per_trial_not_per_drafted_token():
             seen.append(priors.alpha(key, "draft"))
     assert abs(sum(seen) / len(seen) - 0.8) < 0.03
     assert priors.alpha(("prose", "draft", False), "draft") == ALPHA_PRIOR["draft"]  # kinds are kept apart
+
+
+def test_each_engine_gets_its_own_medusa_proposer():
+    """`MedusaProposer` is a plain class: two engines never share one (its ranked-node cache
+    and device are per engine)."""
+    from specops.serving.proposers import MedusaProposer
+
+    heads = object()
+    a, b = MedusaProposer(heads, torch.device("cpu")), MedusaProposer(heads, torch.device("cpu"))
+    assert isinstance(a, MedusaProposer) and a is not b
