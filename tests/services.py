@@ -317,8 +317,12 @@ class SentinelGroup:
 
 def start_redis_node(binary: str, port: int, workdir: Path, *, name: str, extra: tuple[str, ...] = ()) -> Service:
     workdir.mkdir(parents=True, exist_ok=True)
+    # repl-diskless-sync-delay 0: a replica that (re)joins gets its full sync at once rather than
+    # after Redis' default 5 s wait for more replicas. During that wait the replica is empty and
+    # writes that need its acknowledgement (WAIT) stall. A sentinel that sees the primary stall in
+    # that window (a loaded CI machine) can also promote the empty replica, and that loses the data.
     argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-            "--dir", str(workdir), *extra]
+            "--repl-diskless-sync-delay", "0", "--dir", str(workdir), *extra]
     return start_service(name, argv, port, workdir)
 
 

@@ -166,8 +166,13 @@ def test_controller_process_continues_the_rollout_on_the_promoted_replica(group,
         wait_until(lambda: group.primary_port() == group.replicas[0].port, "a failover", 60)
         group.restart(group.primary)            # back as a replica, so writes are acknowledged again
 
-        state = wait_until(lambda: (s := _until_available(store.rollout_state, "the store")).phase == "healthy" and s,
-                           "the controller to finish the rollout on the new primary", 90)
+        try:
+            state = wait_until(lambda: (s := _until_available(store.rollout_state, "the store")).phase == "healthy"
+                               and s, "the controller to finish the rollout on the new primary", 90)
+        except TimeoutError as exc:
+            logs = [tmp_path / "controller.log", *sorted(tmp_path.glob("*/*.log"))]
+            raise AssertionError(f"{exc}\n" + "\n".join(f"--- {p.name} ---\n" + p.read_text(errors="replace")[-3000:]
+                                                        for p in logs)) from exc
         assert (state.revision, store.current_revision(), store.canary_revision()) == (2, 2, None)
         audit = store.read_audit(count=1000)
         assert before <= {e["id"] for e in audit}                       # nothing acknowledged was lost
