@@ -140,6 +140,18 @@ PROBE_EVERY = 16
 """Declined-speculation steps between two probe steps (see `Engine.probe_every`)."""
 PLAN_PREFILL_LIMIT = 32
 """Prompt tokens in a step beyond which its sequences do not speculate (see `Engine._plan`)."""
+FULL_CATCH_UP = 16
+"""Draft-cache catch-up tokens charged in full to the step that feeds them (see `Engine._candidate`).
+Every first drafting round used to be priced at one token per sequence: it feeds two after a fully
+accepted block and more after skipped steps, and in-process at batch 4 the draft rounds cost twice
+what the plan predicted, nearly all of it in first rounds."""
+PLAIN_PROBE_EVERY = 24
+"""Speculating steps in a row at one batch size after which one step there decodes plainly
+(see `Engine.plain_probe_every`)."""
+PROBE_BACKOFF_MAX = 8
+"""The longest probe period, in units of `PROBE_EVERY` (see `Engine._after_probe`)."""
+PROBE_STALE = 0.67
+"""A probe whose verify forward cost under this share of the prediction found the cost model stale."""
 QUIET_AFTER_DECLINE = 3
 """Steps at the same batch size that skip planning after the planner declined speculation."""
 PLAIN_STEP_WINDOW = 64  # plain steps per batch size behind the speed-up estimate of batched requests
@@ -199,10 +211,21 @@ class Engine:
         # in a load spike (or acceptance that has recovered) cannot switch it off for good.
         # 0: never probe.
         self.probe_every = PROBE_EVERY
-        self._declined = 0
+        self._declined = 0  # declined steps since the last probe
+        self._probe_backoff = 1  # the probe period in units of probe_every (`_after_probe`)
+        self._probing = False  # this step is a probe
         self._quiet = (0, 0)  # (steps left, batch size): planning skipped after a declined plan
         self.quiet_after_decline = QUIET_AFTER_DECLINE
         self.probes = 0  # probe steps run (planner diagnostics)
+        # the mirror image: while every step at a batch size speculates, nothing re-measures what a plain
+        # step there costs, and the planner compares each plan with a plain-step cost that can be minutes
+        # old (the calibration's, or from another load on the machine). Measured in-process at batch 4:
+        # the plain (B, B) point read 7.2 ms against 4.4 ms real, so a 9-token verify looked 0.8 ms dearer
+        # than plain instead of 2.6 ms and speculation was chosen at a loss. Every PLAIN_PROBE_EVERY-th
+        # step at a batch size that has only speculated decodes plainly. 0: never.
+        self.plain_probe_every = PLAIN_PROBE_EVERY
+        self._spec_run: dict[int, int] = {}  # batch size -> speculating steps in a row there
+        self.plain_probes = 0
         self._propose_s = 0.0  # this step's proposal seconds (n-gram lookups, draft rounds, Medusa trees)
         self._propose_share: dict[str, float] = {}  # request -> its share of them, beyond the draft forwards
         self._ngram_s: dict[str, float] = {}
@@ -332,6 +355,8 @@ class Engine:
         forward_cost = self.cost_clock() - c0
         total = sum(len(it.tokens) for it in items)
         prefilling = [seq.target.computed - len(it.tokens) < len(seq.tokens) - 1 for seq, it in zip(batch, items)]
+        if self._probing:
+            self._after_probe(len(items), total, forward_cost)
         if not any(prefilling):
             self.cost.observe(len(items), total, forward_cost)  # decode / verify steps only: what the planner predicts
         greedy = self._verify_greedy_batch(batch, plans, outs)
@@ -455,6 +480,11 @@ class Engine:
             # fitted on decode / verify steps), so the planner's marginal verify cost here is a guess
             # (extrapolated, it made drafts look free beside a prompt); the step decodes plainly
             return {}
+        b = len(batch)
+        if self.plain_probe_every and self._spec_run.get(b, 0) >= self.plain_probe_every:
+            self._spec_run[b] = 0  # a plain probe (see ``plain_probe_every``)
+            self.plain_probes += 1
+            return {}
         left, size = self._quiet
         if left > 0 and size == len(batch) and not self._probe_due(self._declined + 1):
             # the plan at this batch size just declined speculation: nothing it reads has moved but the
@@ -485,6 +515,9 @@ class Engine:
         # match now may have one next step)
         offered = any(c.gains for c in cands)
         self._quiet = (self.quiet_after_decline, len(batch)) if offered and not any(chosen) else (0, 0)
+        self._spec_run[b] = self._spec_run.get(b, 0) + 1 if any(chosen) else 0
+        if any(chosen):
+            self._probe_backoff = 1
         if not any(chosen) and self.probe_every:
             self._declined += 1
             if self._probe_due(self._declined):
@@ -498,6 +531,8 @@ class Engine:
                 chosen[i] = plan([cands[i]], self.cost, batch=len(batch), base_tokens=base,
                                  draft_cost=self.draft_cost, fixed_s=self._fixed_s(len(batch)), margin=-1.0)[0]
                 self.probes += 1
+                self._declined = 0
+                self._probing = bool(chosen[i])
         plans: dict[str, dict] = {}
         drafting, gammas = [], []
         for seq, c, extra in zip(owners, cands, chosen):
@@ -523,7 +558,7 @@ class Engine:
             dt = time.perf_counter() - t0
             spent = self.cost_clock() - c0
             self._propose_s += spent
-            host = max(spent - sum(forwards), 0.0) / len(drafting)  # sampling and bookkeeping outside the forwards
+            host = max(spent - sum(forwards), 0.0) / len(drafting)  # outside the rounds (their set-up)
             fed = sum(s.draft.computed - b for s, b in zip(drafting, before))
             for seq, b, (drafted, q) in zip(drafting, before, blocks):
                 plans[seq.request_id] = {"drafts": drafted, "q": q}
@@ -553,8 +588,21 @@ class Engine:
         return observe
 
     def _probe_due(self, declined: int) -> bool:
-        """Whether the ``declined``-th declined step is a probe step (`probe_every`)."""
-        return bool(self.probe_every) and declined % self.probe_every == 0
+        """Whether a step after ``declined`` declined ones since the last probe is a probe step
+        (`probe_every`, stretched by the back-off: see `_after_probe`)."""
+        return bool(self.probe_every) and declined >= self.probe_every * self._probe_backoff
+
+    def _after_probe(self, b: int, tokens: int, forward_s: float) -> None:
+        """A probe that found the verify cost where the model put it confirms the decline: the next
+        one waits twice as long (up to PROBE_BACKOFF_MAX times `probe_every`). Under steady high load
+        every probe is a loss, and a draft-model probe also pays its draft cache's catch-up (the prompt
+        and every token since): at batch 4 probes every 16 declined steps cost 8% of the throughput.
+        A probe that found the model stale (a cost measured in a load spike) keeps the short period,
+        and any step that speculates by the plan's own choice resets it."""
+        self._probing = False
+        predicted = self.cost.predict(b, tokens)
+        stale = forward_s < PROBE_STALE * predicted
+        self._probe_backoff = 1 if stale else min(self._probe_backoff * 2, PROBE_BACKOFF_MAX)
 
     def _candidate(self, seq: Sequence, bound: int) -> Candidate | None:
         method = seq.spec.method
@@ -571,16 +619,18 @@ class Engine:
         if method == "draft":
             bound = min(bound, self.draft.max_context - len(seq.tokens) + 1)
             lag = len(seq.tokens) - seq.draft.computed  # the first round feeds what the draft cache lacks
-            if lag > 1:  # a catch-up forward (the whole prompt for a request that never drafted): paid once
-                # for all its later drafting, so charged spread over the steps it has left if it keeps drafting
-                # (a long pause does not lock drafting out; a fresh request at high load is not made to pay a
-                # prompt-length draft prefill for one marginal step: that cost 4-6x a plain step at batch 16)
+            feed = min(lag, FULL_CATCH_UP)  # charged to this step's first round (`Candidate.first_feed`)
+            if lag > feed:  # a long catch-up (the whole prompt for a request that never drafted): paid once
+                # for all its later drafting, so its part past FULL_CATCH_UP is charged spread over the steps it
+                # has left if it keeps drafting (a long pause does not lock drafting out; a fresh request at high
+                # load is not made to pay a prompt-length draft prefill for one marginal step: that cost 4-6x a
+                # plain step at batch 16)
                 gamma = max(1, min(seq.spec.gamma, bound))
                 per_step = 1.0 + sum(linear_gains(seq.alpha, gamma))  # expected tokens of a drafting step
                 steps_left = max(1.0, seq.remaining / per_step)
-                overhead += (self.draft_cost.predict(1, lag) - self.draft_cost.predict(1, 1)) / steps_left
+                overhead += (self.draft_cost.predict(1, lag) - self.draft_cost.predict(1, feed)) / steps_left
             return Candidate(gains=linear_gains(seq.alpha, max(0, min(seq.spec.gamma, bound))), draft_rounds=True,
-                             overhead_s=overhead)
+                             overhead_s=overhead, first_feed=max(feed, 1))
         if seq.hidden is None:
             return None
         max_nodes = seq.spec.tree_size or DEFAULT_TREE_SIZE

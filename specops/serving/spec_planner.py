@@ -24,11 +24,13 @@ speculation look free nor ruins it for the next hundred steps.
 to maximise the expected batch goodput
 
     (B + sum of the expected accepted tokens of the chosen drafts)
-    / (fixed + verify(B, T_plain + drafted) + sum_r draft(B_r, B_r) + sum of overheads)
+    / (fixed + verify(B, T_plain + drafted) + sum_r draft(B_r, T_r) + sum of overheads)
 
 where ``B_r`` is the number of sequences drafting at least r tokens with the draft
-model and the overhead of a sequence is charged once it speculates at all. Each
-sequence offers marginal gains that never increase (the k-th drafted token of a linear
+model and ``T_r`` the tokens that round feeds: ``B_r`` after the first; the first feeds
+each sequence's `Candidate.first_feed` (what its draft cache lacks: two tokens after a
+fully accepted block, more after skipped steps). The overhead of a sequence is charged
+once it speculates at all. Each sequence offers marginal gains that never increase (the k-th drafted token of a linear
 draft is accepted with probability alpha^k; a tree's k-th best node with its path's
 estimated probability), so the plan takes the best gains of all sequences together, in
 order, and keeps the prefix with the highest goodput. Speculation is chosen only when
@@ -219,6 +221,9 @@ class Candidate:
 
     gains: list[float]  # non-increasing, len = its bound this step
     draft_rounds: bool = False  # each token costs one draft-model round (draft method)
+    # draft method: tokens its first round feeds the draft model (the committed tokens its draft cache
+    # lacks, at least the pending one); that round costs draft(B_0, sum of these), not draft(B_0, B_0)
+    first_feed: int = 1
     overhead_s: float = 0.0  # seconds its speculation costs outside the forwards (proposal, verify, compaction)
     proposal: list[int] = field(default_factory=list)  # n-gram: the proposed tokens
     max_nodes: int = 0  # Medusa: the tree's node bound
@@ -241,7 +246,8 @@ def plan(cands: list[Candidate], cost: CostModel, *, batch: int, base_tokens: in
     # every cost the loop can ask, predicted once: verify over base + e tokens, a draft round of n sequences
     verify = [cost.predict(batch, base_tokens + e) for e in range(sum(len(c.gains) for c in cands) + 1)]
     n_draft = sum(1 for c in cands if c.draft_rounds and c.gains) if draft_cost is not None else 0
-    round_s = [0.0] + [draft_cost.predict(n, n) for n in range(1, n_draft + 1)]
+    round_s = [0.0] + [draft_cost.predict(n, n) for n in range(1, n_draft + 1)]  # rounds after the first
+    feed0 = 0  # tokens the first round feeds
     plain_rate = batch / (fixed_s + verify[0])
     tokens = float(batch)
     extra = 0
@@ -262,14 +268,52 @@ def plan(cands: list[Candidate], cost: CostModel, *, batch: int, base_tokens: in
             if r == len(drafting):
                 drafting.append(0)
             n = drafting[r]
-            draft_s += round_s[n + 1] - round_s[n]
+            if r == 0:
+                before = draft_cost.predict(n, feed0) if n else 0.0
+                feed0 += max(c.first_feed, 1)
+                draft_s += draft_cost.predict(n + 1, feed0) - before
+            else:
+                draft_s += round_s[n + 1] - round_s[n]
             drafting[r] = n + 1
         rate = tokens / (fixed_s + verify[extra] + draft_s + overhead)
         if rate > best_rate:
             best_rate, best = rate, list(chosen)
         if chosen[i] < len(c.gains):
             heapq.heappush(heap, (-c.gains[chosen[i]], i))
+    # The prefix follows the gains alone, so a sequence whose draft cache lags (a wide first round)
+    # joins as early as its first gain says, and the best prefix may keep it or drop everyone: a
+    # fresh sequence's plan without it is not a prefix. One pass drops each lagging one in turn
+    # while that raises the rate (declining everything still has to beat the margin).
+    if draft_cost is not None and any(b and c.first_feed > 2 for b, c in zip(best, cands)):
+        for i, c in enumerate(cands):
+            if best[i] and c.draft_rounds and c.first_feed > 2:
+                trial = list(best)
+                trial[i] = 0
+                rate = (_rate(cands, trial, verify, round_s, draft_cost, batch, fixed_s)
+                        if any(trial) else plain_rate * (1 + margin))
+                if rate > best_rate:
+                    best_rate, best = rate, trial
     return best
+
+
+def _rate(cands: list[Candidate], chosen: list[int], verify: list[float], round_s: list[float],
+          draft_cost: CostModel, batch: int, fixed_s: float) -> float:
+    """Expected tokens per second of one plan (``chosen`` tokens per candidate), as `plan` counts them."""
+    tokens, extra, overhead, feed0 = float(batch), 0, 0.0, 0
+    depth: list[int] = []
+    for c, k in zip(cands, chosen):
+        if not k:
+            continue
+        tokens += sum(c.gains[:k])
+        extra += k
+        overhead += c.overhead_s
+        if c.draft_rounds:
+            feed0 += max(c.first_feed, 1)
+            depth += [0] * (k - len(depth))
+            for r in range(k):
+                depth[r] += 1
+    draft_s = draft_cost.predict(depth[0], feed0) + sum(round_s[n] for n in depth[1:]) if depth else 0.0
+    return tokens / (fixed_s + verify[extra] + draft_s + overhead)
 
 
 def linear_gains(alpha: float, bound: int) -> list[float]:

@@ -193,3 +193,90 @@ def test_cached_medians_follow_every_observation():
         cost.observe(b, b * t, spike * 1e-3 * (1 + 0.1 * t) * (0.9 + 0.2 * rng.random()))
         assert cost.points == {k: statistics.median(v) for k, v in cost.samples.items()}
     assert meter.value(default=7.0) == statistics.median(meter.values) and Meter().value(default=7.0) == 7.0
+
+
+def test_the_first_draft_round_is_charged_for_the_tokens_it_feeds():
+    """A draft round after skipped steps feeds the committed tokens its draft cache lacks: the plan
+    prices that round at its real width (`Candidate.first_feed`), not one token per sequence."""
+    rounds = LineCost(0.3e-3, 2e-3)  # a draft round: 0.3 ms, plus 2 ms per token beyond one per sequence
+    fresh = Candidate(gains=linear_gains(0.8, 5), draft_rounds=True)
+    lagging = Candidate(gains=linear_gains(0.8, 5), draft_rounds=True, first_feed=16)
+    assert plan([fresh], VERIFY, batch=1, base_tokens=1, draft_cost=rounds)[0] > 0
+    assert plan([lagging], VERIFY, batch=1, base_tokens=1, draft_cost=rounds) == [0]  # 30 ms to catch up
+    # in a batch the first round is one forward over every drafting sequence's feed: 2 tokens
+    # (0.3 ms) for two fresh sequences, 16 (28 ms) for two that skipped 7 steps
+    verify = LineCost(10e-3, 0.1e-3)
+    assert all(plan([fresh, fresh], verify, batch=2, base_tokens=2, draft_cost=rounds))
+    lagging8 = Candidate(gains=linear_gains(0.8, 5), draft_rounds=True, first_feed=8)
+    assert plan([lagging8, lagging8], verify, batch=2, base_tokens=2, draft_cost=rounds) == [0, 0]
+    # a fresh and a lagging sequence: the fresh one drafts alone (by its gains alone the lagging one
+    # joins early, and the best prefix of that order had both drafting, at a third less goodput)
+    mixed = plan([fresh, lagging8], verify, batch=2, base_tokens=2, draft_cost=rounds)
+    assert mixed[0] > 0 and mixed[1] == 0
+
+
+def test_plain_probes_remeasure_the_plain_step_while_everything_speculates(qwen2):
+    """While every step at a batch size speculates, every `plain_probe_every`-th one decodes
+    plainly: the plain (B, B) forward the plans compare against is measured again."""
+    eng = Engine(qwen2, max_batch=2, kv_cache_mb=1, calibrate=False)
+    eng.cost, eng.draft_cost = LineCost(10e-3, 0.1e-3), LineCost(0.1e-3, 0.0)  # speculation always pays
+    eng.plain_probe_every = 5
+    seen = []
+    observe = eng.cost.observe
+    eng.cost.observe = lambda b, t, s: (seen.append((b, t)), observe(b, t, s))
+    eng.add("r", [3, 4, 5] * 6, SamplingParams(max_tokens=60), SpecSettings(method="draft", gamma=4))
+    trace = []
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                trace = o.record.gamma_trace
+    assert eng.plain_probes >= 2
+    assert seen.count((1, 1)) >= eng.plain_probes  # each probe measured a plain step
+    runs = "".join("s" if g else "p" for g in trace).split("p")
+    assert max(len(r) for r in runs) == 5  # speculating, but never more than plain_probe_every steps in a row
+
+
+def test_probes_back_off_while_they_confirm_the_decline():
+    """A probe whose verify cost came out as predicted doubles the wait for the next (up to
+    PROBE_BACKOFF_MAX periods); one that found the cost model stale, or a plan that
+    speculates by itself, brings the short period back."""
+    from specops.serving.engine import PROBE_BACKOFF_MAX
+
+    eng = Engine(Decoder.from_pretrained("bundled"), max_batch=2, kv_cache_mb=1, calibrate=False)
+    eng.cost = LineCost(10e-3, 1e-3)
+    eng.probe_every = 4
+    assert eng._probe_due(4) and not eng._probe_due(3)
+    for want in (2, 4, 8, 8):
+        eng._after_probe(1, 3, forward_s=0.95 * eng.cost.predict(1, 3))  # as predicted: the decline stands
+        assert eng._probe_backoff == min(want, PROBE_BACKOFF_MAX)
+    assert not eng._probe_due(4 * 8 - 1) and eng._probe_due(4 * 8)
+    eng._after_probe(1, 3, forward_s=0.2 * eng.cost.predict(1, 3))  # far cheaper: the model was stale
+    assert eng._probe_backoff == 1 and eng._probe_due(4)
+
+
+def test_a_draft_rounds_measured_cost_includes_its_host_work(qwen2, monkeypatch):
+    """The draft rounds' cost model times each round's forward AND its host work (each sampled
+    sequence's probabilities and draw): that work grows with the tokens drafted, and timed apart
+    as a per-sequence overhead the plan missed it."""
+    import time
+
+    from specops.serving import proposers
+
+    draw = proposers.sample
+
+    def slow_sample(q, generator):  # 4 ms of CPU per draw (the planner's clock counts CPU time)
+        end = time.process_time() + 4e-3
+        while time.process_time() < end:
+            pass
+        return draw(q, generator)
+
+    monkeypatch.setattr(proposers, "sample", slow_sample)
+    eng = Engine(qwen2, max_batch=2, kv_cache_mb=1, calibrate=False)
+    eng.cost, eng.draft_cost = LineCost(10e-3, 0.1e-3), LineCost(0.1e-3, 0.0)  # speculation always pays
+    rounds = []
+    eng.draft_cost.observe = lambda b, t, s: rounds.append(s)
+    eng.add("r", [3, 4, 5] * 6, SamplingParams(max_tokens=12, temperature=1.0, seed=1),
+            SpecSettings(method="draft", gamma=3))
+    while eng.has_unfinished():
+        eng.step()
+    assert rounds and min(rounds) >= 4e-3  # every round drew once and paid for it
