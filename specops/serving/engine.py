@@ -70,7 +70,15 @@ from specops.serving.sequence import (
     SpecSettings,
     StepOutput,
 )
-from specops.serving.spec_planner import DEFAULT_MARGIN, Candidate, CostModel, Meter, linear_gains, plan
+from specops.serving.spec_planner import (
+    DEFAULT_MARGIN,
+    Candidate,
+    CostModel,
+    Meter,
+    SpecCalibration,
+    linear_gains,
+    plan,
+)
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +156,12 @@ what the plan predicted, nearly all of it in first rounds."""
 PLAIN_PROBE_EVERY = 24
 """Speculating steps in a row at one batch size after which one step there decodes plainly
 (see `Engine.plain_probe_every`)."""
+VETO_STEPS = 256
+"""Plain steps at a batch size where speculating was measured to make decoding slower (`Engine.veto_steps`)."""
+GUARD_MIN_BATCH = 2
+"""The smallest batch size the veto applies to. At batch 1 every step is one request's own plan, which
+its acceptance estimate already steers; a batch-wide veto there would stop a code request for what a
+temperature-1.0 request before it measured."""
 PROBE_BACKOFF_MAX = 8
 """The longest probe period, in units of `PROBE_EVERY` (see `Engine._after_probe`)."""
 PROBE_STALE = 0.67
@@ -226,6 +240,14 @@ class Engine:
         self.plain_probe_every = PLAIN_PROBE_EVERY
         self._spec_run: dict[int, int] = {}  # batch size -> speculating steps in a row there
         self.plain_probes = 0
+        self.calibration = SpecCalibration()  # the plan's misses, per batch size, from the steps' record
+        # the backstop: where the last speculative steps at a batch size (>= GUARD_MIN_BATCH) emitted fewer
+        # tokens per second than its plain steps, it decodes plainly for veto_steps steps without planning,
+        # then judges afresh. 0: never.
+        self.veto_steps = VETO_STEPS
+        self._veto: dict[int, int] = {}  # batch size -> plain steps left
+        self.vetoes = 0
+        self._step_pred: tuple[float, float] | None = None  # this step's plan: (predicted s, plain predicted s)
         self._propose_s = 0.0  # this step's proposal seconds (n-gram lookups, draft rounds, Medusa trees)
         self._propose_share: dict[str, float] = {}  # request -> its share of them, beyond the draft forwards
         self._ngram_s: dict[str, float] = {}
@@ -341,6 +363,7 @@ class Engine:
         if not batch:
             return outputs
         self._propose_s = 0.0
+        self._step_pred = None
         plans = self._plan(batch)
         items, need_hidden = [], False
         for seq in batch:
@@ -357,6 +380,7 @@ class Engine:
         prefilling = [seq.target.computed - len(it.tokens) < len(seq.tokens) - 1 for seq, it in zip(batch, items)]
         if self._probing:
             self._after_probe(len(items), total, forward_cost)
+        plain_pred = self._fixed_s(len(items)) + self.cost.predict(len(items), total)  # before this step counts
         if not any(prefilling):
             self.cost.observe(len(items), total, forward_cost)  # decode / verify steps only: what the planner predicts
         greedy = self._verify_greedy_batch(batch, plans, outs)
@@ -379,6 +403,15 @@ class Engine:
                 emitted.append((seq, seq.stats.new_tokens - before))
             if result is not None:
                 outputs.append(result)
+        if not any(prefilling):
+            tokens = sum(n for _, n in emitted)
+            if spec_commit and self._step_pred is not None:
+                self.calibration.observe_spec(len(batch), t1 - t_step, *self._step_pred, tokens=tokens)
+                if len(batch) >= GUARD_MIN_BATCH and self.veto_steps and self.calibration.losing(len(batch)):
+                    self._veto[len(batch)] = self.veto_steps
+                    self.vetoes += 1
+            elif not spec_commit:
+                self.calibration.observe_plain(len(batch), t1 - t_step, plain_pred, tokens=tokens)
         self._measure_overheads(len(batch), t1 - t_step - forward_cost, plain_commit, spec_commit)
         self._count_plain_time(len(batch), time.perf_counter() - w_step, emitted, bool(spec_commit), any(prefilling))
         return outputs
@@ -481,6 +514,11 @@ class Engine:
             # (extrapolated, it made drafts look free beside a prompt); the step decodes plainly
             return {}
         b = len(batch)
+        if self._veto.get(b, 0) > 0:  # speculating here made decoding slower (see ``veto_steps``)
+            self._veto[b] -= 1
+            if not self._veto[b]:
+                self.calibration.forget_spec(b)
+            return {}
         if self.plain_probe_every and self._spec_run.get(b, 0) >= self.plain_probe_every:
             self._spec_run[b] = 0  # a plain probe (see ``plain_probe_every``)
             self.plain_probes += 1
@@ -509,8 +547,9 @@ class Engine:
         if not cands:
             return {}
         base = sum(len(s.tokens) - s.target.computed for s in batch)
+        scale, predicted = self.calibration.scale(b), {}
         chosen = plan(cands, self.cost, batch=len(batch), base_tokens=base, draft_cost=self.draft_cost,
-                      fixed_s=self._fixed_s(len(batch)), margin=self.margin)
+                      fixed_s=self._fixed_s(len(batch)), margin=self.margin, spec_scale=scale, out=predicted)
         # quiet only after the planner weighed real proposals and said no (an n-gram index with no
         # match now may have one next step)
         offered = any(c.gains for c in cands)
@@ -527,12 +566,15 @@ class Engine:
                 i = max(range(len(cands)),
                         key=lambda j: (bool(cands[j].gains), -round(cands[j].overhead_s, 4),
                                        cands[j].gains[0] if cands[j].gains else -1.0))
-                chosen = [0] * len(cands)
-                chosen[i] = plan([cands[i]], self.cost, batch=len(batch), base_tokens=base,
-                                 draft_cost=self.draft_cost, fixed_s=self._fixed_s(len(batch)), margin=-1.0)[0]
+                probe = [0] * len(cands)
+                probe[i] = plan([cands[i]], self.cost, batch=len(batch), base_tokens=base, draft_cost=self.draft_cost,
+                                fixed_s=self._fixed_s(len(batch)), margin=-1.0, spec_scale=scale, out=predicted)[0]
+                chosen = probe
                 self.probes += 1
                 self._declined = 0
                 self._probing = bool(chosen[i])
+        if any(chosen) and "step_s" in predicted and not self._probing:  # a probe's catch-up is its own cost
+            self._step_pred = (predicted["step_s"], predicted["plain_s"])
         plans: dict[str, dict] = {}
         drafting, gammas = [], []
         for seq, c, extra in zip(owners, cands, chosen):

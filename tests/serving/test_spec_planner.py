@@ -215,6 +215,14 @@ def test_the_first_draft_round_is_charged_for_the_tokens_it_feeds():
     assert mixed[0] > 0 and mixed[1] == 0
 
 
+def _drain(eng: Engine) -> dict:
+    """Step ``eng`` until every request finished; their records by request id."""
+    records = {}
+    while eng.has_unfinished():
+        records.update((o.request_id, o.record) for o in eng.step() if o.finished)
+    return records
+
+
 def test_plain_probes_remeasure_the_plain_step_while_everything_speculates(qwen2):
     """While every step at a batch size speculates, every `plain_probe_every`-th one decodes
     plainly: the plain (B, B) forward the plans compare against is measured again."""
@@ -225,11 +233,7 @@ def test_plain_probes_remeasure_the_plain_step_while_everything_speculates(qwen2
     observe = eng.cost.observe
     eng.cost.observe = lambda b, t, s: (seen.append((b, t)), observe(b, t, s))
     eng.add("r", [3, 4, 5] * 6, SamplingParams(max_tokens=60), SpecSettings(method="draft", gamma=4))
-    trace = []
-    while eng.has_unfinished():
-        for o in eng.step():
-            if o.finished:
-                trace = o.record.gamma_trace
+    trace = _drain(eng)["r"].gamma_trace
     assert eng.plain_probes >= 2
     assert seen.count((1, 1)) >= eng.plain_probes  # each probe measured a plain step
     runs = "".join("s" if g else "p" for g in trace).split("p")
@@ -277,6 +281,86 @@ def test_a_draft_rounds_measured_cost_includes_its_host_work(qwen2, monkeypatch)
     eng.draft_cost.observe = lambda b, t, s: rounds.append(s)
     eng.add("r", [3, 4, 5] * 6, SamplingParams(max_tokens=12, temperature=1.0, seed=1),
             SpecSettings(method="draft", gamma=3))
-    while eng.has_unfinished():
-        eng.step()
+    assert _drain(eng)["r"].drafted > 0
     assert rounds and min(rounds) >= 4e-3  # every round drew once and paid for it
+
+
+def test_calibration_reads_the_real_extra_cost_of_speculating():
+    """`SpecCalibration.scale`: the real extra seconds of speculative steps over their predicted
+    extra, both against plain steps' real-over-predicted ratio; 1 until both kinds have enough
+    samples at that batch size; clamped."""
+    from specops.serving.spec_planner import SpecCalibration
+
+    cal = SpecCalibration(min_spec=4, min_plain=2)
+    for _ in range(3):
+        cal.observe_plain(4, 0.8 * 10e-3, 10e-3)  # plain steps run at 0.8 of their prediction
+        cal.observe_spec(4, 0.8 * 10e-3 + 2 * 4e-3, 10e-3 + 4e-3, 10e-3)  # the extra 4 ms really costs 8 ms
+    assert cal.scale(4) == 1.0  # 3 speculative samples of the 4 it needs
+    cal.observe_spec(4, 0.8 * 10e-3 + 2 * 4e-3, 10e-3 + 4e-3, 10e-3)
+    assert cal.scale(4) == pytest.approx(2.0 / 0.8)  # twice the extra, against plain steps 20% cheaper
+    assert cal.scale(2) == 1.0  # nothing measured at batch 2
+    for _ in range(8):
+        cal.observe_spec(4, 1.0, 10e-3 + 4e-3, 10e-3)  # a second per step: the clamp
+    assert cal.scale(4) == cal.hi
+
+
+def test_a_spec_scale_prices_every_speculative_plan():
+    c = [Candidate(gains=linear_gains(0.7, 4))]
+    cost = LineCost(10e-3, 2e-3)
+    out = {}
+    assert plan(c, cost, batch=1, base_tokens=1, out=out)[0] > 0
+    assert out["plain_s"] == pytest.approx(10e-3) and out["step_s"] > out["plain_s"]  # unscaled seconds
+    assert plan(c, cost, batch=1, base_tokens=1, spec_scale=4.0) == [0]  # each drafted token really costs 8 ms
+    assert plan(c, cost, batch=1, base_tokens=1, spec_scale=4.0, margin=-1.0)[0] > 0  # a probe still runs
+
+
+def test_the_engine_records_each_decode_step_for_the_calibration(qwen2):
+    eng = Engine(qwen2, max_batch=2, kv_cache_mb=1, calibrate=False)
+    eng.cost, eng.draft_cost = LineCost(10e-3, 0.1e-3), LineCost(0.1e-3, 0.0)  # speculation always pays
+    eng.plain_probe_every = 3
+    eng.add("r", [3, 4, 5] * 6, SamplingParams(max_tokens=40), SpecSettings(method="draft", gamma=4))
+    record = _drain(eng)["r"]
+    spec, plain = eng.calibration.spec[1], eng.calibration.plain[1]
+    assert len(spec) == sum(g > 0 for g in record.gamma_trace)  # every speculative decode step ...
+    assert len(plain) >= eng.plain_probes >= 2  # ... and the plain ones (probes; the prompt's step is a prefill)
+    assert all(real > 0 and predicted > plain_predicted for real, predicted, plain_predicted in spec)
+
+
+def test_realized_rates_flag_speculation_that_made_decoding_slower():
+    from specops.serving.spec_planner import SpecCalibration
+
+    cal = SpecCalibration(min_plain=2, guard_window=4)
+    for _ in range(3):
+        cal.observe_plain(4, 10e-3, 9e-3, tokens=4)  # 400 tokens/s plainly
+    for _ in range(3):
+        cal.observe_spec(4, 25e-3, 14e-3, 9e-3, tokens=9)  # 360 tokens/s speculating
+    assert not cal.losing(4)  # 3 of the 4 speculative steps it judges on
+    cal.observe_spec(4, 25e-3, 14e-3, 9e-3, tokens=9)
+    assert cal.losing(4)
+    cal.forget_spec(4)
+    assert not cal.losing(4)  # judged afresh from the next full window
+    for _ in range(4):
+        cal.observe_spec(4, 20e-3, 14e-3, 9e-3, tokens=9)  # 450 tokens/s: speculation pays
+    assert not cal.losing(4)
+
+
+def test_the_engine_decodes_plainly_where_speculating_was_slower(qwen2):
+    """Where the last speculative steps at a batch size emitted fewer tokens per second than its
+    plain steps, the engine stops planning there for `veto_steps` steps, then judges afresh; at
+    batch 1 the requests' own plans decide."""
+    eng = Engine(qwen2, max_batch=2, kv_cache_mb=1, calibrate=False)
+    eng.cost, eng.draft_cost = LineCost(10e-3, 0.1e-3), LineCost(0.1e-3, 0.0)  # the plan: speculation pays
+    eng.calibration.losing = lambda b: True  # the record: it did not
+    eng.veto_steps = 6
+    for i in range(2):
+        eng.add(f"r{i}", [3, 4, 5] * 6, SamplingParams(max_tokens=40), SpecSettings(method="draft", gamma=4))
+    records = _drain(eng)
+    assert eng.vetoes >= 2
+    for r in records.values():
+        runs = "".join("s" if g else "p" for g in r.gamma_trace).split("s")
+        assert max(len(run) for run in runs) >= 6  # a veto's plain steps in a row
+        assert sum(g > 0 for g in r.gamma_trace) >= 2  # and speculation tried again after it
+    eng.add("alone", [3, 4, 5] * 6, SamplingParams(max_tokens=20), SpecSettings(method="draft", gamma=4))
+    vetoes = eng.vetoes
+    trace = _drain(eng)["alone"].gamma_trace
+    assert eng.vetoes == vetoes and sum(g > 0 for g in trace) >= len(trace) // 2  # batch 1: never vetoed
