@@ -233,14 +233,17 @@ class Engine:
         self.probes = 0  # probe steps run (planner diagnostics)
         # the mirror image: while every step at a batch size speculates, nothing re-measures what a plain
         # step there costs, and the planner compares each plan with a plain-step cost that can be minutes
-        # old (the calibration's, or from another load on the machine). Measured in-process at batch 4:
-        # the plain (B, B) point read 7.2 ms against 4.4 ms real, so a 9-token verify looked 0.8 ms dearer
-        # than plain instead of 2.6 ms and speculation was chosen at a loss. Every PLAIN_PROBE_EVERY-th
-        # step at a batch size that has only speculated decodes plainly. 0: never.
+        # old (the calibration's, or from another load on the machine); the plans also tend to speculate
+        # exactly when that estimate is noisily high. Measured in-process at batch 4: at the steps that
+        # speculated, the plain step they were compared with was predicted at 5.7 ms of CPU, while the
+        # plain steps of the same run took 4.8 ms. Every PLAIN_PROBE_EVERY-th step at a batch size that
+        # has only speculated decodes plainly. 0: never.
         self.plain_probe_every = PLAIN_PROBE_EVERY
         self._spec_run: dict[int, int] = {}  # batch size -> speculating steps in a row there
         self.plain_probes = 0
-        self.calibration = SpecCalibration()  # the plan's misses, per batch size, from the steps' record
+        # the plan's misses, per batch size, from the steps' record; None: plans as the models predict, no
+        # veto (tests that give the engine a synthetic cost model, which real step times cannot calibrate)
+        self.calibration: SpecCalibration | None = SpecCalibration()
         # the backstop: where the last speculative steps at a batch size (>= GUARD_MIN_BATCH) emitted fewer
         # tokens per second than its plain steps, it decodes plainly for veto_steps steps without planning,
         # then judges afresh. 0: never.
@@ -403,15 +406,15 @@ class Engine:
                 emitted.append((seq, seq.stats.new_tokens - before))
             if result is not None:
                 outputs.append(result)
-        if not any(prefilling):
-            tokens = sum(n for _, n in emitted)
+        if self.calibration is not None and not any(prefilling):
+            tokens, wall = sum(n for _, n in emitted), time.perf_counter() - w_step
             if spec_commit and self._step_pred is not None:
-                self.calibration.observe_spec(len(batch), t1 - t_step, *self._step_pred, tokens=tokens)
+                self.calibration.observe_spec(len(batch), t1 - t_step, *self._step_pred, tokens=tokens, wall_s=wall)
                 if len(batch) >= GUARD_MIN_BATCH and self.veto_steps and self.calibration.losing(len(batch)):
                     self._veto[len(batch)] = self.veto_steps
                     self.vetoes += 1
             elif not spec_commit:
-                self.calibration.observe_plain(len(batch), t1 - t_step, plain_pred, tokens=tokens)
+                self.calibration.observe_plain(len(batch), t1 - t_step, plain_pred, tokens=tokens, wall_s=wall)
         self._measure_overheads(len(batch), t1 - t_step - forward_cost, plain_commit, spec_commit)
         self._count_plain_time(len(batch), time.perf_counter() - w_step, emitted, bool(spec_commit), any(prefilling))
         return outputs
@@ -516,7 +519,7 @@ class Engine:
         b = len(batch)
         if self._veto.get(b, 0) > 0:  # speculating here made decoding slower (see ``veto_steps``)
             self._veto[b] -= 1
-            if not self._veto[b]:
+            if not self._veto[b] and self.calibration is not None:
                 self.calibration.forget_spec(b)
             return {}
         if self.plain_probe_every and self._spec_run.get(b, 0) >= self.plain_probe_every:
@@ -547,7 +550,7 @@ class Engine:
         if not cands:
             return {}
         base = sum(len(s.tokens) - s.target.computed for s in batch)
-        scale, predicted = self.calibration.scale(b), {}
+        scale, predicted = self.calibration.scale(b) if self.calibration is not None else 1.0, {}
         chosen = plan(cands, self.cost, batch=len(batch), base_tokens=base, draft_cost=self.draft_cost,
                       fixed_s=self._fixed_s(len(batch)), margin=self.margin, spec_scale=scale, out=predicted)
         # quiet only after the planner weighed real proposals and said no (an n-gram index with no

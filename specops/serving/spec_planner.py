@@ -97,9 +97,9 @@ class SpecCalibration:
         scale   = (sum(real spec) - r_plain * sum(plain at spec)) / (sum(predicted spec) - sum(plain at spec)) / r_plain
 
     (clamped to [``lo``, ``hi``]); `plan` multiplies every speculative plan's predicted extra
-    seconds by it. Before this, in-process at batch 4 the plan predicted a speculative step at
-    12.3 ms that took 15.1 ms, while plain steps came out as predicted: speculation that
-    looked 9% better than plain decoding was 4% worse. Plain probes (`Engine.plain_probe_every`)
+    seconds by it. Before this, in-process at batch 4, speculative steps predicted at 12.3 ms
+    of CPU took 15.1 ms (the tokens they emitted were predicted within 1%): plans predicted
+    ~9% faster than plain decoding ran ~7% slower than an `ar` engine's plain steps. Plain probes (`Engine.plain_probe_every`)
     keep plain samples coming at a batch size that always speculates, and cost probes
     speculative samples at one that never does.
     """
@@ -110,30 +110,35 @@ class SpecCalibration:
         self.spec: dict[int, deque[tuple[float, float, float]]] = {}  # B -> (real, predicted, plain predicted)
         self.plain: dict[int, deque[tuple[float, float]]] = {}  # B -> (real, predicted)
         self._scale: dict[int, float] = {}
-        # realized rates, (tokens, real seconds): the last guard_window speculative steps since `forget_spec`
+        # realized rates, (tokens, wall seconds): the last guard_window speculative steps since `forget_spec`
         # and the last guard_window plain steps (`losing`): recent, so both read the machine as it is now
         self.guard_window = guard_window
         self.spec_tokens: dict[int, deque[tuple[int, float]]] = {}
         self.plain_tokens: dict[int, deque[tuple[int, float]]] = {}
 
-    def observe_spec(self, b: int, real_s: float, step_s: float, plain_s: float, tokens: int = 0) -> None:
+    def observe_spec(self, b: int, real_s: float, step_s: float, plain_s: float, tokens: int = 0,
+                     wall_s: float = 0.0) -> None:
+        """One speculative step: its real seconds on the planner's clock, the plan's predicted seconds
+        and a plain step's; for `losing`, the tokens it emitted and its wall seconds."""
         if real_s > 0 and step_s > plain_s > 0:
             self.spec.setdefault(b, deque(maxlen=self.window)).append((real_s, step_s, plain_s))
             self._scale.pop(b, None)
-            if tokens:
-                self.spec_tokens.setdefault(b, deque(maxlen=self.guard_window)).append((tokens, real_s))
+        if tokens and wall_s > 0:
+            self.spec_tokens.setdefault(b, deque(maxlen=self.guard_window)).append((tokens, wall_s))
 
-    def observe_plain(self, b: int, real_s: float, plain_s: float, tokens: int = 0) -> None:
+    def observe_plain(self, b: int, real_s: float, plain_s: float, tokens: int = 0, wall_s: float = 0.0) -> None:
         if real_s > 0 and plain_s > 0:
             self.plain.setdefault(b, deque(maxlen=self.window)).append((real_s, plain_s))
             self._scale.pop(b, None)
-            if tokens:
-                self.plain_tokens.setdefault(b, deque(maxlen=self.guard_window)).append((tokens, real_s))
+        if tokens and wall_s > 0:
+            self.plain_tokens.setdefault(b, deque(maxlen=self.guard_window)).append((tokens, wall_s))
 
     def losing(self, b: int) -> bool:
         """Whether the last ``guard_window`` speculative steps at batch size ``b`` emitted fewer
-        tokens per second than its plain steps did (at least `min_plain` of them): whatever the
-        models predict, speculating there made decoding slower."""
+        tokens per wall second than its plain steps did (at least `min_plain` of them): whatever
+        the models predict, speculating there made decoding slower. Wall time, not the planner's
+        CPU clock: a speculative step's many small draft forwards wait longer for a busy core
+        (a server's HTTP loop, its clients) than one plain forward, and CPU time does not see it."""
         spec, plain = self.spec_tokens.get(b, ()), self.plain_tokens.get(b, ())
         if len(spec) < self.guard_window or len(plain) < self.min_plain:
             return False

@@ -30,6 +30,7 @@ class FlatCost(CostModel):
 
 def full_speculation(eng: Engine) -> Engine:
     eng.cost = FlatCost()
+    eng.calibration = None  # a synthetic cost model: real step times would "calibrate" it
     eng.quiet_after_decline = 0  # plan every step
     return eng
 
@@ -229,6 +230,7 @@ def test_speculation_shrinks_and_switches_off_by_itself_at_high_load(qwen2):
     def run(n: int) -> list:
         eng = Engine(qwen2, max_batch=8, kv_cache_mb=1, calibrate=False)
         eng.cost = SteepCost()
+        eng.calibration = None
         eng.probe_every = 0  # the planner's own choice, without cost probes
         for i in range(n):
             eng.add(f"r{i}", [3, 4, 5] * 5, SamplingParams(max_tokens=20), SpecSettings(method="ngram", gamma=4))
@@ -257,6 +259,7 @@ def test_a_cost_spike_does_not_switch_speculation_off_for_good(qwen2):
     observe = eng.cost.observe
     eng.cost.observe = lambda b, t, seconds: observe(b, t, 0.004 * (1 + 0.05 * (t - 1)))
     eng.probe_every = 4
+    eng.calibration = None  # the synthetic costs above are what the plans should read
     eng.add("r", [3, 4, 5] * 6, SamplingParams(max_tokens=120), SpecSettings(method="ngram", gamma=4))
     trace = []
     while eng.has_unfinished():

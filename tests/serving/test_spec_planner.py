@@ -124,6 +124,7 @@ def qwen2():
 def _run(dec: Decoder, method: str, verify: CostModel, draft: CostModel, n: int = 3):
     eng = Engine(dec, max_batch=4, kv_cache_mb=1, calibrate=False)
     eng.cost, eng.draft_cost = verify, draft
+    eng.calibration = None  # synthetic costs: real step times would "calibrate" them
     eng.probe_every = 0  # the planner's own choice, without cost probes
     prompt = [3, 4, 5] * 5
     for i in range(n):
@@ -228,6 +229,7 @@ def test_plain_probes_remeasure_the_plain_step_while_everything_speculates(qwen2
     plainly: the plain (B, B) forward the plans compare against is measured again."""
     eng = Engine(qwen2, max_batch=2, kv_cache_mb=1, calibrate=False)
     eng.cost, eng.draft_cost = LineCost(10e-3, 0.1e-3), LineCost(0.1e-3, 0.0)  # speculation always pays
+    eng.calibration = None
     eng.plain_probe_every = 5
     seen = []
     observe = eng.cost.observe
@@ -277,6 +279,7 @@ def test_a_draft_rounds_measured_cost_includes_its_host_work(qwen2, monkeypatch)
     monkeypatch.setattr(proposers, "sample", slow_sample)
     eng = Engine(qwen2, max_batch=2, kv_cache_mb=1, calibrate=False)
     eng.cost, eng.draft_cost = LineCost(10e-3, 0.1e-3), LineCost(0.1e-3, 0.0)  # speculation always pays
+    eng.calibration = None
     rounds = []
     eng.draft_cost.observe = lambda b, t, s: rounds.append(s)
     eng.add("r", [3, 4, 5] * 6, SamplingParams(max_tokens=12, temperature=1.0, seed=1),
@@ -331,16 +334,16 @@ def test_realized_rates_flag_speculation_that_made_decoding_slower():
 
     cal = SpecCalibration(min_plain=2, guard_window=4)
     for _ in range(3):
-        cal.observe_plain(4, 10e-3, 9e-3, tokens=4)  # 400 tokens/s plainly
+        cal.observe_plain(4, 10e-3, 9e-3, tokens=4, wall_s=10e-3)  # 400 tokens/s plainly
     for _ in range(3):
-        cal.observe_spec(4, 25e-3, 14e-3, 9e-3, tokens=9)  # 360 tokens/s speculating
+        cal.observe_spec(4, 20e-3, 14e-3, 9e-3, tokens=9, wall_s=25e-3)  # 360 tokens/s speculating (wall)
     assert not cal.losing(4)  # 3 of the 4 speculative steps it judges on
-    cal.observe_spec(4, 25e-3, 14e-3, 9e-3, tokens=9)
+    cal.observe_spec(4, 20e-3, 14e-3, 9e-3, tokens=9, wall_s=25e-3)
     assert cal.losing(4)
     cal.forget_spec(4)
     assert not cal.losing(4)  # judged afresh from the next full window
     for _ in range(4):
-        cal.observe_spec(4, 20e-3, 14e-3, 9e-3, tokens=9)  # 450 tokens/s: speculation pays
+        cal.observe_spec(4, 20e-3, 14e-3, 9e-3, tokens=9, wall_s=20e-3)  # 450 tokens/s: speculation pays
     assert not cal.losing(4)
 
 
