@@ -360,3 +360,31 @@ def test_each_engine_gets_its_own_medusa_proposer():
     heads = object()
     a, b = MedusaProposer(heads, torch.device("cpu")), MedusaProposer(heads, torch.device("cpu"))
     assert isinstance(a, MedusaProposer) and a is not b
+
+
+def test_draft_gains_follow_the_measured_acceptance_by_position():
+    """A linear draft's expected gains use its kind's acceptance at each position (given the
+    ones before were accepted), not α^k: rounds whose conditional acceptance falls 0.8, 0.6,
+    0.4, 0.2 give gains close to the products 0.8, 0.48, 0.19, 0.04 (α^k would say 0.59^k);
+    a kind never seen keeps α^k; a sequence accepting more than its kind gets more."""
+    import random
+
+    from specops.serving.engine import ALPHA_PRIOR, AcceptancePriors
+
+    rng = random.Random(1)
+    priors, key = AcceptancePriors(), ("general", "draft", True)
+    fresh = priors.gains(("other", "draft", True), "draft", ALPHA_PRIOR["draft"], 3)
+    assert fresh == pytest.approx([ALPHA_PRIOR["draft"] ** k for k in (1, 2, 3)])
+    steps = [0.8, 0.6, 0.4, 0.2]
+    for _ in range(3000):
+        accepted = 0
+        while accepted < 4 and rng.random() < steps[accepted]:
+            accepted += 1
+        priors.observe_alpha(key, accepted, accepted + (1 if accepted < 4 else 0))
+    kind = priors.alpha(key, "draft")
+    got = priors.gains(key, "draft", kind, 6)
+    want = [0.8, 0.48, 0.192, 0.0384]
+    assert got[:4] == pytest.approx(want, abs=0.06)
+    assert got[4] <= got[3] and got[5] <= got[4]  # past the deepest position measured: still falling
+    assert kind ** 3 > got[2] + 0.05  # where α^k overstated the third token
+    assert priors.gains(key, "draft", min(1.0, kind * 1.2), 4)[0] > got[0]

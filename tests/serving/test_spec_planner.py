@@ -321,6 +321,7 @@ def test_the_engine_records_each_decode_step_for_the_calibration(qwen2):
     eng = Engine(qwen2, max_batch=2, kv_cache_mb=1, calibrate=False)
     eng.cost, eng.draft_cost = LineCost(10e-3, 0.1e-3), LineCost(0.1e-3, 0.0)  # speculation always pays
     eng.plain_probe_every = 3
+    eng.probe_every = 0  # a cost probe's step is left out of the calibration (its catch-up is its own)
     eng.add("r", [3, 4, 5] * 6, SamplingParams(max_tokens=40), SpecSettings(method="draft", gamma=4))
     record = _drain(eng)["r"]
     spec, plain = eng.calibration.spec[1], eng.calibration.plain[1]
@@ -365,5 +366,5 @@ def test_the_engine_decodes_plainly_where_speculating_was_slower(qwen2):
         assert sum(g > 0 for g in r.gamma_trace) >= 2  # and speculation tried again after it
     eng.add("alone", [3, 4, 5] * 6, SamplingParams(max_tokens=20), SpecSettings(method="draft", gamma=4))
     vetoes = eng.vetoes
-    trace = _drain(eng)["alone"].gamma_trace
-    assert eng.vetoes == vetoes and sum(g > 0 for g in trace) >= len(trace) // 2  # batch 1: never vetoed
+    _drain(eng)
+    assert eng.vetoes == vetoes and not eng._veto.get(1)  # batch 1: never vetoed, each request's plan decides
