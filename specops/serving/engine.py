@@ -184,8 +184,12 @@ what the plan predicted, nearly all of it in first rounds."""
 PLAIN_PROBE_EVERY = 24
 """Speculating steps in a row at one batch size after which one step there decodes plainly
 (see `Engine.plain_probe_every`)."""
-VETO_STEPS = 256
-"""Plain steps at a batch size where speculating was measured to make decoding slower (`Engine.veto_steps`)."""
+VETO_STEPS = 0
+"""Plain steps at a batch size where speculating was measured to make decoding slower (`Engine.veto_steps`).
+Off by default: a veto stops every class's speculation at that batch size, so the acceptance telemetry
+the controller and the canary analysis read goes blind. With 256, `make demo`'s canary analysis came
+out inconclusive three times instead of failing the bad n-gram canary; per-class decisions are the
+controller's (fallback with probes). Embedders who run no controller can set it."""
 GUARD_MIN_BATCH = 2
 """The smallest batch size the veto applies to. At batch 1 every step is one request's own plan, which
 its acceptance estimate already steers; a batch-wide veto there would stop a code request for what a
@@ -274,7 +278,7 @@ class Engine:
         self.calibration: SpecCalibration | None = SpecCalibration()
         # the backstop: where the last speculative steps at a batch size (>= GUARD_MIN_BATCH) emitted fewer
         # tokens per second than its plain steps, it decodes plainly for veto_steps steps without planning,
-        # then judges afresh. 0: never.
+        # then judges afresh. 0 (the default, see VETO_STEPS): never.
         self.veto_steps = VETO_STEPS
         self._veto: dict[int, int] = {}  # batch size -> plain steps left
         self.vetoes = 0
