@@ -415,7 +415,8 @@ class Engine:
         prefilling = [seq.target.computed - len(it.tokens) < len(seq.tokens) - 1 for seq, it in zip(batch, items)]
         if self._probing:
             self._after_probe(len(items), total, forward_cost)
-        plain_pred = self._fixed_s(len(items)) + self.cost.predict(len(items), total)  # before this step counts
+        plain_pred = (self._fixed_s(len(items)) + self.cost.predict(len(items), total)  # before this step counts
+                      if self.calibration is not None and self._step_pred is None else 0.0)
         if not any(prefilling):
             self.cost.observe(len(items), total, forward_cost)  # decode / verify steps only: what the planner predicts
         greedy = self._verify_greedy_batch(batch, plans, outs)
@@ -439,7 +440,8 @@ class Engine:
             if result is not None:
                 outputs.append(result)
         if self.calibration is not None and not any(prefilling):
-            tokens, wall = sum(n for _, n in emitted), time.perf_counter() - w_step
+            # the veto's realized rates, only kept while it is on
+            tokens, wall = (sum(n for _, n in emitted), time.perf_counter() - w_step) if self.veto_steps else (0, 0.0)
             if spec_commit and self._step_pred is not None:
                 self.calibration.observe_spec(len(batch), t1 - t_step, *self._step_pred, tokens=tokens, wall_s=wall)
                 if len(batch) >= GUARD_MIN_BATCH and self.veto_steps and self.calibration.losing(len(batch)):
