@@ -23,13 +23,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specops.policies.turns import turn_from_messages
 from specops.serving import protocol as p
 from specops.serving.async_engine import AsyncEngine, EngineUnavailableError, GenerationRequest, QueueFullError
 from specops.serving.chat_template import render_chat
+from specops.webstack import metrics_response
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +209,7 @@ def build_app(load: Callable[[], AsyncEngine], *, model_name: str, model_root: s
         client = request.app.state.client
         if client is None:
             return Response(b"", media_type=CONTENT_TYPE_LATEST)
-        return Response(generate_latest(client.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return metrics_response(client.metrics.registry)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,6 +142,7 @@ def run_server(cfg: ServeConfig) -> None:
     from specops.policies.loader import read_source
     from specops.policies.redis_backend import close
     from specops.serving.app import build_app
+    from specops.webstack import serve_until_signal, server_config
 
     policy_path = cfg.policy_file or str(DEFAULT_POLICY)
     try:
@@ -166,17 +166,8 @@ def run_server(cfg: ServeConfig) -> None:
 
         app = build_app(lambda: build_engine_client(cfg, serving_client, policy, registry), model_name=name,
                         model_root=cfg.model, api_key=cfg.api_key, on_load_error=on_load_error)
-        config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False,
-                                timeout_graceful_shutdown=5)
-        server = uvicorn.Server(config)
-        # uvicorn re-raises the signal that stopped it once it is done; with SIGTERM's default
-        # action that would kill the process before the cleanup below (the embedded Redis would
-        # outlive us). A Python-level handler makes that re-raise harmless.
-        previous = signal.signal(signal.SIGTERM, lambda *_: None)
-        try:
-            server.run()
-        finally:
-            signal.signal(signal.SIGTERM, previous)
+        server = uvicorn.Server(server_config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level))
+        serve_until_signal(server)  # returns on SIGTERM too: the cleanup below stops the embedded Redis
     finally:
         try:
             serving_client.close()

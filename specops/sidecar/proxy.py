@@ -59,7 +59,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from specops.sidecar import fields
 from specops.sidecar.routing import Route, Router
@@ -67,6 +67,7 @@ from specops.sidecar.scrape import EngineScraper
 from specops.sidecar.stream import StreamWatcher
 from specops.sidecar.telemetry import Observation, PoolSpeed, to_record
 from specops.sidecar.upstream import UpstreamClient, UpstreamError, UpstreamResponse
+from specops.webstack import metrics_response
 
 log = logging.getLogger(__name__)
 
@@ -487,7 +488,7 @@ def build_app(sidecar: Sidecar) -> ProxyApp:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(sidecar.registry), media_type=CONTENT_TYPE_LATEST)
+        return metrics_response(sidecar.registry)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:

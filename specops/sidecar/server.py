@@ -152,14 +152,12 @@ def run_sidecar(opts: SidecarOptions) -> None:
     import uvicorn
 
     from specops.sidecar.proxy import build_app
+    from specops.webstack import serve_until_signal, server_config
 
     sidecar = build_sidecar(opts)
     app = build_app(sidecar)
-    # proxy_headers off: no X-Forwarded-* rewriting middleware around every request (nothing reads the client address)
-    config = uvicorn.Config(app, host=opts.host, port=opts.port, log_level=opts.log_level, access_log=False,
-                            proxy_headers=False, timeout_graceful_shutdown=5)
     try:
-        uvicorn.Server(config).run()
+        serve_until_signal(uvicorn.Server(server_config(app, host=opts.host, port=opts.port, log_level=opts.log_level)))
     finally:
         live = sidecar.router.live
         if live is not None:

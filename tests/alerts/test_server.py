@@ -144,16 +144,15 @@ def test_auth_is_checked_before_the_body_is_read(served):
     assert answer.startswith(b"HTTP/1.1 401") and time.monotonic() - started < 4 and received == []
 
 
-def test_silent_client_is_timed_out(served, monkeypatch):
-    from specops.alerts import server as server_module
-
-    monkeypatch.setattr(server_module._Handler, "timeout", 0.5)
-    server, received, _ = served
-    head = (b"POST /webhook/alertmanager HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok\r\n"
-            b"Content-Length: 500\r\n\r\n{\"versi")  # then silence
-    started = time.monotonic()
-    _raw(server, head, read_timeout_s=8)
-    assert time.monotonic() - started < 5 and received == []  # the server hung up on its own
+def test_silent_client_is_timed_out():
+    received = []
+    with ControlServer(WebhookReceiver(TOKEN, received.append), read_timeout_s=0.5) as server:
+        head = (b"POST /webhook/alertmanager HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok\r\n"
+                b"Content-Length: 500\r\n\r\n{\"versi")  # then silence
+        started = time.monotonic()
+        answer = _raw(server, head, read_timeout_s=8)
+        assert time.monotonic() - started < 5 and received == []  # the server hung up on its own
+        assert answer.startswith(b"HTTP/1.1 408")
 
 
 def test_chunked_body_is_accepted(served):

@@ -6,6 +6,7 @@ land, a webhook that reaches the standby, a paused rollout that is resumed.
 
 from __future__ import annotations
 
+import email.message
 import json
 import threading
 import time
@@ -233,14 +234,14 @@ def test_fallback_cleared_in_the_store_is_not_kept_in_memory(redis_client):
 
 
 # ----------------------------------------------------------------------------- bug 5
-def _post(url: str, body: bytes, token: str = "tok") -> tuple[int, dict, dict]:
+def _post(url: str, body: bytes, token: str = "tok") -> tuple[int, dict, "email.message.Message"]:
     req = urllib.request.Request(url + "/webhook/alertmanager", data=body, method="POST",
                                  headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
-            return resp.status, json.loads(resp.read()), dict(resp.headers)
+            return resp.status, json.loads(resp.read()), resp.headers
     except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read() or b"{}"), dict(err.headers)
+        return err.code, json.loads(err.read() or b"{}"), err.headers
 
 
 def test_webhook_on_the_standby_is_retried_until_the_leader_acts(redis_client):
