@@ -21,7 +21,10 @@ One forward:
    (prefix, then causal or tree); padded rows see slot 0 and are dropped. On CPU in
    fp32, a group whose mask is "each query sees a prefix of its keys" (plain decoding,
    chain drafts; ``visible`` set, up to ``KERNEL_MAX_TQ`` queries per sequence) skips
-   the gather: `specops.kernels.cpu_paged` reads the keys and values in place;
+   the gather: `specops.kernels.cpu_paged` reads the keys and values in place. On CUDA
+   with Triton (``gpu_kernel``), every group of up to ``GPU_KERNEL_MAX_TQ`` queries per
+   sequence, trees included (``visible`` plus the tree's mask), runs
+   `specops.kernels.paged_attention`, which does the same on the GPU;
 5. logits are computed only for the rows the caller asks for (``logit_rows``).
 
 On fp32 CPU with the C kernels built (the runner's ``c_layers``), a batch of up to
@@ -46,6 +49,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specops.kernels import cpu_linear, cpu_paged
+from specops.kernels.paged_attention import paged_attention as paged_attention_kernel
+from specops.kernels.paged_attention import triton_available
 
 
 @dataclass
@@ -57,7 +62,9 @@ class AttnGroup:
     mask: Tensor | None  # [G, 1, Tq, Lk] bool: query t of sequence g may see key j (None: ``visible`` says it)
     padded_rows: Tensor  # [n_g] long: rows of the padded [G * Tq] output that are real tokens
     flat_rows: Tensor  # [n_g] long: the flat token index of each of those rows
-    visible: Tensor | None = None  # [G, Tq] long: query t sees keys [0, visible) (0: padding); None for trees
+    # [G, Tq] long: query t sees keys [0, visible) (0: padding), set for a kernel group (`kernel_group`); a tree
+    # group on the GPU kernel has its mask too, which further restricts them
+    visible: Tensor | None = None
 
 
 @dataclass
@@ -98,6 +105,7 @@ def kv_bytes_per_token(runner) -> int:
 
 
 KERNEL_MAX_TQ = 16  # queries per sequence up to which the CPU kernel runs (longer prefills: SDPA)
+GPU_KERNEL_MAX_TQ = 64  # the same for the Triton kernel on CUDA (one program per query: prefills stay on SDPA)
 C_LAYERS_MAX_N = 128  # flat tokens up to which a batch runs the C layer stack (larger: oneDNN matmuls pay)
 
 
@@ -118,6 +126,8 @@ class PagedLlama:
                                  dtype=runner.dtype, device=runner.device)
         # the in-place CPU kernel for fp32 on CPU when it builds here; otherwise SDPA over gathered KV
         self.cpu_kernel = self.device.type == "cpu" and runner.dtype == torch.float32 and cpu_paged.available()
+        # on CUDA: the Triton paged-attention kernel (any supported dtype; trees too)
+        self.gpu_kernel = self.device.type == "cuda" and triton_available()
         self._half_bytes = self.slots * runner.n_kv_heads * runner.head_dim * self.store.element_size()  # one [S, Hkv, D]
         # a batch of up to C_LAYERS_MAX_N tokens runs the whole layer stack in one C call (`forward_ragged`)
         # where the runner's single-sequence forward does (fp32 CPU, SwiGLU layers on the C kernels)
@@ -126,7 +136,10 @@ class PagedLlama:
         self._c_table = runner.c_layer_table(halves) if self.c_layers else None
 
     def kernel_group(self, tq: int, tree: bool) -> bool:
-        """Whether a group of ``tq`` queries per sequence runs on the CPU kernel."""
+        """Whether a group of ``tq`` queries per sequence runs on a paged-attention kernel (the
+        CPU one takes prefix-shaped masks only; the GPU one trees too, with their mask)."""
+        if self.gpu_kernel:
+            return tq <= GPU_KERNEL_MAX_TQ
         return self.cpu_kernel and not tree and tq <= KERNEL_MAX_TQ
 
     def _rotary(self, positions: Tensor) -> tuple[Tensor, Tensor]:  # [N] -> 2 x [N, Hq+2Hkv, D]
@@ -144,14 +157,20 @@ class PagedLlama:
         half = d // 2
         gqa = hq != hkv
         width = hq + 2 * hkv
-        # kernel groups: index tensors converted once for all layers (q rows are qkv's, stride width * d;
-        # layer i's keys and values are the contiguous [S, Hkv, D] halves of store[i])
-        if any(g.mask is None for g in batch.groups) and not (self.store.dtype == torch.float32
-                                                               and self.store.device.type == "cpu"):
-            raise ValueError("an attention group without a mask needs the CPU kernel (fp32 on CPU)")
+        # kernel groups (``visible`` set): on CPU, index tensors converted once for all layers (q rows are
+        # qkv's, stride width * d; layer i's keys and values are the contiguous [S, Hkv, D] halves of
+        # store[i]); on CUDA the Triton kernel, a tree's mask as [G, Tq, Lk] bytes
+        kernel = [g.visible is not None for g in batch.groups]
+        on_gpu = self.gpu_kernel
+        if any(g.mask is None for g in batch.groups) and not on_gpu and not (
+                self.store.dtype == torch.float32 and self.store.device.type == "cpu"):
+            raise ValueError("an attention group without a mask needs a paged-attention kernel (fp32 on CPU, or CUDA)")
         store_ptr = self.store.data_ptr()
         calls = [cpu_paged.PreparedCall(g.q_index, g.visible, g.kv_slots, n=n, hq=hq, hkv=hkv, d=d, q_stride=width * d,
-                                        scale=r.scale) if g.mask is None else None for g in batch.groups]
+                                        scale=r.scale) if k and not on_gpu else None
+                 for g, k in zip(batch.groups, kernel)]
+        masks = [g.mask[:, 0].to(torch.uint8).contiguous() if k and on_gpu and g.mask is not None else None
+                 for g, k in zip(batch.groups, kernel)]
         with torch.inference_mode():
             cos, sin = self._rotary(batch.positions)  # [N, H', D] each
             x = F.embedding(batch.input_ids, r.embed)  # [N, E]
@@ -162,11 +181,15 @@ class PagedLlama:
                 store = self.store[i]  # [2, S, Hkv, D]
                 store.index_copy_(1, batch.write_slots, kv_new)
                 q_all = qkv[:, :hq]  # [N, Hq, D]
-                o = x.new_empty(n, hq * d) if (len(batch.groups) > 1 or batch.groups[0].mask is None) else None
-                for g, call in zip(batch.groups, calls):
+                o = x.new_empty(n, hq * d) if (len(batch.groups) > 1 or kernel[0]) else None
+                for g, call, on_kernel, mask in zip(batch.groups, calls, kernel, masks):
                     if call is not None:  # prefix-shaped masks: keys and values read in place
                         k_ptr = store_ptr + (2 * i) * self._half_bytes
                         call(qkv.data_ptr(), k_ptr, k_ptr + self._half_bytes, o)
+                        continue
+                    if on_kernel:  # CUDA: the Triton kernel reads keys and values in place
+                        paged_attention_kernel(q_all, store[0], store[1], g.q_index, g.visible, g.kv_slots, o,
+                                               r.scale, mask=mask, impl="triton")
                         continue
                     b, tq = g.q_index.shape
                     # index_select, not advanced indexing: ~5x faster on CPU for this gather

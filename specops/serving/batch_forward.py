@@ -184,9 +184,14 @@ class PagedBackend:
         tables = torch.tensor(table_rows, dtype=torch.long)  # [G, blocks]
         kv_slots = (tables[:, :, None] * self.bs + self._arange.cpu()).view(b, -1)[:, :lk]  # [G, Lk]
         tree = any(it.intra is not None for it in items)
-        if self.model.kernel_group(tq, tree):  # prefix-shaped masks: the kernel needs only the key counts
-            visible = [[s + i + 1 if i < t else 0 for i in range(tq)] for s, t in zip(starts, lens)]
-            return AttnGroup(q_index=q_index.to(dev), kv_slots=kv_slots.to(dev), mask=None,
+        if self.model.kernel_group(tq, tree):
+            if tree:  # (the GPU kernel) each real query sees its sequence's keys as far as the mask allows
+                visible = [[s + t if i < t else 0 for i in range(tq)] for s, t in zip(starts, lens)]
+                mask = self._mask(items, starts, lens, tq, lk).to(dev)
+            else:  # prefix-shaped masks: the kernel needs only the key counts
+                visible = [[s + i + 1 if i < t else 0 for i in range(tq)] for s, t in zip(starts, lens)]
+                mask = None
+            return AttnGroup(q_index=q_index.to(dev), kv_slots=kv_slots.to(dev), mask=mask,
                              padded_rows=torch.tensor(padded, dtype=torch.long, device=dev),
                              flat_rows=torch.tensor(flat, dtype=torch.long, device=dev),
                              visible=torch.tensor(visible, dtype=torch.long, device=dev))

@@ -36,6 +36,7 @@ import specops.kernels  # noqa: E402,F401  (registers the submodules below)
 
 ta = sys.modules["specops.kernels.tree_attention"]
 kc = sys.modules["specops.kernels.kv_compact"]
+pa = sys.modules["specops.kernels.paged_attention"]
 
 if ta.triton_interpreting():
     if REQUIRE_SERVICES:
@@ -117,3 +118,19 @@ def test_reduce_and_compact_kernels_compile(tmp_path):
     )
     assert "bar.sync" in compact.asm["ptx"]  # the load/store barrier survived lowering
     assert _resources(compact, tmp_path)["STACK"] == 0
+
+
+@pytest.mark.parametrize("dtype, hq, hkv, head_dim, has_mask", [
+    (torch.bfloat16, 32, 8, 128, False),  # a Llama-3-8B-shaped layer, plain / chain steps
+    (torch.bfloat16, 32, 8, 128, True),  # the same with a tree's mask
+    (torch.float32, 4, 2, 64, False),  # the bundled target's layer shape in fp32
+], ids=["bf16-G4-D128", "bf16-G4-D128-tree", "fp32-G2-D64"])
+def test_paged_attention_kernel_compiles_without_spills(dtype, hq, hkv, head_dim, has_mask, tmp_path):
+    t = "*" + TRITON_TYPE[dtype]
+    pointers = dict(Q=t, K=t, V=t, O=t, QIDX="*i64", VIS="*i64", SLOTS="*i64", MASK="*u8" if has_mask else "*i64")
+    consts = pa.kernel_constexprs(hq, hkv, head_dim, has_mask)
+    kernel = _compile(pa._paged_attn_kernel, pointers, ("qk_scale",), consts,
+                      {"stride_qn", "stride_qh", "stride_ks", "stride_kh", "stride_on"}, num_warps=4)
+    assert kernel.metadata.shared <= MAX_SHARED
+    usage = _resources(kernel, tmp_path)
+    assert usage["STACK"] == 0 and usage["LOCAL"] == 0, usage

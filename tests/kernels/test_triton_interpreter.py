@@ -21,7 +21,7 @@ FILES = sorted(p.name for p in HERE.glob("interp_*.py"))
 
 
 def test_interpreter_files_exist():
-    assert {"interp_tree_attention.py", "interp_kv_compact.py", "interp_bench.py"} <= set(FILES)
+    assert {"interp_tree_attention.py", "interp_kv_compact.py", "interp_bench.py", "interp_paged_attention.py"} <= set(FILES)
 
 
 @pytest.mark.parametrize("name", FILES)
