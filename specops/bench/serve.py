@@ -15,12 +15,15 @@ Modes switch the server through its Redis, as an operator would:
               had its ticks and its alert rules their ``for_s``.
 
 The bench waits until the server's ``/readyz`` shows the settings before measuring.
-A started server is one process per mode (its own Redis namespace), and repeat r runs
-every mode's cells in turn, the order rotated by r, so the machine's drift over minutes
-falls on every mode alike; against ``--base-url`` the modes run one after the other.
+A started server is one process per mode (its own Redis namespace), and repeat r runs,
+for each concurrency, every mode's cell back to back, the order rotated by r and the
+concurrency, so the machine's drift over minutes falls on every mode alike; against
+``--base-url`` the modes run one after the other.
 With ``--repeats R`` every cell runs R times; a row is the repeat with the median output
 tokens/s (a measured row, its latencies from the same run), with every repeat's tokens/s
-beside it and each class's live setting at the end of that run (``settings``). An
+beside it and each class's live setting at the end of that run (``settings``), and what the
+server's speculation planner did in that run (from its ``/metrics``: ``spec_step_share``, the
+decode steps where some sequence speculated; ``vetoes``; ``probes``). An
 interleaved run also reports the goal ratios paired per repeat (the median over repeats
 of each repeat's own ratio, ``paired_ratios``), beside the ratios of the medians. Below the
 table, the ratios the serving goals are stated in (off c_max / c_min, adaptive / off,
@@ -32,6 +35,7 @@ ITL = gaps between streamed chunks; goodput = requests/s meeting every SLO.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import os
@@ -136,17 +140,25 @@ def parse_slo(text: str) -> tuple[float | None, float | None]:
     return ttft, tpot
 
 
+@functools.lru_cache(maxsize=8)
+def _suite_pools(seed: int) -> dict[str, list[tuple[str, float]]]:
+    """The bundled suites' prompts by mix kind (parsed once: each cell draws from them)."""
+    from specops.bench.suites import HOT_TEMPERATURE, builtin_suite
+
+    return {"code": [(p.text, 0.0) for p in builtin_suite("code", seed=seed)],
+            "prose": [(p.text, 0.0) for p in builtin_suite("prose", seed=seed)],
+            "hot": [(p.text, HOT_TEMPERATURE) for p in builtin_suite("code", seed=seed + 1)]}
+
+
 def build_prompts(cfg: ServeBenchConfig, count: int) -> list[tuple[str, float]]:
     """``count`` (prompt, temperature) pairs drawn from the mix (the same list for every mode)."""
-    from specops.bench.suites import HOT_TEMPERATURE, builtin_suite, load_prompts_file
+    from specops.bench.suites import load_prompts_file
 
     rng = random.Random(cfg.seed)
     if cfg.prompts_file:
         pool = [(p.text, p.temperature) for p in load_prompts_file(cfg.prompts_file)]
         return [pool[i % len(pool)] for i in range(count)]
-    pools = {"code": [(p.text, 0.0) for p in builtin_suite("code", seed=cfg.seed)],
-             "prose": [(p.text, 0.0) for p in builtin_suite("prose", seed=cfg.seed)],
-             "hot": [(p.text, HOT_TEMPERATURE) for p in builtin_suite("code", seed=cfg.seed + 1)]}
+    pools = _suite_pools(cfg.seed)
     kinds = [k for k in MIX_KINDS if cfg.mix.get(k, 0) > 0]
     weights = [cfg.mix[k] for k in kinds]
     return [rng.choice(pools[rng.choices(kinds, weights)[0]]) for _ in range(count)]
@@ -436,7 +448,8 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
     namespace (``NAMESPACE-MODE``; the controller runs against the adaptive one), all started
     and warmed first; then repeat r runs every mode's cells, the modes in an order rotated by
     r. The machine's speed drifts over minutes, and modes measured minutes apart compared
-    that drift as often as the modes. A running server (``--base-url``) holds one setting
+    that drift as often as the modes; so the cells a goal compares (every mode at one
+    concurrency) run back to back, in an order rotated by repeat and concurrency. A running server (``--base-url``) holds one setting
     at a time, so there the modes run one after the other.
     """
     import redis as redis_lib
@@ -487,19 +500,21 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
                 _adaptive_warmup(t.url, model, cfg)
             return started
 
-        def measure(t: _Target) -> None:
-            for c in cfg.concurrency:
-                results, duration = asyncio.run(run_cell(t.url, model, build_prompts(cfg, counts[c]), c, cfg,
-                                                         on_done=on_done))
-                row = summarize(t.mode, c, results, duration, cfg)
-                row["settings"] = _settings_text(t.url)  # at the cell's end (adaptive: what the controller chose)
-                runs[(t.mode, c)].append(row)
+        def measure(t: _Target, c: int) -> None:
+            before = planner_counts(t.url)
+            results, duration = asyncio.run(run_cell(t.url, model, build_prompts(cfg, counts[c]), c, cfg,
+                                                     on_done=on_done))
+            row = summarize(t.mode, c, results, duration, cfg)
+            row["settings"] = _settings_text(t.url)  # at the cell's end (adaptive: what the controller chose)
+            row.update(planner_delta(before, planner_counts(t.url)))
+            runs[(t.mode, c)].append(row)
 
         if cfg.base_url:
             for mode in cfg.modes:
                 controller = prepare(targets[mode])
                 for _ in range(cfg.repeats):
-                    measure(targets[mode])
+                    for c in cfg.concurrency:
+                        measure(targets[mode], c)
                 if controller is not None:
                     _stop(controller)
                     controller = None
@@ -507,8 +522,9 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
             for t in targets.values():
                 controller = prepare(t) or controller
             for r in range(cfg.repeats):
-                for i in range(len(cfg.modes)):
-                    measure(targets[cfg.modes[(i + r) % len(cfg.modes)]])
+                for j, c in enumerate(cfg.concurrency):  # the cells compared with each other back to back
+                    for i in range(len(cfg.modes)):
+                        measure(targets[cfg.modes[(i + r + j) % len(cfg.modes)]], c)
         rows = [median_row(runs[(m, c)]) for m in cfg.modes for c in cfg.concurrency]
         cfg_out = {k: v for k, v in asdict(cfg).items() if k != "api_key"}
         cfg_out["request_rate"] = None if math.isinf(cfg.request_rate) else cfg.request_rate
@@ -528,6 +544,41 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
         if embedded is not None:
             embedded.connection_pool.disconnect()  # idle pooled connections would count as other users
             close(embedded)
+
+
+PLANNER_SERIES = {("specops_serving_decode_steps", "kind"): ("spec", "plain"),
+                  ("specops_serving_planner_events", "event"): ("veto", "probe", "plain_probe")}
+
+
+def planner_counts(url: str) -> dict[str, float] | None:
+    """The speculation planner's counters from a `specops serve` ``/metrics`` (None for a server
+    without them, e.g. vLLM behind ``--base-url``)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        r = httpx.get(f"{url}/metrics", timeout=10)
+        r.raise_for_status()
+        families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    except (httpx.HTTPError, ValueError):
+        return None
+    out: dict[str, float] = {}
+    for (name, label), values in PLANNER_SERIES.items():
+        family = families.get(name)
+        for sample in family.samples if family is not None else ():
+            if sample.labels.get(label) in values:
+                out[sample.labels[label]] = sample.value
+    return out if {"spec", "plain"} <= out.keys() else None
+
+
+def planner_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any]:
+    """A cell's share of decode steps that speculated, and the planner's vetoes and probes in it."""
+    if before is None or after is None:
+        return {"spec_step_share": None, "vetoes": None, "probes": None}
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    steps = d["spec"] + d["plain"]
+    return {"spec_step_share": d["spec"] / steps if steps > 0 else None, "vetoes": int(d.get("veto", 0)),
+            "probes": int(d.get("probe", 0) + d.get("plain_probe", 0))}
 
 
 def _adaptive_warmup(url: str, model: str, cfg: ServeBenchConfig) -> None:
@@ -567,7 +618,8 @@ def emit_report(report: dict[str, Any], table: str, json_path: Path | None, plot
 
 def format_table(report: dict[str, Any]) -> str:
     head = (f"{'mode':<9}{'conc':>5}{'req':>5}{'err':>4}{'tok/s':>9}{'req/s':>7}{'TTFT p50':>10}{'p99':>8}"
-            f"{'TPOT p50':>10}{'p99':>8}{'ITL p99':>9}{'E2E p99':>9}{'goodput':>9}{'accept':>8}")
+            f"{'TPOT p50':>10}{'p99':>8}{'ITL p99':>9}{'E2E p99':>9}{'goodput':>9}{'accept':>8}{'spec%':>7}"
+            f"{'veto':>5}")
     lines = [head, "  (latencies in ms)"]
     for r in report["results"]:
         lines.append(f"{r['mode']:<9}{r['concurrency']:>5}{r['requests']:>5}{r['errors']:>4}"
@@ -575,7 +627,11 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{_fmt(r['ttft_p50_s'], 1000):>10}{_fmt(r['ttft_p99_s'], 1000):>8}"
                      f"{_fmt(r['tpot_p50_s'], 1000):>10}{_fmt(r['tpot_p99_s'], 1000):>8}"
                      f"{_fmt(r['itl_p99_s'], 1000):>9}{_fmt(r['e2e_p99_s'], 1000):>9}{r['goodput_rps']:>9.2f}"
-                     f"{_fmt(r['acceptance_rate'], 1, 2):>8}")
+                     f"{_fmt(r['acceptance_rate'], 1, 2):>8}{_fmt(r.get('spec_step_share'), 100, 0):>7}"
+                     f"{_fmt(r.get('vetoes'), 1, 0):>5}")
+    if any(r.get("spec_step_share") is not None for r in report["results"]):
+        lines.append("  (spec%: the cell's decode steps where some sequence speculated; veto: times the planner "
+                     "stopped speculating at a batch size where it measured it slower)")
     if any(r.get("repeats", 1) > 1 for r in report["results"]):
         lines.append(f"  (each row: the median of {report['results'][0]['repeats']} runs by tok/s; "
                      "all runs' tok/s in the JSON)")

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import statistics
 import sys
 import tempfile
@@ -89,10 +88,10 @@ def resolve_policy(spec: str) -> tuple[str, Path]:
 def chat_workload(conversations: int, turns: int, seed: int) -> list[Conversation]:
     """The chat suite's conversations (user, assistant, ..., user), the same for every server."""
     from specops.bench.suites import SuiteError, chat_suite_conversations
-    from specops.train.data import split_stdlib
+    from specops.train.data import heldout_files
 
     try:
-        return chat_suite_conversations(split_stdlib().heldout_files, conversations=conversations, turns=turns,
+        return chat_suite_conversations(list(heldout_files()), conversations=conversations, turns=turns,
                                         seed=seed)
     except SuiteError as exc:
         raise BenchServeError(str(exc)) from None

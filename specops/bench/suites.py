@@ -79,11 +79,11 @@ def builtin_suite(name: str, *, seed: int = 0, code_count: int = 20, prose_count
                   hot_count: int = 6, chat_conversations: int = 6, chat_turns: int = 3,
                   chat_template: str | None = None) -> list[BenchPrompt]:
     """The built-in suite ``name`` (one of `SUITES`)."""
-    from specops.train.data import code_prompts, split_stdlib
+    from specops.train.data import code_prompts, heldout_files
 
     if name not in SUITES:
         raise SuiteError(f"unknown suite {name!r}; choose one of {', '.join(SUITES)}")
-    files = split_stdlib().heldout_files
+    files = list(heldout_files())
     if not files:
         raise SuiteError("no held-out stdlib test files found (the stdlib test/ folder is missing)")
     if name == "code":

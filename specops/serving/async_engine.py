@@ -325,8 +325,7 @@ class AsyncEngine:
             raise QueueFullError(self.inflight)
         res = self.runtime.resolve(req.text, len(req.prompt_ids), labels=req.labels, routing_key=req.routing_key,
                                    temperature=req.params.temperature, turn=req.turn)
-        spec = self._spec_type(method=res.method, gamma=res.gamma, medusa_heads=res.heads, tree_size=res.tree_size,
-                               deadline_s=res.deadline_s, auto_key=res.request_class)
+        spec = self.spec_for(res)
         request_id = f"req-{next(self._ids)}"
         stream = RequestStream(self, request_id, req, res, time.monotonic())
         self.inflight += 1
@@ -344,6 +343,13 @@ class AsyncEngine:
             self.metrics.requests.labels("error").inc()
             raise first
         return stream
+
+    def spec_for(self, res: Any) -> Any:
+        """The engine's `SpecSettings` for a request the runtime resolved: a canary's or a fallback
+        probe's speculation is being measured (``observed``: the engine's veto spares it)."""
+        return self._spec_type(method=res.method, gamma=res.gamma, medusa_heads=res.heads, tree_size=res.tree_size,
+                               deadline_s=res.deadline_s, auto_key=res.request_class,
+                               observed=bool(res.canary or res.probe))
 
     def abort(self, request_id: str) -> None:
         self._command("abort", request_id)

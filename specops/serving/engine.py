@@ -184,12 +184,12 @@ what the plan predicted, nearly all of it in first rounds."""
 PLAIN_PROBE_EVERY = 24
 """Speculating steps in a row at one batch size after which one step there decodes plainly
 (see `Engine.plain_probe_every`)."""
-VETO_STEPS = 0
+VETO_STEPS = 256
 """Plain steps at a batch size where speculating was measured to make decoding slower (`Engine.veto_steps`).
-Off by default: a veto stops every class's speculation at that batch size, so the acceptance telemetry
-the controller and the canary analysis read goes blind. With 256, `make demo`'s canary analysis came
-out inconclusive three times instead of failing the bad n-gram canary; per-class decisions are the
-controller's (fallback with probes). Embedders who run no controller can set it."""
+The veto spares requests whose speculation is being measured (`SpecSettings.observed`: a canary's, a
+fallback probe's). When it stopped every request, the acceptance telemetry the canary analysis reads
+went blind: `make demo`'s analysis came out inconclusive three times instead of failing the bad n-gram
+canary."""
 GUARD_MIN_BATCH = 2
 """The smallest batch size the veto applies to. At batch 1 every step is one request's own plan, which
 its acceptance estimate already steers; a batch-wide veto there would stop a code request for what a
@@ -277,11 +277,12 @@ class Engine:
         # veto (tests that give the engine a synthetic cost model, which real step times cannot calibrate)
         self.calibration: SpecCalibration | None = SpecCalibration()
         # the backstop: where the last speculative steps at a batch size (>= GUARD_MIN_BATCH) emitted fewer
-        # tokens per second than its plain steps, it decodes plainly for veto_steps steps without planning,
-        # then judges afresh. 0 (the default, see VETO_STEPS): never.
+        # tokens per second than its plain steps, its requests decode plainly for veto_steps steps, then it
+        # judges afresh; requests marked `SpecSettings.observed` are planned as usual. 0: never.
         self.veto_steps = VETO_STEPS
         self._veto: dict[int, int] = {}  # batch size -> plain steps left
         self.vetoes = 0
+        self.decode_steps = [0, 0]  # steps that emitted tokens: [all plain, some sequence speculated]
         self._step_pred: tuple[float, float] | None = None  # this step's plan: (predicted s, plain predicted s)
         self._propose_s = 0.0  # this step's proposal seconds (n-gram lookups, draft rounds, Medusa trees)
         self._propose_share: dict[str, float] = {}  # request -> its share of them, beyond the draft forwards
@@ -378,7 +379,8 @@ class Engine:
             waiting=len(self.scheduler.waiting), running=len(self.scheduler.running), batch_size=self._last_batch,
             kv_blocks_used=self.pool.num_used, kv_blocks_free=self.pool.num_free,
             kv_blocks_total=self.pool.num_blocks, preemptions=self.scheduler.preemptions,
-            prefix_cache_hit_blocks=self.pool.cache_hits,
+            prefix_cache_hit_blocks=self.pool.cache_hits, plain_steps=self.decode_steps[0],
+            spec_steps=self.decode_steps[1], vetoes=self.vetoes, probes=self.probes, plain_probes=self.plain_probes,
             attention_kernel="cpu-paged" if getattr(getattr(self.target, "model", None), "cpu_kernel", False) else "sdpa")
 
     def _release(self, seq: Sequence) -> None:
@@ -444,13 +446,16 @@ class Engine:
             tokens, wall = (sum(n for _, n in emitted), time.perf_counter() - w_step) if self.veto_steps else (0, 0.0)
             if spec_commit and self._step_pred is not None:
                 self.calibration.observe_spec(len(batch), t1 - t_step, *self._step_pred, tokens=tokens, wall_s=wall)
-                if len(batch) >= GUARD_MIN_BATCH and self.veto_steps and self.calibration.losing(len(batch)):
+                if (len(batch) >= GUARD_MIN_BATCH and self.veto_steps and not self._veto.get(len(batch))
+                        and self.calibration.losing(len(batch))):
                     self._veto[len(batch)] = self.veto_steps
                     self.vetoes += 1
             elif not spec_commit:
                 self.calibration.observe_plain(len(batch), t1 - t_step, plain_pred, tokens=tokens, wall_s=wall)
         self._measure_overheads(len(batch), t1 - t_step - forward_cost, plain_commit, spec_commit)
         self._count_plain_time(len(batch), time.perf_counter() - w_step, emitted, bool(spec_commit), any(prefilling))
+        if emitted:
+            self.decode_steps[bool(spec_commit)] += 1
         return outputs
 
     def _count_plain_time(self, b: int, step_s: float, emitted: list[tuple[Sequence, int]], speculated: bool,
@@ -551,11 +556,13 @@ class Engine:
             # (extrapolated, it made drafts look free beside a prompt); the step decodes plainly
             return {}
         b = len(batch)
-        if self._veto.get(b, 0) > 0:  # speculating here made decoding slower (see ``veto_steps``)
+        vetoed = self._veto.get(b, 0) > 0
+        if vetoed:  # speculating here made decoding slower (see ``veto_steps``)
             self._veto[b] -= 1
             if not self._veto[b] and self.calibration is not None:
                 self.calibration.forget_spec(b)
-            return {}
+            if not any(seq.spec.observed for seq in batch):
+                return {}
         if self.plain_probe_every and self._spec_run.get(b, 0) >= self.plain_probe_every:
             self._spec_run[b] = 0  # a plain probe (see ``plain_probe_every``)
             self.plain_probes += 1
@@ -572,6 +579,8 @@ class Engine:
         for seq in batch:
             if seq.spec.method == "ar" or seq.target.computed != len(seq.tokens) - 1:
                 continue  # plain method, or a prefill / recompute step
+            if vetoed and not seq.spec.observed:
+                continue
             if seq.deadline_at is not None and now > seq.deadline_at:
                 seq.stats.fallback_reason = "deadline"
                 continue

@@ -13,6 +13,10 @@
 ``specops_serving_batch_size``                 gauge      sequences in the last step's forward
 ``specops_serving_kv_blocks_used`` / ``_free``  gauge      paged KV cache blocks
 ``specops_serving_inflight``                   gauge      admitted requests not yet finished
+``specops_serving_decode_steps``               gauge      decode steps since start, ``kind`` (spec: some
+                                                          sequence speculated | plain)
+``specops_serving_planner_events``             gauge      the planner's interventions since start, ``event``
+                                                          (veto | probe | plain_probe)
 ``specops_serving_policy_stale``               gauge      1 while the policy state is not live
 ``specops_serving_policy_age_seconds``         gauge      since the last successful policy load
 ``specops_serving_policy_refresh_failures``    gauge      failed policy refreshes since start
@@ -57,6 +61,12 @@ class ServingMetrics:
         self.kv_free = Gauge("specops_serving_kv_blocks_free", "Paged KV blocks free.", registry=registry)
         self.prefix_hits = Gauge("specops_serving_prefix_cache_hit_blocks", "KV blocks reused from the prefix cache "
                                  "since start (prompt blocks not recomputed).", registry=registry)
+        self.decode_steps = Gauge("specops_serving_decode_steps", "Decode steps since start: kind=spec where some "
+                                  "sequence speculated, plain where none did.", ["kind"], registry=registry)
+        self.planner_events = Gauge("specops_serving_planner_events", "The speculation planner's interventions since "
+                                    "start: veto (speculation stopped at a batch size where it was measured slower), "
+                                    "probe (one sequence speculated against the plan), plain_probe (a plain step at a "
+                                    "batch size that always speculated).", ["event"], registry=registry)
         self.inflight = Gauge("specops_serving_inflight", "Admitted requests not yet finished.", registry=registry)
         self.policy_stale = Gauge("specops_serving_policy_stale", "1 while the policy state is not live (Redis "
                                   "unreachable or empty): the last known settings serve.", registry=registry)
@@ -77,6 +87,10 @@ class ServingMetrics:
         self.kv_used.set(stats.kv_blocks_used)
         self.kv_free.set(stats.kv_blocks_free)
         self.prefix_hits.set(stats.prefix_cache_hit_blocks)
+        self.decode_steps.labels("spec").set(stats.spec_steps)
+        self.decode_steps.labels("plain").set(stats.plain_steps)
+        for event, value in (("veto", stats.vetoes), ("probe", stats.probes), ("plain_probe", stats.plain_probes)):
+            self.planner_events.labels(event).set(value)
 
     def policy(self, live: Any, records: Any) -> None:
         """Copy the fail-static state (`LivePolicy`, `RecordBuffer`) into the gauges."""

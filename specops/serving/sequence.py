@@ -78,6 +78,10 @@ class SpecSettings:
     auto_key: str | None = None
     """Which requests share ``method="auto"``'s estimates (the server passes the request
     class; greedy and sampled requests are kept apart on top of it)."""
+    observed: bool = False
+    """This request's speculation is being measured (a canary revision's request, or a fallen-back
+    class's probe): the engine's batch-wide veto (`Engine.veto_steps`) does not stop it, so the
+    acceptance that the canary analysis and the fallback read keeps coming."""
 
     def check(self) -> None:
         """Raise ValueError naming the bad field."""
@@ -93,6 +97,8 @@ class SpecSettings:
         d = self.deadline_s
         if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not d > 0 or math.isinf(d)):
             raise ValueError(f"deadline_s must be a finite number of seconds > 0 or None, got {d!r}")
+        if not isinstance(self.observed, bool):
+            raise ValueError(f"observed must be a bool, got {self.observed!r}")
 
 
 @dataclass(slots=True)
@@ -127,6 +133,16 @@ class EngineStats:
     """KV blocks reused from the prefix cache (prompt blocks not recomputed) since start."""
     attention_kernel: str = "sdpa"
     """How decode attention reads the paged KV: ``cpu-paged`` (in place) or ``sdpa`` (gathered)."""
+    plain_steps: int = 0
+    """Decode steps since start in which every sequence decoded plainly."""
+    spec_steps: int = 0
+    """Decode steps since start in which some sequence speculated."""
+    vetoes: int = 0
+    """Times the planner's veto stopped speculating at a batch size since start (`Engine.veto_steps`)."""
+    probes: int = 0
+    """Cost probes since start: steps where one sequence speculated against the plan (`Engine.probe_every`)."""
+    plain_probes: int = 0
+    """Plain probes since start: plain steps at a batch size that always speculated (`Engine.plain_probe_every`)."""
 
 
 class SeqStatus(enum.Enum):

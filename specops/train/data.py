@@ -10,6 +10,7 @@ choice takes an explicit seed.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import sysconfig
@@ -59,6 +60,14 @@ def split_stdlib(root: Path | None = None) -> StdlibSplit:
         raise DataError(f"no training files (*.py outside test folders) under {root}")
     log.info("stdlib %s: %d training files, %d held-out files", root, len(train), len(heldout))
     return StdlibSplit(root=root, train_files=train, heldout_files=heldout)
+
+
+@functools.lru_cache(maxsize=4)
+def heldout_files(root: Path | None = None) -> tuple[Path, ...]:
+    """``split_stdlib(root).heldout_files`` without listing the training files (a walk of the
+    whole standard library, ~1 s): the benchmark suites need only these."""
+    root = Path(root) if root is not None else stdlib_root()
+    return tuple(sorted((root / "test").glob("test_*.py")))
 
 
 def read_texts(files: Iterable[Path], *, max_bytes_per_file: int | None = None) -> list[str]:

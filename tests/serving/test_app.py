@@ -148,6 +148,25 @@ def test_engine_leaves_a_core_to_the_event_loop_while_many_sequences_stream():
     assert calls == [1, 2]  # one thread: nothing to leave
 
 
+@pytest.mark.parametrize("canary, probe", [(False, False), (True, False), (False, True)])
+def test_a_canary_or_probe_request_is_marked_observed_for_the_engine(canary, probe):
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from specops.serving.async_engine import AsyncEngine
+    from specops.serving.metrics import ServingMetrics
+
+    engine = SimpleNamespace(scheduler=SimpleNamespace(running=[]))
+    client = AsyncEngine(engine, runtime=None, tokenizer=[0] * 10, metrics=ServingMetrics(CollectorRegistry()))
+    res = SimpleNamespace(method="ngram", gamma=5, heads=3, tree_size=16, deadline_s=30.0, request_class="general",
+                          canary=canary, probe=probe)
+    spec = client.spec_for(res)
+    spec.check()
+    assert (spec.method, spec.gamma, spec.auto_key, spec.deadline_s) == ("ngram", 5, "general", 30.0)
+    assert spec.observed is (canary or probe)
+
+
 def test_the_core_rule_applies_only_to_engines_on_torch_threads():
     from types import SimpleNamespace
 

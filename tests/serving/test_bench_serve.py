@@ -124,7 +124,8 @@ def test_repeats_report_the_median_run_and_the_goal_ratios():
 
 def test_a_started_bench_runs_one_server_per_mode_and_interleaves_the_modes_per_repeat(monkeypatch, tmp_path):
     """Each mode has its own server and namespace (the controller on the adaptive one), every
-    server is warmed before measuring, and repeat r measures the modes in an order rotated by r."""
+    server is warmed before measuring, and the modes' cells at one concurrency run back to back,
+    in an order rotated by the repeat and the concurrency."""
     from specops.bench import serve
 
     started, measured, controllers = [], [], []
@@ -153,16 +154,36 @@ def test_a_started_bench_runs_one_server_per_mode_and_interleaves_the_modes_per_
     monkeypatch.setattr(serve, "_wait_settings", lambda url, expected, timeout_s=30.0: None)
     monkeypatch.setattr(serve, "_adaptive_warmup", lambda url, model, cfg: None)
     monkeypatch.setattr(serve, "run_cell", cell)
+    scrapes = {}
+
+    def planner_counts(url):  # each scrape of a server: 3 more speculative steps, 1 more plain step
+        n = scrapes[url] = scrapes.get(url, 0) + 1
+        return {"spec": 3.0 * n, "plain": 1.0 * n, "veto": 0.0, "probe": 0.0, "plain_probe": float(n)}
+
+    monkeypatch.setattr(serve, "planner_counts", planner_counts)
     cfg = serve.ServeBenchConfig(redis_url="redis://127.0.0.1:9/0", concurrency=[1, 4], repeats=3, num_prompts=1,
                                  progress=True)
     report = serve.run_bench_serve(cfg)
     assert started == ["specops-off", "specops-fixed", "specops-adaptive"] and controllers == ["specops-adaptive"]
-    modes = [ns.split("-")[1] for ns, _ in measured[::2]]
-    assert modes == ["off", "fixed", "adaptive", "fixed", "adaptive", "off", "adaptive", "off", "fixed"]
-    assert [c for _, c in measured] == [1, 4] * 9
+    # per repeat and concurrency, every mode back to back, the order rotated by both
+    assert [(ns.split("-")[1], c) for ns, c in measured] == [
+        ("off", 1), ("fixed", 1), ("adaptive", 1), ("fixed", 4), ("adaptive", 4), ("off", 4),  # repeat 0
+        ("fixed", 1), ("adaptive", 1), ("off", 1), ("adaptive", 4), ("off", 4), ("fixed", 4),  # repeat 1
+        ("adaptive", 1), ("off", 1), ("fixed", 1), ("off", 4), ("fixed", 4), ("adaptive", 4)]  # repeat 2
     assert [(r["mode"], r["concurrency"], r["repeats"]) for r in report["results"]] == [
         (m, c, 3) for m in ("off", "fixed", "adaptive") for c in (1, 4)]
     assert report["config"]["interleaved"] is True
+    assert all((r["spec_step_share"], r["vetoes"], r["probes"]) == (0.75, 0, 1) for r in report["results"])
+
+
+def test_the_planner_delta_of_a_cell():
+    from specops.bench.serve import planner_delta
+
+    before = {"spec": 10.0, "plain": 30.0, "veto": 1.0, "probe": 2.0, "plain_probe": 0.0}
+    after = {"spec": 40.0, "plain": 40.0, "veto": 3.0, "probe": 2.0, "plain_probe": 1.0}
+    assert planner_delta(before, after) == {"spec_step_share": 0.75, "vetoes": 2, "probes": 1}
+    assert planner_delta(None, after) == {"spec_step_share": None, "vetoes": None, "probes": None}
+    assert planner_delta(after, after)["spec_step_share"] is None  # no decode step in the cell
 
 
 def test_paired_ratios_take_each_repeats_ratio_then_the_median():

@@ -288,6 +288,10 @@ def test_bench_serve_modes_against_the_live_server(server, redis_box):
         assert r["output_tokens_per_s"] * r["duration_s"] == pytest.approx(3 * 8)  # ignore_eos: all 8 tokens
         assert r["ttft_p50_s"] > 0 and r["tpot_p99_s"] > 0
     assert all(r["acceptance_rate"] is None for r in rows if r["mode"] == "off")  # nothing drafted
+    # what the planner did, from the server's /metrics: off never speculates, fixed (draft on code) does
+    assert all(r["spec_step_share"] == 0.0 and r["vetoes"] == 0 for r in rows if r["mode"] == "off")
+    assert any(r["spec_step_share"] > 0 for r in rows if r["mode"] == "fixed")
+    assert "spec%" in format_table(report)
     assert rows[0]["settings"]["code"] == "off" and rows[2]["settings"]["code"].startswith("draft γ")
     assert "fixed" in format_table(report)
     classes = _ready(server)["policy"]["classes"]

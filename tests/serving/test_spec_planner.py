@@ -368,3 +368,25 @@ def test_the_engine_decodes_plainly_where_speculating_was_slower(qwen2):
     vetoes = eng.vetoes
     _drain(eng)
     assert eng.vetoes == vetoes and not eng._veto.get(1)  # batch 1: never vetoed, each request's plan decides
+
+
+def test_the_veto_spares_requests_whose_speculation_is_measured(qwen2):
+    """A canary's or a fallback probe's request (`SpecSettings.observed`) keeps speculating through a
+    veto, so the acceptance the canary analysis reads does not go blind; the others decode plainly."""
+    eng = Engine(qwen2, max_batch=2, kv_cache_mb=1, calibrate=False)
+    eng.cost, eng.draft_cost = LineCost(10e-3, 0.1e-3), LineCost(0.1e-3, 0.0)  # the plan: speculation pays
+    eng.calibration.losing = lambda b: True  # the record: it did not
+    eng.veto_steps = 1000  # longer than the requests: once vetoed, batch 2 stays vetoed
+    eng.plain_probe_every = 0
+    eng.margin = -1.0  # every candidate speculates, whatever the random draft's acceptance
+    eng.add("stable", [3, 4, 5] * 6, SamplingParams(max_tokens=40), SpecSettings(method="draft", gamma=4))
+    eng.add("canary", [3, 4, 5] * 6, SamplingParams(max_tokens=40),
+            SpecSettings(method="draft", gamma=4, observed=True))
+    records = _drain(eng)
+    assert eng.vetoes == 1
+    stable, canary = records["stable"].gamma_trace, records["canary"].gamma_trace
+    first = next(i for i, g in enumerate(stable) if g) + 1  # the step whose record started the veto
+    assert not any(stable[first:]) and all(canary[first:-1])  # (its last step has one token left to emit)
+    assert records["canary"].drafted > records["stable"].drafted > 0
+    with pytest.raises(ValueError, match="observed"):
+        SpecSettings(method="draft", observed="yes").check()
