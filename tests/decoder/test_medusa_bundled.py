@@ -54,3 +54,24 @@ def test_bundled_medusa_is_exact_and_accepts(bundled):
             tokens += med.stats.new_tokens
     # trained heads on code: well over one token per target forward
     assert tokens / forwards > 1.8, tokens / forwards
+
+
+def test_the_heads_kernel_path_proposes_what_fp32_heads_propose(bundled):
+    """The C-kernel heads read bf16 weights where the kernel can (half the bytes per proposal); their
+    logits stay within bf16 rounding of the fp32 torch path's, and their top-3 per head are the same
+    on the target's real hidden states for code prompts."""
+    from specops.kernels import cpu_linear
+
+    heads = bundled.medusa
+    prompt = code_prompts(bundled, 1)[0][:64]
+    hidden = bundled.target_model.model(torch.tensor([prompt])).last_hidden_state[0].detach()  # [T, E]
+    rows = hidden[-5:]  # 3 heads x 5 rows <= KERNEL_MAX_ROWS: the kernel path
+    with torch.inference_mode():
+        fast = heads(rows)  # [K, 5, V]: the kernel path
+        lm = heads._shared_fp32  # the torch path, in fp32: the heads' blocks, then the target's LM head
+        slow = torch.nn.functional.linear(heads.features(rows).float(), lm.weight, lm.bias)
+    assert heads._kernel_blocks[2].dtype == (torch.bfloat16 if cpu_linear.bf16_weights() else torch.float32)
+    scale = slow.abs().max()
+    assert (fast - slow).abs().max() < 0.02 * scale
+    agree = (fast.topk(3, dim=-1).indices == slow.topk(3, dim=-1).indices).float().mean()
+    assert agree >= 0.9, agree

@@ -127,11 +127,14 @@ def test_decoder_medusa_method(tmp_path, one_thread):
 
 def test_inference_on_cpu_runs_the_heads_on_the_c_kernel_with_the_base_fp32_lm_head(tmp_path):
     """Under inference mode, fp32 hidden states on CPU: the blocks and the shared LM head run
-    in fp32 on `cpu_linear` (torch's bf16 path woke its OpenMP team every step); the logits
-    equal the fp32 torch path, whatever dtype the heads are stored in."""
+    in fp32 math on `cpu_linear` (torch's bf16 path woke its OpenMP team every step), from bf16
+    weight copies where the kernel reads them (a proposal reads half the bytes; proposals never
+    change the output); the logits equal the fp32 torch path up to that rounding, whatever dtype
+    the heads are stored in."""
     from specops.kernels import cpu_linear
 
     assert cpu_linear.available(), cpu_linear.unavailable_reason()
+    tol = dict(atol=0.02, rtol=0.02) if cpu_linear.bf16_weights() else dict(atol=1e-5, rtol=1e-5)
     model = tiny_model("llama")
     heads = perturb(MedusaHeads.from_model(model, num_heads=3, shared_lm_head=True))
     heads.save_pretrained(tmp_path / "h", dtype=torch.float32)
@@ -142,11 +145,11 @@ def test_inference_on_cpu_runs_the_heads_on_the_c_kernel_with_the_base_fp32_lm_h
         with torch.inference_mode():
             got = fp32(hidden)
             assert got.dtype == torch.float32 and got.shape == want.shape
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got, want, **tol)
             torch.testing.assert_close(bf16(hidden), want, atol=0.05, rtol=0.05)  # bf16-rounded block weights
-            torch.testing.assert_close(fp32(hidden, num_heads=2), want[:2], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(fp32(hidden, num_heads=2), want[:2], **tol)
     with torch.no_grad():  # weights changed after a first call: the kernel's copies follow
         fp32.blocks[0][0].linear.weight.add_(0.5)
     want = fp32(torch.ones(32))
     with torch.inference_mode():
-        torch.testing.assert_close(fp32(torch.ones(32)), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(fp32(torch.ones(32)), want, **tol)
