@@ -233,14 +233,12 @@ def goal_ratios(report: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def paired_ratios(report: dict[str, Any]) -> dict[str, float]:
-    """The same ratios taken within each repeat, then the median over repeats: only for an
-    interleaved run (``config.interleaved``), where repeat r of every mode ran minutes
-    apart at most, so the host's drift cancels out of each pair."""
+def _pairs(report: dict[str, Any]) -> dict[str, list[float]]:
+    """Each goal ratio taken within each repeat (an interleaved run only, see `paired_ratios`)."""
     if not report.get("config", {}).get("interleaved"):
         return {}
     runs = {(r["mode"], r["concurrency"]): list(r.get("output_tokens_per_s_runs") or []) for r in report["results"]}
-    out: dict[str, float] = {}
+    out: dict[str, list[float]] = {}
     for name, num, dens in _goal_terms(sorted({c for _, c in runs})):
         cols = [runs[d] for d in dens if runs.get(d)]
         if not runs.get(num) or not cols:
@@ -248,8 +246,21 @@ def paired_ratios(report: dict[str, Any]) -> dict[str, float]:
         n = min(len(runs[num]), *(len(col) for col in cols))
         pairs = [runs[num][i] / best for i in range(n) if (best := max(col[i] for col in cols)) > 0]
         if pairs:
-            out[name] = statistics.median(pairs)
+            out[name] = pairs
     return out
+
+
+def paired_ratios(report: dict[str, Any]) -> dict[str, float]:
+    """The same ratios taken within each repeat, then the median over repeats: only for an
+    interleaved run (``config.interleaved``), where repeat r of every mode ran minutes
+    apart at most, so the host's drift cancels out of each pair."""
+    return {name: statistics.median(pairs) for name, pairs in _pairs(report).items()}
+
+
+def paired_ranges(report: dict[str, Any]) -> dict[str, tuple[float, float]]:
+    """The lowest and highest per-repeat ratio of each goal term: how far one repeat can
+    stray on this host, beside the median `paired_ratios` reports."""
+    return {name: (min(pairs), max(pairs)) for name, pairs in _pairs(report).items()}
 
 
 # -- the load generator ---------------------------------------------------------------------
@@ -531,6 +542,7 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
         cfg_out["interleaved"] = not cfg.base_url
         report = {"config": cfg_out, "model": model, "results": rows}
         report["ratios"], report["paired_ratios"] = goal_ratios(report), paired_ratios(report)
+        report["paired_ranges"] = {k: list(v) for k, v in paired_ranges(report).items()}
         return report
     finally:
         if bar is not None:
@@ -642,6 +654,9 @@ def format_table(report: dict[str, Any]) -> str:
     if paired:
         lines.append("paired (each repeat's ratio, median over repeats): "
                      + ", ".join(f"{k} {v:.2f}x" for k, v in paired.items()))
+        ranges = paired_ranges(report)
+        lines.append("paired range (lowest-highest repeat): "
+                     + ", ".join(f"{k} {lo:.2f}-{hi:.2f}x" for k, (lo, hi) in ranges.items()))
     for r in report["results"]:
         if r["mode"] == "adaptive" and r.get("settings"):
             lines.append(f"adaptive c{r['concurrency']} settings at the end of its run: "

@@ -204,4 +204,9 @@ def test_paired_ratios_take_each_repeats_ratio_then_the_median():
     assert paired["adaptive / off at c1"] == pytest.approx(1.45)  # of 1.45, 1.5, 1.43
     assert paired["off c16 / off c1"] == pytest.approx(4.5)  # of 4.5, 4.25, 4.52
     assert "paired (each repeat's ratio" in format_table(report)
+    from specops.bench.serve import paired_ranges
+
+    lo, hi = paired_ranges(report)["adaptive / max(off, fixed) at c1"]
+    assert (lo, hi) == (pytest.approx(290 / 300), pytest.approx(600 / 560))
+    assert "paired range (lowest-highest repeat): " in format_table(report)
     assert paired_ratios({"config": {"interleaved": False}, "results": results}) == {}  # sequential: no pairs
