@@ -231,6 +231,7 @@ def test_plain_probes_remeasure_the_plain_step_while_everything_speculates(qwen2
     eng.cost, eng.draft_cost = LineCost(10e-3, 0.1e-3), LineCost(0.1e-3, 0.0)  # speculation always pays
     eng.calibration = None
     eng.plain_probe_every = 5
+    eng.margin = -1.0  # every candidate speculates, whatever the random draft's acceptance (a declined step ends a run)
     seen = []
     observe = eng.cost.observe
     eng.cost.observe = lambda b, t, s: (seen.append((b, t)), observe(b, t, s))
@@ -322,6 +323,9 @@ def test_the_engine_records_each_decode_step_for_the_calibration(qwen2):
     eng.cost, eng.draft_cost = LineCost(10e-3, 0.1e-3), LineCost(0.1e-3, 0.0)  # speculation always pays
     eng.plain_probe_every = 3
     eng.probe_every = 0  # a cost probe's step is left out of the calibration (its catch-up is its own)
+    # every candidate speculates, whatever the random draft's acceptance (as it falls, the plan declined
+    # more steps, each ending a speculative run: the probes, every 3rd step of a run, came 1 or 2)
+    eng.margin = -1.0
     eng.add("r", [3, 4, 5] * 6, SamplingParams(max_tokens=40), SpecSettings(method="draft", gamma=4))
     record = _drain(eng)["r"]
     spec, plain = eng.calibration.spec[1], eng.calibration.plain[1]
