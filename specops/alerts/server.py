@@ -116,14 +116,11 @@ class ControlServer:
     def __init__(self, receiver: WebhookReceiver, registry: CollectorRegistry | None = None, *,
                  host: str = "127.0.0.1", port: int = 0, health: Callable[[], str | None] = lambda: None,
                  read_timeout_s: float = READ_TIMEOUT_S) -> None:
-        if not 0 <= port <= 65535:
-            raise ValueError(f"port must be within 0..65535, got {port}")
         self.receiver = receiver
         self.registry = registry if registry is not None else CollectorRegistry()
         self.host = host
         self.app = build_app(receiver, self.registry, health, read_timeout_s=read_timeout_s)
-        self._http = BackgroundServer(self.app, host=host, port=port, thread_name="specops-http")
-        self._started = False
+        self._http = BackgroundServer(self.app, host=host, port=port, thread_name="specops-http")  # checks the port
 
     @property
     def port(self) -> int:
@@ -134,17 +131,12 @@ class ControlServer:
         return self._http.url
 
     def start(self) -> ControlServer:
-        if self._started:
-            raise RuntimeError("server already started")
-        self._http.start()
-        self._started = True
+        self._http.start()  # raises RuntimeError when already started
         log.info("serving /metrics, /healthz and webhooks on %s", self.url)
         return self
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        if self._started:
-            self._http.stop(timeout_s)
-            self._started = False
+        self._http.stop(timeout_s)  # a no-op when not started
 
     def __enter__(self) -> ControlServer:
         return self.start()

@@ -457,11 +457,11 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
 
     A started server (no ``--base-url``): one server process per mode, each on its own Redis
     namespace (``NAMESPACE-MODE``; the controller runs against the adaptive one), all started
-    and warmed first; then repeat r runs every mode's cells, the modes in an order rotated by
-    r. The machine's speed drifts over minutes, and modes measured minutes apart compared
-    that drift as often as the modes; so the cells a goal compares (every mode at one
-    concurrency) run back to back, in an order rotated by repeat and concurrency. A running server (``--base-url``) holds one setting
-    at a time, so there the modes run one after the other.
+    and warmed first; then repeat r runs, for each concurrency, every mode's cell back to back,
+    in an order rotated by the repeat and the concurrency. The machine's speed drifts over
+    minutes, and modes measured minutes apart compared that drift as often as the modes. A
+    running server (``--base-url``) holds one setting at a time, so there the modes run one
+    after the other.
     """
     import redis as redis_lib
 
