@@ -17,6 +17,15 @@ and all K heads share one ``[K, E] x [E, V]`` matmul, which reads the vocabulary
 matrix once instead of K times. Such heads must be bound to their base model
 (``from_pretrained(path, base=target)`` or :meth:`MedusaHeads.bind`) before use.
 
+With ``root_input=True`` the heads also read the *root*: the token the target chose after
+``h_t`` (``x_{t+1}``, the tree's root), known by the time they run. Their input becomes
+``h_t + R e(x_{t+1})`` (``e``: the base model's input embedding, ``R`` [E, E] learned and
+zero-initialised), as Hydra's heads (Ankner et al. 2024, arXiv 2402.05109) read the tokens
+before theirs; here only the root, so the tree's nodes stay independent per depth and
+one head call per step still proposes the whole tree. In greedy decoding the root is a
+function of ``h_t``, but not one two small residual blocks can compute: given it, each
+head only has to learn what follows a known token.
+
 On disk a heads artifact is a directory with ``medusa_config.json`` (the
 :class:`MedusaConfig`, naming the base model and its fingerprint) and
 ``medusa_heads.safetensors`` (fp16 by default).
@@ -55,6 +64,11 @@ class HeadsLike(Protocol):
         ...
 
 
+def reads_root(heads: HeadsLike) -> bool:
+    """Whether ``heads`` take the root token (``heads(hidden, k, roots=...)``; `MedusaConfig.root_input`)."""
+    return bool(getattr(getattr(heads, "config", None), "root_input", False))
+
+
 class MedusaError(ValueError):
     """Bad Medusa heads input: wrong shapes, a missing artifact, a mismatched base model."""
 
@@ -75,6 +89,14 @@ class MedusaConfig:
     """True: heads reuse the base model's LM head (not stored in the artifact)."""
     lm_head_bias: bool = False
     """Whether the per-head vocabulary projections have a bias (copied from the LM head)."""
+    shortlist_size: int = 0
+    """0: at inference the heads rank the whole vocabulary. F > 0: only the F tokens of their
+    ``shortlist`` buffer (the most frequent in training, FR-Spec style): the shared LM head pass
+    reads F of its V rows. Training always uses the whole vocabulary."""
+    root_input: bool = False
+    """True: the heads also read the root, the token the target chose after ``h`` (known when
+    they run): their input is ``h + R e(root)``, with ``e`` the base model's input embedding
+    and ``R`` [E, E] learned (zero-initialised: untrained, the heads are Medusa's)."""
     base_model: str = ""
     """Name or path of the base model the heads were made for."""
     base_model_hash: str = ""
@@ -89,6 +111,9 @@ class MedusaConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise MedusaError(f"MedusaConfig.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.shortlist_size, int) or not 0 <= self.shortlist_size <= self.vocab_size:
+            raise MedusaError(f"MedusaConfig.shortlist_size must be in 0..vocab_size ({self.vocab_size}), "
+                              f"got {self.shortlist_size!r}")
         if self.head_topk_accuracy and len(self.head_topk_accuracy) != self.num_heads:
             raise MedusaError(
                 f"MedusaConfig.head_topk_accuracy has {len(self.head_topk_accuracy)} rows, expected num_heads={self.num_heads}"
@@ -181,6 +206,15 @@ class MedusaHeads(nn.Module):
             nn.Sequential(*[ResidualBlock(e) for _ in range(config.num_layers)]) for _ in range(config.num_heads)
         )
         self._shared: nn.Linear | None = None
+        self._embed: Tensor | None = None  # the base model's input embedding [V, E] (root_input heads)
+        if config.shortlist_size:  # token ids the heads rank at inference (`candidates`)
+            self.register_buffer("shortlist", torch.arange(config.shortlist_size, dtype=torch.long))
+        else:
+            self.shortlist = None
+        # R of `MedusaConfig.root_input`: zero at first, so untrained root input changes nothing
+        self.root_proj = nn.Linear(e, e, bias=False) if config.root_input else None
+        if self.root_proj is not None:
+            nn.init.zeros_(self.root_proj.weight)
         if config.shared_lm_head:
             self.lm_heads = None
         else:
@@ -189,7 +223,7 @@ class MedusaHeads(nn.Module):
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_model(cls, target: nn.Module, num_heads: int, *, num_layers: int = 1,
-                   shared_lm_head: bool = False) -> MedusaHeads:
+                   shared_lm_head: bool = False, root_input: bool = False) -> MedusaHeads:
         """Untrained heads for a transformers causal LM: blocks at identity, LM head copied."""
         if not isinstance(num_heads, int) or num_heads < 1:
             raise MedusaError(f"num_heads must be a positive int, got {num_heads!r}")
@@ -197,14 +231,14 @@ class MedusaHeads(nn.Module):
         vocab, hidden = head.weight.shape
         config = MedusaConfig(
             num_heads=num_heads, hidden_size=hidden, vocab_size=vocab, num_layers=num_layers,
-            shared_lm_head=shared_lm_head, lm_head_bias=head.bias is not None,
+            shared_lm_head=shared_lm_head, lm_head_bias=head.bias is not None, root_input=root_input,
             base_model=str(getattr(getattr(target, "config", None), "_name_or_path", "") or type(target).__name__),
             base_model_hash=model_fingerprint(target),
         )
         heads = cls(config)
-        if shared_lm_head:
+        if shared_lm_head or root_input:
             heads.bind(target)
-        else:
+        if not shared_lm_head:
             with torch.no_grad():
                 for lm in heads.lm_heads:
                     lm.weight.copy_(head.weight)
@@ -239,6 +273,13 @@ class MedusaHeads(nn.Module):
             # the base model's own fp32 LM head, for the CPU kernel path (`_kernel_logits`)
             original = _lm_head(target)
             object.__setattr__(self, "_shared_fp32", original if original.weight.dtype == torch.float32 else None)
+        if self.config.root_input:
+            embed = target.get_input_embeddings() if hasattr(target, "get_input_embeddings") else None
+            weight = getattr(embed, "weight", None)
+            if not isinstance(weight, Tensor) or tuple(weight.shape) != (vocab, hidden):
+                raise MedusaError(f"these heads read the root token through the base model's input embedding; "
+                                  f"{type(target).__name__} has no [{vocab}, {hidden}] one")
+            object.__setattr__(self, "_embed", weight.detach())  # not ours to save or train
         return self
 
     @classmethod
@@ -265,7 +306,7 @@ class MedusaHeads(nn.Module):
         for name, tensor in heads.state_dict().items():
             if state[name].shape != tensor.shape:
                 raise MedusaError(f"{weights_path}: {name} has shape {tuple(state[name].shape)}, expected {tuple(tensor.shape)}")
-        heads.load_state_dict({k: t.to(torch.float32) for k, t in state.items()})
+        heads.load_state_dict({k: t.to(torch.float32) if t.is_floating_point() else t for k, t in state.items()})
         heads = heads.to(device=device, dtype=dtype or inference_dtype(device))
         if base is not None:
             heads.bind(base)
@@ -277,10 +318,30 @@ class MedusaHeads(nn.Module):
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        state = {k: t.detach().to("cpu", dtype).contiguous() for k, t in self.state_dict().items()}
+        state = {k: t.detach().to("cpu", dtype if t.is_floating_point() else t.dtype).contiguous()
+                 for k, t in self.state_dict().items()}
         save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt", "specops": "medusa"})
         (path / CONFIG_NAME).write_text(self.config.to_json() + "\n")
         return path
+
+    def set_shortlist(self, tokens: Tensor | None) -> None:
+        """Rank only ``tokens`` (distinct ids, e.g. the most frequent in training) at inference;
+        None: the whole vocabulary again."""
+        if tokens is not None:
+            tokens = torch.as_tensor(tokens, dtype=torch.long).flatten()
+            v = self.config.vocab_size
+            if (tokens.numel() < 1 or int(tokens.min()) < 0 or int(tokens.max()) >= v
+                    or tokens.unique().numel() != tokens.numel()):
+                raise MedusaError(f"a shortlist must be distinct token ids in 0..{v - 1}")
+        self._buffers.pop("shortlist", None)
+        self.__dict__.pop("shortlist", None)
+        if tokens is None:
+            self.shortlist = None
+            self.config = dataclasses.replace(self.config, shortlist_size=0)
+            return
+        device = self.blocks[0][0].linear.weight.device
+        self.register_buffer("shortlist", tokens.to(device))
+        self.config = dataclasses.replace(self.config, shortlist_size=tokens.numel())
 
     def with_accuracy(self, accuracy: list[list[float]]) -> None:
         """Record measured per-head top-k accuracy [K][k] in the config."""
@@ -291,25 +352,70 @@ class MedusaHeads(nn.Module):
     def num_heads(self) -> int:
         return self.config.num_heads
 
-    def features(self, hidden: Tensor, num_heads: int | None = None) -> Tensor:
-        """Residual-block outputs. hidden: [..., E] -> [K, ..., E]."""
-        k = self._check(hidden, num_heads)
+    def features(self, hidden: Tensor, num_heads: int | None = None, roots: Tensor | None = None) -> Tensor:
+        """Residual-block outputs. hidden: [..., E] (roots: [...] long, root_input heads) -> [K, ..., E]."""
+        k = self._check(hidden, num_heads, roots)
         hidden = hidden.to(self.blocks[0][0].linear.weight.dtype)
+        if self.root_proj is not None:
+            hidden = hidden + self.root_proj(self._root_embedding(roots).to(hidden.dtype))
         return torch.stack([self.blocks[i](hidden) for i in range(k)])
 
-    def forward(self, hidden: Tensor, num_heads: int | None = None) -> Tensor:
-        """Head logits. hidden: [..., E] -> [K, ..., V] (head i predicts x_{t+i+2})."""
+    def _root_embedding(self, roots: Tensor) -> Tensor:  # [...] long -> [..., E]
+        if self._embed is None:
+            raise MedusaError("these heads read the root token through the base model's embedding: bind(target) them first")
+        return F.embedding(roots.to(self._embed.device), self._embed)
+
+    def forward(self, hidden: Tensor, num_heads: int | None = None, roots: Tensor | None = None) -> Tensor:
+        """Head logits. hidden: [..., E] -> [K, ..., V] (head i predicts x_{t+i+2}). ``roots`` [...]
+        long: the token the target chose after each hidden state; required by root_input heads
+        (`MedusaConfig.root_input`), rejected by the others."""
         if (not torch.is_grad_enabled() and hidden.device.type == "cpu"
                 and hidden.dtype == torch.float32 and self.config.shared_lm_head):
-            k = self._check(hidden, num_heads)
+            k = self._check(hidden, num_heads, roots)
             if k * max(1, hidden.numel() // hidden.shape[-1]) <= KERNEL_MAX_ROWS and self._kernel_ready():
-                return self._kernel_logits(hidden, k)
-        z = self.features(hidden, num_heads)  # [K, ..., E]
+                return self._kernel_logits(hidden, k, roots)
+        z = self.features(hidden, num_heads, roots)  # [K, ..., E]
         if self.config.shared_lm_head:
             if self._shared is None:
                 raise MedusaError("these heads share the base model's LM head: bind(target) them first")
             return self._shared(z.to(self._shared.weight.dtype))  # [K, ..., V] one matmul for all heads
         return torch.stack([self.lm_heads[i](z[i]) for i in range(z.shape[0])])
+
+    def candidates(self, hidden: Tensor, num_heads: int, top_k: int, roots: Tensor | None = None) -> Tensor:
+        """Each head's ``top_k`` best token ids, best first: hidden [..., E] -> [K, ..., top_k] long.
+        What a proposal needs (inference only): with a shortlist only its tokens are ranked, and
+        the LM head pass reads only their rows."""
+        with torch.inference_mode():
+            return self._candidates(hidden, num_heads, top_k, roots)
+
+    def _candidates(self, hidden: Tensor, num_heads: int, top_k: int, roots: Tensor | None) -> Tensor:
+        if self.shortlist is None or top_k > self.shortlist.numel():
+            return torch.topk(self(hidden, num_heads, roots), top_k, dim=-1).indices
+        k = self._check(hidden, num_heads, roots)
+        if (hidden.device.type == "cpu" and hidden.dtype == torch.float32 and self.config.shared_lm_head
+                and k * max(1, hidden.numel() // hidden.shape[-1]) <= KERNEL_MAX_ROWS and self._kernel_ready()):
+            logits = self._kernel_logits(hidden, k, roots, shortlisted=True)  # [K, ..., F]
+        else:
+            z = self.features(hidden, num_heads, roots)  # [K, ..., E]
+            if self.config.shared_lm_head:
+                if self._shared is None:
+                    raise MedusaError("these heads share the base model's LM head: bind(target) them first")
+                weight, bias = self._shortlisted(self._shared)
+                logits = F.linear(z.to(weight.dtype), weight, bias)
+            else:
+                logits = torch.stack([F.linear(z[i], *self._shortlisted(lm)) for i, lm in enumerate(self.lm_heads[:k])])
+        return self.shortlist[torch.topk(logits, top_k, dim=-1).indices]
+
+    def _shortlisted(self, head: nn.Linear) -> tuple[Tensor, Tensor | None]:
+        """The shortlist's rows of an LM head's weight [F, E] and bias, gathered once per weights."""
+        key = (head.weight.data_ptr(), head.weight._version, self.shortlist.data_ptr())
+        cache = self.__dict__.setdefault("_shortlist_rows", {})
+        hit = cache.get(id(head))
+        if hit is None or hit[0] != key:
+            rows = self.shortlist.to(head.weight.device)
+            hit = (key, head.weight.detach()[rows].contiguous(), None if head.bias is None else head.bias.detach()[rows])
+            cache[id(head)] = hit
+        return hit[1], hit[2]
 
     def _kernel_ready(self) -> bool:
         """Whether `_kernel_logits` can run: the C kernels are built and the heads share an fp32
@@ -317,11 +423,16 @@ class MedusaHeads(nn.Module):
         shared = getattr(self, "_shared_fp32", None)
         if shared is None or not shared.weight.is_contiguous() or not cpu_linear.available():
             return False
+        if self.root_proj is not None and (self._embed is None or self._embed.dtype != torch.float32):
+            return False
         params = getattr(self, "_kernel_params", None)
         if params is None:
             params = [p for block in self.blocks for p in block.parameters()]
+            if self.root_proj is not None:
+                params.append(self.root_proj.weight)
             object.__setattr__(self, "_kernel_params", params)
-        key = (tuple((p.data_ptr(), p._version) for p in params), shared.weight.data_ptr(), shared.weight._version)
+        key = (tuple((p.data_ptr(), p._version) for p in params), shared.weight.data_ptr(), shared.weight._version,
+               None if self.shortlist is None else self.shortlist.data_ptr())
         cached = getattr(self, "_kernel_blocks", None)
         if cached is None or cached[0] != key:
             # bfloat16 weights where the kernel reads them (widened to fp32 in registers): the heads only
@@ -333,10 +444,17 @@ class MedusaHeads(nn.Module):
             weights = [[(b.linear.weight.detach().to(dtype).contiguous(), b.linear.bias.detach().float().contiguous())
                         for b in blocks] for blocks in self.blocks]
             lm = shared.weight.detach().to(dtype).contiguous()
-            object.__setattr__(self, "_kernel_blocks", (key, weights, lm))
+            root = None if self.root_proj is None else self.root_proj.weight.detach().to(dtype).contiguous()
+            short = None
+            if self.shortlist is not None:  # the shortlisted rows of the LM head (and bias), in shortlist order
+                rows = self.shortlist.to(shared.weight.device)
+                short = (shared.weight.detach()[rows].to(dtype).contiguous(),
+                         None if shared.bias is None else shared.bias.detach()[rows].float().contiguous())
+            object.__setattr__(self, "_kernel_blocks", (key, weights, lm, root, short))
         return True
 
-    def _kernel_logits(self, hidden: Tensor, k: int) -> Tensor:  # [..., E] fp32 CPU -> [K, ..., V]
+    def _kernel_logits(self, hidden: Tensor, k: int, roots: Tensor | None = None,
+                       shortlisted: bool = False) -> Tensor:  # [..., E] fp32 CPU -> [K, ..., V] (or [K, ..., F])
         """The heads on the C linear kernel (fp32 math; bf16 weights where it reads them, see
         `_kernel_ready`): at batch 1 a proposal is 2 small matrices per
         head and one pass of the shared LM head over the K features. Runs on the caller's
@@ -346,6 +464,9 @@ class MedusaHeads(nn.Module):
         to spin)."""
         lead, e = hidden.shape[:-1], hidden.shape[-1]
         x = hidden.reshape(-1, e).contiguous()  # [R, E]
+        if self.root_proj is not None:  # x + R e(root), the add fused into the kernel
+            emb = self._root_embedding(roots.reshape(-1)).contiguous()  # [R, E]
+            x = cpu_linear.unchecked(emb, self._kernel_blocks[3], None, x, None, None, 0.0, False)
         feats = []
         for blocks in self._kernel_blocks[1][:k]:
             z = x
@@ -354,14 +475,25 @@ class MedusaHeads(nn.Module):
                 z = z + F.silu(y)
             feats.append(z)
         z = torch.cat(feats).contiguous()  # [K*R, E]
-        shared = self._shared_fp32
-        bias = None if shared.bias is None else shared.bias.detach()
-        logits = cpu_linear.unchecked(z, self._kernel_blocks[2], bias, None, None, None, 0.0, False)  # [K*R, V]
+        if shortlisted:
+            weight, bias = self._kernel_blocks[4]
+        else:
+            shared = self._shared_fp32
+            weight, bias = self._kernel_blocks[2], None if shared.bias is None else shared.bias.detach()
+        logits = cpu_linear.unchecked(z, weight, bias, None, None, None, 0.0, False)  # [K*R, V or F]
         return logits.view(k, *lead, -1)
 
-    def _check(self, hidden: Tensor, num_heads: int | None) -> int:
+    def _check(self, hidden: Tensor, num_heads: int | None, roots: Tensor | None = None) -> int:
         if hidden.shape[-1] != self.config.hidden_size:
             raise MedusaError(f"hidden state width {hidden.shape[-1]} != heads' hidden_size {self.config.hidden_size}")
+        if self.config.root_input:
+            if roots is None:
+                raise MedusaError("these heads read the root token (root_input): pass roots=")
+            if tuple(roots.shape) != tuple(hidden.shape[:-1]) or roots.dtype != torch.long:
+                raise MedusaError(f"roots must be long {tuple(hidden.shape[:-1])} (one per hidden state), "
+                                  f"got {roots.dtype} {tuple(roots.shape)}")
+        elif roots is not None:
+            raise MedusaError("these heads do not read the root token (root_input is off): pass no roots")
         k = self.config.num_heads if num_heads is None else num_heads
         if not 1 <= k <= self.config.num_heads:
             raise MedusaError(f"heads={k} out of range: these Medusa heads have 1..{self.config.num_heads}")

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from specops.decoder.medusa_heads import MedusaHeads
+from specops.decoder.medusa_heads import MedusaHeads, reads_root
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,11 @@ class HeadsTrainConfig:
     """Residual blocks per head."""
     shared_lm_head: bool = False
     """Reuse the base model's LM head in every head (train only the residual blocks)."""
+    root_input: bool = False
+    """Heads that also read the root token (`MedusaConfig.root_input`)."""
+    shortlist: int = 0
+    """F > 0: the saved heads rank only the F most frequent tokens of the training text at
+    inference (`MedusaConfig.shortlist_size`); 0: the whole vocabulary."""
     self_distill: bool = False
     """Train on the base model's own greedy continuations (no original data needed)."""
     steps: int = 300
@@ -82,6 +87,8 @@ class HeadsTrainConfig:
             raise ValueError(f"seq_len {self.seq_len} too short for {self.num_heads} heads (needs >= heads + 3)")
         if self.self_distill and not 1 <= self.distill_prompt_len < self.seq_len:
             raise ValueError(f"distill_prompt_len must be in [1, seq_len), got {self.distill_prompt_len}")
+        if not isinstance(self.shortlist, int) or self.shortlist < 0:
+            raise ValueError(f"shortlist must be an int >= 0, got {self.shortlist!r}")
         if self.lr <= 0 or not 0 < self.head_decay <= 1:
             raise ValueError(f"need lr > 0 and 0 < head_decay <= 1, got lr={self.lr}, head_decay={self.head_decay}")
 
@@ -134,15 +141,25 @@ def greedy_continuations(base, prompts: torch.Tensor, new_tokens: int) -> torch.
     return seq
 
 
-def heads_loss(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tensor, decay: float) -> torch.Tensor:
+def head_logits(heads: MedusaHeads, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Every head at every position but the last: [K, B, T-1, V]. hidden: [B, T, E];
+    tokens: [B, T] the sequence (root_input heads read x_{t+1}, the root, at position t)."""
+    if reads_root(heads):
+        return heads(hidden[:, :-1], roots=tokens[:, 1:])
+    return heads(hidden[:, :-1])
+
+
+def heads_loss(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tensor, decay: float,
+               tokens: torch.Tensor | None = None) -> torch.Tensor:
     """Weighted sum over heads of the cross-entropy of head k (1-based) at t against token t+k+1.
 
     hidden: [B, T, E]. targets: [B, T] long token ids; IGNORE marks positions that are
-    no target (the prompt part of a self-distilled sequence).
+    no target (the prompt part of a self-distilled sequence). tokens: [B, T] the sequence
+    itself (default ``targets``; needed where targets has IGNOREs and the heads read the root).
     """
     t = hidden.shape[1]
     total = hidden.new_zeros((), dtype=torch.float32)
-    logits = heads(hidden)  # [K, B, T, V]
+    logits = head_logits(heads, hidden, targets if tokens is None else tokens)  # [K, B, T-1, V]
     for k in range(heads.num_heads):
         shift = k + 2  # head k (0-based) at t predicts x_{t+k+2}
         if t <= shift:
@@ -164,7 +181,7 @@ def rank_counts(heads: MedusaHeads, hidden: torch.Tensor, tokens: torch.Tensor, 
     counts = torch.zeros(k_heads, rank_k + 1, dtype=torch.long)
     t = hidden.shape[1]
     with torch.no_grad():
-        logits = heads(hidden)  # [K, B, T, V]
+        logits = head_logits(heads, hidden, tokens)  # [K, B, T-1, V]
         for k in range(k_heads):
             shift = k + 2
             if t - shift <= start:
@@ -200,6 +217,14 @@ def evaluate_heads(base, heads: MedusaHeads, heldout: torch.Tensor, cfg: HeadsTr
     _, report.text_top1, report.text_top5 = _accuracies(text)
     report.rank_accuracy, report.greedy_top1, report.greedy_top5 = _accuracies(greedy)
     return report
+
+
+def frequency_shortlist(stream: torch.Tensor, size: int, vocab_size: int) -> torch.Tensor:
+    """The ``size`` most frequent token ids of ``stream`` [N], most frequent first (ties: lower id)."""
+    if not 1 <= size <= vocab_size:
+        raise ValueError(f"shortlist size must be in 1..{vocab_size} (the vocabulary), got {size}")
+    counts = torch.bincount(stream.flatten().long(), minlength=vocab_size)[:vocab_size]  # [V]
+    return torch.sort(counts, descending=True, stable=True).indices[:size]
 
 
 def _lr(step: int, cfg: HeadsTrainConfig) -> float:
@@ -274,14 +299,14 @@ def train_heads(base, heads: MedusaHeads, stream: torch.Tensor, heldout: torch.T
     for step in bar:
         if pool is not None:
             idx = torch.randint(0, pool.tokens.shape[0], (cfg.batch_size,), generator=gen)  # [B]
-            hidden, targets = pool.hidden[idx], pool.labels[idx]  # [B, T, E], [B, T]
+            hidden, targets, tokens = pool.hidden[idx], pool.labels[idx], pool.tokens[idx]  # [B, T, E], [B, T], [B, T]
         else:
             starts = torch.randint(0, stream.numel() - cfg.seq_len, (cfg.batch_size,), generator=gen)
-            targets = stream[starts[:, None] + torch.arange(cfg.seq_len)[None]]  # [B, T]
+            targets = tokens = stream[starts[:, None] + torch.arange(cfg.seq_len)[None]]  # [B, T]
             hidden = base_hidden(base, targets)
         for group in optimizer.param_groups:
             group["lr"] = _lr(step, cfg)
-        loss = heads_loss(heads, hidden, targets, cfg.head_decay)
+        loss = heads_loss(heads, hidden, targets, cfg.head_decay, tokens)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -295,9 +320,25 @@ def train_heads(base, heads: MedusaHeads, stream: torch.Tensor, heldout: torch.T
     report.greedy_top1, report.greedy_top5 = measured.greedy_top1, measured.greedy_top5
     report.rank_accuracy = measured.rank_accuracy
     heads.with_accuracy(measured.rank_accuracy)
+    if cfg.shortlist:
+        heads.set_shortlist(frequency_shortlist(stream, cfg.shortlist, heads.config.vocab_size))
     report.wall_s = time.perf_counter() - start_time
     logger.info("heads trained: %s", report.to_dict())
     return report
+
+
+def continue_heads(heads: MedusaHeads, init: MedusaHeads) -> None:
+    """Load ``init``'s weights into the fresh ``heads`` (same shape; a root projection ``init``
+    lacks stays at zero, so the heads start out predicting exactly what ``init`` does)."""
+    mine, theirs = heads.config, init.config
+    for name in ("num_heads", "num_layers", "shared_lm_head", "hidden_size", "vocab_size"):
+        if getattr(mine, name) != getattr(theirs, name):
+            raise ValueError(f"--init-heads has {name}={getattr(theirs, name)!r}, this run {getattr(mine, name)!r}")
+    if theirs.root_input and not mine.root_input:
+        raise ValueError("--init-heads reads the root token (root_input); train with --root-input to continue it")
+    missing, unexpected = heads.load_state_dict(init.state_dict(), strict=False)
+    if unexpected or any(not key.startswith("root_proj.") for key in missing):
+        raise ValueError(f"--init-heads does not fit these heads (missing {missing}, unexpected {unexpected})")
 
 
 @dataclass(frozen=True)
@@ -310,6 +351,9 @@ class HeadsJob:
     heldout_files: tuple[Path, ...] = ()
     tokenizer: Path | None = None
     threads: int = 2
+    init_heads: Path | None = None
+    """Continue these heads (same K, layers and LM-head sharing) instead of starting at identity;
+    with ``root_input`` on heads trained without it, their blocks are kept and R starts at zero."""
 
 
 def _find_tokenizer(model: Path, explicit: Path | None):
@@ -345,7 +389,11 @@ def run_heads_job(job: HeadsJob, cfg: HeadsTrainConfig) -> dict:
     heldout = held[: n_windows * cfg.seq_len].view(n_windows, cfg.seq_len)  # [M, T]
     heldout = heldout[torch.randperm(n_windows, generator=torch.Generator().manual_seed(cfg.seed))]
     heads = MedusaHeads.from_model(base, num_heads=cfg.num_heads, num_layers=cfg.num_layers,
-                                   shared_lm_head=cfg.shared_lm_head)
+                                   shared_lm_head=cfg.shared_lm_head, root_input=cfg.root_input)
+    if cfg.shortlist > heads.config.vocab_size:
+        raise ValueError(f"--shortlist {cfg.shortlist} exceeds the vocabulary ({heads.config.vocab_size} tokens)")
+    if job.init_heads is not None:
+        continue_heads(heads, MedusaHeads.from_pretrained(job.init_heads, base=base, dtype=torch.float32))
     heads.config = dataclasses.replace(heads.config, base_model=str(job.model))
     report = train_heads(base, heads, stream, heldout, cfg)
     heads.save_pretrained(job.out_dir)

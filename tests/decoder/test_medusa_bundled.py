@@ -66,10 +66,18 @@ def test_the_heads_kernel_path_proposes_what_fp32_heads_propose(bundled):
     prompt = code_prompts(bundled, 1)[0][:64]
     hidden = bundled.target_model.model(torch.tensor([prompt])).last_hidden_state[0].detach()  # [T, E]
     rows = hidden[-5:]  # 3 heads x 5 rows <= KERNEL_MAX_ROWS: the kernel path
+    lm = heads._shared_fp32
+    roots = torch.nn.functional.linear(rows, lm.weight, lm.bias).argmax(-1)  # [5] the root after each row
+    assert heads.config.root_input and heads.config.shortlist_size == 1024
     with torch.inference_mode():
-        fast = heads(rows)  # [K, 5, V]: the kernel path
-        lm = heads._shared_fp32  # the torch path, in fp32: the heads' blocks, then the target's LM head
-        slow = torch.nn.functional.linear(heads.features(rows).float(), lm.weight, lm.bias)
+        fast = heads(rows, roots=roots)  # [K, 5, V]: the kernel path
+        # the torch path, in fp32: the heads' blocks, then the target's LM head
+        slow = torch.nn.functional.linear(heads.features(rows, roots=roots).float(), lm.weight, lm.bias)
+        # a proposal: each head's top-3 among the shortlisted tokens, from the shortlisted LM-head rows
+        short = heads.candidates(rows, 3, 3, roots=roots)  # [K, 5, 3]
+    masked = torch.full_like(slow, float("-inf"))
+    masked[..., heads.shortlist] = slow[..., heads.shortlist]
+    assert (short == masked.topk(3, dim=-1).indices).float().mean() >= 0.9
     assert heads._kernel_blocks[2].dtype == (torch.bfloat16 if cpu_linear.bf16_weights() else torch.float32)
     scale = slow.abs().max()
     assert (fast - slow).abs().max() < 0.02 * scale

@@ -153,3 +153,110 @@ def test_inference_on_cpu_runs_the_heads_on_the_c_kernel_with_the_base_fp32_lm_h
     want = fp32(torch.ones(32))
     with torch.inference_mode():
         torch.testing.assert_close(fp32(torch.ones(32)), want, **tol)
+
+
+def test_root_input_heads_read_the_root_token_through_the_base_embedding(tmp_path):
+    """root_input heads: input h + R e(root), R zero at first (then they equal plain heads with
+    the same blocks), roots required and shape-checked, the C kernel path equal to torch's, and
+    the artifact round trip keeps R and the flag."""
+    model = tiny_model("llama")
+    plain = perturb(MedusaHeads.from_model(model, num_heads=2, num_layers=2, shared_lm_head=True))
+    heads = MedusaHeads.from_model(model, num_heads=2, num_layers=2, shared_lm_head=True, root_input=True)
+    heads.load_state_dict(plain.state_dict(), strict=False)
+    hidden, roots = torch.randn(3, 32), torch.tensor([1, 7, 63])
+    torch.testing.assert_close(heads(hidden, roots=roots), plain(hidden), rtol=0, atol=0)
+    with torch.no_grad():
+        heads.root_proj.weight.normal_(0, 0.5)
+    logits = heads(hidden, roots=roots)
+    assert not torch.allclose(logits, plain(hidden))
+    # the root matters, per row: changing one root changes that row only
+    other = heads(hidden, roots=torch.tensor([1, 8, 63]))
+    assert torch.equal(other[:, 0], logits[:, 0]) and not torch.allclose(other[:, 1], logits[:, 1])
+    for bad in (None, torch.tensor([1, 2]), torch.tensor([1.0, 2.0, 3.0])):
+        with pytest.raises(MedusaError, match="roots"):
+            heads(hidden, roots=bad)
+    with pytest.raises(MedusaError, match="do not read the root"):
+        plain(hidden, roots=roots)
+    heads.save_pretrained(tmp_path / "h", dtype=torch.float32)
+    loaded = MedusaHeads.from_pretrained(tmp_path / "h", base=model, dtype=torch.float32)
+    assert loaded.config.root_input and loaded.config == heads.config
+    torch.testing.assert_close(loaded(hidden, roots=roots), logits, rtol=0, atol=0)
+    from specops.kernels import cpu_linear
+
+    tol = dict(atol=0.05, rtol=0.05) if cpu_linear.bf16_weights() else dict(atol=1e-5, rtol=1e-5)
+    with torch.inference_mode():
+        assert loaded._kernel_ready()
+        torch.testing.assert_close(loaded(hidden, roots=roots), logits, **tol)
+        torch.testing.assert_close(loaded(hidden[0], 1, roots=roots[0]), logits[:1, 0], **tol)
+    with pytest.raises(MedusaError, match="bind"):
+        MedusaHeads.from_pretrained(tmp_path / "h", dtype=torch.float32)(hidden, roots=roots)
+    # own LM heads: untrained, root input or not, each head is the base model's LM head
+    own = MedusaHeads.from_model(model, num_heads=2, root_input=True)
+    torch.testing.assert_close(own(hidden, roots=roots)[1], model.get_output_embeddings()(hidden))
+
+
+def test_decoder_medusa_with_root_input_heads_is_exact_and_feeds_each_step_its_root(one_thread):
+    model = tiny_model("llama", layers=2)
+    heads = perturb(MedusaHeads.from_model(model, num_heads=3, shared_lm_head=True, root_input=True), seed=3)
+    seen = []
+    forward = heads.forward
+
+    def spy(hidden, num_heads=None, roots=None):
+        seen.append(roots.tolist())
+        return forward(hidden, num_heads, roots=roots)
+
+    heads.forward = spy
+    prompt = list(range(5, 17))
+    ar = Decoder(model).generate(prompt, method="ar", max_new_tokens=30)
+    out = Decoder(model, medusa=heads).generate(prompt, method="medusa", max_new_tokens=30, tree="small")
+    assert out.tokens == ar.tokens
+    # each step's root is the last token emitted before it: the first is the prefill's token
+    assert seen[0] == [ar.tokens[0]] and all(len(r) == 1 and r[0] in ar.tokens for r in seen)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_shortlist_ranks_only_its_tokens_and_survives_the_artifact(tmp_path, shared):
+    """candidates(): each head's top-k token ids; with a shortlist, the top-k among the shortlisted
+    tokens only (the kernel path reads only their LM-head rows), equal to masking the full
+    logits; saved as integer ids (not rounded through fp16) and loaded back."""
+    model = tiny_model("llama")
+    heads = perturb(MedusaHeads.from_model(model, num_heads=2, shared_lm_head=shared))
+    hidden = torch.randn(3, 32)
+    with torch.inference_mode():  # the path candidates() takes (the C kernel for shared heads)
+        full = heads(hidden).clone()  # [K, 3, V]
+    torch.testing.assert_close(heads.candidates(hidden, 2, 4), torch.topk(full, 4, dim=-1).indices)
+    short = torch.tensor([60, 3, 17, 41, 8, 29, 50, 1, 33, 12])
+    heads.set_shortlist(short)
+    assert heads.config.shortlist_size == 10
+    masked = torch.full_like(full, float("-inf"))
+    masked[..., short] = full[..., short]
+    want = torch.topk(masked, 4, dim=-1).indices
+    got = heads.candidates(hidden, 2, 4)
+    assert got.shape == (2, 3, 4) and torch.equal(got, want)
+    assert torch.equal(heads.candidates(hidden, 2, 11), torch.topk(full, 11, dim=-1).indices)  # k > F: all
+    heads.save_pretrained(tmp_path / "h")  # fp16 weights; ids stay exact
+    loaded = MedusaHeads.from_pretrained(tmp_path / "h", base=model, dtype=torch.float32)
+    assert torch.equal(loaded.shortlist, short) and loaded.config.shortlist_size == 10
+    assert set(loaded.candidates(hidden, 2, 4).flatten().tolist()) <= set(short.tolist())
+    for bad in ([1, 1], [64], [-1], []):
+        with pytest.raises(MedusaError, match="shortlist"):
+            heads.set_shortlist(torch.tensor(bad, dtype=torch.long))
+    heads.set_shortlist(None)
+    assert heads.config.shortlist_size == 0 and "shortlist" not in heads.state_dict()
+    assert torch.equal(heads.candidates(hidden, 2, 4), torch.topk(full, 4, dim=-1).indices)
+
+
+def test_medusa_decoding_with_a_shortlist_is_exact_on_the_bundled_models():
+    """The bundled heads with a shortlist: outputs equal plain decoding (proposals only change)."""
+    from specops.assets import MEDUSA_DIR, TARGET_DIR
+
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(str(TARGET_DIR), dtype=torch.float32).eval()
+    heads = MedusaHeads.from_pretrained(MEDUSA_DIR, base=target, dtype=torch.float32)
+    heads.set_shortlist(torch.arange(5, 1005))
+    dec = Decoder(target, medusa=heads)
+    prompt = list(range(40, 72))
+    ar = dec.generate(prompt, method="ar", max_new_tokens=40)
+    out = dec.generate(prompt, method="medusa", max_new_tokens=40, tree="small")
+    assert out.tokens == ar.tokens

@@ -25,7 +25,7 @@ class OracleHeads:
         for k in range(self.num_heads):
             for pos in range(t):
                 j = pos + k + 2 + self.offset
-                if 0 <= j < t:
+                if 0 <= j < self.tokens.shape[1]:
                     out[k, :, pos, self.tokens[0, j]] = 30.0
         return out
 
@@ -108,3 +108,72 @@ def test_train_heads_cli(tmp_path, one_thread):
         "--seq-len", "8",
     ])
     assert bad.exit_code != 0 and "too short" in bad.output
+    # continuing those heads with the root input: same blocks, R from zero, the flag saved
+    cont = CliRunner().invoke(train_heads_command, [
+        "--model", str(tmp_path / "model"), "--heads", "2", "--data", str(data), "--out", str(tmp_path / "root"),
+        "--steps", "3", "--seq-len", "24", "--batch-size", "2", "--self-distill", "--distill-sequences", "4",
+        "--threads", "1", "--quiet", "--root-input", "--init-heads", str(tmp_path / "heads"), "--shortlist", "50",
+    ])
+    assert cont.exit_code == 0, cont.output
+    rooted = MedusaHeads.from_pretrained(tmp_path / "root", base=model, dtype=torch.float32)
+    assert rooted.config.shortlist_size == 50 and rooted.shortlist.unique().numel() == 50
+    assert rooted.config.root_input and float(rooted.root_proj.weight.detach().abs().sum()) > 0  # R trained
+    mismatch = CliRunner().invoke(train_heads_command, [
+        "--model", str(tmp_path / "model"), "--heads", "3", "--data", str(data), "--out", str(tmp_path / "y"),
+        "--steps", "1", "--seq-len", "24", "--self-distill", "--distill-sequences", "2", "--quiet",
+        "--init-heads", str(tmp_path / "heads"),
+    ])
+    assert mismatch.exit_code != 0 and "num_heads" in mismatch.output
+    too_long = CliRunner().invoke(train_heads_command, [
+        "--model", str(tmp_path / "model"), "--heads", "2", "--data", str(data), "--out", str(tmp_path / "z"),
+        "--steps", "1", "--seq-len", "24", "--quiet", "--shortlist", "100000",
+    ])
+    assert too_long.exit_code != 0 and "exceeds the vocabulary" in too_long.output
+
+
+class RootRecorder:
+    """Stub root_input heads: records the roots they get and returns zero logits."""
+
+    config = type("Config", (), {"root_input": True})()
+
+    def __init__(self, num_heads: int, vocab: int):
+        self.num_heads, self.vocab, self.calls = num_heads, vocab, []
+
+    def __call__(self, hidden: torch.Tensor, roots: torch.Tensor | None = None) -> torch.Tensor:
+        self.calls.append((hidden.shape, roots))
+        return torch.zeros(self.num_heads, *hidden.shape[:-1], self.vocab, requires_grad=True)
+
+
+def test_root_input_heads_train_with_the_next_token_as_their_root():
+    """Head k at t predicts x_{t+k+2} from h_t and the root x_{t+1}: the loss feeds the sequence
+    shifted by one (never the IGNORE labels of the prompt), and drops the last position."""
+    tokens = torch.arange(3, 23)[None]  # [1, 20]
+    labels = tokens.clone()
+    labels[:, :5] = IGNORE
+    heads = RootRecorder(3, 32)
+    heads_loss(heads, torch.zeros(1, 20, 4), labels, decay=0.8, tokens=tokens)
+    (shape, roots), = heads.calls
+    assert tuple(shape) == (1, 19, 4) and torch.equal(roots, tokens[:, 1:])
+    rank_counts(heads, torch.zeros(1, 20, 4), tokens, rank_k=2)
+    assert torch.equal(heads.calls[-1][1], tokens[:, 1:])
+
+
+def test_frequency_shortlist_orders_tokens_by_count():
+    from specops.train.heads import frequency_shortlist
+
+    stream = torch.tensor([5, 5, 5, 2, 2, 9, 0, 9, 9, 9])
+    assert frequency_shortlist(stream, 3, 10).tolist() == [9, 5, 2]
+    assert frequency_shortlist(stream, 5, 10).tolist() == [9, 5, 2, 0, 1]  # ties: lower id first
+    with pytest.raises(ValueError, match="shortlist"):
+        frequency_shortlist(stream, 11, 10)
+
+
+def test_train_heads_cli_takes_data_or_stdlib(tmp_path):
+    from specops.train.cli_heads import train_heads_command
+
+    data = tmp_path / "d.py"
+    data.write_text("x = 1\n")
+    for args, message in (([], "--data files or --stdlib"), (["--data", str(data), "--stdlib"], "one of them"),
+                          (["--stdlib", "--heldout", str(data)], "drop --heldout")):
+        result = CliRunner().invoke(train_heads_command, ["--model", str(tmp_path), "--out", str(tmp_path / "o"), *args])
+        assert result.exit_code == 2 and message in result.output, result.output
