@@ -56,7 +56,10 @@ FORMAT_VERSION = 1
 
 
 class HeadsLike(Protocol):
-    """What decoding needs from Medusa heads (`MedusaHeads` below, or a test double)."""
+    """What decoding needs from Medusa heads (`MedusaHeads` below, or a test double). Optional:
+    a ``config`` with ``root_input`` true (then calls pass ``roots=``, see `reads_root`) and a
+    ``candidates(hidden, k, top_k, roots=None)`` method returning token ids (used instead of
+    top-k over the logits when present)."""
 
     num_heads: int
 
