@@ -39,7 +39,7 @@ from specops.decoder.errors import InvalidRequestError
 from specops.decoder.runner import ModelRunner
 from specops.decoder.sampling import SamplingConfig, next_token, probabilities
 from specops.decoder.clock import device_clock
-from specops.decoder.medusa_heads import HeadsLike, reads_root
+from specops.decoder.medusa_heads import HeadsLike, head_candidates
 from specops.decoder.request import check_deadline, check_room, eos_cut, eos_set, prompt_list, stop_reason
 from specops.decoder.stats import DecodeStats
 from specops.decoder.tree import TreeBuffers, TreeError, TreeSpec, build_buffers, resolve_tree
@@ -100,14 +100,8 @@ def propose_trees(heads: HeadsLike, hidden: Tensor, specs: Sequence[TreeSpec], r
     depth = max(spec.depth for spec in specs)
     top_all = None
     if depth:
-        top_k = max(b.top_k for b in buffers)
-        kwargs = {"roots": torch.tensor(list(roots), dtype=torch.long)} if reads_root(heads) else {}
-        with torch.inference_mode():
-            if hasattr(heads, "candidates"):  # the heads rank (their shortlist of) the vocabulary themselves
-                top_all = heads.candidates(hidden, depth, top_k, **kwargs)  # [D, B, k]
-            else:
-                top_all = torch.topk(heads(hidden, depth, **kwargs), top_k, dim=-1).indices  # [D, B, k]
-            top_all = top_all.to(device)
+        top_all = head_candidates(heads, hidden, depth, max(b.top_k for b in buffers),
+                                  torch.tensor(list(roots), dtype=torch.long)).to(device)  # [D, B, k]
     out = []
     for i, (spec, buf, root) in enumerate(zip(specs, buffers, roots)):
         root_t = torch.tensor([root], dtype=torch.long, device=device)  # [1]

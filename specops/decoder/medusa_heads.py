@@ -72,6 +72,17 @@ def reads_root(heads: HeadsLike) -> bool:
     return bool(getattr(getattr(heads, "config", None), "root_input", False))
 
 
+def head_candidates(heads: HeadsLike, hidden: Tensor, num_heads: int, top_k: int, roots: Tensor) -> Tensor:
+    """Each head's ``top_k`` best token ids for a proposal: hidden [..., E], roots [...] long (passed
+    only to heads that read them) -> [K, ..., top_k]; the heads' own `MedusaHeads.candidates` where
+    they have it (a shortlist), else top-k over their logits."""
+    kwargs = {"roots": roots} if reads_root(heads) else {}
+    with torch.inference_mode():
+        if hasattr(heads, "candidates"):
+            return heads.candidates(hidden, num_heads, top_k, **kwargs)
+        return torch.topk(heads(hidden, num_heads, **kwargs), top_k, dim=-1).indices
+
+
 class MedusaError(ValueError):
     """Bad Medusa heads input: wrong shapes, a missing artifact, a mismatched base model."""
 
@@ -372,10 +383,9 @@ class MedusaHeads(nn.Module):
         """Head logits. hidden: [..., E] -> [K, ..., V] (head i predicts x_{t+i+2}). ``roots`` [...]
         long: the token the target chose after each hidden state; required by root_input heads
         (`MedusaConfig.root_input`), rejected by the others."""
-        if (not torch.is_grad_enabled() and hidden.device.type == "cpu"
-                and hidden.dtype == torch.float32 and self.config.shared_lm_head):
+        if not torch.is_grad_enabled():
             k = self._check(hidden, num_heads, roots)
-            if k * max(1, hidden.numel() // hidden.shape[-1]) <= KERNEL_MAX_ROWS and self._kernel_ready():
+            if self._kernel_path(hidden, k):
                 return self._kernel_logits(hidden, k, roots)
         z = self.features(hidden, num_heads, roots)  # [K, ..., E]
         if self.config.shared_lm_head:
@@ -395,8 +405,7 @@ class MedusaHeads(nn.Module):
         if self.shortlist is None or top_k > self.shortlist.numel():
             return torch.topk(self(hidden, num_heads, roots), top_k, dim=-1).indices
         k = self._check(hidden, num_heads, roots)
-        if (hidden.device.type == "cpu" and hidden.dtype == torch.float32 and self.config.shared_lm_head
-                and k * max(1, hidden.numel() // hidden.shape[-1]) <= KERNEL_MAX_ROWS and self._kernel_ready()):
+        if self._kernel_path(hidden, k):
             logits = self._kernel_logits(hidden, k, roots, shortlisted=True)  # [K, ..., F]
         else:
             z = self.features(hidden, num_heads, roots)  # [K, ..., E]
@@ -419,6 +428,12 @@ class MedusaHeads(nn.Module):
             hit = (key, head.weight.detach()[rows].contiguous(), None if head.bias is None else head.bias.detach()[rows])
             cache[id(head)] = hit
         return hit[1], hit[2]
+
+    def _kernel_path(self, hidden: Tensor, k: int) -> bool:
+        """Whether inference on ``hidden`` runs on the C kernel: fp32 CPU rows, shared LM head, at
+        most KERNEL_MAX_ROWS heads x rows, and the kernel ready (`_kernel_ready`)."""
+        return (hidden.device.type == "cpu" and hidden.dtype == torch.float32 and self.config.shared_lm_head
+                and k * max(1, hidden.numel() // hidden.shape[-1]) <= KERNEL_MAX_ROWS and self._kernel_ready())
 
     def _kernel_ready(self) -> bool:
         """Whether `_kernel_logits` can run: the C kernels are built and the heads share an fp32

@@ -31,7 +31,7 @@ from typing import Sequence
 import torch
 
 from specops.decoder.clock import cost_clock
-from specops.decoder.medusa_heads import HeadsLike, reads_root
+from specops.decoder.medusa_heads import HeadsLike, head_candidates
 from specops.decoder.runner import ModelRunner
 from specops.decoder.tree import TreeError, TreeSpec, make_spec, preset, ranked_nodes
 
@@ -190,17 +190,13 @@ def _measure_heads(heads: HeadsLike, target: ModelRunner, num_heads: int, repeat
     if hidden_size is None:
         return 0.0
     hidden = torch.zeros(hidden_size, device=target.device, dtype=target.dtype)  # [E]
-    kwargs = {"roots": torch.zeros((), dtype=torch.long)} if reads_root(heads) else {}
+    root = torch.zeros((), dtype=torch.long)
     samples = []
     clock = cost_clock(target.device)
-    with torch.inference_mode():
-        for _ in range(repeats + 1):
-            t0 = clock()
-            if hasattr(heads, "candidates"):  # what a proposal runs
-                heads.candidates(hidden, num_heads, 4, **kwargs)
-            else:
-                torch.topk(heads(hidden, num_heads, **kwargs), 4, dim=-1)
-            samples.append(clock() - t0)
+    for _ in range(repeats + 1):
+        t0 = clock()
+        head_candidates(heads, hidden, num_heads, 4, root)  # what a proposal runs
+        samples.append(clock() - t0)
     return min(samples[1:])
 
 

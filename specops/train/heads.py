@@ -336,7 +336,9 @@ def continue_heads(heads: MedusaHeads, init: MedusaHeads) -> None:
             raise ValueError(f"--init-heads has {name}={getattr(theirs, name)!r}, this run {getattr(mine, name)!r}")
     if theirs.root_input and not mine.root_input:
         raise ValueError("--init-heads reads the root token (root_input); train with --root-input to continue it")
-    missing, unexpected = heads.load_state_dict(init.state_dict(), strict=False)
+    # the init's shortlist is not a weight: this run's --shortlist decides the saved heads'
+    state = {key: value for key, value in init.state_dict().items() if key != "shortlist"}
+    missing, unexpected = heads.load_state_dict(state, strict=False)
     if unexpected or any(not key.startswith("root_proj.") for key in missing):
         raise ValueError(f"--init-heads does not fit these heads (missing {missing}, unexpected {unexpected})")
 

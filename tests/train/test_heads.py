@@ -177,3 +177,18 @@ def test_train_heads_cli_takes_data_or_stdlib(tmp_path):
                           (["--stdlib", "--heldout", str(data)], "drop --heldout")):
         result = CliRunner().invoke(train_heads_command, ["--model", str(tmp_path), "--out", str(tmp_path / "o"), *args])
         assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_continuing_heads_that_carry_a_shortlist():
+    """The shipped heads carry a shortlist; continuing them loads their weights and leaves the
+    shortlist to this run's --shortlist (it is not a weight)."""
+    from specops.train.heads import continue_heads
+
+    model = tiny_model("llama")
+    init = MedusaHeads.from_model(model, num_heads=2, shared_lm_head=True, root_input=True)
+    with torch.no_grad():
+        init.root_proj.weight.fill_(0.25)
+    init.set_shortlist(torch.arange(10))
+    fresh = MedusaHeads.from_model(model, num_heads=2, shared_lm_head=True, root_input=True)
+    continue_heads(fresh, init)
+    assert torch.equal(fresh.root_proj.weight, init.root_proj.weight) and fresh.shortlist is None
