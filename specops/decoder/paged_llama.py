@@ -236,6 +236,24 @@ class PagedLlama:
                 norm=r.norm, head=r.lm_head.weight, head_bias=r.lm_head.bias)  # [R, E], [R, V]
         return logits, (hidden if need_hidden else None)
 
+    def draft_ragged(self, tokens: list[int], batch: cpu_linear.RaggedBatch, gammas: list[int],
+                     clock_id: int | None = None) -> tuple[list[list[int]], list[float] | None]:
+        """Greedy drafting in one C call (`cpu_linear.paged_draft`; ``c_layers`` must be set):
+        ``batch``'s first, start and tables say what each sequence feeds in round 0; then
+        ``gammas[s]`` argmax tokens per sequence, each fed back but the last. The tokens and the
+        cache equal a loop of `forward_ragged` rounds and argmaxes."""
+        r = self.r
+        if not self.c_layers:
+            raise ValueError("draft_ragged needs the runner's C layer stack (fp32 CPU, SwiGLU, kernels built)")
+        if batch.tables.size and (int(batch.tables.min()) < 0 or int(batch.tables.max()) >= self.num_blocks):
+            raise ValueError(f"a block table names a block outside 0..{self.num_blocks - 1}")
+        with torch.inference_mode():
+            return cpu_linear.paged_draft(
+                self._c_table, r.embed, tokens, batch.first, batch.start, gammas, batch.tables, batch.block_size,
+                heads=r.n_heads, kv_heads=r.n_kv_heads, head_dim=r.head_dim,
+                intermediate=r.layers[0].down.weight.shape[1], eps=r.eps, scale=r.scale, cos=r._cos, sin=r._sin,
+                norm=r.norm, head=r.lm_head.weight, head_bias=r.lm_head.bias, clock_id=clock_id)
+
     def copy_slots(self, src: Tensor, dst: Tensor) -> None:  # src, dst: [n] long slot ids
         """Move the entries of slots ``src`` to slots ``dst`` in every layer (gathered first)."""
         with torch.inference_mode():

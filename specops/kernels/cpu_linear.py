@@ -80,6 +80,13 @@ def _setup(lib: ctypes.CDLL) -> None:
                       [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p,
                                                                                  ctypes.c_int64] +
                       [ctypes.c_void_p] * 2 + [ctypes.c_int])
+    chain = lib.specops_paged_draft
+    chain.restype = ctypes.c_int
+    chain.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64] +
+                      [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_float] +
+                      [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] +
+                      [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                                               ctypes.c_void_p])
     fused = lib.specops_rope_cache_attention
     fused.restype = ctypes.c_int
     fused.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [
@@ -453,6 +460,60 @@ def paged_layers(table: ctypes.Array, x: Tensor, batch: RaggedBatch, rows: Tenso
     if rc != 0:
         raise MemoryError(f"CPU paged layer-stack kernel failed (code {rc})")
     return hidden, logits
+
+
+def paged_draft(table: ctypes.Array, embed: Tensor, tokens: list[int], first: np.ndarray, start: np.ndarray,
+                gammas: list[int], tables: np.ndarray, block_size: int, *, heads: int, kv_heads: int, head_dim: int,
+                intermediate: int, eps: float, scale: float, cos: Tensor, sin: Tensor, norm: Tensor, head: Tensor,
+                head_bias: Tensor | None = None, threads: int | None = None,
+                clock_id: int | None = None) -> tuple[list[list[int]], list[float] | None]:
+    """Greedy drafting of a ragged batch in one call (``specops_paged_draft`` in linear.c):
+    round 0 feeds sequence s its ``tokens[first[s]:first[s+1]]`` after ``start[s]`` cached
+    ones, each later round one token, the last argmax, to the sequences still short of their
+    ``gammas[s]`` (>= 1) tokens. ``table``, ``embed`` [vocab, E], ``tables`` [S, blocks] and the
+    shapes are `paged_layers`' (the draft model's). Returns each sequence's tokens and, with
+    ``clock_id`` (a ``time.CLOCK_*`` id), each round's seconds on that clock; the same tokens
+    and cache as a loop of `paged_layers` rounds and argmaxes, bit for bit."""
+    s = len(gammas)
+    n0 = len(tokens)
+    first = np.ascontiguousarray(first, dtype=np.int64)
+    start = np.ascontiguousarray(start, dtype=np.int64)
+    tables = np.ascontiguousarray(tables, dtype=np.int32)
+    if first.shape != (s + 1,) or start.shape != (s,) or tables.ndim != 2 or tables.shape[0] != s:
+        raise ValueError("paged_draft: first, start and tables disagree with gammas")
+    if s < 1 or min(gammas) < 1 or np.any(np.diff(first) < 1) or first[0] != 0 or first[-1] != n0:
+        raise ValueError("paged_draft: every sequence feeds at least one token and drafts at least one")
+    last = start + np.diff(first) + np.asarray(gammas, dtype=np.int64) - 2  # the last position each one feeds
+    if int(last.max()) >= cos.shape[0]:
+        raise ValueError(f"a rotary position is past the table's {cos.shape[0]}")
+    if not embed.is_contiguous() or embed.dtype != torch.float32:
+        raise ValueError("embed must be contiguous fp32")
+    g = max(gammas)
+    m = max(n0, s)
+    e = embed.shape[1]
+    vocab = head.shape[0]
+    toks = np.ascontiguousarray(tokens, dtype=np.int64)
+    gam = np.ascontiguousarray(gammas, dtype=np.int64)
+    out = np.zeros((s, g), dtype=np.int64)
+    rounds = np.zeros(g, dtype=np.float64) if clock_id is not None else None
+    x = torch.empty(m, e, dtype=torch.float32)
+    hidden = torch.empty(s, e, dtype=torch.float32)
+    logits = torch.empty(s, vocab, dtype=torch.float32)
+    scratch = torch.empty(m * ((heads + 2 * kv_heads) * head_dim + heads * head_dim + 2 * intermediate),
+                          dtype=torch.float32)
+    rc = _kernel.lib.specops_paged_draft(
+        table, len(table), embed.data_ptr(), toks.ctypes.data, s, first.ctypes.data, start.ctypes.data,
+        gam.ctypes.data, tables.ctypes.data, tables.shape[1], block_size, e, heads, kv_heads, head_dim, intermediate,
+        float(eps), float(scale), cos.data_ptr(), sin.data_ptr(), x.data_ptr(), scratch.data_ptr(),
+        int(threads or torch.get_num_threads()), norm.data_ptr(), head.data_ptr(),
+        None if head_bias is None else head_bias.data_ptr(), vocab, hidden.data_ptr(), logits.data_ptr(),
+        WEIGHTS_BF16 if head.dtype == torch.bfloat16 else 0, out.ctypes.data, g,
+        -1 if clock_id is None else int(clock_id), None if rounds is None else rounds.ctypes.data)
+    if rc == 3:
+        raise ValueError("CPU paged drafting kernel refused the batch's shapes")
+    if rc != 0:
+        raise MemoryError(f"CPU paged drafting kernel failed (code {rc})")
+    return [out[i, : gammas[i]].tolist() for i in range(s)], None if rounds is None else rounds.tolist()
 
 
 def argmax(x: Tensor) -> Tensor:

@@ -34,6 +34,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "vexp.h" /* exp_nonpos */
 #if defined(__AVX2__) && defined(__FMA__)
@@ -1001,6 +1002,85 @@ int specops_paged_layers(const LayerWeights *layers, int64_t n_layers, float *x,
     if (logits != NULL)
         return specops_linear(hidden, head_w, head_b, NULL, logits, R, E, V, threads, head_flags, NULL, 0.f);
     return 0;
+}
+
+static double clock_s(int clock_id) {
+    struct timespec ts;
+    clock_gettime((clockid_t)clock_id, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Greedy drafting for a ragged batch in one call: `specops_paged_layers` rounds with the
+ * argmax fed back in between. Round 0 feeds each sequence s its tokens first0[s] ..
+ * first0[s+1]-1 of `tokens` (what its draft cache lacks: 1 or more) after start0[s] cached
+ * ones, and takes the argmax of its last row; round r >= 1 feeds the sequences with
+ * gammas[s] > r their previous token, one each, in sequence order (a sequence leaves once it
+ * has its gammas[s] tokens; its last one is never fed). out[s * G + r] is sequence s's r-th
+ * token (G >= every gammas[s] >= 1). Every round is the `specops_paged_layers` call the
+ * engine's per-round loop makes for the same sequences and tokens, and the argmax is
+ * `specops_argmax_rows`, so the tokens and the cache are those of that loop, bit for bit.
+ * round_s[r] (when not NULL): the seconds round r took on clock `clock_id` (clock_gettime),
+ * its set-up and argmax included.
+ *   x        at least max(N0, S) * E floats; hidden S * E; logits S * V
+ *   scratch  as `specops_paged_layers` for max(N0, S) tokens
+ * Returns 0, or the first failing call's code (2: no memory, 3: bad shapes). */
+int specops_paged_draft(const LayerWeights *layers, int64_t n_layers, const float *embed, const int64_t *tokens,
+                        int64_t S, const int64_t *first0, const int64_t *start0, const int64_t *gammas,
+                        const int32_t *tables, int64_t tstride, int64_t bs, int64_t E, int64_t Hq, int64_t Hkv,
+                        int64_t D, int64_t I, float eps, float scale, const float *cos_tab, const float *sin_tab,
+                        float *x, float *scratch, int threads, const float *norm, const float *head_w,
+                        const float *head_b, int64_t V, float *hidden, float *logits, int head_flags, int64_t *out,
+                        int64_t G, int clock_id, double *round_s) {
+    if (S < 1 || G < 1 || first0[0] != 0) return 3;
+    const int64_t N0 = first0[S];
+    for (int64_t s = 0; s < S; s++)
+        if (first0[s + 1] <= first0[s] || gammas[s] < 1 || gammas[s] > G) return 3;
+    const int64_t M = N0 > S ? N0 : S;
+    int32_t *pos = (int32_t *)malloc(sizeof(int32_t) * (size_t)M);
+    int32_t *tab = (int32_t *)malloc(sizeof(int32_t) * (size_t)(S * tstride));
+    int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(S + 1));
+    int64_t *start = (int64_t *)malloc(sizeof(int64_t) * (size_t)S);
+    int64_t *rows = (int64_t *)malloc(sizeof(int64_t) * (size_t)S);
+    int64_t *who = (int64_t *)malloc(sizeof(int64_t) * (size_t)S);
+    int64_t *picked = (int64_t *)malloc(sizeof(int64_t) * (size_t)S);
+    uint64_t *words = (uint64_t *)calloc((size_t)M, sizeof(uint64_t)); /* causal: no tree words */
+    int8_t *masked = (int8_t *)calloc((size_t)S, sizeof(int8_t));
+    int rc = 0;
+    if (!pos || !tab || !first || !start || !rows || !who || !picked || !words || !masked) rc = 2;
+    for (int64_t r = 0; r < G && rc == 0; r++) {
+        const double t0 = round_s != NULL ? clock_s(clock_id) : 0.0;
+        int64_t n = 0, m = 0, keys = 0;
+        first[0] = 0;
+        for (int64_t s = 0; s < S; s++) {
+            if (gammas[s] <= r) continue;
+            const int64_t fed0 = first0[s + 1] - first0[s];
+            const int64_t at = r == 0 ? start0[s] : start0[s] + fed0 + r - 1;
+            const int64_t t = r == 0 ? fed0 : 1;
+            for (int64_t j = 0; j < t; j++) {
+                const int64_t id = r == 0 ? tokens[first0[s] + j] : out[s * G + r - 1];
+                memcpy(x + (n + j) * E, embed + id * E, sizeof(float) * (size_t)E);
+                pos[n + j] = (int32_t)(at + j);
+            }
+            memcpy(tab + m * tstride, tables + s * tstride, sizeof(int32_t) * (size_t)tstride);
+            start[m] = at;
+            n += t;
+            first[m + 1] = n;
+            rows[m] = n - 1;
+            who[m] = s;
+            if (at + t > keys) keys = at + t;
+            m++;
+        }
+        if (m == 0) break; /* G above every gamma */
+        rc = specops_paged_layers(layers, n_layers, x, n, E, Hq, Hkv, D, I, eps, scale, cos_tab, sin_tab, pos, m,
+                                  first, start, tab, tstride, bs, words, masked, keys, scratch, threads, norm, head_w,
+                                  head_b, V, rows, m, hidden, logits, head_flags);
+        if (rc != 0) break;
+        specops_argmax_rows(logits, m, V, picked);
+        for (int64_t j = 0; j < m; j++) out[who[j] * G + r] = picked[j];
+        if (round_s != NULL) round_s[r] = clock_s(clock_id) - t0;
+    }
+    free(pos); free(tab); free(first); free(start); free(rows); free(who); free(picked); free(words); free(masked);
+    return rc;
 }
 
 /* out[r] = the index of the largest of x[r, 0..cols-1], the first one on ties, a NaN before

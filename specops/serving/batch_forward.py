@@ -160,6 +160,40 @@ class PagedBackend:
                                                    batch, torch.tensor(rows, dtype=torch.long), need_hidden)
         return _split_outputs(items, logits, hidden)
 
+    def draft_chain(self, items: list[FeedItem], gammas: list[int],
+                    clock_id: int | None = None) -> tuple[list[list[int]], list[float] | None] | None:
+        """Greedy drafting rounds in one C call (`PagedLlama.draft_ragged`): each item feeds its
+        tokens in round 0 (causal, logits of its last row), then one token per round, the previous
+        argmax, until it has its ``gammas[i]`` (>= 1) tokens; each KV counter ends at ``computed +
+        len(tokens) + gammas[i] - 1``. Returns the tokens and, with ``clock_id``, each round's
+        seconds; None, with nothing done, where the C path does not apply (the caller loops)."""
+        n0 = sum(len(it.tokens) for it in items)
+        if (not self.model.c_layers or not items or n0 > C_LAYERS_MAX_N or len(items) != len(gammas)
+                or min(gammas) < 1 or any(it.intra is not None or it.positions is not None for it in items)
+                or not self.model.r.embed.is_contiguous()):
+            return None
+        s = len(items)
+        first = np.zeros(s + 1, dtype=np.int64)
+        start = np.empty(s, dtype=np.int64)
+        width = max(len(it.kv.blocks) for it in items)
+        tables = np.zeros((s, max(width, 1)), dtype=np.int32)
+        ids: list[int] = []
+        for i, (it, g) in enumerate(zip(items, gammas)):
+            c, t = it.kv.computed, len(it.tokens)
+            if t < 1 or len(it.kv.blocks) * self.bs < c + t + g - 1:
+                raise RuntimeError(f"sequence needs {c + t + g - 1} slots but holds {len(it.kv.blocks)} blocks")
+            start[i] = c
+            tables[i, : len(it.kv.blocks)] = it.kv.blocks
+            ids.extend(it.tokens)
+            first[i + 1] = len(ids)
+        batch = cpu_linear.RaggedBatch(positions=np.zeros(0, dtype=np.int32), first=first, start=start, tables=tables,
+                                       block_size=self.bs, words=np.zeros(0, dtype=np.int64),
+                                       masked=np.zeros(s, dtype=np.int8))
+        out = self.model.draft_ragged(ids, batch, gammas, clock_id)
+        for it, g in zip(items, gammas):
+            it.kv.computed += len(it.tokens) + g - 1
+        return out
+
     def _group(self, items: list[FeedItem], offsets: list[int]) -> AttnGroup:
         """One padded attention call over ``items`` (whose flat tokens start at ``offsets``)."""
         dev = self.device

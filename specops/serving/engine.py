@@ -278,7 +278,7 @@ class Engine:
         self.calibration: SpecCalibration | None = SpecCalibration()
         # the backstop: where the last speculative steps at a batch size (>= GUARD_MIN_BATCH) emitted fewer
         # tokens per second than its plain steps, its requests decode plainly for veto_steps steps, then it
-        # judges afresh; requests marked `SpecSettings.observed` are planned as usual. 0: never.
+        # judges afresh; requests marked `SpecSettings.observed` are spared (they speculate as set). 0: never.
         self.veto_steps = VETO_STEPS
         self._veto: dict[int, int] = {}  # batch size -> plain steps left
         self.vetoes = 0
@@ -556,19 +556,20 @@ class Engine:
             # (extrapolated, it made drafts look free beside a prompt); the step decodes plainly
             return {}
         b = len(batch)
+        observed = any(seq.spec.observed for seq in batch)
         vetoed = self._veto.get(b, 0) > 0
         if vetoed:  # speculating here made decoding slower (see ``veto_steps``)
             self._veto[b] -= 1
             if not self._veto[b] and self.calibration is not None:
                 self.calibration.forget_spec(b)
-            if not any(seq.spec.observed for seq in batch):
+            if not observed:
                 return {}
         if self.plain_probe_every and self._spec_run.get(b, 0) >= self.plain_probe_every:
             self._spec_run[b] = 0  # a plain probe (see ``plain_probe_every``)
             self.plain_probes += 1
             return {}
         left, size = self._quiet
-        if left > 0 and size == len(batch) and not self._probe_due(self._declined + 1):
+        if left > 0 and size == len(batch) and not observed and not self._probe_due(self._declined + 1):
             # the plan at this batch size just declined speculation: nothing it reads has moved but the
             # plain steps' drift, so the next few steps skip it (its proposals and predictions cost ~5%
             # of a step at batch 16); a probe step, or another batch size, plans again
@@ -588,6 +589,7 @@ class Engine:
             bound = min(room, seq.remaining - 1)
             c = self._candidate(seq, bound)
             if c is not None:
+                c.forced = seq.spec.observed  # measured as its setting says (`Candidate.forced`)
                 cands.append(c)
                 owners.append(seq)
         if not cands:

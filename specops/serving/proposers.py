@@ -8,7 +8,11 @@ called by the engine). The two model-based proposers run the whole batch at once
   pending token, ``[d_G, bonus]`` after a fully accepted block, or the whole sequence
   after admission or preemption); later rounds feed one token each, and a sequence
   leaves the batch once it has its γ_i tokens (ragged speculation). Its distributions
-  q are filtered exactly like the target's (`specops.decoder.sampling`).
+  q are filtered exactly like the target's (`specops.decoder.sampling`). When every
+  drafting sequence is greedy and the draft model runs the paged C stack (fp32 CPU), all
+  rounds run in one C call (`PagedBackend.draft_chain`), with the same tokens and cache:
+  the per-round Python work (the items, the batch arrays, the argmax, ~1 ms a round at
+  batch 1) cost several times the bundled 1-layer draft's forward.
 * `MedusaProposer`: the heads read every sequence's hidden state in one call and each
   sequence gets its own tree (the best ``n_i`` nodes of the sparse tree built from the
   heads' measured accuracy, `specops.decoder.tree.ranked_nodes`).
@@ -27,6 +31,13 @@ from specops.decoder.medusa_decode import propose_trees
 from specops.decoder.tree import TreeBuffers, TreeSpec, make_spec, preset, ranked_nodes
 from specops.serving.batch_forward import FeedItem
 from specops.serving.sequence import Sequence
+
+# the clocks `draft_blocks` can time a C drafting chain's rounds with (clock_gettime ids, as Python's own)
+CLOCK_IDS: dict[Callable[[], float], int] = {
+    clock: getattr(time, name) for clock, name in ((time.perf_counter, "CLOCK_MONOTONIC"),
+                                                  (time.process_time, "CLOCK_PROCESS_CPUTIME_ID"),
+                                                  (time.thread_time, "CLOCK_THREAD_CPUTIME_ID"))
+    if hasattr(time, name)}
 
 PRIOR_DEPTH_ACCEPT = 0.6  # per-depth acceptance guess for heads without a measured accuracy table
 
@@ -51,6 +62,20 @@ def draft_blocks(backend, seqs: list[Sequence], gammas: list[int],
             unseen = seq.tokens[seq.draft.computed :]
             items.append(FeedItem(kv=seq.draft, tokens=unseen, rows=[len(unseen) - 1]))
             active.append(i)
+    chain = getattr(backend, "draft_chain", None)
+    clock_id = CLOCK_IDS.get(clock)
+    if chain is not None and items and clock_id is not None and all(seqs[i].sampling.greedy for i in active):
+        want = [gammas[i] for i in active]
+        done = chain(items, want, clock_id)  # every round in one C call (fp32 CPU, paged)
+        if done is not None:
+            tokens, rounds = done
+            if observe is not None:  # each round as the loop below reports it: (sequences, tokens fed, seconds)
+                for r, seconds in enumerate(rounds):
+                    b = sum(1 for g in want if g > r)
+                    observe(b, sum(len(it.tokens) for it in items) if r == 0 else b, seconds)
+            for i, toks in zip(active, tokens):
+                drafted[i] = toks
+            return [(d, None) for d in drafted]
     while items:
         t0 = clock()
         outs = backend.forward(items)

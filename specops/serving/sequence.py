@@ -80,8 +80,12 @@ class SpecSettings:
     class; greedy and sampled requests are kept apart on top of it)."""
     observed: bool = False
     """This request's speculation is being measured (a canary revision's request, or a fallen-back
-    class's probe): the engine's batch-wide veto (`Engine.veto_steps`) does not stop it, so the
-    acceptance that the canary analysis and the fallback read keeps coming."""
+    class's probe): it speculates as set (``gamma`` drafted tokens, or a tree of ``tree_size``
+    nodes, whenever its proposal has them), neither shrunk by the load-aware plan nor stopped by the
+    batch-wide veto (`Engine.veto_steps`), so the canary analysis and the fallback read the setting
+    under test. Planned by the engine instead, a bad setting was mostly declined: the analysis saw too
+    few drafted tokens and came out inconclusive (`make demo` on a slow host, every run), and a
+    fallen-back class's probes could not show it had recovered."""
 
     def check(self) -> None:
         """Raise ValueError naming the bad field."""

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -311,6 +312,10 @@ class Candidate:
     overhead_s: float = 0.0  # seconds its speculation costs outside the forwards (proposal, verify, compaction)
     proposal: list[int] = field(default_factory=list)  # n-gram: the proposed tokens
     max_nodes: int = 0  # Medusa: the tree's node bound
+    # speculates all of its gains whatever the plan's arithmetic says: a request whose speculation is
+    # being measured (`SpecSettings.observed`), so the canary analysis and the fallback probes see the
+    # setting under test, not the planner's correction of it; the others are planned around it
+    forced: bool = False
 
 
 def plan(cands: list[Candidate], cost: CostModel, *, batch: int, base_tokens: int,
@@ -344,9 +349,16 @@ def plan(cands: list[Candidate], cost: CostModel, *, batch: int, base_tokens: in
     drafting: list[int] = []  # drafting[r]: sequences drafting more than r tokens with the draft model
     draft_s = 0.0
     best_rate, best = plain_rate * (1 + margin), list(chosen)
+    forced = sum(len(c.gains) for c in cands if c.forced)  # tokens taken before any choice (Candidate.forced)
+    if forced:
+        best_rate = -math.inf
+        heap = [(-math.inf if cands[i].forced else neg, i) for neg, i in heap]
+        heapq.heapify(heap)
     while heap:
         neg, i = heapq.heappop(heap)
         c = cands[i]
+        if c.forced:
+            neg = -c.gains[chosen[i]]
         if chosen[i] == 0:
             overhead += c.overhead_s
         chosen[i] += 1
@@ -365,17 +377,17 @@ def plan(cands: list[Candidate], cost: CostModel, *, batch: int, base_tokens: in
                 draft_s += round_s[n + 1] - round_s[n]
             drafting[r] = n + 1
         rate = tokens / (plain_s + spec_scale * (fixed_s + verify[extra] + draft_s + overhead - plain_s))
-        if rate > best_rate:
+        if rate > best_rate and extra >= forced:
             best_rate, best = rate, list(chosen)
         if chosen[i] < len(c.gains):
-            heapq.heappush(heap, (-c.gains[chosen[i]], i))
+            heapq.heappush(heap, (-math.inf if c.forced else -c.gains[chosen[i]], i))
     # The prefix follows the gains alone, so a sequence whose draft cache lags (a wide first round)
     # joins as early as its first gain says, and the best prefix may keep it or drop everyone: a
     # fresh sequence's plan without it is not a prefix. One pass drops each lagging one in turn
     # while that raises the rate (declining everything still has to beat the margin).
     if draft_cost is not None and any(b and c.first_feed > 2 for b, c in zip(best, cands)):
         for i, c in enumerate(cands):
-            if best[i] and c.draft_rounds and c.first_feed > 2:
+            if best[i] and c.draft_rounds and c.first_feed > 2 and not c.forced:
                 trial = list(best)
                 trial[i] = 0
                 rate = (_rate(cands, trial, verify, round_s, draft_cost, batch, fixed_s, spec_scale)

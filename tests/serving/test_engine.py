@@ -388,3 +388,49 @@ def test_draft_gains_follow_the_measured_acceptance_by_position():
     assert got[4] <= got[3] and got[5] <= got[4]  # past the deepest position measured: still falling
     assert kind ** 3 > got[2] + 0.05  # where α^k overstated the third token
     assert priors.gains(key, "draft", min(1.0, kind * 1.2), 4)[0] > got[0]
+
+
+def test_the_c_drafting_chain_equals_the_per_round_loop(qwen2):
+    """`PagedBackend.draft_chain` (every greedy drafting round in one C call) gives the tokens, the
+    KV counters, the paged store and the per-round (sequences, tokens) reports of `draft_blocks`'
+    Python loop of batched rounds, for a ragged batch: a fresh sequence feeding its whole prompt,
+    others feeding 1 or 2 tokens, drafting 1 to 5 tokens each."""
+    from types import SimpleNamespace
+
+    from specops.kernels import cpu_linear
+    from specops.serving.batch_forward import FeedItem
+    from specops.serving.kv_pool import BlockPool
+    from specops.serving.proposers import draft_blocks
+    from specops.serving.sequence import SeqKV
+
+    if not cpu_linear.available():
+        pytest.skip(f"C kernels unavailable: {cpu_linear.unavailable_reason()}")
+    rng = random.Random(11)
+    backends = {name: PagedBackend(qwen2.draft, BlockPool(40, 4)) for name in ("chain", "loop")}
+    assert backends["chain"].model.c_layers
+    backends["loop"].draft_chain = None  # draft_blocks falls back to its per-round loop
+    calls = []
+    chain_fn = backends["chain"].draft_chain
+    backends["chain"].draft_chain = lambda *a: calls.append(1) or chain_fn(*a)
+    prompts = [[rng.randrange(96) for _ in range(n)] for n in (9, 6, 13, 3)]
+    cached = [0, 5, 11, 2]  # the draft cache lacks the whole prompt, 1, 2 and 1 tokens
+    gammas = [3, 5, 1, 4]
+    got = {}
+    for name, backend in backends.items():
+        seqs = []
+        for i, (prompt, c) in enumerate(zip(prompts, cached)):
+            kv = SeqKV(blocks=list(range(i * 10, i * 10 + 6)))  # 24 slots each
+            if c:
+                backend.forward([FeedItem(kv=kv, tokens=prompt[:c], rows=[c - 1])])
+            seqs.append(SimpleNamespace(tokens=prompt, draft=kv, sampling=SimpleNamespace(greedy=True)))
+        reports: list[tuple[int, int]] = []
+        blocks = draft_blocks(backend, seqs, gammas, observe=lambda b, t, s: reports.append((b, t)))
+        assert all(q is None for _, q in blocks)  # greedy: no q rows
+        got[name] = ([d for d, _ in blocks], [s.draft.computed for s in seqs], reports, backend.model.store.clone())
+    chain, loop = got["chain"], got["loop"]
+    assert [len(d) for d in chain[0]] == gammas
+    assert chain[0] == loop[0]
+    assert chain[1] == loop[1] == [len(p) + g - 1 for p, g in zip(prompts, gammas)]
+    assert chain[2] == loop[2] == [(4, 9 + 1 + 2 + 1), (3, 3), (3, 3), (2, 2), (1, 1)]
+    assert torch.equal(chain[3], loop[3])
+    assert calls == [1]  # one C call drafted everything

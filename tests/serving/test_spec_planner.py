@@ -394,3 +394,48 @@ def test_the_veto_spares_requests_whose_speculation_is_measured(qwen2):
     assert records["canary"].drafted > records["stable"].drafted > 0
     with pytest.raises(ValueError, match="observed"):
         SpecSettings(method="draft", observed="yes").check()
+
+
+def test_a_forced_candidate_takes_all_its_gains_and_the_others_are_planned_around_it():
+    """`Candidate.forced` (a request whose speculation is measured) speculates its whole bound
+    where the plan would decline; the other candidates are still planned, with its cost counted."""
+    dear = LineCost(10e-3, 0.0)  # a draft round costs a verify forward: drafting is a loss
+    hopeless = Candidate(gains=linear_gains(0.05, 6), draft_rounds=True)
+    assert plan([hopeless], VERIFY, batch=1, base_tokens=1, draft_cost=dear) == [0]
+    forced = Candidate(gains=linear_gains(0.05, 6), draft_rounds=True, forced=True)
+    assert plan([forced], VERIFY, batch=1, base_tokens=1, draft_cost=dear) == [6]
+    # an empty proposal (an n-gram lookup without a match) has nothing to force
+    assert plan([Candidate(gains=[], forced=True)], VERIFY, batch=1, base_tokens=1) == [0]
+    # beside it, a good n-gram proposal is still chosen by its gains, and a poor one still declined
+    good, poor = Candidate(gains=linear_gains(0.9, 4)), Candidate(gains=linear_gains(0.01, 4), overhead_s=5e-3)
+    got = plan([forced, good, poor], VERIFY, batch=3, base_tokens=3, draft_cost=dear)
+    assert got[0] == 6 and got[1] == 4 and got[2] == 0
+
+
+def test_an_observed_request_speculates_as_set_where_the_plan_declines(qwen2):
+    """A canary's or a fallback probe's request (`SpecSettings.observed`) drafts its gamma at every
+    step the plan would decline (a draft round priced at 2 s), so the analysis measures the setting
+    under test; the same request unobserved never drafts. Both outputs stay exact."""
+    records = {}
+    for observed in (False, True):
+        eng = Engine(qwen2, max_batch=2, kv_cache_mb=1, calibrate=False)
+        eng.cost, eng.draft_cost = LineCost(1.0, 1e-3), LineCost(2.0, 0.0)
+        eng.calibration = None
+        eng.probe_every = 0
+        eng.plain_probe_every = 0
+        for method in ("draft", "ngram"):
+            eng.add(f"{method}-{observed}", [3, 4, 5] * 6, SamplingParams(max_tokens=24),
+                    SpecSettings(method=method, gamma=3, observed=observed))
+        got: dict[str, list[int]] = {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finished:
+                    records[o.request_id] = o.record
+        want = qwen2.generate([3, 4, 5] * 6, method="ar", max_new_tokens=24, eos_token_id=None).tokens
+        assert all(tokens == want for tokens in got.values())
+    assert records["draft-False"].drafted == 0
+    trace = records["draft-True"].gamma_trace
+    # every decode step drafts 3, then 2, 1 and 0 as the budget's end bounds it
+    assert len(trace) > 6 and set(trace[:-3]) == {3} and trace[-3:] == [2, 1, 0], str(trace)
+    assert records["ngram-True"].drafted > 0  # the repeated prompt gives the lookup its matches
