@@ -336,8 +336,10 @@ def plan(cands: list[Candidate], cost: CostModel, *, batch: int, base_tokens: in
     chosen = [0] * len(cands)
     heap = [(-c.gains[0], i) for i, c in enumerate(cands) if c.gains]
     heapq.heapify(heap)
-    # every cost the loop can ask, predicted once: verify over base + e tokens, a draft round of n sequences
-    verify = [cost.predict(batch, base_tokens + e) for e in range(sum(len(c.gains) for c in cands) + 1)]
+    # verify over base + e tokens, predicted as the loop reaches e (it may stop early, below); a draft
+    # round of n sequences, predicted once
+    verify = [cost.predict(batch, base_tokens)]
+    left = sum(sum(c.gains) for c in cands)  # expected tokens not taken yet
     n_draft = sum(1 for c in cands if c.draft_rounds and c.gains) if draft_cost is not None else 0
     round_s = [0.0] + [draft_cost.predict(n, n) for n in range(1, n_draft + 1)]  # rounds after the first
     feed0 = 0  # tokens the first round feeds
@@ -363,7 +365,9 @@ def plan(cands: list[Candidate], cost: CostModel, *, batch: int, base_tokens: in
             overhead += c.overhead_s
         chosen[i] += 1
         tokens += -neg
+        left += neg
         extra += 1
+        verify.append(cost.predict(batch, base_tokens + extra))
         if c.draft_rounds and draft_cost is not None:
             r = chosen[i] - 1
             if r == len(drafting):
@@ -379,6 +383,11 @@ def plan(cands: list[Candidate], cost: CostModel, *, batch: int, base_tokens: in
         rate = tokens / (plain_s + spec_scale * (fixed_s + verify[extra] + draft_s + overhead - plain_s))
         if rate > best_rate and extra >= forced:
             best_rate, best = rate, list(chosen)
+        if (extra >= forced and spec_scale >= 0.0
+                and (tokens + left) * (1.0 + 1e-9) <= best_rate * (plain_s + spec_scale * (verify[extra] - verify[0] + overhead))):
+            # no later plan can beat the best: each adds tokens from `left` at best, and its seconds only grow
+            # (the verify curve is non-decreasing in tokens, overheads add, the draft rounds cost >= 0)
+            break
         if chosen[i] < len(c.gains):
             heapq.heappush(heap, (-math.inf if c.forced else -c.gains[chosen[i]], i))
     # The prefix follows the gains alone, so a sequence whose draft cache lags (a wide first round)

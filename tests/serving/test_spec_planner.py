@@ -439,3 +439,52 @@ def test_an_observed_request_speculates_as_set_where_the_plan_declines(qwen2):
     # every decode step drafts 3, then 2, 1 and 0 as the budget's end bounds it
     assert len(trace) > 6 and set(trace[:-3]) == {3} and trace[-3:] == [2, 1, 0], str(trace)
     assert records["ngram-True"].drafted > 0  # the repeated prompt gives the lookup its matches
+
+
+def test_the_plans_early_stop_changes_no_plan():
+    """`plan` stops once no longer plan can beat its best (tokens left over growing seconds); its
+    choice equals the best of every prefix of the greedy order, each priced by `_rate`, on random
+    batches of n-gram, draft and Medusa candidates and random measured cost curves."""
+    import heapq
+    import random as rnd
+
+    from specops.serving.spec_planner import _rate
+
+    rng = rnd.Random(5)
+    for trial in range(300):
+        verify, draft = CostModel(), CostModel()
+        b = rng.randint(1, 12)
+        for bb in {1, b, rng.randint(1, 16)}:
+            base = rng.uniform(2e-3, 20e-3)
+            for t in sorted(rng.sample(range(bb, bb + 60), 4)):
+                verify.observe(bb, t, base * (1 + rng.uniform(0, 0.08) * (t - bb)) * rng.uniform(0.9, 1.1))
+                draft.observe(bb, t, base * rng.uniform(0.02, 0.5))
+        cands = []
+        for _ in range(b):
+            kind = rng.choice(["ngram", "draft", "medusa", "none"])
+            n = 0 if kind == "none" else rng.randint(1, 10)
+            gains = sorted((rng.random() ** rng.uniform(0.5, 3) for _ in range(n)), reverse=True)
+            cands.append(Candidate(gains=gains, draft_rounds=kind == "draft", overhead_s=rng.uniform(0, 2e-3),
+                                   first_feed=rng.randint(1, 2)))
+        kw = dict(batch=b, base_tokens=b, draft_cost=draft, fixed_s=rng.uniform(0, 3e-3),
+                  margin=rng.choice([0.0, 0.03, -1.0]), spec_scale=rng.uniform(0.5, 2.0))
+        got = plan(cands, verify, **kw)
+        # the reference: every prefix of the greedy order, priced in full
+        total = sum(len(c.gains) for c in cands)
+        curve = [verify.predict(b, b + e) for e in range(total + 1)]
+        n_draft = sum(1 for c in cands if c.draft_rounds and c.gains)
+        rounds = [0.0] + [draft.predict(n, n) for n in range(1, n_draft + 1)]
+        plain = kw["fixed_s"] + curve[0]
+        best_rate, best = b / plain * (1 + kw["margin"]), [0] * b
+        heap = [(-c.gains[0], i) for i, c in enumerate(cands) if c.gains]
+        heapq.heapify(heap)
+        chosen = [0] * b
+        while heap:
+            _, i = heapq.heappop(heap)
+            chosen[i] += 1
+            rate = _rate(cands, chosen, curve, rounds, draft, b, kw["fixed_s"], kw["spec_scale"])
+            if rate > best_rate * (1 + 1e-12):
+                best_rate, best = rate, list(chosen)
+            if chosen[i] < len(cands[i].gains):
+                heapq.heappush(heap, (-cands[i].gains[chosen[i]], i))
+        assert got == best, (trial, got, best)
