@@ -125,29 +125,39 @@ class PagedBackend:
         logits, hidden = self.model.forward(batch, need_hidden)  # [R, V], [R, E]
         return _split_outputs(items, logits, hidden)
 
-    def _forward_c(self, items: list[FeedItem], need_hidden: bool) -> list[ItemOutput]:
-        """The whole step in one C call (`PagedLlama.forward_ragged`): no attention groups, no
-        padding; each sequence's key list is read from its block table inside the kernel."""
+    def _layout(self, items: list[FeedItem], extra: list[int] | None = None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
+        """The C kernels' view of a ragged batch: first [S+1] (flat token offsets), start [S]
+        (cached tokens), tables [S, blocks] int32 and the flat token ids; each sequence must
+        hold blocks for its tokens plus ``extra[i]`` more slots."""
         s = len(items)
         first = np.zeros(s + 1, dtype=np.int64)
         start = np.empty(s, dtype=np.int64)
-        masked = np.zeros(s, dtype=np.int8)
         width = max(len(it.kv.blocks) for it in items)
         tables = np.zeros((s, max(width, 1)), dtype=np.int32)
         ids: list[int] = []
+        for i, it in enumerate(items):
+            need = it.kv.computed + len(it.tokens) + (extra[i] if extra else 0)
+            if len(it.kv.blocks) * self.bs < need:
+                raise RuntimeError(f"sequence needs {need} slots but holds {len(it.kv.blocks)} blocks")
+            start[i] = it.kv.computed
+            tables[i, : len(it.kv.blocks)] = it.kv.blocks
+            ids.extend(it.tokens)
+            first[i + 1] = len(ids)
+        return first, start, tables, ids
+
+    def _forward_c(self, items: list[FeedItem], need_hidden: bool) -> list[ItemOutput]:
+        """The whole step in one C call (`PagedLlama.forward_ragged`): no attention groups, no
+        padding; each sequence's key list is read from its block table inside the kernel."""
+        first, start, tables, ids = self._layout(items)
+        masked = np.zeros(len(items), dtype=np.int8)
         pos: list[int] = []
         rows: list[int] = []
         trees: list[tuple[int, FeedItem]] = []
         for i, it in enumerate(items):
             c, t = it.kv.computed, len(it.tokens)
-            if len(it.kv.blocks) * self.bs < c + t:
-                raise RuntimeError(f"sequence needs {c + t} slots but holds {len(it.kv.blocks)} blocks")
-            start[i] = c
-            tables[i, : len(it.kv.blocks)] = it.kv.blocks
-            rows.extend(len(ids) + r for r in it.rows)
-            ids.extend(it.tokens)
+            rows.extend(int(first[i]) + r for r in it.rows)
             pos.extend(range(c, c + t) if it.positions is None else it.positions)
-            first[i + 1] = len(ids)
             if it.intra is not None:
                 trees.append((i, it))
         words = np.zeros(len(ids), dtype=np.int64)  # causal sequences need no words
@@ -169,23 +179,11 @@ class PagedBackend:
         seconds; None, with nothing done, where the C path does not apply (the caller loops)."""
         n0 = sum(len(it.tokens) for it in items)
         if (not self.model.c_layers or not items or n0 > C_LAYERS_MAX_N or len(items) != len(gammas)
-                or min(gammas) < 1 or any(it.intra is not None or it.positions is not None for it in items)
-                or not self.model.r.embed.is_contiguous()):
+                or min(gammas) < 1 or not self.model.r.embed.is_contiguous()
+                or any(not it.tokens or it.intra is not None or it.positions is not None for it in items)):
             return None
+        first, start, tables, ids = self._layout(items, [g - 1 for g in gammas])
         s = len(items)
-        first = np.zeros(s + 1, dtype=np.int64)
-        start = np.empty(s, dtype=np.int64)
-        width = max(len(it.kv.blocks) for it in items)
-        tables = np.zeros((s, max(width, 1)), dtype=np.int32)
-        ids: list[int] = []
-        for i, (it, g) in enumerate(zip(items, gammas)):
-            c, t = it.kv.computed, len(it.tokens)
-            if t < 1 or len(it.kv.blocks) * self.bs < c + t + g - 1:
-                raise RuntimeError(f"sequence needs {c + t + g - 1} slots but holds {len(it.kv.blocks)} blocks")
-            start[i] = c
-            tables[i, : len(it.kv.blocks)] = it.kv.blocks
-            ids.extend(it.tokens)
-            first[i + 1] = len(ids)
         batch = cpu_linear.RaggedBatch(positions=np.zeros(0, dtype=np.int32), first=first, start=start, tables=tables,
                                        block_size=self.bs, words=np.zeros(0, dtype=np.int64),
                                        masked=np.zeros(s, dtype=np.int8))
