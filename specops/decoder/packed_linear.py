@@ -18,6 +18,16 @@ oneDNN's prepacked linear (`torch.ops.mkldnn._linear_pointwise`) is a private Py
 (the one TorchInductor's CPU freezing uses). `onednn_usable` probes it once against `mm`
 and the runner falls back to MKL alone when it is missing or disagrees, so a PyTorch
 upgrade can only cost speed, never correctness.
+
+oneDNN builds (and caches, up to 1,024 by default) one primitive per input shape: a first
+call with a new row count took ~1.2 ms more than the next one (hidden 256, 2 threads),
+and each cached primitive held ~0.55 MB of native memory. A server sees a new row count
+with almost every prefill (the sum of the admitted prompts' lengths), so its memory grew
+with the requests it served (~0.5 GB over a few thousand requests) and those prefills paid
+the build each time. oneDNN calls therefore pad their rows up to `onednn_rows`: a ladder
+of 25 shapes up to 2,048 rows, then multiples of 256, at most 25% extra rows above 128.
+The padded rows are zeros and are cut off the result; on this project's hosts the real
+rows came out bitwise equal to an unpadded call's (rows do not mix in a matmul).
 """
 
 from __future__ import annotations
@@ -35,6 +45,22 @@ log = logging.getLogger(__name__)
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 FP32_ONEDNN_FROM_ROWS = 3
 _probe_cache: dict[tuple[str, torch.dtype], bool] = {}
+# row counts oneDNN calls are padded to (module docstring); above the last, multiples of 256
+ONEDNN_ROW_LADDER = (16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896,
+                     1024, 1280, 1536, 1792, 2048)
+
+
+def onednn_rows(rows: int) -> int:
+    """The row count a oneDNN call over ``rows`` rows runs at (>= rows; one of few shapes)."""
+    for top in ONEDNN_ROW_LADDER:
+        if rows <= top:
+            return top
+    return -(-rows // 256) * 256
+
+
+def _pad_rows(x: Tensor, rows: int) -> Tensor:
+    """``x`` [N, K] with zero rows appended up to ``rows``."""
+    return x if x.shape[0] == rows else F.pad(x, (0, 0, 0, rows - x.shape[0]))
 
 
 def onednn_usable(device: torch.device, dtype: torch.dtype) -> bool:
@@ -117,7 +143,9 @@ class PackedLinear:
         if rows <= self.kernel_rows:
             return cpu_linear.unchecked(x.contiguous(), self.weight, self.bias, None, None, None, 0.0, False)
         if self.packed is not None and rows >= self.packed_from_rows:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            padded = onednn_rows(rows)
+            return torch.ops.mkldnn._linear_pointwise(_pad_rows(x, padded), self.packed, self.bias, "none", [],
+                                                      "")[:rows]
         if self.weight_t is None:
             return F.linear(x, self.weight, self.bias)
         if self.bias is None:
@@ -145,7 +173,9 @@ class PackedLinear:
             return cpu_linear.unchecked(x.contiguous(), self.weight, self.bias, residual.contiguous(), None, None,
                                         0.0, False)
         if self.packed is not None and rows >= self.packed_from_rows:
-            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
+            padded = onednn_rows(rows)
+            return torch.ops.mkldnn._linear_pointwise.binary(_pad_rows(x, padded), _pad_rows(residual, padded),
+                                                             self.packed, self.bias, "add")[:rows]
         if self.weight_t is None:
             out = torch.addmm(residual, x, self.weight.t())
         else:

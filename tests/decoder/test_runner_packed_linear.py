@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specops.decoder.packed_linear import PackedLinear, onednn_usable
+from specops.decoder.packed_linear import ONEDNN_ROW_LADDER, PackedLinear, onednn_rows, onednn_usable
 from tests.decoder.test_runner import one_thread  # noqa: F401  (autouse fixture)
 
 ONEDNN = onednn_usable(torch.device("cpu"), torch.float32)
@@ -16,7 +16,7 @@ ONEDNN = onednn_usable(torch.device("cpu"), torch.float32)
 
 @pytest.mark.parametrize("onednn", [False, pytest.param(True, marks=pytest.mark.skipif(not ONEDNN, reason="no oneDNN"))])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 2, 7])
+@pytest.mark.parametrize("rows", [1, 2, 7, 9, 23, 130, 2100])
 def test_packed_linear_matches_f_linear(onednn, bias, rows):
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(40, 24, generator=gen)  # [out, in]
@@ -30,6 +30,49 @@ def test_packed_linear_matches_f_linear(onednn, bias, rows):
     want = F.linear(x, weight, b)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(summed, residual + want, atol=1e-5, rtol=1e-5)
+
+
+def test_onednn_row_ladder_is_short_and_pads_little():
+    """A server's prefills come in every row count; oneDNN builds and keeps a primitive (~0.5 MB)
+    per shape, so the counts it sees must be few, and the padding small."""
+    seen = {onednn_rows(r) for r in range(1, 4097)}
+    assert len(seen) <= len(ONEDNN_ROW_LADDER) + 8  # 2,304 .. 4,096 in steps of 256
+    for r in range(1, 4097):
+        got = onednn_rows(r)
+        assert got >= r and (r <= 128 or got <= 1.25 * r), (r, got)
+
+
+@pytest.mark.skipif(not ONEDNN, reason="no oneDNN")
+def test_onednn_calls_see_only_ladder_shapes(monkeypatch):
+    """Every row count from 9 to 600 reaches oneDNN as one of the ladder's few shapes, and the
+    caller gets exactly its own rows back, equal to an unpadded matmul."""
+    gen = torch.Generator().manual_seed(1)
+    weight, bias = torch.randn(12, 8, generator=gen), torch.randn(12, generator=gen)
+    layer = PackedLinear(weight, bias, onednn=True)
+    shapes = set()
+    real = torch.ops.mkldnn._linear_pointwise
+
+    class Spy:
+        def __call__(self, x, *args):
+            shapes.add(x.shape[0])
+            return real(x, *args)
+
+        def binary(self, x, other, *args):
+            shapes.add(x.shape[0])
+            assert other.shape[0] == x.shape[0]
+            return real.binary(x, other, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", Spy())
+    with torch.inference_mode():
+        for rows in range(9, 601, 7):
+            x = torch.randn(rows, 8, generator=gen)
+            residual = torch.randn(rows, 12, generator=gen)
+            got, summed = layer(x), layer.add_to(residual, x)
+            assert got.shape == (rows, 12) and summed.shape == (rows, 12) and got.is_contiguous()
+            want = F.linear(x, weight, bias)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(summed, residual + want, atol=1e-5, rtol=1e-5)
+    assert shapes and shapes <= set(ONEDNN_ROW_LADDER), shapes
 
 
 def test_fuse_concatenates_outputs_and_fills_missing_bias():
