@@ -25,7 +25,7 @@ and each cached primitive held ~0.55 MB of native memory. A server sees a new ro
 with almost every prefill (the sum of the admitted prompts' lengths), so its memory grew
 with the requests it served (~0.5 GB over a few thousand requests) and those prefills paid
 the build each time. oneDNN calls therefore pad their rows up to `onednn_rows`: a ladder
-of 25 shapes up to 2,048 rows, then multiples of 256, at most 25% extra rows above 128.
+of 30 shapes up to 2,048 rows, then multiples of 256, at most 25% extra rows above 16.
 The padded rows are zeros and are cut off the result; on this project's hosts the real
 rows came out bitwise equal to an unpadded call's (rows do not mix in a matmul).
 """
@@ -46,8 +46,9 @@ ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 FP32_ONEDNN_FROM_ROWS = 3
 _probe_cache: dict[tuple[str, torch.dtype], bool] = {}
 # row counts oneDNN calls are padded to (module docstring); above the last, multiples of 256
-ONEDNN_ROW_LADDER = (16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896,
-                     1024, 1280, 1536, 1792, 2048)
+# (fine below 64 rows: a Medusa tree's verification lands there, and small calls cost per row)
+ONEDNN_ROW_LADDER = (12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512,
+                     640, 768, 896, 1024, 1280, 1536, 1792, 2048)
 
 
 def onednn_rows(rows: int) -> int:

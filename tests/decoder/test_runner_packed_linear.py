@@ -39,7 +39,7 @@ def test_onednn_row_ladder_is_short_and_pads_little():
     assert len(seen) <= len(ONEDNN_ROW_LADDER) + 8  # 2,304 .. 4,096 in steps of 256
     for r in range(1, 4097):
         got = onednn_rows(r)
-        assert got >= r and (r <= 128 or got <= 1.25 * r), (r, got)
+        assert got >= r and (r <= 16 or got <= 1.25 * r), (r, got)
 
 
 @pytest.mark.skipif(not ONEDNN, reason="no oneDNN")
