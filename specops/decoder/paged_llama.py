@@ -43,6 +43,7 @@ row counts and SDPA's masked path round differently).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -237,11 +238,13 @@ class PagedLlama:
         return logits, (hidden if need_hidden else None)
 
     def draft_ragged(self, tokens: list[int], batch: cpu_linear.RaggedBatch, gammas: list[int],
-                     clock_id: int | None = None) -> tuple[list[list[int]], list[float] | None]:
-        """Greedy drafting in one C call (`cpu_linear.paged_draft`; ``c_layers`` must be set):
+                     clock_id: int | None = None, *, uniforms: Any = None, inv_temps: Any = None,
+                     q_out: Tensor | None = None) -> tuple[list[list[int]], list[float] | None]:
+        """Drafting in one C call (`cpu_linear.paged_draft`; ``c_layers`` must be set):
         ``batch``'s first, start and tables say what each sequence feeds in round 0; then
-        ``gammas[s]`` argmax tokens per sequence, each fed back but the last. The tokens and the
-        cache equal a loop of `forward_ragged` rounds and argmaxes."""
+        ``gammas[s]`` tokens per sequence, each fed back but the last: argmax tokens, equal to a
+        loop of `forward_ragged` rounds and argmaxes, or, for the sequences ``inv_temps`` marks,
+        draws from softmax(logits * inv_temp) with their ``uniforms``, q rows into ``q_out``."""
         r = self.r
         if not self.c_layers:
             raise ValueError("draft_ragged needs the runner's C layer stack (fp32 CPU, SwiGLU, kernels built)")
@@ -252,7 +255,8 @@ class PagedLlama:
                 self._c_table, r.embed, tokens, batch.first, batch.start, gammas, batch.tables, batch.block_size,
                 heads=r.n_heads, kv_heads=r.n_kv_heads, head_dim=r.head_dim,
                 intermediate=r.layers[0].down.weight.shape[1], eps=r.eps, scale=r.scale, cos=r._cos, sin=r._sin,
-                norm=r.norm, head=r.lm_head.weight, head_bias=r.lm_head.bias, clock_id=clock_id)
+                norm=r.norm, head=r.lm_head.weight, head_bias=r.lm_head.bias, clock_id=clock_id,
+                uniforms=uniforms, inv_temps=inv_temps, q_out=q_out)
 
     def copy_slots(self, src: Tensor, dst: Tensor) -> None:  # src, dst: [n] long slot ids
         """Move the entries of slots ``src`` to slots ``dst`` in every layer (gathered first)."""

@@ -63,8 +63,9 @@ class SamplingConfig:
     @property
     def unfiltered(self) -> bool:
         """True when sampling is softmax(logits / temperature) alone (no top-k / top-p filter):
-        what the C drafting and verification kernels compute."""
-        return not self.greedy and self.top_k is None and self.top_p is None
+        what the C drafting and verification kernels compute. ``top_p=1.0`` (what many OpenAI
+        clients send) filters nothing (`filter_logits`), so it counts as unfiltered."""
+        return not self.greedy and self.top_k is None and (self.top_p is None or self.top_p >= 1.0)
 
 
 def filter_logits(

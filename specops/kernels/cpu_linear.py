@@ -86,7 +86,7 @@ def _setup(lib: ctypes.CDLL) -> None:
                       [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_float] +
                       [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] +
                       [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
-                                               ctypes.c_void_p])
+                                               ctypes.c_void_p] + [ctypes.c_void_p] * 3)
     fused = lib.specops_rope_cache_attention
     fused.restype = ctypes.c_int
     fused.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [
@@ -466,11 +466,17 @@ def paged_draft(table: ctypes.Array, embed: Tensor, tokens: list[int], first: np
                 gammas: list[int], tables: np.ndarray, block_size: int, *, heads: int, kv_heads: int, head_dim: int,
                 intermediate: int, eps: float, scale: float, cos: Tensor, sin: Tensor, norm: Tensor, head: Tensor,
                 head_bias: Tensor | None = None, threads: int | None = None,
-                clock_id: int | None = None) -> tuple[list[list[int]], list[float] | None]:
-    """Greedy drafting of a ragged batch in one call (``specops_paged_draft`` in linear.c):
+                clock_id: int | None = None, uniforms: np.ndarray | None = None,
+                inv_temps: np.ndarray | None = None,
+                q_out: Tensor | None = None) -> tuple[list[list[int]], list[float] | None]:
+    """Drafting of a ragged batch in one call (``specops_paged_draft`` in linear.c):
     round 0 feeds sequence s its ``tokens[first[s]:first[s+1]]`` after ``start[s]`` cached
-    ones, each later round one token, the last argmax, to the sequences still short of their
-    ``gammas[s]`` (>= 1) tokens. ``table``, ``embed`` [vocab, E], ``tables`` [S, blocks] and the
+    ones, each later round one token, the last one chosen, to the sequences still short of
+    their ``gammas[s]`` (>= 1) tokens. A token is the argmax, or, for a sequence s with
+    ``inv_temps[s] > 0`` ([S] float32: 1 / temperature, 0 = greedy), a draw from q =
+    softmax(logits * inv_temps[s]) with the uniform ``uniforms[s, r]`` ([S, G] float64 in
+    [0, 1), G = max(gammas)), q written to ``q_out[s, r]`` ([S, G, V] fp32, contiguous; the
+    rows of greedy sequences and past each ``gammas[s]`` are left as they were). ``table``, ``embed`` [vocab, E], ``tables`` [S, blocks] and the
     shapes are `paged_layers`' (the draft model's). Returns each sequence's tokens and, with
     ``clock_id`` (a ``time.CLOCK_*`` id), each round's seconds on that clock; the same tokens
     and cache as a loop of `paged_layers` rounds and argmaxes, bit for bit."""
@@ -492,6 +498,19 @@ def paged_draft(table: ctypes.Array, embed: Tensor, tokens: list[int], first: np
     m = max(n0, s)
     e = embed.shape[1]
     vocab = head.shape[0]
+    if (uniforms is None) != (inv_temps is None) or (inv_temps is None) != (q_out is None):
+        raise ValueError("paged_draft: sampling needs uniforms, inv_temps and q_out together")
+    if inv_temps is not None:
+        uniforms = np.ascontiguousarray(uniforms, dtype=np.float64)
+        inv_temps = np.ascontiguousarray(inv_temps, dtype=np.float32)
+        if uniforms.shape != (s, g) or inv_temps.shape != (s,):
+            raise ValueError(f"paged_draft: uniforms must be [{s}, {g}] and inv_temps [{s}]")
+        if not (np.all(np.isfinite(inv_temps)) and np.all(inv_temps >= 0)):
+            raise ValueError("paged_draft: inv_temps must be finite and >= 0 (0: greedy)")
+        if uniforms.size and not (float(uniforms.min()) >= 0.0 and float(uniforms.max()) < 1.0):
+            raise ValueError("paged_draft: uniforms must be in [0, 1)")
+        if q_out.dtype != torch.float32 or tuple(q_out.shape) != (s, g, vocab) or not q_out.is_contiguous():
+            raise ValueError(f"paged_draft: q_out must be a contiguous fp32 tensor of shape ({s}, {g}, {vocab})")
     toks = np.ascontiguousarray(tokens, dtype=np.int64)
     gam = np.ascontiguousarray(gammas, dtype=np.int64)
     out = np.zeros((s, g), dtype=np.int64)
@@ -508,7 +527,9 @@ def paged_draft(table: ctypes.Array, embed: Tensor, tokens: list[int], first: np
         int(threads or torch.get_num_threads()), norm.data_ptr(), head.data_ptr(),
         None if head_bias is None else head_bias.data_ptr(), vocab, hidden.data_ptr(), logits.data_ptr(),
         WEIGHTS_BF16 if head.dtype == torch.bfloat16 else 0, out.ctypes.data, g,
-        -1 if clock_id is None else int(clock_id), None if rounds is None else rounds.ctypes.data)
+        -1 if clock_id is None else int(clock_id), None if rounds is None else rounds.ctypes.data,
+        None if uniforms is None else uniforms.ctypes.data, None if inv_temps is None else inv_temps.ctypes.data,
+        None if q_out is None else q_out.data_ptr())
     if rc == 3:
         raise ValueError("CPU paged drafting kernel refused the batch's shapes")
     if rc != 0:

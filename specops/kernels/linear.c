@@ -1021,6 +1021,10 @@ static double clock_s(int clock_id) {
  * `specops_argmax_rows`, so the tokens and the cache are those of that loop, bit for bit.
  * round_s[r] (when not NULL): the seconds round r took on clock `clock_id` (clock_gettime),
  * its set-up and argmax included.
+ * Sampling (inv_temps != NULL): a sequence s with inv_temps[s] > 0 draws its round-r token
+ * from q = softmax(logits * inv_temps[s]) with the uniform uniforms[s * G + r] (`draw_softmax`,
+ * as `specops_llama_draft` does) and stores q in q[(s * G + r) * V ..]; the others take the
+ * argmax. The verifier accepts against exactly that q (lossless).
  *   x        at least max(N0, S) * E floats; hidden S * E; logits S * V
  *   scratch  as `specops_paged_layers` for max(N0, S) tokens
  * Returns 0, or the first failing call's code (2: no memory, 3: bad shapes). */
@@ -1030,8 +1034,10 @@ int specops_paged_draft(const LayerWeights *layers, int64_t n_layers, const floa
                         int64_t D, int64_t I, float eps, float scale, const float *cos_tab, const float *sin_tab,
                         float *x, float *scratch, int threads, const float *norm, const float *head_w,
                         const float *head_b, int64_t V, float *hidden, float *logits, int head_flags, int64_t *out,
-                        int64_t G, int clock_id, double *round_s) {
+                        int64_t G, int clock_id, double *round_s, const double *uniforms,
+                        const float *inv_temps, float *q) {
     if (S < 1 || G < 1 || first0[0] != 0) return 3;
+    if (inv_temps != NULL && (uniforms == NULL || q == NULL)) return 3;
     const int64_t N0 = first0[S];
     for (int64_t s = 0; s < S; s++)
         if (first0[s + 1] <= first0[s] || gammas[s] < 1 || gammas[s] > G) return 3;
@@ -1076,7 +1082,14 @@ int specops_paged_draft(const LayerWeights *layers, int64_t n_layers, const floa
                                   head_b, V, rows, m, hidden, logits, head_flags);
         if (rc != 0) break;
         specops_argmax_rows(logits, m, V, picked);
-        for (int64_t j = 0; j < m; j++) out[who[j] * G + r] = picked[j];
+        for (int64_t j = 0; j < m; j++) {
+            const int64_t s = who[j];
+            if (inv_temps != NULL && inv_temps[s] > 0.f)
+                out[s * G + r] = draw_softmax(logits + j * V, V, inv_temps[s], uniforms[s * G + r],
+                                              q + (s * G + r) * V);
+            else
+                out[s * G + r] = picked[j];
+        }
         if (round_s != NULL) round_s[r] = clock_s(clock_id) - t0;
     }
     free(pos); free(tab); free(first); free(start); free(rows); free(who); free(picked); free(words); free(masked);

@@ -170,13 +170,17 @@ class PagedBackend:
                                                    batch, torch.tensor(rows, dtype=torch.long), need_hidden)
         return _split_outputs(items, logits, hidden)
 
-    def draft_chain(self, items: list[FeedItem], gammas: list[int],
-                    clock_id: int | None = None) -> tuple[list[list[int]], list[float] | None] | None:
-        """Greedy drafting rounds in one C call (`PagedLlama.draft_ragged`): each item feeds its
-        tokens in round 0 (causal, logits of its last row), then one token per round, the previous
-        argmax, until it has its ``gammas[i]`` (>= 1) tokens; each KV counter ends at ``computed +
-        len(tokens) + gammas[i] - 1``. Returns the tokens and, with ``clock_id``, each round's
-        seconds; None, with nothing done, where the C path does not apply (the caller loops)."""
+    def draft_chain(self, items: list[FeedItem], gammas: list[int], clock_id: int | None = None, *,
+                    inv_temps: list[float] | None = None, uniforms: np.ndarray | None = None,
+                    ) -> tuple[list[list[int]], list[float] | None, Tensor | None] | None:
+        """Drafting rounds in one C call (`PagedLlama.draft_ragged`): each item feeds its tokens in
+        round 0 (causal, logits of its last row), then one token per round, the previous one
+        chosen, until it has its ``gammas[i]`` (>= 1) tokens; each KV counter ends at ``computed +
+        len(tokens) + gammas[i] - 1``. A token is the argmax, or for an item with ``inv_temps[i] >
+        0`` (1 / temperature) a draw from softmax(logits * inv_temps[i]) with ``uniforms[i, r]``
+        ([S, max(gammas)] float64 in [0, 1)). Returns the tokens, with ``clock_id`` each round's
+        seconds, and the sampled items' q rows [S, max(gammas), V] (None when nothing sampled);
+        None, with nothing done, where the C path does not apply (the caller loops)."""
         n0 = sum(len(it.tokens) for it in items)
         if (not self.model.c_layers or not items or n0 > C_LAYERS_MAX_N or len(items) != len(gammas)
                 or min(gammas) < 1 or not self.model.r.embed.is_contiguous()
@@ -187,10 +191,17 @@ class PagedBackend:
         batch = cpu_linear.RaggedBatch(positions=np.zeros(0, dtype=np.int32), first=first, start=start, tables=tables,
                                        block_size=self.bs, words=np.zeros(0, dtype=np.int64),
                                        masked=np.zeros(s, dtype=np.int8))
-        out = self.model.draft_ragged(ids, batch, gammas, clock_id)
+        q = None
+        if inv_temps is not None and any(t > 0 for t in inv_temps):
+            q = torch.empty(s, max(gammas), self.model.r.lm_head.weight.shape[0], dtype=torch.float32)
+        else:
+            inv_temps = uniforms = None
+        tokens, rounds = self.model.draft_ragged(ids, batch, gammas, clock_id, uniforms=uniforms,
+                                                 inv_temps=None if q is None else np.asarray(inv_temps, np.float32),
+                                                 q_out=q)
         for it, g in zip(items, gammas):
             it.kv.computed += len(it.tokens) + g - 1
-        return out
+        return tokens, rounds, q
 
     def _group(self, items: list[FeedItem], offsets: list[int]) -> AttnGroup:
         """One padded attention call over ``items`` (whose flat tokens start at ``offsets``)."""

@@ -285,6 +285,8 @@ class Engine:
         self.decode_steps = [0, 0]  # steps that emitted tokens: [all plain, some sequence speculated]
         self._step_pred: tuple[float, float] | None = None  # this step's plan: (predicted s, plain predicted s)
         self._propose_s = 0.0  # this step's proposal seconds (n-gram lookups, draft rounds, Medusa trees)
+        # this step's one-time draft-cache catch-up beyond FULL_CATCH_UP tokens (planner clock, wall)
+        self._catch_up = (0.0, 0.0)
         self._propose_share: dict[str, float] = {}  # request -> its share of them, beyond the draft forwards
         self._ngram_s: dict[str, float] = {}
         self.seqs: dict[str, Sequence] = {}
@@ -400,6 +402,7 @@ class Engine:
         if not batch:
             return outputs
         self._propose_s = 0.0
+        self._catch_up = (0.0, 0.0)
         self._step_pred = None
         plans = self._plan(batch)
         items, need_hidden = [], False
@@ -445,7 +448,11 @@ class Engine:
             # the veto's realized rates, only kept while it is on
             tokens, wall = (sum(n for _, n in emitted), time.perf_counter() - w_step) if self.veto_steps else (0, 0.0)
             if spec_commit and self._step_pred is not None:
-                self.calibration.observe_spec(len(batch), t1 - t_step, *self._step_pred, tokens=tokens, wall_s=wall)
+                # both judge speculation's recurring cost: a long draft-cache catch-up is paid once per
+                # request (the plan charges it spread over its steps: `_candidate`), see `_note_catch_up`
+                catch_cost, catch_wall = self._catch_up
+                self.calibration.observe_spec(len(batch), t1 - t_step - catch_cost, *self._step_pred, tokens=tokens,
+                                              wall_s=max(wall - catch_wall, 0.0) if wall else 0.0)
                 if (len(batch) >= GUARD_MIN_BATCH and self.veto_steps and not self._veto.get(len(batch))
                         and self.calibration.losing(len(batch))):
                     self._veto[len(batch)] = self.veto_steps
@@ -649,6 +656,7 @@ class Engine:
             spent = self.cost_clock() - c0
             self._propose_s += spent
             host = max(spent - sum(forwards), 0.0) / len(drafting)  # outside the rounds (their set-up)
+            self._note_catch_up(drafting, before, forwards, dt, spent)
             fed = sum(s.draft.computed - b for s, b in zip(drafting, before))
             for seq, b, (drafted, q) in zip(drafting, before, blocks):
                 plans[seq.request_id] = {"drafts": drafted, "q": q}
@@ -670,6 +678,22 @@ class Engine:
             if seq.spec.method == "ngram" and plans[seq.request_id]["drafts"]:
                 self._propose_share[seq.request_id] = self._ngram_s.get(seq.request_id, 0.0)
         return plans
+
+    def _note_catch_up(self, drafting: list[Sequence], before: list[int], forwards: list[float], wall_s: float,
+                       cost_s: float) -> None:
+        """Set `_catch_up`: what this step's first drafting round cost beyond the same round with every
+        draft cache at most FULL_CATCH_UP tokens behind (a request's first drafting feeds its whole
+        prompt, one after a stretch of plain steps every token since). That cost is paid once per
+        request, and the plan charges it spread over the request's steps; counted against the step, it
+        read as speculation costing 2-3x its prediction (`SpecCalibration` scale pinned at its 3.0
+        ceiling in-process at batch 4) and tripped the veto, so the engine declined, its draft caches
+        fell further behind, and the next speculative step paid a longer catch-up."""
+        lags = [len(s.tokens) - b for s, b in zip(drafting, before)]
+        if not forwards or max(lags) <= FULL_CATCH_UP:
+            return
+        usual = self.draft_cost.predict(len(drafting), sum(min(lag, FULL_CATCH_UP) for lag in lags))
+        extra = max(forwards[0] - usual, 0.0)
+        self._catch_up = (extra, extra * wall_s / cost_s if cost_s > 0 else extra)
 
     def _observe_draft(self, forwards: list[float]) -> Callable[[int, int, float], None]:
         def observe(b: int, t: int, seconds: float) -> None:

@@ -9,8 +9,10 @@ called by the engine). The two model-based proposers run the whole batch at once
   after admission or preemption); later rounds feed one token each, and a sequence
   leaves the batch once it has its γ_i tokens (ragged speculation). Its distributions
   q are filtered exactly like the target's (`specops.decoder.sampling`). When every
-  drafting sequence is greedy and the draft model runs the paged C stack (fp32 CPU), all
-  rounds run in one C call (`PagedBackend.draft_chain`), with the same tokens and cache:
+  drafting sequence is greedy or samples from softmax(logits / T) alone (no top-k / top-p)
+  and the draft model runs the paged C stack (fp32 CPU), all rounds run in one C call
+  (`PagedBackend.draft_chain`; greedy: the same tokens and cache as the loop; sampled: draws
+  from the same q with one uniform per token from the request's generator):
   the per-round Python work (the items, the batch arrays, the argmax, ~1 ms a round at
   batch 1) cost several times the bundled 1-layer draft's forward.
 * `MedusaProposer`: the heads read every sequence's hidden state in one call and each
@@ -20,8 +22,11 @@ called by the engine). The two model-based proposers run the whole batch at once
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable
+
+import numpy as np
 
 import torch
 from torch import Tensor
@@ -64,18 +69,29 @@ def draft_blocks(backend, seqs: list[Sequence], gammas: list[int],
             active.append(i)
     chain = getattr(backend, "draft_chain", None)
     clock_id = CLOCK_IDS.get(clock)
-    if chain is not None and items and clock_id is not None and all(seqs[i].sampling.greedy for i in active):
+    if chain is not None and items and clock_id is not None and all(_chain_sampling(seqs[i]) for i in active):
         want = [gammas[i] for i in active]
-        done = chain(items, want, clock_id)  # every round in one C call (fp32 CPU, paged)
+        inv_temps, uniforms = None, None
+        if not all(seqs[i].sampling.greedy for i in active):
+            # one float64 uniform per drafted token from the request's own generator, as the
+            # single-request chain (`specops.decoder.draft`) takes them; q = softmax(logits / T)
+            inv_temps = [0.0 if seqs[i].sampling.greedy else 1.0 / seqs[i].sampling.temperature for i in active]
+            uniforms = np.zeros((len(active), max(want)), dtype=np.float64)
+            for j, i in enumerate(active):
+                if not seqs[i].sampling.greedy:
+                    uniforms[j, : want[j]] = torch.rand(want[j], generator=seqs[i].generator,
+                                                        dtype=torch.float64).numpy()
+        done = chain(items, want, clock_id, inv_temps=inv_temps, uniforms=uniforms)  # every round in one C call
         if done is not None:
-            tokens, rounds = done
+            tokens, rounds, q = done
             if observe is not None:  # each round as the loop below reports it: (sequences, tokens fed, seconds)
                 for r, seconds in enumerate(rounds):
                     b = sum(1 for g in want if g > r)
                     observe(b, sum(len(it.tokens) for it in items) if r == 0 else b, seconds)
-            for i, toks in zip(active, tokens):
-                drafted[i] = toks
-            return [(d, None) for d in drafted]
+            out: list[tuple[list[int], Tensor | None]] = [(d, None) for d in drafted]
+            for j, (i, toks) in enumerate(zip(active, tokens)):
+                out[i] = (toks, None if seqs[i].sampling.greedy else q[j, : want[j]])
+            return out
     while items:
         t0 = clock()
         outs = backend.forward(items)
@@ -98,6 +114,17 @@ def draft_blocks(backend, seqs: list[Sequence], gammas: list[int],
             observe(len(items), sum(len(it.tokens) for it in items), clock() - t0)
         items, active = next_items, next_active
     return [(d, torch.stack(q) if q else None) for d, q in zip(drafted, qs)]
+
+
+def _chain_sampling(seq: Sequence) -> bool:
+    """Whether the C drafting chain draws this sequence's tokens as the loop would: greedy, or
+    softmax(logits / T) alone (no top-k / top-p filter) with 1 / T a finite float32 and its
+    generator on the CPU."""
+    sampling = seq.sampling
+    if sampling.greedy:
+        return True
+    return (sampling.unfiltered and seq.generator.device.type == "cpu"
+            and math.isfinite(float(np.float32(1.0 / sampling.temperature))))
 
 
 class MedusaProposer:

@@ -178,10 +178,23 @@ class CostModel:
     engine's calibration measures a grid of them). Piecewise, not one least-squares
     line: the cost of extra tokens near T = B (what the planner asks) must not be bent
     by far-away points. At B = 1 extra tokens are nearly free, at B = 16 they are not.
+
+    A point not observed again in the last ``max_age`` observations at its batch size is left
+    out of the fit (its samples stay, and count again once it is observed again), as long as a
+    fresher point remains there. Points above T = B are measured only while the planner
+    speculates; one measured in a load spike and never re-measured because of it kept the
+    planner pricing extra tokens at several times their cost: at batch 4 in a server, the
+    (4, 12) point stood at 8.4 ms of CPU for a whole run while 4-token plain steps took 3-6
+    and 9-token verify forwards ran 1.2x those. Left out, the tokens above the fresh points
+    are priced by the last fresh segment's slope (flat, with one point): the plan tries them
+    and the step's forward measures the point again, right or wrong.
     """
 
-    def __init__(self, window: int = 9, refit_every: int = 32, warmup: int = 0) -> None:
+    def __init__(self, window: int = 9, refit_every: int = 32, warmup: int = 0, max_age: int = 2048) -> None:
         self.window = window
+        self.max_age = max_age
+        self._count: dict[int, int] = {}  # B -> observations at B so far
+        self._last: dict[tuple[int, int], int] = {}  # (B, T) -> `_count[B]` at its last observation
         # observations of each (B, T) dropped before it counts: a shape's first forward pays
         # one-time costs (oneDNN builds its kernels for a new row count, the allocator grows),
         # up to ~100x a warm one; alone in a new point's window it would be its median
@@ -219,6 +232,10 @@ class CostModel:
             self._curves = None  # a new point: refit now
         window.append(seconds)
         self._medians.pop((b, t), None)
+        n = self._count[b] = self._count.get(b, 0) + 1
+        if n - self._last.get((b, t), n) > self.max_age:
+            self._curves = None  # a point that was left out as stale is back in the fit
+        self._last[(b, t)] = n
         self._since_fit += 1
         if self._since_fit >= self.refit_every:
             self._curves = None
@@ -245,6 +262,11 @@ class CostModel:
             by_b: dict[int, list[tuple[int, float]]] = {}
             for (b, t), sec in self.points.items():
                 by_b.setdefault(b, []).append((t, sec))
+            for b, pts in by_b.items():  # points not re-observed lately (see ``max_age``); one always stays
+                now = self._count.get(b, 0)
+                fresh = [(t, sec) for t, sec in pts if now - self._last.get((b, t), now) <= self.max_age]
+                if fresh and len(fresh) < len(pts):
+                    by_b[b] = fresh
             curves = {}
             for b, pts in by_b.items():
                 pts.sort()

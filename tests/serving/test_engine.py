@@ -410,7 +410,7 @@ def test_the_c_drafting_chain_equals_the_per_round_loop(qwen2):
     backends["loop"].draft_chain = None  # draft_blocks falls back to its per-round loop
     calls = []
     chain_fn = backends["chain"].draft_chain
-    backends["chain"].draft_chain = lambda *a: calls.append(1) or chain_fn(*a)
+    backends["chain"].draft_chain = lambda *a, **k: calls.append(1) or chain_fn(*a, **k)
     prompts = [[rng.randrange(96) for _ in range(n)] for n in (9, 6, 13, 3)]
     cached = [0, 5, 11, 2]  # the draft cache lacks the whole prompt, 1, 2 and 1 tokens
     gammas = [3, 5, 1, 4]
@@ -433,3 +433,78 @@ def test_the_c_drafting_chain_equals_the_per_round_loop(qwen2):
     assert chain[2] == loop[2] == [(4, 9 + 1 + 2 + 1), (3, 3), (3, 3), (2, 2), (1, 1)]
     assert torch.equal(chain[3], loop[3])
     assert calls == [1]  # one C call drafted everything
+
+
+def test_the_c_drafting_chain_samples_a_mixed_batch_from_the_q_it_returns(qwen2):
+    """Sampled sequences (softmax(logits / T), top_p=1.0 included) draft in the same one C call
+    as greedy ones: each sampled token is the inverse-CDF draw, with its request generator's next
+    uniform, from the q row returned for it; q is softmax(logits / T) of the logits the per-round
+    loop computes over the same tokens; the greedy sequence's tokens, every KV counter and the
+    paged store equal the loop's. A top-k request sends the batch to the loop."""
+    from types import SimpleNamespace
+
+    from specops.decoder.sampling import SamplingConfig
+    from specops.kernels import cpu_linear
+    from specops.serving.batch_forward import FeedItem
+    from specops.serving.kv_pool import BlockPool
+    from specops.serving.proposers import draft_blocks
+    from specops.serving.sequence import SeqKV
+
+    assert cpu_linear.available(), cpu_linear.unavailable_reason()  # CI builds the kernels: never a skip
+    rng = random.Random(5)
+    configs = [SamplingConfig(temperature=1.0), SamplingConfig(), SamplingConfig(temperature=0.7, top_p=1.0)]
+    prompts = [[rng.randrange(96) for _ in range(n)] for n in (7, 10, 5)]
+    cached = [6, 0, 3]
+    gammas = [4, 3, 2]
+
+    def run(backend, configs, seed):
+        seqs = []
+        for i, (prompt, c, cfg) in enumerate(zip(prompts, cached, configs)):
+            kv = SeqKV(blocks=list(range(i * 10, i * 10 + 6)))
+            if c:
+                backend.forward([FeedItem(kv=kv, tokens=prompt[:c], rows=[c - 1])])
+            seqs.append(SimpleNamespace(tokens=prompt, draft=kv, sampling=cfg,
+                                        generator=torch.Generator().manual_seed(seed + i)))
+        return seqs, draft_blocks(backend, seqs, gammas)
+
+    chain_backend = PagedBackend(qwen2.draft, BlockPool(40, 4))
+    calls = []
+    chain_fn = chain_backend.draft_chain
+    chain_backend.draft_chain = lambda *a, **k: calls.append(k) or chain_fn(*a, **k)
+    seqs, blocks = run(chain_backend, configs, 100)
+    assert len(calls) == 1 and calls[0]["inv_temps"] is not None
+    for i, ((drafted, q), cfg) in enumerate(zip(blocks, configs)):
+        assert len(drafted) == gammas[i]
+        if cfg.greedy:
+            assert q is None
+            continue
+        uniforms = torch.rand(gammas[i], generator=torch.Generator().manual_seed(100 + i), dtype=torch.float64)
+        assert q.shape == (gammas[i], qwen2.draft.vocab_size)
+        for g in range(gammas[i]):
+            cdf = torch.cumsum(q[g], 0, dtype=torch.float64)
+            assert drafted[g] == int(torch.searchsorted(cdf, uniforms[g] * cdf[-1], right=True))
+    # the loop, fed the chain's own tokens, computes the same q rows and cache
+    loop_backend = PagedBackend(qwen2.draft, BlockPool(40, 4))
+    for i, (prompt, c) in enumerate(zip(prompts, cached)):
+        kv = SeqKV(blocks=list(range(i * 10, i * 10 + 6)))
+        if c:
+            loop_backend.forward([FeedItem(kv=kv, tokens=prompt[:c], rows=[c - 1])])
+        fed = prompt[c:]
+        for g in range(gammas[i]):
+            logits = loop_backend.forward([FeedItem(kv=kv, tokens=fed, rows=[len(fed) - 1])])[0].logits[0]
+            drafted, q = blocks[i]
+            if configs[i].greedy:
+                assert drafted[g] == int(logits.argmax())
+            else:
+                torch.testing.assert_close(q[g], torch.softmax(logits / configs[i].temperature, -1),
+                                           atol=2e-6, rtol=1e-4)
+            fed = [drafted[g]]
+        assert kv.computed == seqs[i].draft.computed == len(prompt) + gammas[i] - 1
+    assert torch.equal(chain_backend.model.store, loop_backend.model.store)
+    # a top-k filter is not what the C chain draws from: the per-round loop runs instead
+    calls.clear()
+    chain_backend2 = PagedBackend(qwen2.draft, BlockPool(40, 4))
+    chain_fn2 = chain_backend2.draft_chain
+    chain_backend2.draft_chain = lambda *a, **k: calls.append(k) or chain_fn2(*a, **k)
+    run(chain_backend2, [SamplingConfig(temperature=1.0, top_k=5), *configs[1:]], 100)
+    assert calls == []
