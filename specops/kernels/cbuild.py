@@ -3,7 +3,9 @@
 Each source is compiled on first use with the system C compiler (``$CC`` or ``cc``;
 ``-O3 -march=native`` with reassociation, like torch's own CPU kernels are tuned to the
 machine) into ``$SPECOPS_CACHE_DIR`` (default ``~/.cache/specops``)``/kernels``, named by a
-hash of the source, the shared header and the flags, and loaded with ctypes, which
+hash of the source, the shared header, the flags and the CPU it is built for (`cpu_signature`:
+a cache shared by different machines, an image's home or a network home, holds one build per
+CPU, and no machine loads code built for instructions it lacks), and loaded with ctypes, which
 releases the GIL during calls. No compiler, a failed build, or ``SPECOPS_CPU_KERNELS=0``:
 the kernel is unavailable, the reason is logged once, and callers keep their torch path.
 """
@@ -14,6 +16,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -35,13 +38,37 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SPECOPS_CACHE_DIR") or Path.home() / ".cache" / "specops") / "kernels"
 
 
+CPUINFO_KEYS = ("vendor_id", "cpu family", "model", "model name", "flags",  # x86
+                "CPU implementer", "CPU architecture", "CPU variant", "CPU part", "Features")  # arm64
+
+
+def cpu_signature(cpuinfo: str | None = None) -> str:
+    """What ``-march=native`` compiles for, as far as the kernel says: the first processor's
+    vendor, model and feature flags from ``/proc/cpuinfo`` (``cpuinfo`` for tests), else the
+    platform's machine and processor names."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            cpuinfo = ""
+    seen: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        key = key.strip()
+        if sep and key in CPUINFO_KEYS and key not in seen:
+            seen[key] = " ".join(value.split())
+    if not seen:
+        return f"{platform.machine()} {platform.processor()}"
+    return "; ".join(f"{k}={seen[k]}" for k in sorted(seen))
+
+
 def build_library(source: Path, stem: str) -> ctypes.CDLL:
-    """Compile ``source`` into the kernel cache (once per source, header and flags) and load it."""
+    """Compile ``source`` into the kernel cache (once per source, header, flags and CPU) and load it."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
     src = source.read_bytes() + HEADER.read_bytes()  # the shared header is part of what is built
-    tag = hashlib.sha256(src + " ".join((cc, *CFLAGS)).encode()).hexdigest()[:16]
+    tag = hashlib.sha256(src + " ".join((cc, *CFLAGS, cpu_signature())).encode()).hexdigest()[:16]
     out = cache_dir() / f"{stem}-{tag}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
