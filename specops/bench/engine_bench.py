@@ -7,6 +7,13 @@ with the ratio to ``ar`` at the same concurrency.
 
     python -m specops.bench.engine_bench --concurrency 1,16 --repeats 3
     python -m specops.bench.engine_bench --profile --concurrency 1,16   # where a step's time goes
+    python -m specops.bench.engine_bench --mix --methods ar,policy --concurrency 4 --repeats 4 --threads 2
+
+``--mix``: `specops bench serve`'s prompt mix instead (code / prose / hot, the hot prompts at
+temperature 1.0, each request seeded), and the method ``policy``: each request runs its class's
+initial settings under the default policy (what `bench serve`'s ``fixed`` mode serves), resolved
+by the server's own `PolicyRuntime`. Each method gets its own engine (a method's estimates never
+inform another's), so ``policy`` against ``ar`` is the serving comparison without HTTP.
 """
 
 from __future__ import annotations
@@ -39,17 +46,46 @@ def prompts(dec, n: int) -> list[list[int]]:
     return [dec.tokenizer.encode(texts[i % len(texts)]) for i in range(n)]
 
 
+def mix_requests(dec, n: int, policy_file: str | None = None) -> list[tuple[list[int], float, SpecSettings]]:
+    """``n`` (prompt ids, temperature, the ``policy`` method's settings) from `bench serve`'s mix."""
+    from specops.bench.serve import ServeBenchConfig, build_prompts
+    from specops.policies.loader import load_policy
+    from specops.serving.policy_runtime import PolicyRuntime
+
+    runtime = PolicyRuntime(dec, load_policy(policy_file or default_policy_path()))
+    out = []
+    for text, temperature in build_prompts(ServeBenchConfig(), n):
+        ids = dec.tokenizer.encode(text)
+        res = runtime.resolve(text, len(ids), temperature=temperature, routing_key="bench")
+        out.append((ids, temperature, SpecSettings(method=res.method, gamma=res.gamma, medusa_heads=res.heads,
+                                                   tree_size=res.tree_size)))
+    return out
+
+
+def default_policy_path() -> str:
+    from specops.serving.server import DEFAULT_POLICY
+
+    return str(DEFAULT_POLICY)
+
+
 def run(eng: Engine, method: str, prompt_ids: list[list[int]], concurrency: int,
-        max_tokens: int) -> tuple[float, int, float]:
-    """Wall seconds, output tokens and process CPU seconds for all prompts with ``concurrency`` in flight."""
-    pending = list(enumerate(prompt_ids))
+        max_tokens: int, mix: list[tuple[list[int], float, SpecSettings]] | None = None) -> tuple[float, int, float]:
+    """Wall seconds, output tokens and process CPU seconds for all prompts (or ``mix`` requests)
+    with ``concurrency`` in flight."""
+    pending = list(enumerate(prompt_ids if mix is None else [ids for ids, _, _ in mix]))
     live = 0
     tokens = 0
     t0, c0 = time.perf_counter(), time.process_time()
     while pending or eng.has_unfinished():
         while pending and live < concurrency:
             i, p = pending.pop(0)
-            eng.add(f"{method}-{i}", p, SamplingParams(max_tokens=max_tokens, ignore_eos=True), METHOD_SETTINGS[method])
+            if mix is None:
+                params, spec = SamplingParams(max_tokens=max_tokens, ignore_eos=True), METHOD_SETTINGS[method]
+            else:
+                _, temperature, policy_spec = mix[i]
+                params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature, seed=i)
+                spec = policy_spec if method == "policy" else METHOD_SETTINGS[method]
+            eng.add(f"{method}-{i}", p, params, spec)
             live += 1
         for out in eng.step():
             tokens += len(out.new_token_ids)
@@ -79,28 +115,37 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=0, help="requests per run (default: 2 x concurrency, >= 4)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--profile", action="store_true", help="cProfile one run per method and concurrency")
+    ap.add_argument("--mix", action="store_true", help="bench serve's prompt mix; adds the method 'policy'")
+    ap.add_argument("--policy", default=None, help="policy file for 'policy' (default: the server's default)")
     args = ap.parse_args()
+    methods = args.methods.split(",")
+    unknown = [m for m in methods if m not in METHOD_SETTINGS and not (args.mix and m == "policy")]
+    if unknown:
+        ap.error(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(METHOD_SETTINGS)}"
+                 + (", policy" if args.mix else " (policy needs --mix)"))
     torch.set_num_threads(args.threads)
     from specops.decoder import Decoder
 
     dec = Decoder.from_pretrained("bundled")
-    methods = args.methods.split(",")
     print(f"load: {os.getloadavg()} (tok/cpu-s: output tokens per CPU second of this process, robust to other load)")
     for c in [int(x) for x in args.concurrency.split(",")]:
         n = args.requests or max(4, 2 * c)
-        ps = prompts(dec, n)
+        mix = mix_requests(dec, n, args.policy) if args.mix else None
+        ps = prompts(dec, n) if mix is None else [ids for ids, _, _ in mix]
         eng = Engine(dec, max_batch=max(c, 1), kv_cache_mb=64)
-        run(eng, "ar", ps[: min(n, c)], c, 8)  # warm-up
+        engines = {m: (Engine(dec, max_batch=max(c, 1), kv_cache_mb=64) if mix is not None else eng) for m in methods}
+        for e in {id(e): e for e in engines.values()}.values():
+            run(e, "ar", ps[: min(n, c)], c, 8)  # warm-up
         if args.profile:
             for m in methods:
                 RECORDS.clear()
                 prof = cProfile.Profile()
                 prof.enable()
-                sec, toks, _ = run(eng, m, ps, c, args.max_tokens)
+                sec, toks, _ = run(engines[m], m, ps, c, args.max_tokens, mix)
                 prof.disable()
                 print(f"\n=== profile c={c} {m}: {toks / sec:.1f} tok/s")
                 pstats.Stats(prof).sort_stats("tottime").print_stats(18)
-                print(meters(eng, c))
+                print(meters(engines[m], c))
                 fwd = sum(r.target_forwards for r in RECORDS)
                 print(f"drafted/forward={sum(r.drafted for r in RECORDS) / max(fwd, 1):.2f} "
                       f"accepted/forward={sum(r.accepted for r in RECORDS) / max(fwd, 1):.2f} "
@@ -108,9 +153,9 @@ def main() -> None:
             continue
         rates: dict[str, list[float]] = {m: [] for m in methods}
         cpu_rates: dict[str, list[float]] = {m: [] for m in methods}
-        for _ in range(args.repeats):
-            for m in methods:
-                sec, toks, cpu = run(eng, m, ps, c, args.max_tokens)
+        for r in range(args.repeats):
+            for m in (methods if r % 2 == 0 else methods[::-1]):  # alternated: the host drifts over minutes
+                sec, toks, cpu = run(engines[m], m, ps, c, args.max_tokens, mix)
                 rates[m].append(toks / sec)
                 cpu_rates[m].append(toks / cpu)
         ar = statistics.median(rates["ar"]) if "ar" in rates else None

@@ -1,0 +1,48 @@
+"""`python -m specops.bench.engine_bench --mix`: bench serve's mix, the `policy` method per request class."""
+
+from __future__ import annotations
+
+import pytest
+
+from specops.bench import engine_bench
+from specops.serving.engine import Engine
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    from specops.decoder import Decoder
+
+    return Decoder.from_pretrained("bundled")
+
+
+def test_mix_requests_carry_the_mix_temperatures_and_each_class_initial_settings(bundled):
+    from specops.bench.serve import ServeBenchConfig, build_prompts
+    from specops.policies.loader import load_policy
+
+    policy = load_policy(engine_bench.default_policy_path())
+    mix = engine_bench.mix_requests(bundled, 24)
+    texts = build_prompts(ServeBenchConfig(), 24)
+    assert [t for _, t, _ in mix] == [t for _, t in texts]
+    assert {t for _, t, _ in mix} == {0.0, 1.0}  # greedy code / prose, sampled hot prompts
+    for (ids, temperature, spec), (text, _) in zip(mix, texts):
+        assert ids == bundled.tokenizer.encode(text)
+        rc = policy.classify(text, {}, len(ids))
+        assert spec.method == rc.method
+        if rc.method in ("draft", "ngram"):
+            assert spec.gamma == rc.gamma.initial
+
+
+def test_a_mix_run_decodes_every_request_to_its_length_with_either_method(bundled):
+    mix = engine_bench.mix_requests(bundled, 6)
+    ids = [i for i, _, _ in mix]
+    for method in ("ar", "policy"):
+        eng = Engine(bundled, max_batch=2, kv_cache_mb=16)
+        seconds, tokens, _ = engine_bench.run(eng, method, ids, 2, 5, mix)
+        assert tokens == 6 * 5 and seconds > 0
+
+
+def test_policy_needs_mix(monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["engine_bench", "--methods", "ar,policy", "--concurrency", "1"])
+    with pytest.raises(SystemExit):
+        engine_bench.main()
+    assert "policy needs --mix" in capsys.readouterr().err
