@@ -74,7 +74,10 @@ def draft_blocks(backend, seqs: list[Sequence], gammas: list[int],
         inv_temps, uniforms = None, None
         if not all(seqs[i].sampling.greedy for i in active):
             # one float64 uniform per drafted token from the request's own generator, as the
-            # single-request chain (`specops.decoder.draft`) takes them; q = softmax(logits / T)
+            # single-request chain (`specops.decoder.draft`) takes them; q = softmax(logits / T). Where
+            # the chain then declines (a catch-up above its token limit), the loop below draws afresh:
+            # the unused uniforms are independent of everything, so the output distribution is the same
+            # and a seeded request still repeats itself
             inv_temps = [0.0 if seqs[i].sampling.greedy else 1.0 / seqs[i].sampling.temperature for i in active]
             uniforms = np.zeros((len(active), max(want)), dtype=np.float64)
             for j, i in enumerate(active):
