@@ -132,8 +132,10 @@ def main() -> None:
         n = args.requests or max(4, 2 * c)
         mix = mix_requests(dec, n, args.policy) if args.mix else None
         ps = prompts(dec, n) if mix is None else [ids for ids, _, _ in mix]
-        eng = Engine(dec, max_batch=max(c, 1), kv_cache_mb=64)
-        engines = {m: (Engine(dec, max_batch=max(c, 1), kv_cache_mb=64) if mix is not None else eng) for m in methods}
+        # --mix: one engine per method; otherwise all methods share one (as before)
+        shared = Engine(dec, max_batch=max(c, 1), kv_cache_mb=64) if mix is None else None
+        engines = {m: shared if shared is not None else Engine(dec, max_batch=max(c, 1), kv_cache_mb=64)
+                   for m in methods}
         for e in {id(e): e for e in engines.values()}.values():
             run(e, "ar", ps[: min(n, c)], c, 8)  # warm-up
         if args.profile:

@@ -476,8 +476,9 @@ def paged_draft(table: ctypes.Array, embed: Tensor, tokens: list[int], first: np
     ``inv_temps[s] > 0`` ([S] float32: 1 / temperature, 0 = greedy), a draw from q =
     softmax(logits * inv_temps[s]) with the uniform ``uniforms[s, r]`` ([S, G] float64 in
     [0, 1), G = max(gammas)), q written to ``q_out[s, r]`` ([S, G, V] fp32, contiguous; the
-    rows of greedy sequences and past each ``gammas[s]`` are left as they were). ``table``, ``embed`` [vocab, E], ``tables`` [S, blocks] and the
-    shapes are `paged_layers`' (the draft model's). Returns each sequence's tokens and, with
+    rows of greedy sequences and past each ``gammas[s]`` are left as they were). ``table``,
+    ``embed`` [vocab, E], ``tables`` [S, blocks] and the shapes are `paged_layers`' (the draft
+    model's). Returns each sequence's tokens and, with
     ``clock_id`` (a ``time.CLOCK_*`` id), each round's seconds on that clock; the same tokens
     and cache as a loop of `paged_layers` rounds and argmaxes, bit for bit."""
     s = len(gammas)
