@@ -459,14 +459,15 @@ class MedusaHeads(nn.Module):
             # it). Bundled heads, code suite, fixed trees: tokens per forward unchanged (2.476 / 2.756 /
             # 2.899 / 3.048 fp32 against 2.478 / 2.756 / 2.902 / 3.051 for chain / small / medium / large)
             dtype = torch.bfloat16 if cpu_linear.bf16_weights() else torch.float32
-            weights = [[(b.linear.weight.detach().to(dtype).contiguous(), b.linear.bias.detach().float().contiguous())
+            pack = cpu_linear.pack  # the kernel's panel layout
+            weights = [[(pack(b.linear.weight.detach().to(dtype)), b.linear.bias.detach().float().contiguous())
                         for b in blocks] for blocks in self.blocks]
-            lm = shared.weight.detach().to(dtype).contiguous()
-            root = None if self.root_proj is None else self.root_proj.weight.detach().to(dtype).contiguous()
+            lm = pack(shared.weight.detach().to(dtype))
+            root = None if self.root_proj is None else pack(self.root_proj.weight.detach().to(dtype))
             short = None
             if self.shortlist is not None:  # the shortlisted rows of the LM head (and bias), in shortlist order
                 rows = self.shortlist.to(shared.weight.device)
-                short = (shared.weight.detach()[rows].to(dtype).contiguous(),
+                short = (pack(shared.weight.detach()[rows].to(dtype)),
                          None if shared.bias is None else shared.bias.detach()[rows].float().contiguous())
             object.__setattr__(self, "_kernel_blocks", (key, weights, lm, root, short))
         return True

@@ -99,9 +99,10 @@ def _probe(dtype: torch.dtype) -> bool:
 
 
 class PackedLinear:
-    """y = x @ W^T + b, with W stored input-major [in, out] for one-row calls and, when
-    `onednn` is set, prepacked for oneDNN for calls with several rows. The weights are
-    copies: changing the source module afterwards does not change this layer."""
+    """y = x @ W^T + b, with W in the C kernel's panel layout (``weight``) for calls up to
+    its rows, prepacked for oneDNN (``packed``, when `onednn` is set) for calls with more,
+    and input-major [in, out] (``weight_t``) for MKL where neither takes a call. The weights
+    are copies: changing the source module afterwards does not change this layer."""
 
     __slots__ = ("weight_t", "weight", "bias", "packed", "out_features", "packed_from_rows", "kernel_rows")
 
@@ -119,9 +120,10 @@ class PackedLinear:
             self.bias = None if bias is None else bias.detach().clone().contiguous()  # [out]
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None) if onednn else None
             kernel_dtype = torch.bfloat16 if kernel_bf16 else weight.dtype
-            self.weight = weight.contiguous().to(kernel_dtype, copy=True) if cpu_kernel else None  # [out, in], C kernel
-            # [in, out] for MKL's mm (kept beside a bf16 kernel copy for rows above the kernel's)
-            self.weight_t = None if cpu_kernel and not kernel_bf16 else weight.t().contiguous()
+            # [out, in] in the C kernel's panel layout (`cpu_linear.pack`): only that kernel reads it
+            self.weight = cpu_linear.pack(weight.to(kernel_dtype)) if cpu_kernel else None
+            # [in, out] for MKL's mm, for rows above the kernel's that oneDNN does not take
+            self.weight_t = None if cpu_kernel and not kernel_bf16 and onednn else weight.t().contiguous()
         self.kernel_rows = cpu_linear.MAX_ROWS if cpu_kernel else 0
         self.out_features = weight.shape[0]
         # rows from which oneDNN is used: fp32 measured (thread CPU time, the bundled target's 33
@@ -147,8 +149,6 @@ class PackedLinear:
             padded = onednn_rows(rows)
             return torch.ops.mkldnn._linear_pointwise(_pad_rows(x, padded), self.packed, self.bias, "none", [],
                                                       "")[:rows]
-        if self.weight_t is None:
-            return F.linear(x, self.weight, self.bias)
         if self.bias is None:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)
@@ -177,8 +177,5 @@ class PackedLinear:
             padded = onednn_rows(rows)
             return torch.ops.mkldnn._linear_pointwise.binary(_pad_rows(x, padded), _pad_rows(residual, padded),
                                                              self.packed, self.bias, "add")[:rows]
-        if self.weight_t is None:
-            out = torch.addmm(residual, x, self.weight.t())
-        else:
-            out = torch.addmm(residual, x, self.weight_t)
+        out = torch.addmm(residual, x, self.weight_t)
         return out if self.bias is None else out.add_(self.bias)

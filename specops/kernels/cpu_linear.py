@@ -1,5 +1,5 @@
 """Linear layers for a few rows on CPU: a small C kernel (``linear.c``) that streams each
-weight row once for all rows of x and splits the output over a persistent thread pool.
+weight once for all rows of x and splits the output over a persistent thread pool.
 
 Why: a decoding step of a small fp32 model is bound by reading its weights (the bundled
 target's 33 matrices are 27 MB, more than a core's caches hold). Measured on this
@@ -11,6 +11,12 @@ thread, so a second core did nothing for plain decoding; here it takes half the 
 Each output element is computed in a fixed order, whatever the rows of x or the thread
 count (see the C file), so a verification forward over several positions gives the
 same logits bit for bit as one-position forwards would.
+
+The kernel reads its weights in panels (`pack`: the same [N, K] shape and element count,
+the buffer permuted so that each k holds 32 output rows' weights side by side), which
+spares every output a horizontal sum. `linear` takes nn.Linear's [N, K] weight and packs it
+per call; callers that call again (`PackedLinear`, the layer tables) pack once and use
+`unchecked` and the layer-stack calls, which take packed weights only.
 
 Beside the linear layer: the attention of a few new positions over a dense cache
 (causal, or a tree's visibility mask, split over the same pool), the fast runner's whole
@@ -39,6 +45,7 @@ from specops.kernels.cbuild import LazyKernel
 
 SOURCE = Path(__file__).with_name("linear.c")
 MAX_ROWS = 8  # rows of x up to which the kernel is used (above, oneDNN's blocked GEMM wins)
+PANEL = 32  # output rows per weight panel (linear.c)
 
 
 def _setup(lib: ctypes.CDLL) -> None:
@@ -110,11 +117,40 @@ def bf16_weights() -> bool:
     return available() and bool(_kernel.lib.specops_bf16_weights())
 
 
+def pack(weight: Tensor) -> Tensor:
+    """``weight`` [N, K] (nn.Linear's layout) in the kernel's panel layout: a contiguous
+    tensor of the same shape and dtype whose buffer holds, for each whole panel of PANEL
+    output rows, [K][PANEL] (row k: the panel's weights at input k), then the last
+    N % PANEL rows as [K][N % PANEL]. Only the C kernel reads it; see `unpack`."""
+    n, k = weight.shape
+    full = n - n % PANEL
+    out = torch.empty((n, k), dtype=weight.dtype, device=weight.device)
+    flat = out.view(-1)
+    with torch.no_grad():
+        flat[: full * k] = weight[:full].reshape(full // PANEL, PANEL, k).transpose(1, 2).reshape(-1)
+        if n > full:
+            flat[full * k:] = weight[full:].t().reshape(-1)
+    return out
+
+
+def unpack(packed: Tensor) -> Tensor:
+    """The [N, K] weight a `pack`ed tensor holds (a new tensor)."""
+    n, k = packed.shape
+    full = n - n % PANEL
+    flat = packed.reshape(-1)
+    out = torch.empty((n, k), dtype=packed.dtype, device=packed.device)
+    out[:full] = flat[: full * k].view(full // PANEL, k, PANEL).transpose(1, 2).reshape(full, k)
+    if n > full:
+        out[full:] = flat[full * k:].view(k, n - full).t()
+    return out
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, add: Tensor | None = None,
            out: Tensor | None = None, threads: int | None = None, *, norm: Tensor | None = None,
            eps: float = 1e-6, swiglu: bool = False) -> Tensor:
-    """``f(x) @ weight.T (+ bias) (+ add)``: x [T, K], weight [N, K], bias [N], add [T, N],
-    all contiguous fp32 on CPU. ``out`` [T, N] (may be ``add``) is written and returned.
+    """``f(x) @ weight.T (+ bias) (+ add)``: x [T, K], weight [N, K] (nn.Linear's layout, packed
+    here on every call: see `pack`), bias [N], add [T, N], all contiguous fp32 on CPU. ``out``
+    [T, N] (may be ``add``) is written and returned.
 
     f: identity; with ``norm`` [K], RMSNorm (``norm * x / sqrt(mean(x^2) + eps)``); with
     ``swiglu``, x is [T, 2K] (gate | up) and f(x) = silu(gate) * up."""
@@ -146,14 +182,15 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, add: Tensor | 
         out = torch.empty(t, n, dtype=torch.float32)
     elif out.shape != (t, n):
         raise ValueError(f"out must be [{t}, {n}], got {tuple(out.shape)}")
-    return unchecked(x, weight, bias, add, out, norm, eps, swiglu, threads)
+    return unchecked(x, pack(weight), bias, add, out, norm, eps, swiglu, threads)
 
 
 def unchecked(x: Tensor, weight: Tensor, bias: Tensor | None, add: Tensor | None, out: Tensor | None,
               norm: Tensor | None, eps: float, swiglu: bool, threads: int | None = None) -> Tensor:
     """`linear` without its argument checks, for callers that guarantee them (`PackedLinear`
     validates its weights once and loads the kernel; x, add and out must be contiguous fp32
-    of the right shapes). ``weight`` may be bfloat16 where `bf16_weights` says so."""
+    of the right shapes). ``weight`` is `pack`ed; it may be bfloat16 where `bf16_weights`
+    says so."""
     t, n = x.shape[0], weight.shape[0]
     if out is None:
         out = torch.empty(t, n, dtype=torch.float32)
@@ -272,8 +309,8 @@ class LayerWeights(ctypes.Structure):
 
 def layer_table(layers: list[dict[str, Tensor | None]]) -> ctypes.Array:
     """The C array of `LayerWeights` for `llama_layers`: one dict per layer with the fields'
-    tensors (contiguous fp32 CPU, or the four ``*_w`` matrices all bfloat16; biases may be
-    None). The tensors must outlive the table."""
+    tensors (contiguous fp32 CPU, or the four ``*_w`` matrices all bfloat16; the ``*_w``
+    matrices `pack`ed; biases may be None). The tensors must outlive the table."""
     table = (LayerWeights * len(layers))()
     for row, layer in zip(table, layers):
         bf16 = layer["qkv_w"].dtype == torch.bfloat16
@@ -297,7 +334,7 @@ def llama_layers(table: ctypes.Array, x: Tensor, *, heads: int, kv_heads: int, h
     and the LM head in one call (see ``specops_llama_layers`` in linear.c): x [T, E]
     (contiguous) is the residual stream (updated in place). Returns the normed hidden states
     [T, E] and the logits [T, V]. Arguments as `rope_cache_attention`; ``kv_strides`` the
-    caches' (sequence, head) strides; ``head`` [V, E]. Unchecked beyond the mask: the fast
+    caches' (sequence, head) strides; ``head`` [V, E], `pack`ed. Unchecked beyond the mask: the fast
     runner calls it with the shapes it built the table for."""
     _check_mask(mask, x.shape[0])
     t, e = x.shape

@@ -8,18 +8,18 @@
  * a decoding step streams from L3 / memory (the bundled 8-layer target's 33 matrices are
  * 27 MB). MKL's small-GEMM path reached about half the bandwidth this simple streaming
  * loop does, and torch's intra-op pool does not split a one-row matmul over threads at
- * all, so a second core did nothing for plain decoding. Here each weight row is read once
- * for all the rows of x, and the output rows are split over a persistent pool of threads.
+ * all, so a second core did nothing for plain decoding. Here the weights are read once for
+ * all the rows of x, and the output rows are split over a persistent pool of threads.
  *
  * Arithmetic is fixed per output element, whatever the number of rows of x or of
- * threads: the dot product runs over k in the same order (two 8-lane accumulators over
- * blocks of 16, a last block of 8 into the first, a fixed horizontal sum, then a scalar
- * tail; a plain loop without AVX2/FMA), then + bias, then + residual. So a verification
- * forward of 5 positions computes bit for bit what 5 one-position forwards would, and
- * the result does not depend on the thread count.
+ * threads: one accumulator lane per output, which adds x[t, k] w[n, k] for k = 0, 1, ...
+ * in order with fused multiply-adds (one fmaf per k in the plain C build), then + bias,
+ * then + residual. So a verification forward of 5 positions computes bit for bit what 5
+ * one-position forwards would, and the result does not depend on the thread count.
  *
- * Layout (all contiguous, fp32): x [T, K], w [N, K] (nn.Linear's layout), bias [N] or
- * NULL, add [T, N] or NULL (may alias y), y [T, N].
+ * Layout (all contiguous, fp32): x [T, K]; w [N, K] in panels (see "the weight panels"
+ * below: `cpu_linear.pack` turns nn.Linear's [N, K] into it); bias [N] or NULL; add [T, N]
+ * or NULL (may alias y); y [T, N].
  *
  * The input may first be transformed, per row, which saves a decoding step a dozen small
  * torch ops per layer:
@@ -58,190 +58,126 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-#ifdef SPECOPS_AVX2
-static inline float hsum(__m256 a0, __m256 a1) {
-    __m256 s = _mm256_add_ps(a0, a1);
-    __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    q = _mm_add_ss(q, _mm_movehdup_ps(q));
-    return _mm_cvtss_f32(q);
-}
-
-/* dots of tb rows of x (tb <= 4, a compile-time constant after inlining) with one weight row */
-static inline __attribute__((always_inline)) void dots(const float *const *xs, const float *w, int64_t K,
-                                                        const int tb, float *out) {
-    __m256 a0[4], a1[4];
-    for (int t = 0; t < tb; t++) a0[t] = a1[t] = _mm256_setzero_ps();
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-        _mm_prefetch((const char *)(w + k + 1024), _MM_HINT_T0); /* see PREFETCH_FLOATS */
-        __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + k + 8);
-        for (int t = 0; t < tb; t++) {
-            a0[t] = _mm256_fmadd_ps(_mm256_loadu_ps(xs[t] + k), w0, a0[t]);
-            a1[t] = _mm256_fmadd_ps(_mm256_loadu_ps(xs[t] + k + 8), w1, a1[t]);
-        }
-    }
-    if (k + 8 <= K) {
-        __m256 w0 = _mm256_loadu_ps(w + k);
-        for (int t = 0; t < tb; t++) a0[t] = _mm256_fmadd_ps(_mm256_loadu_ps(xs[t] + k), w0, a0[t]);
-        k += 8;
-    }
-    for (int t = 0; t < tb; t++) {
-        float r = hsum(a0[t], a1[t]);
-        for (int64_t j = k; j < K; j++) r = __builtin_fmaf(xs[t][j], w[j], r);
-        out[t] = r;
-    }
-}
-#else
-static inline void dots(const float *const *xs, const float *w, int64_t K, const int tb, float *out) {
-    for (int t = 0; t < tb; t++) {
-        float r = 0.f;
-        for (int64_t j = 0; j < K; j++) r += xs[t][j] * w[j];
-        out[t] = r;
-    }
-}
-#endif
-
 #if defined(__AVX512F__) && defined(SPECOPS_AVX2)
 #define SPECOPS_AVX512 1
-/* dots of tb rows of x (tb <= 8, a compile-time constant after inlining) with nw (1 or 2)
- * weight rows: one 16-lane accumulator per (row, weight row), k in blocks of 16 (the last
- * one masked), then _mm512_reduce_add_ps. The pairing of weight rows and the number of
- * rows of x do not change any output's arithmetic. Defined twice: fp32 weights, and
- * bfloat16 weights widened to fp32 in registers (half the bytes streamed; for drafters,
- * whose logits only propose). The weights stream from L3 / memory: without a prefetch
- * this far ahead the loads of the next lines wait behind the FMAs of several rows
- * (measured, bundled target's 33 matrices, 2 threads, medians of 4 interleaved runs:
- * 8 rows 2221 -> 1126 us, 1 row 786 -> 582 us). */
-#define PREFETCH_BYTES 4096
-#define LOAD_F32(p, k) _mm512_loadu_ps((p) + (k))
-#define LOAD_F32_MASKED(m, p, k) _mm512_maskz_loadu_ps((m), (p) + (k))
-#define WIDEN_BF16(h) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
-#define LOAD_BF16(p, k) WIDEN_BF16(_mm256_loadu_si256((const __m256i *)((p) + (k))))
-#define LOAD_BF16_MASKED(m, p, k) WIDEN_BF16(_mm256_maskz_loadu_epi16((m), (p) + (k)))
-/* The 16 sums of v[0..15] at once, each by the tree of _mm512_reduce_add_ps (lanes j + j+8,
- * then j + j+4, then j + j+2, then j + j+1), so a sum's bits do not depend on whether it was
- * reduced alone or with others; lanes of different vectors never meet, so zero vectors
- * pad a short group. Sum i lands in lane REDUCE16_LANE(i). 45 shuffles and adds for 16
- * sums where one reduce_add_ps each takes 7: the reductions of a block of 8 rows x 2
- * weight rows had cost about half as much as its FMAs over K = 256. */
-#define REDUCE16_MIN 8
-#define REDUCE16_LANE(i) (4 * ((i) % 4) + (i) / 4)
-static inline __attribute__((always_inline)) __m512 reduce16(const __m512 *v) {
-    __m512 c[8], d[4], e[2];
-    for (int i = 0; i < 8; i++) /* lanes 0-7: j + j+8 of v[2i]; lanes 8-15: of v[2i+1] */
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-    for (int i = 0; i < 4; i++) /* 128-bit lane q: j + j+4 of v[4i + q] */
-        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    for (int i = 0; i < 2; i++) /* in 128-bit lane q: j + j+2 of v[8i + q] (2 lanes), then of v[8i + 4 + q] */
-        e[i] = _mm512_add_ps(_mm512_shuffle_ps(d[2 * i], d[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(d[2 * i], d[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    /* lane 4q + m: the sum of v[4m + q] */
-    return _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_ps(e[0], e[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-#define DEFINE_DOTS(NAME, WT, LOADW, LOADW_MASKED)                                                          \
-    static inline __attribute__((always_inline)) void NAME(const float *const *xs, const WT *w0, const WT *w1, \
-                                                           int64_t K, const int tb, const int nw, float *out0, \
-                                                           float *out1) {                                    \
-        __m512 a0[8], a1[8];                                                                                 \
-        for (int t = 0; t < tb; t++) a0[t] = a1[t] = _mm512_setzero_ps();                                   \
-        int64_t k = 0;                                                                                       \
-        for (; k + 16 <= K; k += 16) {                                                                       \
-            _mm_prefetch((const char *)(w0 + k) + PREFETCH_BYTES, _MM_HINT_T0);                              \
-            if (nw > 1) _mm_prefetch((const char *)(w1 + k) + PREFETCH_BYTES, _MM_HINT_T0);                  \
-            const __m512 v0 = LOADW(w0, k);                                                                  \
-            const __m512 v1 = nw > 1 ? LOADW(w1, k) : v0;                                                    \
-            for (int t = 0; t < tb; t++) {                                                                   \
-                const __m512 xv = _mm512_loadu_ps(xs[t] + k);                                                \
-                a0[t] = _mm512_fmadd_ps(xv, v0, a0[t]);                                                      \
-                if (nw > 1) a1[t] = _mm512_fmadd_ps(xv, v1, a1[t]);                                          \
-            }                                                                                                \
-        }                                                                                                    \
-        if (k < K) {                                                                                         \
-            const __mmask16 mk = (__mmask16)((1u << (K - k)) - 1u);                                         \
-            const __m512 v0 = LOADW_MASKED(mk, w0, k);                                                       \
-            const __m512 v1 = nw > 1 ? LOADW_MASKED(mk, w1, k) : v0;                                         \
-            for (int t = 0; t < tb; t++) {                                                                   \
-                const __m512 xv = _mm512_maskz_loadu_ps(mk, xs[t] + k);                                      \
-                a0[t] = _mm512_fmadd_ps(xv, v0, a0[t]);                                                      \
-                if (nw > 1) a1[t] = _mm512_fmadd_ps(xv, v1, a1[t]);                                          \
-            }                                                                                                \
-        }                                                                                                    \
-        if (tb * nw >= REDUCE16_MIN) { /* all accumulators at once, each summed as reduce_add_ps would */    \
-            __m512 v[16];                                                                                    \
-            for (int i = 0; i < 16; i++) v[i] = _mm512_setzero_ps();                                         \
-            for (int t = 0; t < tb; t++) {                                                                   \
-                v[nw * t] = a0[t];                                                                           \
-                if (nw > 1) v[nw * t + 1] = a1[t];                                                           \
-            }                                                                                                \
-            float r[16];                                                                                     \
-            _mm512_storeu_ps(r, reduce16(v));                                                                \
-            for (int t = 0; t < tb; t++) {                                                                   \
-                out0[t] = r[REDUCE16_LANE(nw * t)];                                                          \
-                if (nw > 1) out1[t] = r[REDUCE16_LANE(nw * t + 1)];                                          \
-            }                                                                                                \
-            return;                                                                                          \
-        }                                                                                                    \
-        for (int t = 0; t < tb; t++) {                                                                       \
-            out0[t] = _mm512_reduce_add_ps(a0[t]);                                                           \
-            if (nw > 1) out1[t] = _mm512_reduce_add_ps(a1[t]);                                               \
-        }                                                                                                    \
-    }
-DEFINE_DOTS(dots16, float, LOAD_F32, LOAD_F32_MASKED)
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-#define SPECOPS_BF16_WEIGHTS 1
-DEFINE_DOTS(dots16h, uint16_t, LOAD_BF16, LOAD_BF16_MASKED)
 #endif
 
-#define DOTS_CASE(FN, TB)                                                     \
-    case TB:                                                                  \
-        if (nw == 2) FN(xs, w0, w1, K, TB, 2, r0, r1);                        \
-        else FN(xs, w0, w0, K, TB, 1, r0, r1);                                \
+/* -- the weight panels ------------------------------------------------------------------
+ * W [N, K] is stored in panels of PANEL output rows (`cpu_linear.pack`): panel p holds rows
+ * PANEL p .. PANEL p + PANEL - 1 as [K][PANEL] (for each k, the panel's PANEL weights side
+ * by side), and the last N % PANEL rows, when there are any, form a narrower panel
+ * [K][N % PANEL]. Same element count and shape as W, so a packed weight is a drop-in
+ * tensor of the same [N, K] shape whose buffer is permuted.
+ * Why: with W's own layout each output is a dot product over k, whose 16 lanes must be
+ * summed across at the end; at K = 256 those horizontal sums (and the scalar stores) cost
+ * about as much as the multiply-adds of a one-row call. Over panels, output n of the panel
+ * is lane n of the accumulators: for each k, one broadcast of x[t, k] times the panel's row
+ * k of weights, no horizontal sum, and outputs stored as vectors. Measured on the bundled
+ * target's 33 matrices (AVX-512 host, one thread, medians of 400 interleaved passes against
+ * the row-major kernel this replaced): 1 row 2.23 -> 1.46 ms, 8 rows 2.71 -> 2.13 ms. At 8
+ * rows a core is then at its multiply-add peak (one 16-lane FMA per cycle on this host:
+ * 58 GMAC/s in cache), so 8 rows cost more than 1 wherever the weights stream faster than
+ * that (c(T) in `specops bench decode`). */
+#define PANEL 32
+
+#ifdef SPECOPS_AVX512
+/* The weights stream from L3 / memory: each k step reads PANEL weights (two cache lines in
+ * fp32), so both lines are fetched this far ahead. */
+#define PANEL_PREFETCH 4096
+#define WIDEN_BF16(h) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+/* acc0 / acc1: lanes 0-15 / 16-31 of the panel for each of tb rows of x (tb <= 8, a
+ * compile-time constant after inlining, as is `full`: a whole panel, no masks). */
+#define DEFINE_PANEL(NAME, WT, LINES, LOAD)                                                                  \
+    static inline __attribute__((always_inline)) void NAME(const float *x, int64_t K, const WT *p, int64_t ps,   \
+                                                           uint32_t mask, const int tb, const int full,         \
+                                                           __m512 *acc0, __m512 *acc1) {                        \
+        __m512 a0[8], a1[8];                                                                                   \
+        const __mmask16 m0 = (__mmask16)(mask & 0xffffu), m1 = (__mmask16)(mask >> 16);                        \
+        (void)m0, (void)m1;                                                                                    \
+        for (int t = 0; t < tb; t++) a0[t] = a1[t] = _mm512_setzero_ps();                                     \
+        for (int64_t k = 0; k < K; k++) {                                                                      \
+            const WT *pk = p + k * ps;                                                                         \
+            for (int line = 0; line < LINES; line++)                                                           \
+                _mm_prefetch((const char *)pk + 64 * line + PANEL_PREFETCH, _MM_HINT_T0);                      \
+            __m512 w0, w1;                                                                                     \
+            LOAD(pk, full, mask, m0, m1, w0, w1);                                                              \
+            for (int t = 0; t < tb; t++) {                                                                     \
+                const __m512 xb = _mm512_set1_ps(x[t * K + k]);                                                \
+                a0[t] = _mm512_fmadd_ps(xb, w0, a0[t]);                                                        \
+                a1[t] = _mm512_fmadd_ps(xb, w1, a1[t]);                                                        \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int t = 0; t < tb; t++) acc0[t] = a0[t], acc1[t] = a1[t];                                        \
+    }
+#define LOAD_F32(pk, full, mask, m0, m1, w0, w1)                                \
+    if (full) {                                                                 \
+        w0 = _mm512_loadu_ps(pk);                                               \
+        w1 = _mm512_loadu_ps(pk + 16);                                          \
+    } else {                                                                    \
+        w0 = _mm512_maskz_loadu_ps(m0, pk);                                     \
+        w1 = _mm512_maskz_loadu_ps(m1, pk + 16);                                \
+    }
+DEFINE_PANEL(panel_f32, float, 2, LOAD_F32)
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SPECOPS_BF16_WEIGHTS 1
+/* bfloat16 weights (drafters: half the bytes streamed), widened to fp32 in registers */
+#define LOAD_BF16(pk, full, mask, m0, m1, w0, w1)                                                     \
+    {                                                                                                 \
+        const __m512i h = full ? _mm512_loadu_si512((const void *)(pk))                               \
+                               : _mm512_maskz_loadu_epi16((__mmask32)(mask), (const void *)(pk));     \
+        w0 = WIDEN_BF16(_mm512_castsi512_si256(h));                                                   \
+        w1 = WIDEN_BF16(_mm512_extracti64x4_epi64(h, 1));                                             \
+    }
+DEFINE_PANEL(panel_bf16, uint16_t, 1, LOAD_BF16)
+#endif
+
+/* y[t, n + lane] = acc (+ bias) (+ add) for the panel's width lanes */
+static inline void store_panel(const Job *j, int64_t n, int64_t t0, int tb, int64_t width, const __m512 *acc0,
+                               const __m512 *acc1) {
+    for (int half = 0; half < 2; half++) {
+        const int64_t lanes = width - 16 * half;
+        if (lanes <= 0) break;
+        const __mmask16 m = lanes >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << lanes) - 1u);
+        const int64_t col = n + 16 * half;
+        const __m512 b = j->bias ? _mm512_maskz_loadu_ps(m, j->bias + col) : _mm512_setzero_ps();
+        for (int t = 0; t < tb; t++) {
+            __m512 v = half ? acc1[t] : acc0[t];
+            const int64_t at = (t0 + t) * j->N + col;
+            if (j->bias) v = _mm512_add_ps(v, b);
+            if (j->add) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, j->add + at));
+            _mm512_mask_storeu_ps(j->y + at, m, v);
+        }
+    }
+}
+
+#define PANEL_CASE(FN, WT, TB)                                                                          \
+    case TB:                                                                                            \
+        if (full) FN(j->x + t0 * K, K, (const WT *)j->w + n * K, width, mask, TB, 1, acc0, acc1);       \
+        else FN(j->x + t0 * K, K, (const WT *)j->w + n * K, width, mask, TB, 0, acc0, acc1);            \
         break;
 
-/* each pair of weight rows streamed once, for every row of x */
+/* output rows [n0, n1) of the job (n0 a multiple of PANEL), every row of x */
 #define DEFINE_RUN_ROWS(NAME, WT, FN)                                                                       \
     static void NAME(const Job *j, int64_t n0, int64_t n1) {                                               \
         const int64_t T = j->T, K = j->K;                                                                   \
-        for (int64_t n = n0; n < n1; n += 2) {                                                              \
-            const int nw = n + 1 < n1 ? 2 : 1;                                                              \
-            const WT *w0 = (const WT *)j->w + n * K, *w1 = w0 + K;                                          \
+        for (int64_t n = n0; n < n1; n += PANEL) {                                                          \
+            const int64_t width = j->N - n < PANEL ? j->N - n : PANEL;                                      \
+            const int full = width == PANEL;                                                                \
+            const uint32_t mask = full ? 0xffffffffu : (uint32_t)((1ull << width) - 1ull);                  \
             for (int64_t t0 = 0; t0 < T; t0 += 8) {                                                         \
                 const int tb = (int)(T - t0 < 8 ? T - t0 : 8);                                              \
-                const float *xs[8];                                                                         \
-                float r0[8], r1[8];                                                                         \
-                for (int t = 0; t < tb; t++) xs[t] = j->x + (t0 + t) * K;                                   \
+                __m512 acc0[8], acc1[8];                                                                    \
                 switch (tb) { /* constant block sizes, so the accumulators stay in registers */             \
-                    DOTS_CASE(FN, 8) DOTS_CASE(FN, 7) DOTS_CASE(FN, 6) DOTS_CASE(FN, 5)                     \
-                    DOTS_CASE(FN, 4) DOTS_CASE(FN, 3) DOTS_CASE(FN, 2) DOTS_CASE(FN, 1)                     \
+                    PANEL_CASE(FN, WT, 8) PANEL_CASE(FN, WT, 7) PANEL_CASE(FN, WT, 6) PANEL_CASE(FN, WT, 5) \
+                    PANEL_CASE(FN, WT, 4) PANEL_CASE(FN, WT, 3) PANEL_CASE(FN, WT, 2) PANEL_CASE(FN, WT, 1) \
                 }                                                                                           \
-                store_rows(j, n, nw, t0, tb, r0, r1);                                                       \
+                store_panel(j, n, t0, tb, width, acc0, acc1);                                               \
             }                                                                                               \
         }                                                                                                   \
     }
-
-static inline void store_rows(const Job *j, int64_t n, int nw, int64_t t0, int tb, const float *r0,
-                              const float *r1) {
-    for (int w = 0; w < nw; w++) {
-        const float *r = w ? r1 : r0;
-        const float bias = j->bias ? j->bias[n + w] : 0.f;
-        for (int t = 0; t < tb; t++) {
-            float v = r[t];
-            if (j->bias) v += bias;
-            const int64_t at = (t0 + t) * j->N + n + w;
-            if (j->add) v += j->add[at];
-            j->y[at] = v;
-        }
-    }
-}
-
-DEFINE_RUN_ROWS(run_rows_f32, float, dots16)
+DEFINE_RUN_ROWS(run_rows_f32, float, panel_f32)
 #ifdef SPECOPS_BF16_WEIGHTS
-DEFINE_RUN_ROWS(run_rows_bf16, uint16_t, dots16h)
+DEFINE_RUN_ROWS(run_rows_bf16, uint16_t, panel_bf16)
 #endif
 
 static void run_rows(const Job *j, int64_t n0, int64_t n1) {
@@ -253,27 +189,82 @@ static void run_rows(const Job *j, int64_t n0, int64_t n1) {
 #endif
     run_rows_f32(j, n0, n1);
 }
+#elif defined(SPECOPS_AVX2)
+/* AVX2: the panel's 32 lanes in four 8-lane accumulators per row of x, two rows at a time
+ * (13 of the 16 vector registers) */
+static inline __attribute__((always_inline)) void panel_avx2(const float *x, int64_t K, const float *p, int64_t ps,
+                                                             const __m256i *masks, const int tb, const int full,
+                                                             __m256 acc[2][4]) {
+    __m256 a[2][4];
+    for (int t = 0; t < tb; t++)
+        for (int v = 0; v < 4; v++) a[t][v] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const float *pk = p + k * ps;
+        _mm_prefetch((const char *)pk + 4096, _MM_HINT_T0);
+        _mm_prefetch((const char *)pk + 64 + 4096, _MM_HINT_T0);
+        __m256 w[4];
+        for (int v = 0; v < 4; v++) w[v] = full ? _mm256_loadu_ps(pk + 8 * v) : _mm256_maskload_ps(pk + 8 * v, masks[v]);
+        for (int t = 0; t < tb; t++) {
+            const __m256 xb = _mm256_broadcast_ss(x + t * K + k);
+            for (int v = 0; v < 4; v++) a[t][v] = _mm256_fmadd_ps(xb, w[v], a[t][v]);
+        }
+    }
+    for (int t = 0; t < tb; t++)
+        for (int v = 0; v < 4; v++) acc[t][v] = a[t][v];
+}
+
+static void run_rows(const Job *j, int64_t n0, int64_t n1) {
+    const int64_t T = j->T, K = j->K, N = j->N;
+    for (int64_t n = n0; n < n1; n += PANEL) {
+        const int64_t width = N - n < PANEL ? N - n : PANEL;
+        const int full = width == PANEL;
+        __m256i masks[4];
+        for (int v = 0; v < 4; v++) {
+            int32_t m[8];
+            for (int l = 0; l < 8; l++) m[l] = 8 * v + l < width ? -1 : 0;
+            masks[v] = _mm256_loadu_si256((const __m256i *)m);
+        }
+        const float *p = j->w + n * K;
+        for (int64_t t0 = 0; t0 < T; t0 += 2) {
+            const int tb = T - t0 < 2 ? 1 : 2;
+            __m256 acc[2][4];
+            if (tb == 2) {
+                if (full) panel_avx2(j->x + t0 * K, K, p, width, masks, 2, 1, acc);
+                else panel_avx2(j->x + t0 * K, K, p, width, masks, 2, 0, acc);
+            } else {
+                if (full) panel_avx2(j->x + t0 * K, K, p, width, masks, 1, 1, acc);
+                else panel_avx2(j->x + t0 * K, K, p, width, masks, 1, 0, acc);
+            }
+            for (int t = 0; t < tb; t++) {
+                float r[PANEL];
+                for (int v = 0; v < 4; v++) _mm256_storeu_ps(r + 8 * v, acc[t][v]);
+                for (int64_t i = 0; i < width; i++) {
+                    float v = r[i];
+                    if (j->bias) v += j->bias[n + i];
+                    const int64_t at = (t0 + t) * N + n + i;
+                    if (j->add) v += j->add[at];
+                    j->y[at] = v;
+                }
+            }
+        }
+    }
+}
 #else
 static void run_rows(const Job *j, int64_t n0, int64_t n1) {
     const int64_t T = j->T, K = j->K, N = j->N;
-    for (int64_t n = n0; n < n1; n++) { /* each weight row streamed from memory once, for every row of x */
-        const float *wn = j->w + n * K;
-        const float bias = j->bias ? j->bias[n] : 0.f;
-        for (int64_t t0 = 0; t0 < T; t0 += 4) {
-            const int tb = (int)(T - t0 < 4 ? T - t0 : 4);
-            const float *xs[4];
-            float r[4];
-            for (int t = 0; t < tb; t++) xs[t] = j->x + (t0 + t) * K;
-            switch (tb) { /* constant block sizes, so the accumulators stay in registers */
-                case 4: dots(xs, wn, K, 4, r); break;
-                case 3: dots(xs, wn, K, 3, r); break;
-                case 2: dots(xs, wn, K, 2, r); break;
-                default: dots(xs, wn, K, 1, r); break;
+    for (int64_t n = n0; n < n1; n += PANEL) {
+        const int64_t width = N - n < PANEL ? N - n : PANEL;
+        const float *p = j->w + n * K;
+        for (int64_t t = 0; t < T; t++) {
+            float acc[PANEL] = {0.f};
+            for (int64_t k = 0; k < K; k++) {
+                const float xv = j->x[t * K + k];
+                for (int64_t i = 0; i < width; i++) acc[i] = fmaf(xv, p[k * width + i], acc[i]);
             }
-            for (int t = 0; t < tb; t++) {
-                float v = r[t];
-                if (j->bias) v += bias;
-                const int64_t at = (t0 + t) * N + n;
+            for (int64_t i = 0; i < width; i++) {
+                float v = acc[i];
+                if (j->bias) v += j->bias[n + i];
+                const int64_t at = t * N + n + i;
                 if (j->add) v += j->add[at];
                 j->y[at] = v;
             }
@@ -301,6 +292,11 @@ static void run_rows(const Job *j, int64_t n0, int64_t n1) {
  * same bits, so a verification equals decoding steps bit for bit.
  */
 #define ATTN_STACK_KEYS 4096
+#ifdef SPECOPS_AVX512
+#define PAIR_ROWS 1 /* attn_rows pairs the heads of a kv head (attend_pair) */
+#else
+#define PAIR_ROWS 0
+#endif
 
 /* A ragged batch over a block-paged store (`specops_paged_layers`): sequence s owns flat
  * tokens first[s] .. first[s+1]-1, which follow start[s] cached ones; cache position p of
@@ -335,25 +331,47 @@ static inline __m256 hsum8(const __m256 *a) {
 }
 #endif
 
+/* whether keys[c0 .. c0 + 7] exist and are 8 consecutive positions (slots): their rows then
+ * sit at one base pointer plus multiples of the stride, with no per-key address arithmetic */
+static inline int consecutive8(const int32_t *keys, int64_t c0, int64_t n) {
+    if (c0 + 8 > n) return 0;
+    int same = 1;
+    for (int i = 1; i < 8; i++) same &= keys[c0 + i] == keys[c0] + i;
+    return same;
+}
+
 /* scores[c] = scale * q . k[keys[c]] for c < n (keys: position of each visible key) */
-static void attn_scores(const float *qh, const float *kh, const int32_t *keys, int64_t n, int64_t D, int64_t stride,
-                        float scale, float *scores) {
+static inline __attribute__((always_inline)) void attn_scores(const float *qh, const float *kh, const int32_t *keys,
+                                                              int64_t n, const int64_t D, int64_t stride, float scale,
+                                                              float *scores) {
 #ifdef SPECOPS_AVX2
     if (D % 8 == 0) {
         const __m256 vs = _mm256_set1_ps(scale);
         for (int64_t c0 = 0; c0 < n; c0 += 8) {
-            const float *kr[8];
-            for (int i = 0; i < 8; i++) kr[i] = kh + (int64_t)keys[c0 + i < n ? c0 + i : c0] * stride; /* pad: a real key, result dropped */
             __m256 acc[8];
             for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
-            for (int64_t d = 0; d < D; d += 8) {
-                const __m256 qv = _mm256_loadu_ps(qh + d);
-                for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[i] + d), acc[i]);
+            if (consecutive8(keys, c0, n)) { /* one base pointer */
+                const float *kr = kh + (int64_t)keys[c0] * stride;
+                for (int64_t d = 0; d < D; d += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qh + d);
+                    for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + i * stride + d), acc[i]);
+                }
+            } else {
+                const float *kr[8];
+                for (int i = 0; i < 8; i++) kr[i] = kh + (int64_t)keys[c0 + i < n ? c0 + i : c0] * stride; /* pad: a real key, result dropped */
+                for (int64_t d = 0; d < D; d += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qh + d);
+                    for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[i] + d), acc[i]);
+                }
             }
-            float tmp[8];
-            _mm256_storeu_ps(tmp, _mm256_mul_ps(hsum8(acc), vs));
-            const int64_t m = n - c0 < 8 ? n - c0 : 8;
-            for (int64_t i = 0; i < m; i++) scores[c0 + i] = tmp[i];
+            const __m256 sc = _mm256_mul_ps(hsum8(acc), vs);
+            if (c0 + 8 <= n) {
+                _mm256_storeu_ps(scores + c0, sc);
+            } else {
+                float tmp[8];
+                _mm256_storeu_ps(tmp, sc);
+                for (int64_t i = 0; c0 + i < n; i++) scores[c0 + i] = tmp[i];
+            }
         }
         return;
     }
@@ -366,36 +384,117 @@ static void attn_scores(const float *qh, const float *kh, const int32_t *keys, i
     }
 }
 
+#ifdef SPECOPS_AVX2
+/* scores[0..n) <- exp(score - max) in place; returns their sum, in 8 lanes by rank (a
+ * zero-padded last block) then a fixed reduction */
+static inline __attribute__((always_inline)) float softmax_terms(float *scores, int64_t n) {
+    __m256 vm = _mm256_set1_ps(-INFINITY);
+    int64_t c = 0;
+    for (; c + 8 <= n; c += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(scores + c));
+    float mx[8];
+    _mm256_storeu_ps(mx, vm);
+    float m = mx[0];
+    for (int i = 1; i < 8; i++) m = mx[i] > m ? mx[i] : m;
+    for (; c < n; c++) m = scores[c] > m ? scores[c] : m;
+    for (int64_t cc = 0; cc < n; cc++) scores[cc] = exp_nonpos(scores[cc] - m);
+    __m256 lanes = _mm256_setzero_ps();
+    for (c = 0; c + 8 <= n; c += 8) lanes = _mm256_add_ps(lanes, _mm256_loadu_ps(scores + c));
+    if (c < n) {
+        float tail[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int i = 0; c + i < n; i++) tail[i] = scores[c + i];
+        lanes = _mm256_add_ps(lanes, _mm256_loadu_ps(tail));
+    }
+    float l[8];
+    _mm256_storeu_ps(l, lanes);
+    return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+#endif
+
+#ifdef SPECOPS_AVX512
+#define PAIR_MAX_D 32 /* head sizes whose two rows' accumulators fit the 32 vector registers */
+/* Two rows that share their keys (query heads of one kv head, one token) in one pass over the
+ * keys and values: each key and value vector is loaded once for both. Each row's arithmetic
+ * is attend_d's exactly (the same sums in the same order), so a row's bits do not depend on
+ * whether it was paired. D % 8 == 0, D <= PAIR_MAX_D. */
+static inline __attribute__((always_inline)) void attend_pair_d(const float *qa, const float *qb, const float *kh,
+                                                                const float *vh, const int32_t *keys, int64_t n,
+                                                                const int64_t D, int64_t stride, float scale,
+                                                                float *sa, float *sb, float *oa, float *ob) {
+    const __m256 vs = _mm256_set1_ps(scale);
+    for (int64_t c0 = 0; c0 < n; c0 += 8) {
+        __m256 aa[8], ab[8];
+        for (int i = 0; i < 8; i++) aa[i] = ab[i] = _mm256_setzero_ps();
+        const float *kr[8];
+        if (consecutive8(keys, c0, n)) {
+            for (int i = 0; i < 8; i++) kr[i] = kh + ((int64_t)keys[c0] + i) * stride;
+        } else {
+            for (int i = 0; i < 8; i++) kr[i] = kh + (int64_t)keys[c0 + i < n ? c0 + i : c0] * stride; /* pad: a real key, result dropped */
+        }
+        for (int64_t d = 0; d < D; d += 8) {
+            const __m256 qva = _mm256_loadu_ps(qa + d), qvb = _mm256_loadu_ps(qb + d);
+            for (int i = 0; i < 8; i++) {
+                const __m256 kv = _mm256_loadu_ps(kr[i] + d);
+                aa[i] = _mm256_fmadd_ps(qva, kv, aa[i]);
+                ab[i] = _mm256_fmadd_ps(qvb, kv, ab[i]);
+            }
+        }
+        const __m256 xa = _mm256_mul_ps(hsum8(aa), vs), xb = _mm256_mul_ps(hsum8(ab), vs);
+        if (c0 + 8 <= n) {
+            _mm256_storeu_ps(sa + c0, xa);
+            _mm256_storeu_ps(sb + c0, xb);
+        } else {
+            float ta[8], tb[8];
+            _mm256_storeu_ps(ta, xa);
+            _mm256_storeu_ps(tb, xb);
+            for (int64_t i = 0; c0 + i < n; i++) sa[c0 + i] = ta[i], sb[c0 + i] = tb[i];
+        }
+    }
+    const float total_a = softmax_terms(sa, n), total_b = softmax_terms(sb, n);
+    __m256 ea[PAIR_MAX_D / 8], fa[PAIR_MAX_D / 8], eb[PAIR_MAX_D / 8], fb[PAIR_MAX_D / 8];
+    const int64_t nv = D / 8;
+    for (int64_t i = 0; i < nv; i++) ea[i] = fa[i] = eb[i] = fb[i] = _mm256_setzero_ps();
+    int64_t cc = 0;
+    for (; cc + 2 <= n; cc += 2) {
+        const __m256 pa0 = _mm256_set1_ps(sa[cc]), pa1 = _mm256_set1_ps(sa[cc + 1]);
+        const __m256 pb0 = _mm256_set1_ps(sb[cc]), pb1 = _mm256_set1_ps(sb[cc + 1]);
+        const float *v0 = vh + (int64_t)keys[cc] * stride, *v1 = vh + (int64_t)keys[cc + 1] * stride;
+        for (int64_t i = 0; i < nv; i++) {
+            const __m256 x0 = _mm256_loadu_ps(v0 + 8 * i), x1 = _mm256_loadu_ps(v1 + 8 * i);
+            ea[i] = _mm256_fmadd_ps(pa0, x0, ea[i]);
+            fa[i] = _mm256_fmadd_ps(pa1, x1, fa[i]);
+            eb[i] = _mm256_fmadd_ps(pb0, x0, eb[i]);
+            fb[i] = _mm256_fmadd_ps(pb1, x1, fb[i]);
+        }
+    }
+    if (cc < n) {
+        const __m256 pa0 = _mm256_set1_ps(sa[cc]), pb0 = _mm256_set1_ps(sb[cc]);
+        const float *v0 = vh + (int64_t)keys[cc] * stride;
+        for (int64_t i = 0; i < nv; i++) {
+            const __m256 x0 = _mm256_loadu_ps(v0 + 8 * i);
+            ea[i] = _mm256_fmadd_ps(pa0, x0, ea[i]);
+            eb[i] = _mm256_fmadd_ps(pb0, x0, eb[i]);
+        }
+    }
+    const __m256 ia = _mm256_set1_ps(1.0f / total_a), ib = _mm256_set1_ps(1.0f / total_b);
+    for (int64_t i = 0; i < nv; i++) {
+        _mm256_storeu_ps(oa + 8 * i, _mm256_mul_ps(_mm256_add_ps(ea[i], fa[i]), ia));
+        _mm256_storeu_ps(ob + 8 * i, _mm256_mul_ps(_mm256_add_ps(eb[i], fb[i]), ib));
+    }
+}
+#endif
+
 /* One (query, head) row over its n keys (key c at kh / vh + keys[c] * stride). One compiled
  * copy serves the dense and the paged batches, so both round alike. */
-static __attribute__((noinline)) void attend(const float *qh, const float *kh, const float *vh, const int32_t *keys,
-                                             int64_t n, int64_t D, int64_t stride, float scale, float *scores,
-                                             float *oh) {
+static inline __attribute__((always_inline)) void attend_d(const float *qh, const float *kh, const float *vh,
+                                                           const int32_t *keys, int64_t n, const int64_t D,
+                                                           int64_t stride, float scale, float *scores, float *oh) {
     attn_scores(qh, kh, keys, n, D, stride, scale, scores);
 #ifdef SPECOPS_AVX2
     if (D % 8 == 0 && D <= 128) {
         /* max, exp and the denominator in 8 lanes by rank (a zero-padded last block), then the
          * output in two interleaved sums (even / odd ranks) added at the end: two chains of
          * FMAs, not one, per output vector */
-        __m256 vm = _mm256_set1_ps(-INFINITY);
-        int64_t c = 0;
-        for (; c + 8 <= n; c += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(scores + c));
-        float mx[8];
-        _mm256_storeu_ps(mx, vm);
-        float m = mx[0];
-        for (int i = 1; i < 8; i++) m = mx[i] > m ? mx[i] : m;
-        for (; c < n; c++) m = scores[c] > m ? scores[c] : m;
-        for (int64_t cc = 0; cc < n; cc++) scores[cc] = exp_nonpos(scores[cc] - m);
-        __m256 lanes = _mm256_setzero_ps();
-        for (c = 0; c + 8 <= n; c += 8) lanes = _mm256_add_ps(lanes, _mm256_loadu_ps(scores + c));
-        if (c < n) {
-            float tail[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            for (int i = 0; c + i < n; i++) tail[i] = scores[c + i];
-            lanes = _mm256_add_ps(lanes, _mm256_loadu_ps(tail));
-        }
-        float l[8];
-        _mm256_storeu_ps(l, lanes);
-        const float total = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+        const float total = softmax_terms(scores, n);
         __m256 e[16], o[16];
         const int64_t nv = D / 8;
         for (int64_t i = 0; i < nv; i++) e[i] = o[i] = _mm256_setzero_ps();
@@ -436,9 +535,41 @@ static __attribute__((noinline)) void attend(const float *qh, const float *kh, c
     for (int64_t d = 0; d < D; d++) oh[d] *= inv;
 }
 
-/* Row `row` = (token, head) of a job; the key list is built once per token (*have names the
- * token keys[0..*n) belong to) and shared by its heads. */
-static void attn_row(const AttnJob *a, int64_t row, float *scores, int32_t *keys, int64_t *have, int64_t *n) {
+/* attend_d with the usual head sizes as constants, so its loops over D unroll (a runtime D
+ * left a compare and branch after every vector of the output's sums: 0.6 of the time of a
+ * T = 8 verification's attention, measured with perf on the bundled target's shapes). The
+ * arithmetic is attend_d's either way. */
+static __attribute__((noinline)) void attend(const float *qh, const float *kh, const float *vh, const int32_t *keys,
+                                             int64_t n, int64_t D, int64_t stride, float scale, float *scores,
+                                             float *oh) {
+    switch (D) {
+        case 32: attend_d(qh, kh, vh, keys, n, 32, stride, scale, scores, oh); break;
+        case 64: attend_d(qh, kh, vh, keys, n, 64, stride, scale, scores, oh); break;
+        case 128: attend_d(qh, kh, vh, keys, n, 128, stride, scale, scores, oh); break;
+        default: attend_d(qh, kh, vh, keys, n, D, stride, scale, scores, oh); break;
+    }
+}
+
+/* Rows h and h + 1 of one token (query pointer qh, outputs oh, each next head D further on),
+ * which share the key list and kv head: attend_pair_d where it applies, else two attend calls. */
+static void attend_pair(const float *qh, const float *kh, const float *vh, const int32_t *keys, int64_t n, int64_t D,
+                        int64_t stride, float scale, float *scores, float *scores2, float *oh) {
+#ifdef SPECOPS_AVX512
+    if (D == 32) {
+        attend_pair_d(qh, qh + D, kh, vh, keys, n, 32, stride, scale, scores, scores2, oh, oh + D);
+        return;
+    }
+#endif
+    (void)scores2;
+    attend(qh, kh, vh, keys, n, D, stride, scale, scores, oh);
+    attend(qh + D, kh, vh, keys, n, D, stride, scale, scores, oh + D);
+}
+
+/* Row `row` = (token, head) of a job, and with `pair` row + 1 too (the next head of the same
+ * token and kv head: see attend_pair_d); the key list is built once per token (*have names the
+ * token keys[0..*n) belong to) and shared by its heads. scores2: the second row's scores. */
+static void attn_row(const AttnJob *a, int64_t row, int pair, float *scores, float *scores2, int32_t *keys,
+                     int64_t *have, int64_t *n) {
     const int64_t Hq = a->Hq, D = a->D;
     const int64_t h = row % Hq, tok = row / Hq;
     const int64_t g = h / (Hq / a->Hkv);
@@ -461,8 +592,12 @@ static void attn_row(const AttnJob *a, int64_t row, float *scores, int32_t *keys
             *have = tok;
         }
         const int64_t stride = a->Hkv * D;
-        attend(a->q + tok * a->q_row + h * D, a->k + g * D, a->v + g * D, keys, *n, D, stride, a->scale, scores,
-               a->out + tok * Hq * D + h * D);
+        if (pair)
+            attend_pair(a->q + tok * a->q_row + h * D, a->k + g * D, a->v + g * D, keys, *n, D, stride, a->scale,
+                        scores, scores2, a->out + tok * Hq * D + h * D);
+        else
+            attend(a->q + tok * a->q_row + h * D, a->k + g * D, a->v + g * D, keys, *n, D, stride, a->scale, scores,
+                   a->out + tok * Hq * D + h * D);
         return;
     }
     const int64_t T = a->T, L = a->L, P = L - T;
@@ -480,17 +615,22 @@ static void attn_row(const AttnJob *a, int64_t row, float *scores, int32_t *keys
         *n = c;
         *have = t;
     }
-    attend(a->q + b * a->q_b + t * a->q_row + h * D, a->k + b * a->kv_b + g * a->kv_h,
-           a->v + b * a->kv_b + g * a->kv_h, keys, *n, D, D, a->scale, scores, a->out + (b * T + t) * Hq * D + h * D);
+    if (pair)
+        attend_pair(a->q + b * a->q_b + t * a->q_row + h * D, a->k + b * a->kv_b + g * a->kv_h,
+                    a->v + b * a->kv_b + g * a->kv_h, keys, *n, D, D, a->scale, scores, scores2,
+                    a->out + (b * T + t) * Hq * D + h * D);
+    else
+        attend(a->q + b * a->q_b + t * a->q_row + h * D, a->k + b * a->kv_b + g * a->kv_h,
+               a->v + b * a->kv_b + g * a->kv_h, keys, *n, D, D, a->scale, scores, a->out + (b * T + t) * Hq * D + h * D);
 }
 
 static void attn_rows(AttnJob *a, int64_t r0, int64_t r1) {
-    float stack_scores[ATTN_STACK_KEYS];
+    float stack_scores[2 * ATTN_STACK_KEYS];
     int32_t stack_keys[ATTN_STACK_KEYS];
     float *scores = stack_scores;
     int32_t *keys = stack_keys;
     if (a->L > ATTN_STACK_KEYS) {
-        scores = (float *)malloc(sizeof(float) * (size_t)a->L);
+        scores = (float *)malloc(sizeof(float) * 2 * (size_t)a->L);
         keys = (int32_t *)malloc(sizeof(int32_t) * (size_t)a->L);
         if (scores == NULL || keys == NULL) {
             free(scores);
@@ -499,8 +639,15 @@ static void attn_rows(AttnJob *a, int64_t r0, int64_t r1) {
             return;
         }
     }
+    float *scores2 = scores + (a->L > ATTN_STACK_KEYS ? a->L : ATTN_STACK_KEYS);
     int64_t have = -1, n = 0;
-    for (int64_t r = r0; r < r1; r++) attn_row(a, r, scores, keys, &have, &n);
+    const int64_t group = a->Hq / a->Hkv; /* query heads per kv head */
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t h = r % a->Hq;
+        const int pair = PAIR_ROWS && group % 2 == 0 && h % 2 == 0 && r + 1 < r1; /* h, h + 1: one kv head */
+        attn_row(a, r, pair, scores, scores2, keys, &have, &n);
+        r += pair;
+    }
     if (scores != stack_scores) {
         free(scores);
         free(keys);

@@ -111,13 +111,30 @@ def test_packed_linear_uses_it_for_few_rows_and_onednn_above():
     gen = torch.Generator().manual_seed(1)
     w, b = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
     layer = PackedLinear(w, b, onednn=False)
-    assert layer.kernel_rows == cpu_linear.MAX_ROWS and layer.weight_t is None
+    # no oneDNN: MKL's input-major copy serves the rows above the kernel's
+    assert layer.kernel_rows == cpu_linear.MAX_ROWS and layer.weight_t is not None
     for rows in (1, cpu_linear.MAX_ROWS, cpu_linear.MAX_ROWS + 5):
         x, r = torch.randn(rows, 64, generator=gen), torch.randn(rows, 96, generator=gen)
         torch.testing.assert_close(layer(x), torch.addmm(b, x, w.t()), atol=1e-4, rtol=1e-5)
         torch.testing.assert_close(layer.add_to(r, x), r + torch.addmm(b, x, w.t()), atol=1e-4, rtol=1e-5)
     plain = PackedLinear(w, b, onednn=False, cpu_kernel=False)
     assert plain.kernel_rows == 0 and plain.weight is None
+
+
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 96, 100])
+def test_the_panel_layout_round_trips_and_puts_each_inputs_weights_side_by_side(n):
+    """`pack` keeps the shape and the elements; a whole panel's row k is the 32 outputs'
+    weights at input k, and a last narrower panel holds the remaining rows the same way."""
+    w = torch.arange(n * 5, dtype=torch.float32).view(n, 5)
+    packed = cpu_linear.pack(w)
+    assert packed.shape == w.shape and packed.is_contiguous()
+    assert torch.equal(cpu_linear.unpack(packed), w)
+    assert torch.equal(packed.sum(), w.sum()) and not (n > 1 and torch.equal(packed, w))
+    flat, full = packed.view(-1), n - n % cpu_linear.PANEL
+    if full:
+        assert torch.equal(flat[: cpu_linear.PANEL], w[: cpu_linear.PANEL, 0])  # panel 0, input 0
+    if n > full:
+        assert torch.equal(flat[full * 5: full * 5 + n - full], w[full:, 0])  # the last panel, input 0
 
 
 def test_a_verify_forward_gives_the_logits_of_one_position_forwards():
@@ -449,7 +466,7 @@ def test_bf16_weights_are_widened_exactly_and_keep_the_row_and_thread_invariance
         with pytest.raises(ValueError, match="bfloat16"):
             cpu_linear.linear(x, w, b)
         return
-    assert layer.weight.dtype == torch.bfloat16 and torch.equal(layer.weight, w)
+    assert layer.weight.dtype == torch.bfloat16 and torch.equal(cpu_linear.unpack(layer.weight), w)
     assert torch.equal(layer(x), cpu_linear.linear(x, w, b))
     want = cpu_linear.linear(x, w.float(), b, threads=1)  # the same values, stored as fp32
     assert torch.equal(cpu_linear.linear(x, w, b, threads=1), want)
@@ -523,3 +540,47 @@ def test_sampled_verification_in_one_call_makes_verify_samplings_choices():
         cpu_linear.verify_sampled(torch.randn(2, 10), [10], None, 1.0, gen)
     with pytest.raises(ValueError, match="temperature"):
         cpu_linear.verify_sampled(torch.randn(2, 10), [1], None, 0.0, gen)
+
+
+@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+def test_the_narrower_instruction_set_builds_compute_the_same_way(isa, tmp_path):
+    """The kernel has a path per instruction set (AVX-512, AVX2 + FMA, plain C) and CI runs
+    only the host's: each narrower one is built here too, and must match addmm and give
+    every row the same bits for any row count, thread count and panel tail."""
+    import ctypes
+    import platform
+
+    from specops.kernels import cbuild
+
+    if isa == "avx2" and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("an x86 instruction set")
+    flags = {"avx2": ["-mavx2", "-mfma", "-mno-avx512f"], "scalar": ["-mno-avx2", "-mno-fma", "-mno-avx512f"]}[isa]
+    flags = flags if platform.machine() in ("x86_64", "AMD64") else []
+    cc = cbuild.os.environ.get("CC") or "cc"
+    lib_path = tmp_path / f"linear_{isa}.so"
+    proc = subprocess.run([cc, *cbuild.CFLAGS, *flags, "-o", str(lib_path), str(cpu_linear.SOURCE), "-lm"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lib = ctypes.CDLL(str(lib_path))
+    fn = lib.specops_linear
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                                                   ctypes.c_float]
+    gen = torch.Generator().manual_seed(11)
+    k, n = 40, 300  # nine whole panels and a tail of 12, over two threads in chunks of 64 rows
+    w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    packed = cpu_linear.pack(w)
+    x, add = torch.randn(9, k, generator=gen), torch.randn(9, n, generator=gen)
+
+    def call(rows: int, threads: int) -> torch.Tensor:
+        y = torch.empty(rows, n)
+        assert fn(x[:rows].data_ptr(), packed.data_ptr(), b.data_ptr(), add[:rows].data_ptr(), y.data_ptr(),
+                  rows, k, n, threads, 0, None, 0.0) == 0
+        return y
+
+    full = call(9, 1)
+    want = torch.addmm(b.double(), x.double(), w.double().t()).float() + add
+    torch.testing.assert_close(full, want, atol=2e-5 * k**0.5, rtol=1e-5)
+    for rows in (1, 2, 3, 8):
+        for threads in (1, 2):
+            assert torch.equal(call(rows, threads), full[:rows]), (rows, threads)

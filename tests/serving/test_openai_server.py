@@ -278,14 +278,14 @@ def test_bench_serve_modes_against_the_live_server(server, redis_box):
     from specops.bench.serve import ServeBenchConfig, format_table, run_bench_serve
 
     cfg = ServeBenchConfig(base_url=server.url, redis_url=f"redis://127.0.0.1:{redis_box['port']}/0", namespace=NS,
-                           modes=["off", "fixed"], concurrency=[1, 2], num_prompts=3, max_tokens=8,
+                           modes=["off", "fixed"], concurrency=[1, 2], num_prompts=3, max_tokens=24,
                            mix={"code": 1.0}, api_key=KEY, warmup=1, progress=False)
     report = run_bench_serve(cfg)
     rows = report["results"]
     assert [(r["mode"], r["concurrency"]) for r in rows] == [("off", 1), ("off", 2), ("fixed", 1), ("fixed", 2)]
     for r in rows:
         assert r["requests"] == 3 and r["errors"] == 0, r["error_samples"]
-        assert r["output_tokens_per_s"] * r["duration_s"] == pytest.approx(3 * 8)  # ignore_eos: all 8 tokens
+        assert r["output_tokens_per_s"] * r["duration_s"] == pytest.approx(3 * 24)  # ignore_eos: all 24 tokens
         assert r["ttft_p50_s"] > 0 and r["tpot_p99_s"] > 0
     assert all(r["acceptance_rate"] is None for r in rows if r["mode"] == "off")  # nothing drafted
     # what the planner did, from the server's /metrics: off never speculates, fixed (draft on code) does
