@@ -21,6 +21,17 @@ requests, the first decode step after a prefill took 6.9-7.6 ms against 3.7-4.9 
 still catch the next region inside one prefill (its total time unchanged within noise) and stop
 within ~0.3 ms after it. It must be set before torch loads libgomp, which reads it once."""
 
+GIL_SWITCH_INTERVAL_S = 0.0005
+"""The interpreter's thread switch interval in `specops serve` (Python's default: 5 ms). The engine
+steps in its own thread and calls the C kernels through ctypes, which drops the GIL for each call;
+taking it back waits until the thread holding it (the HTTP event loop, serializing and streaming
+tokens) blocks or is made to yield, which Python asks of it only after the switch interval. A
+speculative step makes several such calls (the drafting chain, the verification, the sampling),
+so it waited more than a plain one. `specops bench serve --concurrency 1,4 --repeats 3`, two
+pairs of runs with and without (2-core host): fixed / off at c1 1.44 / 1.41x against 1.26 /
+1.28x, adaptive / off at c1 1.38 / 1.37x against 1.20 / 1.24x; at c4 fixed / off 1.10 / 0.92x
+against 0.96 / 0.89x, adaptive / off 0.97 / 1.10x against 0.96 / 0.92x."""
+
 
 def quiet_omp_spin(environ: MutableMapping[str, str] | None = None) -> bool:
     """Set ``GOMP_SPINCOUNT`` to `OMP_SPIN_COUNT` unless the user set it or ``OMP_WAIT_POLICY``, or
@@ -68,6 +79,7 @@ def serve_command(model, draft, medusa, policy_file, redis_url, state_dir, names
                   max_queue, kv_cache_mb, api_key_env, served_model_name, reconcile_s, threads, log_level) -> None:
     """Serve the OpenAI-compatible API with continuous batching and the live speculation policy."""
     quiet_omp_spin()  # before the import below loads torch
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     from specops.serving.server import ServeConfig, ServeError, run_server
 
     api_key = None

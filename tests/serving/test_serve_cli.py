@@ -1,4 +1,5 @@
-"""`specops serve`'s process set-up before torch loads: the OpenMP spin count (`quiet_omp_spin`)."""
+"""`specops serve`'s process set-up: the OpenMP spin count before torch loads (`quiet_omp_spin`),
+and the GIL switch interval."""
 
 from __future__ import annotations
 
@@ -29,3 +30,22 @@ def test_the_cli_reaches_serve_before_torch_loads():
     code = "import sys, specops.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_serve_hands_the_gil_back_within_half_a_millisecond(monkeypatch):
+    """`specops serve` shortens the interpreter's switch interval before it serves (the engine
+    thread waits that long for the GIL after each C call while the event loop runs Python)."""
+    from click.testing import CliRunner
+
+    import specops.serving.server as server
+    from specops.serving.cli import GIL_SWITCH_INTERVAL_S, serve_command
+
+    seen = []
+    monkeypatch.setattr(server, "run_server", lambda cfg: seen.append(sys.getswitchinterval()))
+    before = sys.getswitchinterval()
+    try:
+        result = CliRunner().invoke(serve_command, ["--port", "0"])
+        assert result.exit_code == 0, result.output
+    finally:
+        sys.setswitchinterval(before)
+    assert seen == [GIL_SWITCH_INTERVAL_S] and GIL_SWITCH_INTERVAL_S < before
