@@ -548,6 +548,7 @@ def test_the_narrower_instruction_set_builds_compute_the_same_way(isa, tmp_path)
     only the host's: each narrower one is built here too, and must match addmm and give
     every row the same bits for any row count, thread count and panel tail."""
     import ctypes
+    import os
     import platform
 
     from specops.kernels import cbuild
@@ -556,7 +557,7 @@ def test_the_narrower_instruction_set_builds_compute_the_same_way(isa, tmp_path)
         pytest.skip("an x86 instruction set")
     flags = {"avx2": ["-mavx2", "-mfma", "-mno-avx512f"], "scalar": ["-mno-avx2", "-mno-fma", "-mno-avx512f"]}[isa]
     flags = flags if platform.machine() in ("x86_64", "AMD64") else []
-    cc = cbuild.os.environ.get("CC") or "cc"
+    cc = os.environ.get("CC") or "cc"
     lib_path = tmp_path / f"linear_{isa}.so"
     proc = subprocess.run([cc, *cbuild.CFLAGS, *flags, "-o", str(lib_path), str(cpu_linear.SOURCE), "-lm"],
                           capture_output=True, text=True, timeout=120)
