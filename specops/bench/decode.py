@@ -25,6 +25,7 @@ import logging
 import os
 import platform
 import statistics
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -43,6 +44,12 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 REFERENCE = "hf-greedy"
 WARMUP_TOKENS = 16
+SETTLE_S = 0.01
+"""Idle seconds before each timed run (outside its timing), so every method starts on quiet
+cores. Methods are interleaved per prompt, and the transformers baselines run torch's OpenMP
+team, whose workers spin for ~3 ms after their last region (libgomp's default spin count);
+the next method's C kernels then shared a core with them. That slowed the start of `ar`
+(the run right after `hf-greedy`) and of no speculative method."""
 
 
 class BenchError(ValueError):
@@ -225,6 +232,7 @@ def run_benchmark(cfg: BenchConfig, *, models: Models | None = None,
             for i, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
                 for method in methods:
                     bar.set_postfix(method=method.name, repeat=repeat + 1)
+                    time.sleep(SETTLE_S)
                     runs[method.name][repeat].append(method.run(ids, max_new_tokens=cfg.max_new_tokens,
                                                                 temperature=prompt.temperature,
                                                                 seed=cfg.seed + 1000 * repeat + i))

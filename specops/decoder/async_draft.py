@@ -37,7 +37,7 @@ import torch
 
 from specops.decoder.draft import _draft_block, check_vocab
 from specops.decoder.errors import InvalidRequestError
-from specops.decoder.runner import ModelRunner
+from specops.decoder.runner import ModelRunner, prompt_forward
 from specops.decoder.sampling import SamplingConfig
 from specops.decoder.schedule import ConstantSchedule, GammaSchedule
 from specops.decoder.clock import device_clock
@@ -130,7 +130,7 @@ def generate_draft_async(
     draft.reset(1)
     if len(prompt) > 1:
         t0 = device_clock(draft.device)
-        draft.forward(torch.tensor([prompt[:-1]], dtype=torch.long, device=draft.device))  # [1, P-1]
+        prompt_forward(draft, torch.tensor([prompt[:-1]], dtype=torch.long, device=draft.device), logits=False)
         dt = device_clock(draft.device) - t0
         stats.draft_forwards += 1
         stats.draft_s += dt

@@ -40,7 +40,7 @@ from specops.decoder.errors import InvalidRequestError
 from specops.decoder.medusa_decode import MedusaState, _verify_step
 from specops.decoder.medusa_heads import HeadsLike
 from specops.decoder.ngram import NgramIndex
-from specops.decoder.runner import ModelRunner
+from specops.decoder.runner import ModelRunner, prompt_forward
 from specops.decoder.sampling import SamplingConfig
 from specops.decoder.schedule import ConstantSchedule, GammaSchedule, expected_tokens
 from specops.decoder.request import prompt_list
@@ -385,7 +385,8 @@ def _draft_step(v: TargetVerifier, draft: ModelRunner, gamma: int, sampling: Sam
     unseen = len(v.tokens) - draft.cache_len
     if unseen > CATCHUP_FREE:  # after plain / other steps: read all but the pending token in one forward
         t0 = device_clock(draft.device)
-        draft.forward(torch.tensor([v.tokens[draft.cache_len : -1]], dtype=torch.long, device=draft.device))
+        prompt_forward(draft, torch.tensor([v.tokens[draft.cache_len : -1]], dtype=torch.long, device=draft.device),
+                       logits=False)
         caught_up = device_clock(draft.device) - t0
         v.stats.draft_s += caught_up
         v.stats.draft_forwards += 1

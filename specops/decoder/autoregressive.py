@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from specops.decoder.errors import InvalidRequestError
-from specops.decoder.runner import ModelRunner
+from specops.decoder.runner import ModelRunner, prompt_forward
 from specops.decoder.sampling import SamplingConfig, next_token
 from specops.decoder.clock import device_clock
 from specops.decoder.request import check_room, eos_set, prompt_list, stop_reason
@@ -43,7 +43,7 @@ def generate_ar(
 
     t0 = device_clock(device)
     ids = torch.tensor([prompt], dtype=torch.long, device=device)  # [1, P]
-    logits = target.forward(ids).logits[:, -1]  # [1, V]
+    logits = prompt_forward(target, ids).logits[:, -1]  # [1, V]
     tok = next_token(logits, sampling, generator)  # [1]
     out = [int(tok[0])]
     dt = device_clock(device) - t0

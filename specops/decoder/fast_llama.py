@@ -363,6 +363,21 @@ class FastLlamaRunner:
                  gu_w=l.gate_up.weight, gu_b=l.gate_up.bias, down_w=l.down.weight, down_b=l.down.bias,
                  k_cache=k, v_cache=v) for l, (k, v) in zip(self.layers, caches)])
 
+    def prompt_forward(self, input_ids: Tensor, *, logits: bool = True, need_hidden: bool = False) -> RunnerOutput:
+        """`runner.prompt_forward`: a forward whose caller reads the last position's logits
+        (``logits``) or none. One sequence on the C layer stack runs the LM head on that row
+        only (any T: its linear kernel is as fast per token as oneDNN's at prompt sizes, and
+        the same arithmetic as the decoding steps after it); otherwise `forward`."""
+        args = check_forward_args(input_ids, None, None, batch_size=self.cache.batch, cache_len=self.cache.length,
+                                  max_context=self.max_context, device=self.device)
+        b, t = input_ids.shape
+        if not (self.c_layers and b == 1 and t >= 1):
+            return self.forward(input_ids, need_hidden=need_hidden)
+        with torch.inference_mode():
+            hidden, out = self._c_forward(input_ids.to(self.device), args.position_ids, None,
+                                          logit_rows=1 if logits else 0)
+        return RunnerOutput(logits=out, hidden=hidden if need_hidden else None)
+
     def _layer_table(self):
         """The C table over this runner's cache (rebuilt when the cache is reallocated)."""
         key = self.cache.data.data_ptr()
@@ -371,10 +386,10 @@ class FastLlamaRunner:
             self._table = (key, self.c_layer_table(caches))
         return self._table[1]
 
-    def _c_forward(self, input_ids: Tensor, position_ids: Tensor | None,
-                   tree_mask: Tensor | None) -> tuple[Tensor, Tensor]:  # [1, T, E] normed hidden, [1, T, V] logits
-        """The layer stack, final norm and LM head in one C call (one sequence, up to
-        C_LAYERS_MAX_T tokens)."""
+    def _c_forward(self, input_ids: Tensor, position_ids: Tensor | None, tree_mask: Tensor | None, *,
+                   logit_rows: int | None = None) -> tuple[Tensor, Tensor]:  # [1, T, E] hidden, [1, R, V] logits
+        """The layer stack, final norm and LM head in one C call (one sequence; logits of the
+        last ``logit_rows`` positions, None: all)."""
         t = input_ids.shape[1]
         cache = self.cache
         start = cache.length
@@ -389,9 +404,9 @@ class FastLlamaRunner:
             self._layer_table(), x, heads=self.n_heads, kv_heads=self.n_kv_heads, head_dim=self.head_dim,
             intermediate=self.layers[0].down.weight.shape[1], eps=self.eps, scale=self.scale, cos=cos, sin=sin,
             kv_strides=(keys.stride(0), keys.stride(1)), start=start, norm=self.norm, head=self.lm_head.weight,
-            head_bias=self.lm_head.bias, mask=mask)  # [T, E], [T, V]
+            head_bias=self.lm_head.bias, mask=mask, logit_rows=logit_rows)  # [T, E], [R, V]
         cache.advance(t)
-        return hidden.view(1, t, self.hidden_size), logits.view(1, t, -1)
+        return hidden.view(1, t, self.hidden_size), logits.unsqueeze(0)
 
     def draft_chain(self, tokens: list[int], count: int, *, uniforms: Tensor | None = None,
                     temperature: float = 1.0) -> tuple[list[int], Tensor | None] | None:

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from specops.decoder.errors import InvalidRequestError
-from specops.decoder.runner import ModelRunner
+from specops.decoder.runner import ModelRunner, prompt_forward
 from specops.decoder.sampling import SamplingConfig, next_token, probabilities
 from specops.decoder.clock import device_clock
 from specops.decoder.medusa_heads import HeadsLike, head_candidates
@@ -187,7 +187,7 @@ def generate_medusa(
 
     t0 = device_clock(device)
     ids = torch.tensor([prompt], dtype=torch.long, device=device)  # [1, P]
-    out = target.forward(ids, need_hidden=True)
+    out = prompt_forward(target, ids, need_hidden=True)
     root = int(next_token(out.logits[0, -1], sampling, generator))
     hidden = out.hidden[0, -1]  # [E]
     dt = device_clock(device) - t0

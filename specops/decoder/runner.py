@@ -86,6 +86,20 @@ class ModelRunner(Protocol):
         ...
 
 
+def prompt_forward(runner: ModelRunner, input_ids: Tensor, *, logits: bool = True,
+                   need_hidden: bool = False) -> RunnerOutput:
+    """A prompt pass: `forward` over ``input_ids`` [B, T] when the caller reads only the
+    last position's logits (``logits``) or none of them. A runner with its own
+    ``prompt_forward`` (the fast runner's C layer stack) then skips the LM head over the other
+    positions, which is most of it at a 4k vocabulary; the returned logits are [B, 1, V] (or
+    [B, 0, V]), so read them as ``logits[:, -1]``. Other runners return `forward`'s output.
+    ``hidden``, when asked for, covers every position."""
+    own = getattr(runner, "prompt_forward", None)
+    if own is not None:
+        return own(input_ids, logits=logits, need_hidden=need_hidden)
+    return runner.forward(input_ids, need_hidden=need_hidden)
+
+
 @dataclass(frozen=True)
 class ForwardArgs:
     """Validated, normalised arguments of one forward call."""

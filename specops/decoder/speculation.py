@@ -35,7 +35,7 @@ import torch
 
 from specops.decoder.clock import device_clock
 from specops.decoder.request import check_deadline, check_room, eos_cut, eos_set, stop_reason
-from specops.decoder.runner import ModelRunner
+from specops.decoder.runner import ModelRunner, prompt_forward
 from specops.decoder.sampling import SamplingConfig, next_token
 from specops.decoder.stats import DecodeStats
 from specops.decoder.verify import Verification, verify_block_sampled, verify_greedy
@@ -113,7 +113,7 @@ class TargetVerifier:
         if self.prompt_len > 1:
             t0 = device_clock(self.device)
             ids = torch.tensor([self.tokens[:-1]], dtype=torch.long, device=self.device)  # [1, P-1]
-            out = self.target.forward(ids, need_hidden=self.keep_hidden)
+            out = prompt_forward(self.target, ids, logits=False, need_hidden=self.keep_hidden)
             if self.keep_hidden:
                 self.hidden = out.hidden[0, -1]  # [E]
             dt = device_clock(self.device) - t0

@@ -67,7 +67,7 @@ def _setup(lib: ctypes.CDLL) -> None:
     layers.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 6 +
                        [ctypes.c_float, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 +
                        [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] +
-                       [ctypes.c_void_p] * 2 + [ctypes.c_int])
+                       [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_int64])
     draft = lib.specops_llama_draft
     draft.restype = ctypes.c_int
     draft.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 2 +
@@ -329,18 +329,22 @@ def layer_table(layers: list[dict[str, Tensor | None]]) -> ctypes.Array:
 def llama_layers(table: ctypes.Array, x: Tensor, *, heads: int, kv_heads: int, head_dim: int, intermediate: int,
                  eps: float, scale: float, cos: Tensor, sin: Tensor, kv_strides: tuple[int, int], start: int,
                  norm: Tensor, head: Tensor, head_bias: Tensor | None = None, mask: Tensor | None = None,
-                 threads: int | None = None) -> tuple[Tensor, Tensor]:
+                 threads: int | None = None, logit_rows: int | None = None) -> tuple[Tensor, Tensor]:
     """Every layer of a Llama-family stack over T new tokens of one sequence, the final norm
     and the LM head in one call (see ``specops_llama_layers`` in linear.c): x [T, E]
     (contiguous) is the residual stream (updated in place). Returns the normed hidden states
-    [T, E] and the logits [T, V]. Arguments as `rope_cache_attention`; ``kv_strides`` the
-    caches' (sequence, head) strides; ``head`` [V, E], `pack`ed. Unchecked beyond the mask: the fast
-    runner calls it with the shapes it built the table for."""
+    [T, E] and the logits [R, V] of the last R = ``logit_rows`` positions (None: all T; a
+    prompt pass asks for 1 or 0). Arguments as `rope_cache_attention`; ``kv_strides`` the
+    caches' (sequence, head) strides; ``head`` [V, E], `pack`ed. Unchecked beyond the mask and
+    ``logit_rows``: the fast runner calls it with the shapes it built the table for."""
     _check_mask(mask, x.shape[0])
     t, e = x.shape
+    rows = t if logit_rows is None else int(logit_rows)
+    if not 0 <= rows <= t:
+        raise ValueError(f"logit_rows must be in 0..{t}, got {logit_rows}")
     vocab = head.shape[0]
     hidden = torch.empty(t, e, dtype=torch.float32)
-    logits = torch.empty(t, vocab, dtype=torch.float32)
+    logits = torch.empty(rows, vocab, dtype=torch.float32)
     scratch = torch.empty(t * ((heads + 2 * kv_heads) * head_dim + heads * head_dim + 2 * intermediate),
                           dtype=torch.float32)
     rc = _kernel.lib.specops_llama_layers(table, len(table), x.data_ptr(), t, e, heads, kv_heads, head_dim,
@@ -350,7 +354,7 @@ def llama_layers(table: ctypes.Array, x: Tensor, *, heads: int, kv_heads: int, h
                                           int(threads or torch.get_num_threads()), norm.data_ptr(), head.data_ptr(),
                                           None if head_bias is None else head_bias.data_ptr(), vocab,
                                           hidden.data_ptr(), logits.data_ptr(),
-                                          WEIGHTS_BF16 if head.dtype == torch.bfloat16 else 0)
+                                          WEIGHTS_BF16 if head.dtype == torch.bfloat16 else 0, rows)
     if rc != 0:
         raise MemoryError(f"CPU layer-stack kernel failed (code {rc})")
     return hidden, logits

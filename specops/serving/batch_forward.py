@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from specops.decoder.hf_runner import HFRunner
-from specops.decoder.paged_llama import C_LAYERS_MAX_N, AttnGroup, PagedBatch, PagedLlama, kv_bytes_per_token
+from specops.decoder.paged_llama import AttnGroup, PagedBatch, PagedLlama, kv_bytes_per_token
 from specops.kernels import cpu_linear
 from specops.kernels.cpu_linear import MAX_MASK_NODES
 from specops.serving.kv_pool import BlockPool, blocks_for
@@ -83,9 +83,7 @@ class PagedBackend:
         return [table[p // bs] * bs + p % bs for p in positions]
 
     def forward(self, items: list[FeedItem], need_hidden: bool = False) -> list[ItemOutput]:
-        n = sum(len(it.tokens) for it in items)
-        if (self.model.c_layers and n <= C_LAYERS_MAX_N
-                and all(it.intra is None or len(it.tokens) <= MAX_MASK_NODES for it in items)):
+        if self.model.c_layers and all(it.intra is None or len(it.tokens) <= MAX_MASK_NODES for it in items):
             return self._forward_c(items, need_hidden)
         dev = self.device
         ids: list[int] = []
@@ -181,8 +179,7 @@ class PagedBackend:
         ([S, max(gammas)] float64 in [0, 1)). Returns the tokens, with ``clock_id`` each round's
         seconds, and the sampled items' q rows [S, max(gammas), V] (None when nothing sampled);
         None, with nothing done, where the C path does not apply (the caller loops)."""
-        n0 = sum(len(it.tokens) for it in items)
-        if (not self.model.c_layers or not items or n0 > C_LAYERS_MAX_N or len(items) != len(gammas)
+        if (not self.model.c_layers or not items or len(items) != len(gammas)
                 or min(gammas) < 1 or not self.model.r.embed.is_contiguous()
                 or any(not it.tokens or it.intra is not None or it.positions is not None for it in items)):
             return None

@@ -13,13 +13,13 @@ OMP_SPIN_COUNT = "30000"
 """``GOMP_SPINCOUNT`` that `specops serve` sets for torch's OpenMP runtime (libgomp) unless the
 user chose one, or a wait policy (``OMP_WAIT_POLICY``). libgomp's default lets a worker spin for
 300,000 rounds (~3 ms on the project's 2-core host) after every parallel region before it sleeps.
-A prefill runs its matmuls in torch's OpenMP team (oneDNN, above the C kernels' 128 tokens); the
-decode step after it runs on the C layer stack's own thread pool, whose worker then finds its core
-taken by a spinning OpenMP thread, so the step ran on one core: in-process at 16 staggered
-requests, the first decode step after a prefill took 6.9-7.6 ms against 3.7-4.9 ms for the others
-(`specops bench serve` traffic prefills every ~11 steps there; ~3.5% of the time). 30,000 rounds
-still catch the next region inside one prefill (its total time unchanged within noise) and stop
-within ~0.3 ms after it. It must be set before torch loads libgomp, which reads it once."""
+Whatever runs in torch's OpenMP team (models off the C layer stack; before session 17, every
+prefill over 128 tokens) leaves its workers spinning while the next step runs on the C layer
+stack's own thread pool, whose worker then finds its core taken, so that step ran on one core:
+in-process at 16 staggered requests, the first decode step after a oneDNN prefill took 6.9-7.6 ms
+against 3.7-4.9 ms for the others. 30,000 rounds still catch the next region inside one torch
+forward (its total time unchanged within noise) and stop within ~0.3 ms after it. It must be set
+before torch loads libgomp, which reads it once."""
 
 GIL_SWITCH_INTERVAL_S = 0.0005
 """The interpreter's thread switch interval in `specops serve` (Python's default: 5 ms). The engine

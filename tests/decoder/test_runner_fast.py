@@ -17,6 +17,7 @@ from tests.decoder.test_runner import (  # noqa: F401  (one_thread: autouse fixt
     one_thread,
     random_tree,
     reference,
+    reference_hidden,
     run_scenario,
 )
 
@@ -180,3 +181,42 @@ def test_runners_on_cuda_match_transformers(impl):
     runner = load_runner(model, impl=impl)
     assert runner.device.type == "cuda"
     run_scenario(runner, model, seed=61, tree_nodes=8)
+
+
+def test_a_prompt_pass_on_the_c_stack_reads_only_its_last_logits():
+    """`prompt_forward`: the whole prompt through the C layer stack with the LM head on the last
+    row (or none); the same logits and hidden states as transformers' forward, the cache as a
+    plain forward leaves it (the decoding steps after it agree), and runners without their own
+    prompt pass return `forward`'s output."""
+    from specops.decoder.hf_runner import HFRunner
+    from specops.decoder.runner import prompt_forward
+
+    model = build("llama", seed=5)
+    runner = FastLlamaRunner(model)
+    assert runner.c_layers, "the C layer stack must run here (fp32 CPU, kernels built) for this test to mean anything"
+    tokens = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(6)).tolist()
+    want = reference(model, tokens)  # [40, V]
+    want_hidden = reference_hidden(model, tokens)  # [40, E]
+
+    runner.reset()
+    out = prompt_forward(runner, torch.tensor([tokens[:30]]), need_hidden=True)
+    assert out.logits.shape == (1, 1, VOCAB)
+    close(out.logits[0, -1], want[29], "last prompt logits")
+    close(out.hidden[0], want_hidden[:30], "prompt hidden states")
+    assert runner.cache_len == 30
+    steps = [runner.forward(torch.tensor([[t]])).logits[0, -1] for t in tokens[30:]]
+    close(torch.stack(steps), want[30:], "steps after the prompt pass")
+
+    runner.reset()
+    out = prompt_forward(runner, torch.tensor([tokens[:30]]), logits=False)
+    assert out.logits.shape == (1, 0, VOCAB) and out.hidden is None and runner.cache_len == 30
+    chain = runner.forward(torch.tensor([tokens[30:]])).logits[0]  # a block after it, as verification runs
+    close(chain, want[30:], "a block after a logit-free prompt pass")
+
+    hf = HFRunner(model)
+    hf.reset()
+    out = prompt_forward(hf, torch.tensor([tokens[:30]]))
+    assert out.logits.shape == (1, 30, VOCAB)
+    close(out.logits[0, -1], want[29], "a runner without its own prompt pass")
+    with pytest.raises(ValueError, match="max_context"):
+        prompt_forward(runner, torch.zeros(1, runner.max_context + 1, dtype=torch.long))

@@ -321,6 +321,25 @@ def test_argmax_follows_torch_on_ties_and_nans():
     assert torch.equal(cpu_linear.argmax(logits.double()), torch.argmax(logits.double(), dim=-1))  # torch's path
 
 
+def test_argmax_follows_torch_on_long_rows_with_ties_zeros_infs_and_nans():
+    """Rows long enough for the vector path (and its masked tail): the first of tied maxima
+    wherever they sit, -0.0 against +0.0, all -inf, and NaN after the maximum or in the tail."""
+    gen = torch.Generator().manual_seed(1)
+    for cols in (16, 17, 31, 100, 4096, 4103):
+        x = torch.randn(12, cols, generator=gen)
+        x[1, cols // 3] = x[1, cols - 1] = 50.0  # a tie: the first one wins
+        x[2, :] = float("-inf")
+        x[3, :] = -1.0
+        x[3, cols // 2], x[3, cols // 2 + 1] = -0.0, 0.0  # equal zeros: the first
+        x[4, cols - 1] = float("nan")  # a NaN in the tail
+        x[5, 0], x[5, cols // 2] = 9.0, float("nan")  # after the maximum
+        x[6, cols - 1] = 70.0  # the maximum is the last element
+        x[7, :] = 0.0
+        x[7, 5 % cols] = float("inf")
+        x[8, :] = float("nan")
+        assert cpu_linear.argmax(x).tolist() == torch.argmax(x, dim=-1).tolist(), cols
+
+
 @pytest.mark.parametrize("t", [1, 3, 8, 13])
 def test_layer_stack_in_one_call_equals_the_per_call_path(t):
     """`llama_layers` runs the same kernel calls the Python loop makes: the same cache contents
