@@ -34,7 +34,7 @@ reads every sequence's keys through its block table and writes each token's key/
 its slot; no attention groups, no padding, no mask tensors, ~1/3 of a plain step's Python
 and dispatch overhead gone. Prefills included: since the weight panels its linear kernel
 runs at about oneDNN's multiply-add rate at prompt sizes, and it skips the LM head of rows
-nobody reads (in-process batch-16 serving of the bench prompts: 1.08-1.27x the tokens/s of
+nobody reads (in-process batch-16 serving of the bench prompts: 1.07-1.28x the tokens/s of
 sending batches over 128 tokens to the oneDNN path). It makes the same kernel calls as the runner's single-sequence
 forward, so each sequence's logits equal `FastLlamaRunner.forward`'s bit for bit.
 

@@ -106,6 +106,19 @@ def test_bundled_mixed_methods_join_mid_batch_equal_single_request_ar(bundled):
     assert sum(r.head_correct[0] for r in medusa) > 0  # per-head accuracy is measured
 
 
+def test_bundled_long_prompts_equal_single_request_ar(bundled):
+    """Prompts well over 128 tokens, joining a running batch: the engine's prefills (any size, on
+    the C layer stack) and `Decoder`'s prompt pass (`prompt_forward`) make the same kernel calls."""
+    from specops.bench.suites import builtin_suite
+
+    tok = bundled.tokenizer
+    texts = [p.text for p in builtin_suite("code", seed=0)[:4]]
+    prompts = [tok.encode(t * 2)[: 140 + 50 * i] for i, t in enumerate(texts)]
+    assert min(len(p) for p in prompts) > 128
+    eng = full_speculation(Engine(bundled, max_batch=4, kv_cache_mb=16))
+    check_exact(bundled, eng, prompts, max_tokens=16, eos=None, need_accept=False)
+
+
 @pytest.fixture(scope="module")
 def qwen2():
     torch.set_num_threads(1)
