@@ -28,6 +28,7 @@ sampled request is not reproducible token for token (its distribution is).
 from __future__ import annotations
 
 import copy
+import math
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -55,6 +56,16 @@ STEP_WEIGHT = 0.2  # weight of the newest step in a request's running acceptance
 PROBE_EVERY = 24  # steps between tries of an option as good as the best; worse ones wait longer
 PROBE_BUDGET = 0.005  # time probes of one worse option may cost, as a share of the best option's
 PROBE_MAX_WAIT = 400  # no option waits longer than this many steps for its next try
+HOPE = 2.0
+"""How far above its running acceptance a linear drafter's probe wait reads it: by HOPE standard
+errors (α + HOPE·sqrt(α(1-α)/n), n its running trials). The choice
+of each step uses the running acceptance itself; only how soon a worse-looking option is tried
+again uses this bound, so an estimate from few trials is re-measured soon and one from many is
+left alone. With the plain running value, one unlucky early draft block on prose (acceptance
+0.35 over ~4 trials, where the draft model runs at 0.8-0.97) made it look 2x worse than
+Medusa, its next try waited ~230 steps, and `auto` ran Medusa request after request at 0.78x
+the draft model's tokens/s. A drafter that keeps rejecting its first token has α near 0 and
+so a bound near 0: it is still probed as rarely as before."""
 SCALE_WEIGHT = 0.2  # weight of the newest step in an option's measured / modelled cost ratio
 SCALE_BOUNDS = (0.25, 4.0)  # one step's ratio is clipped to these (a preemption is not a cost)
 PRIOR_ALPHA, PRIOR_TRIALS = 0.5, 3.0  # acceptance before any measurement: worth 3 trials
@@ -192,19 +203,24 @@ class Chooser:
     def last_used(self) -> dict[str, int]:
         return self.clock.last_used
 
-    def rate(self, option: str, drafted: int) -> float:
+    def rate(self, option: str, drafted: int, hopeful: bool = False) -> float:
         """Expected tokens per second of ``option`` drafting ``drafted`` tokens: the modelled
         seconds (isolated forwards, the fastest of several timings) times what this option's
         steps have really taken against that model (cache misses between forwards, the
         acceptance and bookkeeping around them, which grow with the drafted block), plus its
-        `switch_s` (a lagging draft cache's catch-up, spread over the steps left)."""
+        `switch_s` (a lagging draft cache's catch-up, spread over the steps left). ``hopeful``:
+        a linear drafter's acceptance read at its upper bound (`HOPE`), for probe waits."""
         est = self.estimates[option]
         if option == "plain":
             tokens = 1.0
         elif option == "medusa":
             tokens = est.tokens
         else:
-            tokens = expected_tokens(est.alpha, drafted)
+            alpha = est.alpha
+            if hopeful:
+                n = max(est.trials, 1.0)
+                alpha = min(1.0, alpha + HOPE * math.sqrt(max(alpha * (1.0 - alpha), 0.0) / n))
+            tokens = expected_tokens(alpha, drafted)
         seconds = self.costs.seconds(option, drafted) * self.clock.scale[option] + self.switch_s.get(option, 0.0)
         return tokens / seconds
 
@@ -218,7 +234,8 @@ class Chooser:
         for option, rate in rates.items():
             if option == best:
                 continue
-            loss = rates[best] / max(rate, 1e-12) - 1.0  # a probe's time lost, in best steps
+            hoped = self.rate(option, available[option], hopeful=True)
+            loss = rates[best] / max(hoped, 1e-12) - 1.0  # a probe's time lost, in best steps
             wait = min(max(PROBE_EVERY, loss / PROBE_BUDGET), PROBE_MAX_WAIT)
             if self.step - self.last_used[option] >= wait:
                 return option

@@ -79,6 +79,30 @@ def test_chooser_prefers_what_accepts_and_probes_the_rest_rarely():
     assert all(counts.get(name, 0) >= 1 for name in ("plain", "draft", "medusa")), counts  # still probed
 
 
+def test_an_estimate_from_one_unlucky_block_is_measured_again_soon():
+    """One rejected draft block leaves the draft model's acceptance at 0.35 over ~3 trials, and
+    Medusa looks 2.6x better: its budgeted wait alone was ~320 steps. Read at its upper bound the
+    estimate is a guess, so it is tried again within PROBE_EVERY steps; after blocks that really
+    are accepted it wins the choice."""
+    from specops.decoder.auto import PROBE_EVERY
+
+    est = {name: OptionEstimate() for name in ("plain", "ngram", "draft", "medusa")}
+    est["draft"].update(drafted=4, accepted=0, emitted=1)
+    for _ in range(5):
+        est["medusa"].update(drafted=3, accepted=3, emitted=4)
+    chooser = Chooser(est, _costs())
+    assert chooser.rate("medusa", 3) > 2 * chooser.rate("draft", 4)
+    picks = []
+    for _ in range(150):
+        p = chooser.choose({"plain": 0, "draft": 4, "medusa": 3})
+        chooser.last_used[p] = chooser.step
+        picks.append(p)
+        if p == "draft":
+            est["draft"].update(drafted=4, accepted=4, emitted=5)  # the draft model really accepts
+    assert "draft" in picks[: PROBE_EVERY + 2], picks  # tried again soon, not in ~320 steps
+    assert picks[-10:] == ["draft"] * 10, picks  # and chosen once measured
+
+
 def test_chooser_picks_plain_when_nothing_accepts():
     est = {name: OptionEstimate() for name in ("plain", "ngram", "draft", "medusa")}
     for _ in range(30):
