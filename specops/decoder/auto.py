@@ -28,8 +28,8 @@ sampled request is not reproducible token for token (its distribution is).
 from __future__ import annotations
 
 import copy
-import math
 import logging
+import math
 import weakref
 from dataclasses import dataclass, field
 
@@ -231,9 +231,9 @@ class Chooser:
             return untried[-1]
         rates = {o: self.rate(o, g) for o, g in available.items()}
         best = max(rates, key=rates.__getitem__)
-        for option, rate in rates.items():
-            if option == best:
-                continue
+        for option in rates:
+            if option == best or self.step - self.last_used[option] < PROBE_EVERY:
+                continue  # the best, or not due whatever it costs (every wait is >= PROBE_EVERY)
             hoped = self.rate(option, available[option], hopeful=True)
             loss = rates[best] / max(hoped, 1e-12) - 1.0  # a probe's time lost, in best steps
             wait = min(max(PROBE_EVERY, loss / PROBE_BUDGET), PROBE_MAX_WAIT)

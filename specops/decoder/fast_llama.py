@@ -23,7 +23,9 @@ layer:
 
 On fp32 CPU with the C kernels built, a forward of up to C_LAYERS_MAX_T tokens of one
 sequence (decoding steps, chain verifications, Medusa trees) skips all of the above: the
-layer stack, the final norm and the LM head run in one `cpu_linear.llama_layers` call.
+layer stack, the final norm and the LM head run in one `cpu_linear.llama_layers` call. So
+does a prompt pass of any length (`prompt_forward`, `runner.prompt_forward`), with the LM
+head on its last position only, or none.
 
 Logits are returned in float32 and equal transformers' forward up to float rounding.
 Sliding-window attention is rejected when the window is shorter than the context
@@ -122,7 +124,7 @@ class FastLlamaRunner:
         `onednn`: run multi-row matmuls with oneDNN prepacked weights (None: when usable here).
         `kernel_weights`: "fp32", or "bf16" for the C kernels' copies of an fp32 model's
         matrices (half the bytes streamed per token, logits to bf16 weight precision: for
-        a draft model, whose logits only propose; the prompt pass keeps fp32)."""
+        a draft model, whose logits only propose; its prompt pass reads them too on the C stack)."""
         if kernel_weights not in ("fp32", "bf16"):
             raise ValueError(f"kernel_weights must be 'fp32' or 'bf16', got {kernel_weights!r}")
         if tree_attention not in TREE_ATTENTION_IMPLS:
@@ -370,8 +372,7 @@ class FastLlamaRunner:
         the same arithmetic as the decoding steps after it); otherwise `forward`."""
         args = check_forward_args(input_ids, None, None, batch_size=self.cache.batch, cache_len=self.cache.length,
                                   max_context=self.max_context, device=self.device)
-        b, t = input_ids.shape
-        if not (self.c_layers and b == 1 and t >= 1):
+        if not (self.c_layers and input_ids.shape[0] == 1):
             return self.forward(input_ids, need_hidden=need_hidden)
         with torch.inference_mode():
             hidden, out = self._c_forward(input_ids.to(self.device), args.position_ids, None,

@@ -28,15 +28,15 @@ One forward:
 5. logits are computed only for the rows the caller asks for (``logit_rows``).
 
 On fp32 CPU with the C kernels built (the runner's ``c_layers``), a batch of any size
-(decoding steps, drafts, trees of up to 64 nodes, prefills) skips all of the above: `forward_ragged` runs the whole layer
-stack, the final norm and the LM head in one C call (`cpu_linear.paged_layers`), which
+(decoding steps, drafts, trees of up to 64 nodes, prefills) skips all of the above:
+`forward_ragged` runs the whole layer stack, the final norm and the LM head in one C call (`cpu_linear.paged_layers`), which
 reads every sequence's keys through its block table and writes each token's key/value to
 its slot; no attention groups, no padding, no mask tensors, ~1/3 of a plain step's Python
 and dispatch overhead gone. Prefills included: since the weight panels its linear kernel
 runs at about oneDNN's multiply-add rate at prompt sizes, and it skips the LM head of rows
 nobody reads (in-process batch-16 serving of the bench prompts: 1.07-1.28x the tokens/s of
-sending batches over 128 tokens to the oneDNN path). It makes the same kernel calls as the runner's single-sequence
-forward, so each sequence's logits equal `FastLlamaRunner.forward`'s bit for bit.
+sending batches over 128 tokens to the oneDNN path). It makes the same kernel calls as the
+runner's single-sequence forward, so each sequence's logits equal `FastLlamaRunner.forward`'s bit for bit.
 
 Compaction of an accepted tree path is `copy_slots` (one gather + one scatter over all
 layers). Results equal `FastLlamaRunner.forward` up to float rounding (different matmul

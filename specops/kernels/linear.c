@@ -990,6 +990,7 @@ int specops_llama_layers(const LayerWeights *layers, int64_t n_layers, float *x,
                          int64_t V, float *hidden, float *logits, int head_flags, int64_t logit_rows) {
     const int64_t H = Hq + 2 * Hkv;
     float *qkv = scratch, *att = qkv + T * H * D, *gu = att + T * Hq * D;
+    if (logit_rows < 0 || logit_rows > T) return 3; /* before any cache write */
     for (int64_t i = 0; i < n_layers; i++) {
         const LayerWeights *l = layers + i;
         const int f = (int)l->flags;
@@ -1000,7 +1001,6 @@ int specops_llama_layers(const LayerWeights *layers, int64_t n_layers, float *x,
         if (rc == 0) rc = layer_tail(l, att, x, gu, T, E, Hq * D, I, eps, threads);
         if (rc != 0) return rc;
     }
-    if (logit_rows < 0 || logit_rows > T) return 3;
     if (hidden != NULL) rms_norm_rows(x, norm, eps, T, E, hidden);
     if (logits != NULL && logit_rows > 0)
         return specops_linear(hidden + (T - logit_rows) * E, head_w, head_b, NULL, logits, logit_rows, E, V, threads,
@@ -1309,8 +1309,8 @@ static int64_t argmax_row(const float *row, int64_t cols) {
         const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + c), best, _CMP_EQ_OQ);
         if (eq) return c + __builtin_ctz((unsigned)eq);
     }
-    for (; c < cols; c++)
-        if (row[c] == row[c] && !(row[c] < _mm512_cvtss_f32(best))) return c;
+    for (; c < cols; c++) /* no NaN here: the first element equal to the maximum */
+        if (row[c] == _mm512_cvtss_f32(best)) return c;
     return 0; /* not reached: the maximum is in the row */
 }
 #else
