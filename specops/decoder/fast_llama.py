@@ -257,7 +257,12 @@ class FastLlamaRunner:
     def truncate(self, length: int) -> None:
         self.cache.truncate(check_truncate(length, self.cache.length))
 
-    def compact(self, start: int, keep: Tensor) -> None:  # keep: [n] long offsets from start
+    def compact(self, start: int, keep: Tensor | list[int]) -> None:  # keep: [n] long offsets from start
+        if (isinstance(keep, list) and type(start) is int and 0 <= start and all(type(k) is int for k in keep)
+                and all(a < b for a, b in zip(keep, keep[1:]))
+                and (not keep or (keep[0] >= 0 and start + keep[-1] < self.cache.length))):
+            self.cache.compact_ascending(start, keep)  # a tree's accepted path: no index tensor, no gather
+            return
         index = check_compact(start, keep, self.cache.length, self.device)  # [n]
         with torch.inference_mode():
             self.cache.compact(start, index)

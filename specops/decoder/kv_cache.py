@@ -79,6 +79,17 @@ class KVCache:
             raise ValueError(f"KVCache truncate length must be in [0, {self.length}], got {length}")
         self.length = length
 
+    def compact_ascending(self, start: int, keep: list[int]) -> None:
+        """`compact` for strictly increasing offsets ``keep`` (keep[0] >= 0, start + keep[-1] <
+        length; the caller checks): entry start + keep[i] moves to start + i, one copy per entry
+        that moves (a Medusa path: node 0 and often node 1 stay put). In ascending order no
+        entry is overwritten before it is read (keep[j] >= j > i for every later source)."""
+        with torch.inference_mode():
+            for i, k in enumerate(keep):
+                if k != i:
+                    self.data[:, :, :, :, start + i].copy_(self.data[:, :, :, :, start + k])
+        self.length = start + len(keep)
+
     def compact(self, start: int, index: Tensor) -> None:  # index: [n] long, absolute positions
         """Move entry index[i] to start + i in every layer; the cache then holds start + n entries.
 

@@ -99,17 +99,18 @@ def propose_trees(heads: HeadsLike, hidden: Tensor, specs: Sequence[TreeSpec], r
     buffers = [tree_buffers(spec, dev) for spec in specs]
     depth = max(spec.depth for spec in specs)
     top_all = None
-    if depth:
+    if depth:  # [D][B][k] as ints: a tree is a few dozen tokens, picked in Python and made one tensor
         top_all = head_candidates(heads, hidden, depth, max(b.top_k for b in buffers),
-                                  torch.tensor(list(roots), dtype=torch.long)).to(device)  # [D, B, k]
+                                  torch.tensor(list(roots), dtype=torch.long)).tolist()
     out = []
     for i, (spec, buf, root) in enumerate(zip(specs, buffers, roots)):
-        root_t = torch.tensor([root], dtype=torch.long, device=device)  # [1]
-        if spec.depth == 0:
-            out.append((root_t, buf, []))
-            continue
-        top = top_all[: spec.depth, i, : buf.top_k]  # [D_i, top_k]
-        out.append((torch.cat([root_t, top.reshape(-1)[buf.candidate_index]]), buf, top[:, 0].tolist()))  # [N]
+        tokens, guesses = [root], []
+        if spec.depth:
+            top = [top_all[d][i][: buf.top_k] for d in range(spec.depth)]  # [D_i][top_k]
+            flat = [tok for row in top for tok in row]
+            tokens += [flat[j] for j in buf.candidate_index.tolist()]
+            guesses = [row[0] for row in top]
+        out.append((torch.tensor(tokens, dtype=torch.long, device=device), buf, guesses))  # [N]
     return out
 
 
@@ -255,5 +256,5 @@ def _verify_step(target: ModelRunner, tree_tokens: Tensor, buffers: TreeBuffers,
         else:
             verification = verify_tree_typical(tree_tokens, probs, buffers, generator, typical)
     path = verification.path
-    target.compact(start, torch.tensor(path, dtype=torch.long, device=target.device))
+    target.compact(start, path)  # a list: the fast runner moves the few entries without an index tensor
     return _Verified(verification=verification, hidden=out.hidden[0, path[-1]])

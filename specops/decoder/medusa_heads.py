@@ -402,20 +402,25 @@ class MedusaHeads(nn.Module):
             return self._candidates(hidden, num_heads, top_k, roots)
 
     def _candidates(self, hidden: Tensor, num_heads: int, top_k: int, roots: Tensor | None) -> Tensor:
-        if self.shortlist is None or top_k > self.shortlist.numel():
-            return torch.topk(self(hidden, num_heads, roots), top_k, dim=-1).indices
         k = self._check(hidden, num_heads, roots)
-        if self._kernel_path(hidden, k):
-            logits = self._kernel_logits(hidden, k, roots, shortlisted=True)  # [K, ..., F]
+        shortlisted = self.shortlist is not None and top_k <= self.shortlist.numel()
+        if self._kernel_path(hidden, k) and top_k <= (self.shortlist.numel() if shortlisted else self.config.vocab_size):
+            # the whole proposal in one C call (`cpu_linear.medusa_candidates`)
+            lead, e = hidden.shape[:-1], hidden.shape[-1]
+            weights = self._kernel_blocks[4 if shortlisted else 5]
+            ids = cpu_linear.medusa_candidates(weights, hidden.reshape(-1, e).contiguous(), k, top_k,
+                                               None if roots is None else roots.reshape(-1))  # [K, R, top_k]
+            return ids.view(k, *lead, top_k)
+        if not shortlisted:
+            return torch.topk(self(hidden, num_heads, roots), top_k, dim=-1).indices
+        z = self.features(hidden, num_heads, roots)  # [K, ..., E]
+        if self.config.shared_lm_head:
+            if self._shared is None:
+                raise MedusaError("these heads share the base model's LM head: bind(target) them first")
+            weight, bias = self._shortlisted(self._shared)
+            logits = F.linear(z.to(weight.dtype), weight, bias)
         else:
-            z = self.features(hidden, num_heads, roots)  # [K, ..., E]
-            if self.config.shared_lm_head:
-                if self._shared is None:
-                    raise MedusaError("these heads share the base model's LM head: bind(target) them first")
-                weight, bias = self._shortlisted(self._shared)
-                logits = F.linear(z.to(weight.dtype), weight, bias)
-            else:
-                logits = torch.stack([F.linear(z[i], *self._shortlisted(lm)) for i, lm in enumerate(self.lm_heads[:k])])
+            logits = torch.stack([F.linear(z[i], *self._shortlisted(lm)) for i, lm in enumerate(self.lm_heads[:k])])
         return self.shortlist[torch.topk(logits, top_k, dim=-1).indices]
 
     def _shortlisted(self, head: nn.Linear) -> tuple[Tensor, Tensor | None]:
@@ -450,7 +455,8 @@ class MedusaHeads(nn.Module):
                 params.append(self.root_proj.weight)
             object.__setattr__(self, "_kernel_params", params)
         key = (tuple((p.data_ptr(), p._version) for p in params), shared.weight.data_ptr(), shared.weight._version,
-               None if self.shortlist is None else self.shortlist.data_ptr())
+               None if self.shortlist is None else self.shortlist.data_ptr(),
+               None if self._embed is None else self._embed.data_ptr())
         cached = getattr(self, "_kernel_blocks", None)
         if cached is None or cached[0] != key:
             # bfloat16 weights where the kernel reads them (widened to fp32 in registers): the heads only
@@ -469,11 +475,16 @@ class MedusaHeads(nn.Module):
                 rows = self.shortlist.to(shared.weight.device)
                 short = (pack(shared.weight.detach()[rows].to(dtype)),
                          None if shared.bias is None else shared.bias.detach()[rows].float().contiguous())
-            object.__setattr__(self, "_kernel_blocks", (key, weights, lm, root, short))
+            # the same weights for `cpu_linear.medusa_candidates`: over the whole vocabulary, and over the shortlist
+            embed = None if root is None else self._embed.contiguous()
+            lm_bias = None if shared.bias is None else shared.bias.detach().float().contiguous()
+            full = cpu_linear.MedusaWeights(weights, lm, lm_bias, None, root, embed)
+            listed = full if short is None else cpu_linear.MedusaWeights(
+                weights, short[0], short[1], self.shortlist.to(torch.long).contiguous(), root, embed)
+            object.__setattr__(self, "_kernel_blocks", (key, weights, lm, root, listed, full))
         return True
 
-    def _kernel_logits(self, hidden: Tensor, k: int, roots: Tensor | None = None,
-                       shortlisted: bool = False) -> Tensor:  # [..., E] fp32 CPU -> [K, ..., V] (or [K, ..., F])
+    def _kernel_logits(self, hidden: Tensor, k: int, roots: Tensor | None = None) -> Tensor:  # [..., E] -> [K, ..., V]
         """The heads on the C linear kernel (fp32 math; bf16 weights where it reads them, see
         `_kernel_ready`): at batch 1 a proposal is 2 small matrices per
         head and one pass of the shared LM head over the K features. Runs on the caller's
@@ -494,11 +505,8 @@ class MedusaHeads(nn.Module):
                 z = z + F.silu(y)
             feats.append(z)
         z = torch.cat(feats).contiguous()  # [K*R, E]
-        if shortlisted:
-            weight, bias = self._kernel_blocks[4]
-        else:
-            shared = self._shared_fp32
-            weight, bias = self._kernel_blocks[2], None if shared.bias is None else shared.bias.detach()
+        shared = self._shared_fp32
+        weight, bias = self._kernel_blocks[2], None if shared.bias is None else shared.bias.detach()
         logits = cpu_linear.unchecked(z, weight, bias, None, None, None, 0.0, False)  # [K*R, V or F]
         return logits.view(k, *lead, -1)
 

@@ -81,7 +81,7 @@ class ModelRunner(Protocol):
         """Keep the first `length` cache entries (rollback after a rejection)."""
         ...
 
-    def compact(self, start: int, keep: Tensor) -> None:  # keep: [n] long offsets from start
+    def compact(self, start: int, keep: Tensor | list[int]) -> None:  # keep: [n] long offsets from start
         """Move entry start+keep[i] to start+i; afterwards cache_len == start + n."""
         ...
 

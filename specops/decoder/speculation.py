@@ -38,7 +38,8 @@ from specops.decoder.request import check_deadline, check_room, eos_cut, eos_set
 from specops.decoder.runner import ModelRunner, prompt_forward
 from specops.decoder.sampling import SamplingConfig, next_token
 from specops.decoder.stats import DecodeStats
-from specops.decoder.verify import Verification, verify_block_sampled, verify_greedy
+from specops.decoder.verify import accept_greedy, verify_block_sampled
+from specops.kernels import cpu_linear
 
 
 @dataclass
@@ -139,20 +140,16 @@ class TargetVerifier:
         block = torch.tensor([[self.tokens[-1], *drafted]], dtype=torch.long, device=self.device)  # [1, G+1]
         out = self.target.forward(block, need_hidden=self.keep_hidden)
         logits = out.logits  # [1, G+1, V]
-        draft_t = block[:, 1:]  # [1, G]
-        if g == 0:  # a plain step: the next token itself (what verifying nothing comes to, same draws)
-            result = Verification(accepted=torch.zeros(1, dtype=torch.long),
-                                  next_tokens=next_token(logits[:, 0], self.sampling, self.generator))
-        elif self.sampling.greedy:
-            result = verify_greedy(draft_t, logits)
+        if self.sampling.greedy:  # g == 0 too: the argmax is the next token itself
+            n, nxt = accept_greedy(drafted, cpu_linear.argmax(logits[0]).tolist())
+        elif g == 0:  # a plain step: the next token itself (what verifying nothing comes to, same draws)
+            n, nxt = 0, int(next_token(logits[:, 0], self.sampling, self.generator)[0])
         else:
             n, nxt = verify_block_sampled(logits[0], drafted, None if draft_probs is None else draft_probs[0],
                                           self.sampling, self.generator)
-            result = Verification(accepted=torch.tensor([n]), next_tokens=torch.tensor([nxt]))
-        n = int(result.accepted[0])
         if self.keep_hidden:
             self.hidden = out.hidden[0, n]  # [E] at d_n, whose logits chose the next token
-        step = self.commit(drafted[:n], int(result.next_tokens[0]), drafted=g)
+        step = self.commit(drafted[:n], nxt, drafted=g)
         if not self.stopped_by_eos:
             self.target.truncate(len(self.tokens) - 1)  # keep [.., pending, d_1 .. d_n]
         self.stats.verify_s += device_clock(self.device) - t0

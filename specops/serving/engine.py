@@ -54,7 +54,7 @@ from specops.decoder.request import eos_set
 from specops.decoder.sampling import make_generator, probabilities
 from specops.decoder.stats import DecodeStats
 from specops.decoder.tree_verify import verify_tree_greedy, verify_tree_sampling
-from specops.decoder.verify import verify_block_sampled
+from specops.decoder.verify import accept_greedy, verify_block_sampled
 from specops.kernels import cpu_linear
 from specops.serving.auto_method import MethodChooser
 from specops.serving.batch_forward import FeedItem, SeqKV, bytes_per_token, make_backend
@@ -546,10 +546,7 @@ class Engine:
         result: dict[str, tuple[int, int]] = {}
         r0 = 0
         for (seq, drafts), logits in zip(seqs, rows):
-            n = 0
-            while n < len(drafts) and drafts[n] == choice[r0 + n]:
-                n += 1
-            result[seq.request_id] = (n, choice[r0 + n])
+            result[seq.request_id] = accept_greedy(drafts, choice, r0)
             r0 += logits.shape[0]
         return result
 

@@ -11,6 +11,7 @@ import torch
 from specops.decoder import Decoder, MedusaHeads
 from specops.decoder.errors import InvalidRequestError, MissingComponentError
 from specops.decoder.medusa_heads import CONFIG_NAME, WEIGHTS_NAME, MedusaError, inference_dtype, model_fingerprint
+from specops.kernels import cpu_linear
 from tests.decoder.medusa_models import one_thread, tiny_model  # noqa: F401 (fixture)
 
 
@@ -199,13 +200,13 @@ def test_decoder_medusa_with_root_input_heads_is_exact_and_feeds_each_step_its_r
     model = tiny_model("llama", layers=2)
     heads = perturb(MedusaHeads.from_model(model, num_heads=3, shared_lm_head=True, root_input=True), seed=3)
     seen = []
-    forward = heads.forward
+    candidates = heads.candidates  # what a proposal calls, on the fused kernel path or not
 
-    def spy(hidden, num_heads=None, roots=None):
+    def spy(hidden, num_heads, top_k, roots=None):
         seen.append(roots.tolist())
-        return forward(hidden, num_heads, roots=roots)
+        return candidates(hidden, num_heads, top_k, roots=roots)
 
-    heads.forward = spy
+    heads.candidates = spy
     prompt = list(range(5, 17))
     ar = Decoder(model).generate(prompt, method="ar", max_new_tokens=30)
     out = Decoder(model, medusa=heads).generate(prompt, method="medusa", max_new_tokens=30, tree="small")
@@ -244,6 +245,37 @@ def test_a_shortlist_ranks_only_its_tokens_and_survives_the_artifact(tmp_path, s
     heads.set_shortlist(None)
     assert heads.config.shortlist_size == 0 and "shortlist" not in heads.state_dict()
     assert torch.equal(heads.candidates(hidden, 2, 4), torch.topk(full, 4, dim=-1).indices)
+
+
+@pytest.mark.skipif(not cpu_linear.available(), reason="the C kernel did not build here")
+def test_one_kernel_call_proposes_what_the_per_call_kernel_ranks(monkeypatch):
+    """`cpu_linear.medusa_candidates` (root projection, every head's blocks, the LM head over
+    the shortlist or the vocabulary and the top-k in one C call) returns the ids the per-call
+    kernel path's logits rank first, for root-input heads, 1 and 3 rows, 1-3 heads."""
+    model = tiny_model("llama")
+    heads = perturb(MedusaHeads.from_model(model, num_heads=3, shared_lm_head=True, root_input=True), seed=5)
+    calls = []
+    fused = cpu_linear.medusa_candidates
+    monkeypatch.setattr(cpu_linear, "medusa_candidates", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    gen = torch.Generator().manual_seed(0)
+    for short in (None, torch.tensor([60, 3, 17, 41, 8, 29, 50, 1, 33, 12])):
+        heads.set_shortlist(short)
+        for rows in (1, 3):
+            hidden = torch.randn(rows, 32, generator=gen) * 2
+            roots = torch.randint(0, model.config.vocab_size, (rows,), generator=gen)
+            with torch.inference_mode():
+                assert heads._kernel_ready()
+                logits = heads._kernel_logits(hidden, 3, roots)  # [K, R, V], the per-call kernel path
+            if short is not None:
+                logits = logits[..., short]
+            for k in (1, 2, 3):
+                want = torch.topk(logits[:k], 4, dim=-1).indices
+                want = want if short is None else short[want]
+                n = len(calls)
+                got = heads.candidates(hidden, k, 4, roots=roots)
+                assert len(calls) == n + 1 and torch.equal(got, want), (short is None, rows, k)
+    with pytest.raises(ValueError, match="root id"):
+        heads.candidates(torch.randn(1, 32), 2, 4, roots=torch.tensor([model.config.vocab_size]))
 
 
 def test_medusa_decoding_with_a_shortlist_is_exact_on_the_bundled_models():

@@ -114,10 +114,11 @@ def path_to(node: int, parents: list[int]) -> list[int]:
     return path[::-1]
 
 
-def run_scenario(runner: ModelRunner, model, seed: int = 0, tree_nodes: int = 7) -> None:
+def run_scenario(runner: ModelRunner, model, seed: int = 0, tree_nodes: int = 7, keep_as_list: bool = False) -> None:
     """Prefill, single steps, a multi-token step on a prefix, truncate, a tree forward with a
-    random tree and custom position ids, compact to a root-to-leaf path, and more steps —
-    each result compared with transformers' forward over the implied sequence."""
+    random tree and custom position ids, compact to a root-to-leaf path (given as a list of
+    ints with ``keep_as_list``, as Medusa decoding passes it), and more steps — each result
+    compared with transformers' forward over the implied sequence."""
     gen = torch.Generator().manual_seed(seed)
 
     def tokens(n: int) -> list[int]:
@@ -162,7 +163,7 @@ def run_scenario(runner: ModelRunner, model, seed: int = 0, tree_nodes: int = 7)
 
     leaf = max(range(tree_nodes), key=lambda i: (depth[i], i))
     keep = path_to(leaf, parents)
-    runner.compact(prefix, torch.tensor(keep))
+    runner.compact(prefix, keep if keep_as_list else torch.tensor(keep))
     seq += [nodes[j] for j in keep]
     assert runner.cache_len == len(seq)
     more = tokens(2)
@@ -314,6 +315,9 @@ def test_compact_out_of_range_is_rejected(small_runner):
         small_runner.compact(9, torch.tensor([0]))
     with pytest.raises(ValueError, match=r"shape \[n\]"):
         small_runner.compact(5, torch.tensor([[0]]))
+    for bad in ([0, 3], [-1]):  # a list (how Medusa decoding passes its path) is checked alike
+        with pytest.raises(ValueError, match=r"keep offsets must lie"):
+            small_runner.compact(5, bad)
     assert small_runner.cache_len == 8
 
 

@@ -54,6 +54,8 @@ def test_fast_runner_matches_transformers(name):
     run_scenario(runner, model, seed=13, tree_nodes=8)
     runner.reset()
     run_scenario(runner, model, seed=17, tree_nodes=5)  # a reused runner starts clean
+    runner.reset()
+    run_scenario(runner, model, seed=19, tree_nodes=8, keep_as_list=True)  # `compact_ascending`'s moves
 
 
 def test_tied_embeddings_are_exercised():
