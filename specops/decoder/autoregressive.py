@@ -43,9 +43,8 @@ def generate_ar(
 
     t0 = device_clock(device)
     ids = torch.tensor([prompt], dtype=torch.long, device=device)  # [1, P]
-    logits = prompt_forward(target, ids).logits[:, -1]  # [1, V]
-    tok = next_token(logits, sampling, generator)  # [1]
-    out = [int(tok[0])]
+    first = prompt_forward(target, ids)
+    out = [first.last_choice() if sampling.greedy else int(next_token(first.logits[:, -1], sampling, generator)[0])]
     dt = device_clock(device) - t0
     stats.target_forwards += 1
     stats.verify_s += dt
@@ -55,9 +54,10 @@ def generate_ar(
     step_s = 0.0
     while len(out) < budget and out[-1] not in eos:
         t0 = device_clock(device)
-        logits = target.forward(tok[:, None].to(device)).logits[:, -1]  # [1, V]
-        tok = next_token(logits, sampling, generator)  # [1]
-        out.append(int(tok[0]))
+        step = target.forward(torch.tensor([[out[-1]]], dtype=torch.long, device=device))
+        # greedy: the runner's argmax of the row (`RunnerOutput.last_choice`: the fast runner's C call made it)
+        out.append(step.last_choice() if sampling.greedy else
+                   int(next_token(step.logits[:, -1], sampling, generator)[0]))
         dt = device_clock(device) - t0
         step_s += dt
         stats.steps += 1

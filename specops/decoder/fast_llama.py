@@ -288,8 +288,8 @@ class FastLlamaRunner:
             b, t = input_ids.shape
             if (self.c_layers and b == 1 and t <= C_LAYERS_MAX_T
                     and (t == 1 or self.cache.length > 0 or args.tree_mask is not None)):
-                hidden, logits = self._c_forward(input_ids.to(self.device), args.position_ids, args.tree_mask)
-                return RunnerOutput(logits=logits, hidden=hidden if need_hidden else None)
+                hidden, logits, choice = self._c_forward(input_ids.to(self.device), args.position_ids, args.tree_mask)
+                return RunnerOutput(logits=logits, hidden=hidden if need_hidden else None, argmax=choice)
             hidden = self._forward(input_ids.to(self.device), args.position_ids, args.tree_mask)  # [B, T, E]
             b, t, e = hidden.shape
             logits = self.lm_head(hidden.view(b * t, e)).view(b, t, -1)  # [B, T, V]
@@ -380,9 +380,9 @@ class FastLlamaRunner:
         if not (self.c_layers and input_ids.shape[0] == 1):
             return self.forward(input_ids, need_hidden=need_hidden)
         with torch.inference_mode():
-            hidden, out = self._c_forward(input_ids.to(self.device), args.position_ids, None,
-                                          logit_rows=1 if logits else 0)
-        return RunnerOutput(logits=out, hidden=hidden if need_hidden else None)
+            hidden, out, choice = self._c_forward(input_ids.to(self.device), args.position_ids, None,
+                                                  logit_rows=1 if logits else 0)
+        return RunnerOutput(logits=out, hidden=hidden if need_hidden else None, argmax=choice)
 
     def _layer_table(self):
         """The C table over this runner's cache (rebuilt when the cache is reallocated)."""
@@ -393,9 +393,10 @@ class FastLlamaRunner:
         return self._table[1]
 
     def _c_forward(self, input_ids: Tensor, position_ids: Tensor | None, tree_mask: Tensor | None, *,
-                   logit_rows: int | None = None) -> tuple[Tensor, Tensor]:  # [1, T, E] hidden, [1, R, V] logits
+                   logit_rows: int | None = None) -> tuple[Tensor, Tensor, list[int] | None]:
         """The layer stack, final norm and LM head in one C call (one sequence; logits of the
-        last ``logit_rows`` positions, None: all)."""
+        last ``logit_rows`` positions, None: all): hidden [1, T, E], logits [1, R, V] and each
+        logit row's argmax [R] (computed in the call: `RunnerOutput.argmax`; None for R = 0)."""
         t = input_ids.shape[1]
         cache = self.cache
         start = cache.length
@@ -406,13 +407,13 @@ class FastLlamaRunner:
         mask = None if tree_mask is None else cpu_linear.mask_bits(tree_mask)  # [T] words
         x = F.embedding(input_ids[0], self.embed)  # [T, E]
         keys = cache.keys[0]
-        hidden, logits = cpu_linear.llama_layers(
+        hidden, logits, choice = cpu_linear.llama_layers(
             self._layer_table(), x, heads=self.n_heads, kv_heads=self.n_kv_heads, head_dim=self.head_dim,
             intermediate=self.layers[0].down.weight.shape[1], eps=self.eps, scale=self.scale, cos=cos, sin=sin,
             kv_strides=(keys.stride(0), keys.stride(1)), start=start, norm=self.norm, head=self.lm_head.weight,
-            head_bias=self.lm_head.bias, mask=mask, logit_rows=logit_rows)  # [T, E], [R, V]
+            head_bias=self.lm_head.bias, mask=mask, logit_rows=logit_rows, argmax=True)  # [T, E], [R, V], [R]
         cache.advance(t)
-        return hidden.view(1, t, self.hidden_size), logits.unsqueeze(0)
+        return hidden.view(1, t, self.hidden_size), logits.unsqueeze(0), None if choice is None else choice.tolist()
 
     def draft_chain(self, tokens: list[int], count: int, *, uniforms: Tensor | None = None,
                     temperature: float = 1.0) -> tuple[list[int], Tensor | None] | None:

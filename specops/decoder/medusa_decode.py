@@ -189,7 +189,7 @@ def generate_medusa(
     t0 = device_clock(device)
     ids = torch.tensor([prompt], dtype=torch.long, device=device)  # [1, P]
     out = prompt_forward(target, ids, need_hidden=True)
-    root = int(next_token(out.logits[0, -1], sampling, generator))
+    root = out.last_choice() if sampling.greedy else int(next_token(out.logits[0, -1], sampling, generator))
     hidden = out.hidden[0, -1]  # [E]
     dt = device_clock(device) - t0
     stats.target_forwards += 1
@@ -248,7 +248,7 @@ def _verify_step(target: ModelRunner, tree_tokens: Tensor, buffers: TreeBuffers,
     out = target.forward(tree_tokens[None], position_ids=positions, tree_mask=buffers.attn_mask, need_hidden=True)
     logits = out.logits[0]  # [N, V]
     if sampling.greedy:
-        verification = verify_tree_greedy(tree_tokens, logits, buffers)
+        verification = verify_tree_greedy(tree_tokens, logits, buffers, out.argmax)
     else:
         probs = probabilities(logits, sampling)  # [N, V]
         if typical is None:

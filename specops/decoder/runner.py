@@ -46,6 +46,25 @@ class RunnerOutput:
 
     logits: Tensor  # [B, T, V] float32
     hidden: Tensor | None = None  # [B, T, E] last hidden state after the final norm
+    argmax: list[int] | None = None  # [B*T] each logit row's argmax, when the runner computed it alongside
+
+    def choices(self) -> list[int]:
+        """Each logit row's argmax (torch.argmax's answer: the first maximum, or the first NaN)
+        for a batch of one, [T]: the runner's own (`argmax`, from the fast runner's C stack,
+        computed while the rows were in cache) or `cpu_linear.argmax` over the logits."""
+        if self.argmax is not None:
+            return self.argmax
+        from specops.kernels import cpu_linear
+
+        return cpu_linear.argmax(self.logits[0]).tolist()
+
+    def last_choice(self) -> int:
+        """The argmax of a batch of one's last logit row (`choices` of that row alone)."""
+        if self.argmax is not None:
+            return self.argmax[-1]
+        from specops.kernels import cpu_linear
+
+        return int(cpu_linear.argmax(self.logits[0, -1]))
 
 
 @runtime_checkable

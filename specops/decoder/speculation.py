@@ -39,7 +39,6 @@ from specops.decoder.runner import ModelRunner, prompt_forward
 from specops.decoder.sampling import SamplingConfig, next_token
 from specops.decoder.stats import DecodeStats
 from specops.decoder.verify import accept_greedy, verify_block_sampled
-from specops.kernels import cpu_linear
 
 
 @dataclass
@@ -141,7 +140,7 @@ class TargetVerifier:
         out = self.target.forward(block, need_hidden=self.keep_hidden)
         logits = out.logits  # [1, G+1, V]
         if self.sampling.greedy:  # g == 0 too: the argmax is the next token itself
-            n, nxt = accept_greedy(drafted, cpu_linear.argmax(logits[0]).tolist())
+            n, nxt = accept_greedy(drafted, out.choices())
         elif g == 0:  # a plain step: the next token itself (what verifying nothing comes to, same draws)
             n, nxt = 0, int(next_token(logits[:, 0], self.sampling, self.generator)[0])
         else:

@@ -67,10 +67,14 @@ def verify_tree_greedy(
     tokens: Tensor,  # [N] long: node tokens, root first
     logits: Tensor,  # [N, V] target logits at every node
     buffers: TreeBuffers,
+    choice: list[int] | None = None,  # [N] the logits' row argmax when the forward computed it (`RunnerOutput.argmax`)
 ) -> TreeVerification:
     """Longest path whose every token equals the target's argmax at its parent."""
     _check(tokens, logits, buffers, "logits")
-    choice = cpu_linear.argmax(logits).tolist()  # [N]
+    if choice is None:
+        choice = cpu_linear.argmax(logits).tolist()  # [N]
+    elif len(choice) != buffers.num_nodes:
+        raise ValueError(f"choice must hold one argmax per node ({buffers.num_nodes}), got {len(choice)}")
     toks = tokens.tolist()
     path, node = [0], 0
     while True:

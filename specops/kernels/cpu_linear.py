@@ -67,7 +67,7 @@ def _setup(lib: ctypes.CDLL) -> None:
     layers.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 6 +
                        [ctypes.c_float, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 +
                        [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] +
-                       [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_int64])
+                       [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_int64, ctypes.c_void_p])
     draft = lib.specops_llama_draft
     draft.restype = ctypes.c_int
     draft.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 2 +
@@ -335,12 +335,14 @@ def layer_table(layers: list[dict[str, Tensor | None]]) -> ctypes.Array:
 def llama_layers(table: ctypes.Array, x: Tensor, *, heads: int, kv_heads: int, head_dim: int, intermediate: int,
                  eps: float, scale: float, cos: Tensor, sin: Tensor, kv_strides: tuple[int, int], start: int,
                  norm: Tensor, head: Tensor, head_bias: Tensor | None = None, mask: Tensor | None = None,
-                 threads: int | None = None, logit_rows: int | None = None) -> tuple[Tensor, Tensor]:
+                 threads: int | None = None, logit_rows: int | None = None,
+                 argmax: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
     """Every layer of a Llama-family stack over T new tokens of one sequence, the final norm
     and the LM head in one call (see ``specops_llama_layers`` in linear.c): x [T, E]
     (contiguous) is the residual stream (updated in place). Returns the normed hidden states
-    [T, E] and the logits [R, V] of the last R = ``logit_rows`` positions (None: all T; a
-    prompt pass asks for 1 or 0). Arguments as `rope_cache_attention`; ``kv_strides`` the
+    [T, E], the logits [R, V] of the last R = ``logit_rows`` positions (None: all T; a
+    prompt pass asks for 1 or 0) and, with ``argmax``, each logit row's `argmax` [R] long
+    (computed in the same call), else None. Arguments as `rope_cache_attention`; ``kv_strides`` the
     caches' (sequence, head) strides; ``head`` [V, E], `pack`ed. Unchecked beyond the mask and
     ``logit_rows``: the fast runner calls it with the shapes it built the table for."""
     _check_mask(mask, x.shape[0])
@@ -351,6 +353,7 @@ def llama_layers(table: ctypes.Array, x: Tensor, *, heads: int, kv_heads: int, h
     vocab = head.shape[0]
     hidden = torch.empty(t, e, dtype=torch.float32)
     logits = torch.empty(rows, vocab, dtype=torch.float32)
+    choice = torch.empty(rows, dtype=torch.int64) if argmax and rows else None
     scratch = torch.empty(t * ((heads + 2 * kv_heads) * head_dim + heads * head_dim + 2 * intermediate),
                           dtype=torch.float32)
     rc = _kernel.lib.specops_llama_layers(table, len(table), x.data_ptr(), t, e, heads, kv_heads, head_dim,
@@ -360,10 +363,11 @@ def llama_layers(table: ctypes.Array, x: Tensor, *, heads: int, kv_heads: int, h
                                           int(threads or torch.get_num_threads()), norm.data_ptr(), head.data_ptr(),
                                           None if head_bias is None else head_bias.data_ptr(), vocab,
                                           hidden.data_ptr(), logits.data_ptr(),
-                                          WEIGHTS_BF16 if head.dtype == torch.bfloat16 else 0, rows)
+                                          WEIGHTS_BF16 if head.dtype == torch.bfloat16 else 0, rows,
+                                          None if choice is None else choice.data_ptr())
     if rc != 0:
         raise MemoryError(f"CPU layer-stack kernel failed (code {rc})")
-    return hidden, logits
+    return hidden, logits, choice
 
 
 def llama_draft(table: ctypes.Array, embed: Tensor, tokens: list[int], count: int, *, heads: int, kv_heads: int,
@@ -384,9 +388,11 @@ def llama_draft(table: ctypes.Array, embed: Tensor, tokens: list[int], count: in
     vocab, e = head.shape[0], embed.shape[1]
     if t < 1 or count < 1:
         raise ValueError(f"llama_draft needs >= 1 token and count >= 1, got {t} tokens, count {count}")
-    ids = torch.tensor(tokens, dtype=torch.int64)
-    if int(ids.min()) < 0 or int(ids.max()) >= min(vocab, embed.shape[0]):
+    # ids in and tokens out as ctypes arrays, the float buffers as one tensor: this runs between
+    # two target forwards, where each small tensor op costs several times its warm time
+    if min(tokens) < 0 or max(tokens) >= min(vocab, embed.shape[0]):
         raise ValueError(f"token ids must be in [0, {min(vocab, embed.shape[0])})")
+    ids = (ctypes.c_int64 * t)(*tokens)
     q = None
     if uniforms is not None:
         if uniforms.dtype != torch.float64 or uniforms.shape != (count,) or not uniforms.is_contiguous():
@@ -394,24 +400,28 @@ def llama_draft(table: ctypes.Array, embed: Tensor, tokens: list[int], count: in
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         q = torch.empty(count, vocab, dtype=torch.float32)
-    out = torch.empty(count, dtype=torch.int64)
-    x = torch.empty(t, e, dtype=torch.float32)
-    hidden = torch.empty(t, e, dtype=torch.float32)
-    logits = torch.empty(vocab, dtype=torch.float32)
-    scratch = torch.empty(t * ((heads + 2 * kv_heads) * head_dim + heads * head_dim + 2 * intermediate),
-                          dtype=torch.float32)
-    rc = _kernel.lib.specops_llama_draft(table, len(table), embed.data_ptr(), ids.data_ptr(), t, count, x.data_ptr(),
+    out = (ctypes.c_int64 * count)()
+
+    def part(n: int) -> int:  # floats, rounded up to whole 64-byte lines
+        return -(-n // 16) * 16
+
+    sizes = (part(t * e), part(t * e), part(vocab),  # x, hidden, logits, then scratch
+             t * ((heads + 2 * kv_heads) * head_dim + heads * head_dim + 2 * intermediate))
+    buf = torch.empty(sum(sizes), dtype=torch.float32)
+    x = buf.data_ptr()
+    hidden, logits = x + 4 * sizes[0], x + 4 * (sizes[0] + sizes[1])
+    scratch = logits + 4 * sizes[2]
+    rc = _kernel.lib.specops_llama_draft(table, len(table), embed.data_ptr(), ids, t, count, x,
                                           e, heads, kv_heads, head_dim, intermediate, float(eps), float(scale),
                                           cos.data_ptr(), sin.data_ptr(), kv_strides[0], kv_strides[1], start,
-                                          scratch.data_ptr(), int(threads or torch.get_num_threads()), norm.data_ptr(),
+                                          scratch, int(threads or torch.get_num_threads()), norm.data_ptr(),
                                           head.data_ptr(), None if head_bias is None else head_bias.data_ptr(), vocab,
-                                          hidden.data_ptr(), logits.data_ptr(),
-                                          WEIGHTS_BF16 if head.dtype == torch.bfloat16 else 0, out.data_ptr(),
+                                          hidden, logits, WEIGHTS_BF16 if head.dtype == torch.bfloat16 else 0, out,
                                           None if uniforms is None else uniforms.data_ptr(), 1.0 / float(temperature),
                                           None if q is None else q.data_ptr())
     if rc != 0:
         raise MemoryError(f"CPU drafting kernel failed (code {rc})")
-    return out.tolist(), q
+    return list(out), q
 
 
 def verify_sampled(logits: Tensor, draft: list[int], q: Tensor | None, temperature: float,

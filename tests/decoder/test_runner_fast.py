@@ -222,3 +222,38 @@ def test_a_prompt_pass_on_the_c_stack_reads_only_its_last_logits():
     close(out.logits[0, -1], want[29], "a runner without its own prompt pass")
     with pytest.raises(ValueError, match="max_context"):
         prompt_forward(runner, torch.zeros(1, runner.max_context + 1, dtype=torch.long))
+
+
+def test_the_c_stack_returns_each_logit_rows_argmax_with_its_logits():
+    """`RunnerOutput.argmax`: the C layer stack's argmax of each logit row it returns (a prompt
+    pass's last row, a step, a block, a tree), equal to torch.argmax of those logits, so greedy
+    decoders read their choice without another call; `choices` / `last_choice` give the same
+    for runners that do not compute it (transformers here), and a logit-free pass has none."""
+    from specops.decoder.hf_runner import HFRunner
+    from specops.decoder.runner import RunnerOutput, prompt_forward
+
+    model = build("llama", seed=7)
+    runner = FastLlamaRunner(model)
+    assert runner.c_layers, "the C layer stack must run here (fp32 CPU, kernels built) for this test to mean anything"
+    gen = torch.Generator().manual_seed(8)
+    tokens = torch.randint(0, VOCAB, (30,), generator=gen).tolist()
+    runner.reset()
+    out = prompt_forward(runner, torch.tensor([tokens[:20]]))
+    assert out.argmax == [int(torch.argmax(out.logits[0, -1]))] and out.last_choice() == out.argmax[0]
+    assert prompt_forward(runner, torch.tensor([tokens[20:22]]), logits=False).argmax is None
+    step = runner.forward(torch.tensor([tokens[22:23]]))
+    block = runner.forward(torch.tensor([tokens[23:28]]))
+    parents, mask, depth = random_tree(6, gen)
+    start = runner.cache_len
+    tree = runner.forward(torch.tensor([tokens[:6]]), position_ids=torch.tensor([[start + d for d in depth]]),
+                          tree_mask=mask)
+    for name, o in (("step", step), ("block", block), ("tree", tree)):
+        assert o.argmax == torch.argmax(o.logits[0], dim=-1).tolist() == o.choices(), name
+    hf = HFRunner(model)
+    hf.reset()
+    plain = hf.forward(torch.tensor([tokens[:5]]))
+    assert plain.argmax is None
+    assert plain.choices() == torch.argmax(plain.logits[0], dim=-1).tolist()
+    assert plain.last_choice() == int(torch.argmax(plain.logits[0, -1]))
+    ties = RunnerOutput(logits=torch.tensor([[[0.0, 2.0, 2.0], [float("nan"), 1.0, float("nan")]]]))
+    assert ties.choices() == [1, 0] and ties.last_choice() == 0  # torch's rule: the first maximum, the first NaN
