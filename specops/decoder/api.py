@@ -15,6 +15,7 @@ out.tokens, out.stats
 
 from __future__ import annotations
 
+import json
 import logging
 import warnings
 from dataclasses import dataclass, field
@@ -208,6 +209,20 @@ def _load_model(path: str | Path, *, dtype: torch.dtype, device: str | torch.dev
     return model.to(device).eval()
 
 
+DRAFT_VOCAB_NAME = "draft_vocab.json"  # in a draft model's folder: the tokens its greedy drafting ranks
+
+
+def _load_draft_vocab(path: Path) -> list[int]:
+    """The ``tokens`` list of a draft folder's ``draft_vocab.json``."""
+    try:
+        tokens = json.loads(path.read_text())["tokens"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"cannot read the draft vocabulary {str(path)!r}: {exc}") from exc
+    if not isinstance(tokens, list) or not tokens or not all(type(t) is int for t in tokens):
+        raise ModelLoadError(f"{str(path)!r}: 'tokens' must be a non-empty list of token ids")
+    return tokens
+
+
 def _load_tokenizer(path: str | Path):
     try:
         from transformers import AutoTokenizer
@@ -231,8 +246,13 @@ class Decoder:
         impl: str = "auto",
         max_context: int | None = None,
         tokenizer: Any = None,
+        draft_vocab: Any = None,
     ) -> None:
         """``target`` / ``draft``: loaded transformers causal LMs (or `ModelRunner`s).
+
+        ``draft_vocab``: token ids the draft model's greedy drafting ranks (its LM head runs over
+        those rows only: `FastLlamaRunner.set_draft_vocab`; outputs stay exact, a token outside
+        is never proposed); it needs a draft runner with ``set_draft_vocab`` (the fast runner).
 
         ``fallback=True``: a draft that cannot be used (a vocabulary mismatch, a model no
         runner can run; in `from_pretrained` also one that fails to load) is dropped with a warning and
@@ -269,6 +289,18 @@ class Decoder:
                 self._drop_draft(ModelLoadError(f"cannot use the draft model: {exc}"))
             else:
                 self.draft = runner
+        if draft_vocab is not None:
+            if self.draft is None:
+                if draft is None:
+                    raise InvalidRequestError("draft_vocab needs a draft model")
+            elif not hasattr(self.draft, "set_draft_vocab"):
+                raise InvalidRequestError(f"draft_vocab needs a draft runner that ranks a vocabulary subset "
+                                          f"(the fast runner), not {type(self.draft).__name__}")
+            else:
+                try:
+                    self.draft.set_draft_vocab(draft_vocab)
+                except ValueError as exc:
+                    raise InvalidRequestError(f"draft_vocab: {exc}") from None
 
     def _drop_draft(self, error: Exception) -> None:
         """Raise ``error`` unless ``fallback`` was asked for; then warn and run without a draft."""
@@ -296,7 +328,9 @@ class Decoder:
         """Load a target (a folder, a hub id in the local cache, or ``"bundled"``) and optional parts.
 
         ``"bundled"`` is the tiny pair under ``specops/assets/``; its draft (and Medusa
-        heads, when present) load unless ``draft`` / ``medusa`` name others.
+        heads, when present) load unless ``draft`` / ``medusa`` name others. A draft folder
+        may hold ``draft_vocab.json`` (``{"tokens": [ids]}``): the tokens its greedy drafting
+        ranks (``draft_vocab`` of `Decoder`; the bundled draft ships the 1024 most frequent).
         """
         tokenizer_path: str | Path = path
         auto_medusa = False
@@ -327,6 +361,9 @@ class Decoder:
                 if not auto_medusa:
                     raise
                 log.warning("bundled Medusa heads not loaded: %s", exc)
+        draft_vocab = None
+        if draft_model is not None and (Path(draft) / DRAFT_VOCAB_NAME).is_file():
+            draft_vocab = _load_draft_vocab(Path(draft) / DRAFT_VOCAB_NAME)
         dec = cls(
             target_model,
             draft=draft_model,
@@ -335,6 +372,7 @@ class Decoder:
             impl=impl,
             max_context=max_context,
             tokenizer=_load_tokenizer(tokenizer_path),
+            draft_vocab=draft_vocab,
         )
         if draft_error is not None:
             dec._drop_draft(draft_error)

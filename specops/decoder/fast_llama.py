@@ -184,6 +184,7 @@ class FastLlamaRunner:
             layer.swiglu and layer.qkv.weight is not None and layer.gate_up.weight is not None for layer in self.layers
         ) and self.lm_head.weight is not None
         self._table: tuple[int, object] | None = None  # (cache data pointer, C layer table)
+        self._draft_head: tuple[Tensor, Tensor | None, Tensor] | None = None  # `set_draft_vocab`
 
         # rotary tables for every position: [S, D] each, in the model dtype (as transformers casts them)
         inv_freq = rotary.original_inv_freq.detach().to(device=self.device, dtype=torch.float32)  # [D/2]
@@ -415,13 +416,37 @@ class FastLlamaRunner:
         cache.advance(t)
         return hidden.view(1, t, self.hidden_size), logits.unsqueeze(0), None if choice is None else choice.tolist()
 
+    def set_draft_vocab(self, tokens: Tensor | list[int] | None) -> None:
+        """Let greedy drafting chains (`draft_chain`) rank only ``tokens`` (distinct ids of this
+        vocabulary; None: all of it): they run the LM head over those rows alone, so a drafted
+        token reads F rows of it instead of V (FR-Spec's frequency-ranked draft vocabulary).
+        A drafter only proposes, so outputs stay exact; a token outside the list is never
+        proposed. Sampled chains, `forward` and batched (engine) drafting keep the whole
+        vocabulary, as does drafting where the C chain does not run (not fp32 CPU)."""
+        if tokens is None:
+            self._draft_head = None
+            return
+        ids = torch.as_tensor(tokens)
+        if ids.dim() != 1 or ids.numel() == 0 or ids.dtype in (torch.bool,) or ids.is_floating_point():
+            raise ValueError("a draft vocabulary must be a non-empty 1-D list of token ids")
+        ids = ids.to(torch.long)
+        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size or ids.unique().numel() != ids.numel():
+            raise ValueError(f"a draft vocabulary must hold distinct token ids in [0, {self.vocab_size})")
+        if self.lm_head.weight is None:  # no C kernel copy of the head: nothing can read it
+            self._draft_head = None
+            return
+        rows = cpu_linear.unpack(self.lm_head.weight)[ids]  # [F, E], the kernel copy's dtype
+        bias = None if self.lm_head.bias is None else self.lm_head.bias[ids].contiguous()
+        self._draft_head = (cpu_linear.pack(rows.contiguous()), bias, ids.contiguous())
+
     def draft_chain(self, tokens: list[int], count: int, *, uniforms: Tensor | None = None,
                     temperature: float = 1.0) -> tuple[list[int], Tensor | None] | None:
         """Drafting in one C call (`cpu_linear.llama_draft`): feed ``tokens`` (what the cache
         lacks), then ``count - 1`` chosen tokens one by one; returns the ``count`` tokens and,
         when sampling, q [count, V]; the cache grows by ``len(tokens) + count - 1``.
         Greedy (no ``uniforms``): the argmax tokens, equal to a loop of `forward` and argmax bit
-        for bit (the same C forwards). Sampling: each token drawn from q = softmax(logits /
+        for bit (the same C forwards), over the draft vocabulary's rows when one is set
+        (`set_draft_vocab`). Sampling: each token drawn from q = softmax(logits /
         temperature) with ``uniforms`` [count] (float64 in [0, 1)). None, with nothing done,
         where `forward` would not take the C path for these tokens or the cache lacks room:
         the caller loops instead."""
@@ -431,11 +456,14 @@ class FastLlamaRunner:
                 and self.embed.is_contiguous()):
             return None
         keys = self.cache.keys[0]
+        head, bias, head_ids = self.lm_head.weight, self.lm_head.bias, None
+        if uniforms is None and self._draft_head is not None:  # greedy: the draft vocabulary's rows
+            head, bias, head_ids = self._draft_head
         out = cpu_linear.llama_draft(
             self._layer_table(), self.embed, tokens, count, heads=self.n_heads, kv_heads=self.n_kv_heads,
             head_dim=self.head_dim, intermediate=self.layers[0].down.weight.shape[1], eps=self.eps, scale=self.scale,
             cos=self._cos, sin=self._sin, kv_strides=(keys.stride(0), keys.stride(1)), start=start, norm=self.norm,
-            head=self.lm_head.weight, head_bias=self.lm_head.bias, uniforms=uniforms, temperature=temperature)
+            head=head, head_bias=bias, uniforms=uniforms, temperature=temperature, head_ids=head_ids)
         self.cache.advance(t + count - 1)
         return out
 

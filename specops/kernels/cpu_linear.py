@@ -74,7 +74,7 @@ def _setup(lib: ctypes.CDLL) -> None:
                        [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_float] +
                        [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int] +
                        [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_void_p] +
-                       [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p])
+                       [ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p])
     vs = lib.specops_verify_sampled
     vs.restype = None
     vs.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_double,
@@ -374,7 +374,7 @@ def llama_draft(table: ctypes.Array, embed: Tensor, tokens: list[int], count: in
                  head_dim: int, intermediate: int, eps: float, scale: float, cos: Tensor, sin: Tensor,
                  kv_strides: tuple[int, int], start: int, norm: Tensor, head: Tensor, head_bias: Tensor | None = None,
                  threads: int | None = None, uniforms: Tensor | None = None,
-                 temperature: float = 1.0) -> tuple[list[int], Tensor | None]:
+                 temperature: float = 1.0, head_ids: Tensor | None = None) -> tuple[list[int], Tensor | None]:
     """Drafting in one C call (``specops_llama_draft`` in linear.c): `llama_layers` over
     ``tokens`` after ``start`` cached positions, then ``count - 1`` single-token steps, each
     feeding back the token chosen from the last logits: their argmax, or with ``uniforms``
@@ -382,16 +382,22 @@ def llama_draft(table: ctypes.Array, embed: Tensor, tokens: list[int], count: in
     ``count`` tokens and, when sampling, q [count, V] (else None); the cache gains
     ``len(tokens) + count - 1`` positions (the caller advances its length). ``embed``
     [vocab, E] fp32 contiguous, ``cos`` / ``sin`` the runner's whole [positions, D] tables.
-    Unchecked beyond the token ids and uniforms: the fast runner calls it with the shapes it
-    built the table for and room in its cache."""
+    With ``head_ids`` [F] long (greedy only), ``head`` holds those tokens' rows of the LM head
+    (a draft vocabulary, `FastLlamaRunner.set_draft_vocab`) and the argmax row r drafts token
+    head_ids[r]. Unchecked beyond the token ids and uniforms: the fast runner calls it with the
+    shapes it built the table for and room in its cache."""
     t = len(tokens)
     vocab, e = head.shape[0], embed.shape[1]
     if t < 1 or count < 1:
         raise ValueError(f"llama_draft needs >= 1 token and count >= 1, got {t} tokens, count {count}")
+    if head_ids is not None and (uniforms is not None or head_ids.shape != (vocab,) or head_ids.dtype != torch.int64
+                                 or not head_ids.is_contiguous()):
+        raise ValueError("head_ids must be a contiguous int64 [F] tensor naming the head's rows, for greedy drafting")
     # ids in and tokens out as ctypes arrays, the float buffers as one tensor: this runs between
     # two target forwards, where each small tensor op costs several times its warm time
-    if min(tokens) < 0 or max(tokens) >= min(vocab, embed.shape[0]):
-        raise ValueError(f"token ids must be in [0, {min(vocab, embed.shape[0])})")
+    limit = embed.shape[0] if head_ids is not None else min(vocab, embed.shape[0])
+    if min(tokens) < 0 or max(tokens) >= limit:
+        raise ValueError(f"token ids must be in [0, {limit})")
     ids = (ctypes.c_int64 * t)(*tokens)
     q = None
     if uniforms is not None:
@@ -418,7 +424,8 @@ def llama_draft(table: ctypes.Array, embed: Tensor, tokens: list[int], count: in
                                           head.data_ptr(), None if head_bias is None else head_bias.data_ptr(), vocab,
                                           hidden, logits, WEIGHTS_BF16 if head.dtype == torch.bfloat16 else 0, out,
                                           None if uniforms is None else uniforms.data_ptr(), 1.0 / float(temperature),
-                                          None if q is None else q.data_ptr())
+                                          None if q is None else q.data_ptr(),
+                                          None if head_ids is None else head_ids.data_ptr())
     if rc != 0:
         raise MemoryError(f"CPU drafting kernel failed (code {rc})")
     return list(out), q

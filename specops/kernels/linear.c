@@ -1106,6 +1106,8 @@ static int64_t draw_softmax(const float *logits, int64_t V, float inv_temp, doub
  * Python loop of forwards and argmaxes, bit for bit.
  * Sampling instead (uniforms != NULL): each step's token is drawn from q = softmax(logits *
  * inv_temp), stored in q[g * V ..] (`draw_softmax`, uniforms[g] in [0, 1)), and fed back.
+ * head_ids (greedy only): the head's V rows are these tokens' (a draft vocabulary, the LM
+ * head's rows of the tokens drafting may propose), so the argmax row r is token head_ids[r].
  *   x        at least T * E floats (the residual stream), hidden at least T * E, logits V
  *   scratch  as `specops_llama_layers` for T rows
  * Returns 0, or the first failing call's code. */
@@ -1114,8 +1116,9 @@ int specops_llama_draft(const LayerWeights *layers, int64_t n_layers, const floa
                          float eps, float scale, const float *cos_tab, const float *sin_tab, int64_t kv_b,
                          int64_t kv_h, int64_t start, float *scratch, int threads, const float *norm,
                          const float *head_w, const float *head_b, int64_t V, float *hidden, float *logits,
-                         int head_flags, int64_t *out, const double *uniforms, float inv_temp, float *q) {
-    if (T < 1 || G < 1) return 3;
+                         int head_flags, int64_t *out, const double *uniforms, float inv_temp, float *q,
+                         const int64_t *head_ids) {
+    if (T < 1 || G < 1 || (head_ids != NULL && uniforms != NULL)) return 3;
     int64_t t = T, at = start;
     for (int64_t g = 0; g < G; g++) {
         const int64_t *ids = g == 0 ? tokens : out + g - 1;
@@ -1124,8 +1127,12 @@ int specops_llama_draft(const LayerWeights *layers, int64_t n_layers, const floa
                                       sin_tab + at * D, kv_b, kv_h, at, NULL, scratch, threads, norm, head_w, head_b,
                                       V, hidden, logits, head_flags, 1, NULL);
         if (rc != 0) return rc;
-        if (uniforms == NULL) specops_argmax_rows(logits, 1, V, out + g);
-        else out[g] = draw_softmax(logits, V, inv_temp, uniforms[g], q + g * V);
+        if (uniforms == NULL) {
+            specops_argmax_rows(logits, 1, V, out + g);
+            if (head_ids != NULL) out[g] = head_ids[out[g]];
+        } else {
+            out[g] = draw_softmax(logits, V, inv_temp, uniforms[g], q + g * V);
+        }
         at += t;
         t = 1;
     }

@@ -398,6 +398,91 @@ def test_greedy_drafting_in_one_call_equals_the_loop_of_forwards(fed, count):
         assert torch.equal(runner.cache.data[..., : runner.cache_len, :], want)
 
 
+@pytest.mark.parametrize("fed,count", [(1, 5), (2, 4), (9, 3)])
+def test_greedy_drafting_over_a_draft_vocabulary_ranks_only_its_rows(fed, count):
+    """`set_draft_vocab`: a greedy chain runs the LM head over the listed rows only, and drafts
+    what a loop of forwards drafts when each step takes the argmax of the full logits at the
+    listed tokens (first in list order on ties): the rows' logits are the full head's bit for
+    bit. Sampled chains keep the whole vocabulary; None restores it; bad lists are refused."""
+    from specops.assets import DRAFT_DIR
+    from specops.decoder.fast_llama import FastLlamaRunner
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(DRAFT_DIR), dtype=torch.float32).eval()
+    runner = FastLlamaRunner(model, kernel_weights="bf16")
+    gen = torch.Generator().manual_seed(fed * 7 + count)
+    vocab = torch.randperm(runner.vocab_size, generator=gen)[:300]  # unsorted: list order decides ties
+    prompt = torch.randint(0, runner.vocab_size, (1, 25), generator=gen)
+    tokens = torch.randint(0, runner.vocab_size, (fed,), generator=gen).tolist()
+    runner.reset(1)
+    runner.forward(prompt)
+    ids, loop = torch.tensor([tokens]), []
+    for _ in range(count):
+        logits = runner.forward(ids).logits[0, -1]  # [V]
+        tok = int(vocab[int(torch.argmax(logits[vocab]))])
+        loop.append(tok)
+        ids = torch.tensor([[tok]])
+    want = runner.cache.data[..., : runner.cache_len, :].clone()
+    runner.set_draft_vocab(vocab.tolist())
+    runner.reset(1)
+    runner.forward(prompt)
+    drafted, q = runner.draft_chain(tokens, count)
+    assert q is None and drafted == loop and set(drafted) <= set(vocab.tolist())
+    assert torch.equal(runner.cache.data[..., : runner.cache_len, :], want)
+    runner.reset(1)
+    runner.forward(prompt)
+    _, q = runner.draft_chain(tokens, count, uniforms=torch.rand(count, generator=gen, dtype=torch.float64))
+    assert q.shape == (count, runner.vocab_size)  # sampling: q over the whole vocabulary
+    for bad in ([], [1, 1], [runner.vocab_size], [-1], [[1, 2]]):
+        with pytest.raises(ValueError, match="draft vocabulary"):
+            runner.set_draft_vocab(bad)
+    runner.set_draft_vocab(None)
+    runner.reset(1)
+    runner.forward(prompt)
+    full, _ = runner.draft_chain(tokens, count)
+    runner.reset(1)
+    runner.forward(prompt)
+    ids, free = torch.tensor([tokens]), []
+    for _ in range(count):
+        tok = int(torch.argmax(runner.forward(ids).logits[0, -1]))
+        free.append(tok)
+        ids = torch.tensor([[tok]])
+    assert full == free
+
+
+def test_a_decoder_applies_a_draft_vocabulary_and_stays_exact():
+    """`Decoder(draft_vocab=)` and a draft folder's ``draft_vocab.json`` (the bundled draft ships
+    one): greedy drafting proposes only listed tokens, outputs equal plain decoding; a list
+    without a draft model, or for a runner that cannot rank a subset, is a clear error."""
+    import json
+
+    from specops.assets import DRAFT_DIR, TARGET_DIR
+    from specops.decoder import Decoder
+    from specops.decoder.errors import InvalidRequestError
+    from transformers import AutoModelForCausalLM
+
+    bundled = Decoder.from_pretrained("bundled")
+    shipped = json.loads((DRAFT_DIR / "draft_vocab.json").read_text())["tokens"]
+    assert torch.equal(bundled.draft._draft_head[2], torch.tensor(shipped))
+    target = AutoModelForCausalLM.from_pretrained(str(TARGET_DIR), dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(str(DRAFT_DIR), dtype=torch.float32).eval()
+    vocab = list(range(3, 900))
+    dec = Decoder(target, draft=draft, draft_vocab=vocab)
+    seen = []
+    chain = dec.draft.draft_chain
+    dec.draft.draft_chain = lambda *a, **k: (lambda out: seen.extend(out[0]) or out)(chain(*a, **k))
+    prompt = list(range(40, 80))
+    out = dec.generate(prompt, method="draft", max_new_tokens=48)
+    assert out.tokens == dec.generate(prompt, method="ar", max_new_tokens=48).tokens
+    assert seen and set(seen) <= set(vocab)
+    with pytest.raises(InvalidRequestError, match="needs a draft model"):
+        Decoder(target, draft_vocab=vocab)
+    with pytest.raises(InvalidRequestError, match="draft_vocab"):
+        Decoder(target, draft=draft, draft_vocab=[0, 0])
+    with pytest.raises(InvalidRequestError, match="fast runner"):
+        Decoder(target, draft=draft, impl="hf", draft_vocab=vocab)
+
+
 @pytest.mark.parametrize("fed,count,temperature", [(1, 4, 1.0), (3, 6, 0.7), (16, 2, 1.3)])
 def test_sampled_drafting_in_one_call_draws_from_the_q_it_returns(fed, count, temperature):
     """With uniforms, each drafted token is the inverse-CDF draw of its uniform from the q row
