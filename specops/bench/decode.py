@@ -124,6 +124,7 @@ class Models:
     eos_token_id: int | None
     max_context: int
     target_dir: Path | None = None    # the target's folder (llama.cpp converts it to GGUF); None: in memory
+    draft_vocab: list[int] | None = None  # the draft folder's draft_vocab.json, as `Decoder.from_pretrained` reads it
 
 
 def load_models(cfg: BenchConfig) -> Models:
@@ -160,7 +161,10 @@ def load_models(cfg: BenchConfig) -> Models:
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
     eos = tokenizer.eos_token_id
     max_context = int(getattr(target.config, "max_position_embeddings", 0) or 0) or 1 << 30
-    return Models(target, draft, medusa, tokenizer, eos, max_context, target_dir=target_path)
+    from specops.decoder.api import draft_vocab_in
+
+    return Models(target, draft, medusa, tokenizer, eos, max_context, target_dir=target_path,
+                  draft_vocab=draft_vocab_in(draft_path) if draft is not None else None)
 
 
 def build_methods(cfg: BenchConfig, models: Models) -> tuple[list[BenchMethod], dict[str, str]]:
@@ -175,8 +179,9 @@ def build_methods(cfg: BenchConfig, models: Models) -> tuple[list[BenchMethod], 
     if ours:
         from specops.decoder import Decoder
 
-        decoder = Decoder(models.target, draft=models.draft if {"draft", "auto"} & set(ours) else None,
-                          medusa=models.medusa, tokenizer=models.tokenizer)
+        drafting = {"draft", "auto"} & set(ours)
+        decoder = Decoder(models.target, draft=models.draft if drafting else None, medusa=models.medusa,
+                          tokenizer=models.tokenizer, draft_vocab=models.draft_vocab if drafting else None)
     methods: list[BenchMethod] = []
     for name in names:
         if name in HF_METHODS:

@@ -212,8 +212,12 @@ def _load_model(path: str | Path, *, dtype: torch.dtype, device: str | torch.dev
 DRAFT_VOCAB_NAME = "draft_vocab.json"  # in a draft model's folder: the tokens its greedy drafting ranks
 
 
-def _load_draft_vocab(path: Path) -> list[int]:
-    """The ``tokens`` list of a draft folder's ``draft_vocab.json``."""
+def draft_vocab_in(folder: str | Path) -> list[int] | None:
+    """The ``tokens`` list of a draft model folder's ``draft_vocab.json`` (`Decoder`'s
+    ``draft_vocab``), or None when the folder has none."""
+    path = Path(folder) / DRAFT_VOCAB_NAME
+    if not path.is_file():
+        return None
     try:
         tokens = json.loads(path.read_text())["tokens"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -361,9 +365,7 @@ class Decoder:
                 if not auto_medusa:
                     raise
                 log.warning("bundled Medusa heads not loaded: %s", exc)
-        draft_vocab = None
-        if draft_model is not None and (Path(draft) / DRAFT_VOCAB_NAME).is_file():
-            draft_vocab = _load_draft_vocab(Path(draft) / DRAFT_VOCAB_NAME)
+        draft_vocab = draft_vocab_in(draft) if draft_model is not None else None
         dec = cls(
             target_model,
             draft=draft_model,

@@ -111,3 +111,25 @@ def test_plot_writes_a_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="no results"):
         plot_report({"results": []}, tmp_path / "empty.png")
+
+
+def test_the_bundled_draft_drafts_over_its_shipped_vocabulary_in_the_benchmark():
+    """`load_models` reads the draft folder's ``draft_vocab.json`` as `Decoder.from_pretrained`
+    does, so `bench decode` measures the drafting decoding runs with; a custom draft without
+    one drafts over the whole vocabulary."""
+    import json
+
+    from specops.assets import DRAFT_DIR
+    from specops.bench.decode import build_methods, load_models
+
+    cfg = BenchConfig(methods=["ar", "draft"], progress=False)
+    models = load_models(cfg)
+    shipped = json.loads((DRAFT_DIR / "draft_vocab.json").read_text())["tokens"]
+    assert models.draft_vocab == shipped
+    methods, _ = build_methods(cfg, models)
+    decoder = next(m.decoder for m in methods if m.name == "draft")
+    assert decoder.draft._draft_head[2].tolist() == shipped
+    custom = Models(target=models.target, draft=models.draft, medusa=None, tokenizer=models.tokenizer,
+                    eos_token_id=None, max_context=256)
+    decoder = next(m.decoder for m in build_methods(cfg, custom)[0] if m.name == "draft")
+    assert decoder.draft._draft_head is None

@@ -368,6 +368,19 @@ def test_layer_stack_in_one_call_equals_the_per_call_path(t):
     assert torch.equal(logits.argmax(-1), ref_logits.argmax(-1))
 
 
+def _drafts_by_forwards(runner, prompt: torch.Tensor, tokens: list[int], count: int,
+                        pick) -> tuple[list[int], torch.Tensor]:
+    """Reset, read ``prompt``, then feed ``tokens`` and ``count - 1`` picked tokens one forward at a
+    time (pick: the last logits [V] -> a token); the ``count`` picked tokens and the cache left."""
+    runner.reset(1)
+    runner.forward(prompt)
+    ids, loop = torch.tensor([tokens]), []
+    for _ in range(count):
+        loop.append(pick(runner.forward(ids).logits[0, -1]))
+        ids = torch.tensor([[loop[-1]]])
+    return loop, runner.cache.data[..., : runner.cache_len, :].clone()
+
+
 @pytest.mark.parametrize("fed,count", [(1, 1), (1, 4), (2, 6), (5, 3), (16, 8)])
 def test_greedy_drafting_in_one_call_equals_the_loop_of_forwards(fed, count):
     """`FastLlamaRunner.draft_chain` (one `specops_llama_draft` call) drafts the tokens a
@@ -383,14 +396,7 @@ def test_greedy_drafting_in_one_call_equals_the_loop_of_forwards(fed, count):
         runner = FastLlamaRunner(model, kernel_weights=weights)
         prompt = torch.randint(0, runner.vocab_size, (1, 30), generator=gen)
         tokens = torch.randint(0, runner.vocab_size, (fed,), generator=gen).tolist()
-        runner.reset(1)
-        runner.forward(prompt)
-        ids, loop = torch.tensor([tokens]), []
-        for _ in range(count):
-            tok = cpu_linear.argmax(runner.forward(ids).logits[:, -1])  # [1]
-            loop.append(int(tok[0]))
-            ids = tok[:, None]
-        want = runner.cache.data[..., : runner.cache_len, :].clone()
+        loop, want = _drafts_by_forwards(runner, prompt, tokens, count, lambda logits: int(cpu_linear.argmax(logits)))
         runner.reset(1)
         runner.forward(prompt)
         assert runner.draft_chain(tokens, count) == (loop, None)
@@ -414,15 +420,8 @@ def test_greedy_drafting_over_a_draft_vocabulary_ranks_only_its_rows(fed, count)
     vocab = torch.randperm(runner.vocab_size, generator=gen)[:300]  # unsorted: list order decides ties
     prompt = torch.randint(0, runner.vocab_size, (1, 25), generator=gen)
     tokens = torch.randint(0, runner.vocab_size, (fed,), generator=gen).tolist()
-    runner.reset(1)
-    runner.forward(prompt)
-    ids, loop = torch.tensor([tokens]), []
-    for _ in range(count):
-        logits = runner.forward(ids).logits[0, -1]  # [V]
-        tok = int(vocab[int(torch.argmax(logits[vocab]))])
-        loop.append(tok)
-        ids = torch.tensor([[tok]])
-    want = runner.cache.data[..., : runner.cache_len, :].clone()
+    loop, want = _drafts_by_forwards(runner, prompt, tokens, count,
+                                     lambda logits: int(vocab[int(torch.argmax(logits[vocab]))]))
     runner.set_draft_vocab(vocab.tolist())
     runner.reset(1)
     runner.forward(prompt)
@@ -440,14 +439,7 @@ def test_greedy_drafting_over_a_draft_vocabulary_ranks_only_its_rows(fed, count)
     runner.reset(1)
     runner.forward(prompt)
     full, _ = runner.draft_chain(tokens, count)
-    runner.reset(1)
-    runner.forward(prompt)
-    ids, free = torch.tensor([tokens]), []
-    for _ in range(count):
-        tok = int(torch.argmax(runner.forward(ids).logits[0, -1]))
-        free.append(tok)
-        ids = torch.tensor([[tok]])
-    assert full == free
+    assert full == _drafts_by_forwards(runner, prompt, tokens, count, lambda logits: int(torch.argmax(logits)))[0]
 
 
 def test_a_decoder_applies_a_draft_vocabulary_and_stays_exact():
