@@ -427,7 +427,7 @@ class FastLlamaRunner:
             self._draft_head = None
             return
         ids = torch.as_tensor(tokens)
-        if ids.dim() != 1 or ids.numel() == 0 or ids.dtype in (torch.bool,) or ids.is_floating_point():
+        if ids.dim() != 1 or ids.numel() == 0 or ids.dtype == torch.bool or ids.is_floating_point():
             raise ValueError("a draft vocabulary must be a non-empty 1-D list of token ids")
         ids = ids.to(torch.long)
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size or ids.unique().numel() != ids.numel():

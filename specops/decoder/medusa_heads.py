@@ -481,6 +481,8 @@ class MedusaHeads(nn.Module):
             full = cpu_linear.MedusaWeights(weights, lm, lm_bias, None, root, embed)
             listed = full if short is None else cpu_linear.MedusaWeights(
                 weights, short[0], short[1], self.shortlist.to(torch.long).contiguous(), root, embed)
+            # (key, per-head blocks, packed LM head, packed root projection, MedusaWeights over the
+            # shortlist, MedusaWeights over the vocabulary)
             object.__setattr__(self, "_kernel_blocks", (key, weights, lm, root, listed, full))
         return True
 
