@@ -406,7 +406,7 @@ class FastLlamaRunner:
         else:
             cos, sin = self._cos[position_ids[0]], self._sin[position_ids[0]]  # [T, D]
         mask = None if tree_mask is None else cpu_linear.mask_bits(tree_mask)  # [T] words
-        x = F.embedding(input_ids[0], self.embed)  # [T, E]
+        x = cpu_linear.embedding(input_ids[0], self.embed)  # [T, E] (torch's OpenMP team left asleep)
         keys = cache.keys[0]
         hidden, logits, choice = cpu_linear.llama_layers(
             self._layer_table(), x, heads=self.n_heads, kv_heads=self.n_kv_heads, head_dim=self.head_dim,

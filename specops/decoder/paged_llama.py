@@ -232,7 +232,7 @@ class PagedLlama:
         if logit_rows.numel() and (int(logit_rows.min()) < 0 or int(logit_rows.max()) >= n):
             raise ValueError(f"logit rows must lie in 0..{n - 1}")
         with torch.inference_mode():
-            x = F.embedding(input_ids, r.embed)  # [N, E]
+            x = cpu_linear.embedding(input_ids, r.embed)  # [N, E] (torch's OpenMP team left asleep)
             hidden, logits = cpu_linear.paged_layers(
                 self._c_table, x, batch, logit_rows, heads=r.n_heads, kv_heads=r.n_kv_heads, head_dim=r.head_dim,
                 intermediate=r.layers[0].down.weight.shape[1], eps=r.eps, scale=r.scale, cos=r._cos, sin=r._sin,
