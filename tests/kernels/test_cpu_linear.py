@@ -340,6 +340,20 @@ def test_argmax_follows_torch_on_long_rows_with_ties_zeros_infs_and_nans():
         assert cpu_linear.argmax(x).tolist() == torch.argmax(x, dim=-1).tolist(), cols
 
 
+def test_embedding_gathers_in_pieces_what_torch_gathers():
+    """`embedding` splits a long gather into pieces under torch's OpenMP grain (so torch never
+    wakes its team); the rows are torch's, for a few ids, a piece's worth and prompt lengths."""
+    gen = torch.Generator().manual_seed(2)
+    table = torch.randn(4096, 256, generator=gen)
+    rows = cpu_linear.TORCH_GRAIN // 256
+    for n in (1, 7, rows - 1, rows, rows + 1, 192, 3 * rows + 5):
+        ids = torch.randint(0, 4096, (n,), generator=gen)
+        got = cpu_linear.embedding(ids, table)
+        assert got.shape == (n, 256) and torch.equal(got, torch.nn.functional.embedding(ids, table)), n
+    with pytest.raises(IndexError):  # torch's own bounds check still applies to every piece
+        cpu_linear.embedding(torch.tensor([0] * 100 + [4096]), table)
+
+
 @pytest.mark.parametrize("t", [1, 3, 8, 13])
 def test_layer_stack_in_one_call_equals_the_per_call_path(t):
     """`llama_layers` runs the same kernel calls the Python loop makes: the same cache contents
