@@ -172,8 +172,14 @@ def cost_clock(device: torch.device) -> Callable[[], float]:
     return time.thread_time if torch.get_num_threads() == 1 else time.process_time
 
 
-PROBE_EVERY = 16
-"""Declined-speculation steps between two probe steps (see `Engine.probe_every`)."""
+PROBE_EVERY = 32
+"""Declined-speculation steps between two probe steps (see `Engine.probe_every`). Each probe pays
+for speculating where the plan said no, a draft model's catch-up included, and a plan-chosen
+speculative step resets the back-off, so at a batch size where speculation hovers around break-even
+probes came often: at batch 4 in-process (the serving mix, the controller's caps γ 10 / 5), 103
+probes in ~6,000 steps at 16, 33-38 at 32 with `QUIET_AFTER_DECLINE` 7, and that engine ran 1.002 /
+0.960 / 0.932x an `ar` engine against 0.864 / 0.934 / 0.895x (three processes, 8 alternations
+each; the host was noisy, single repeats spread 0.61-1.52x)."""
 PLAN_PREFILL_LIMIT = 32
 """Prompt tokens in a step beyond which its sequences do not speculate (see `Engine._plan`)."""
 FULL_CATCH_UP = 16
@@ -198,8 +204,12 @@ PROBE_BACKOFF_MAX = 8
 """The longest probe period, in units of `PROBE_EVERY` (see `Engine._after_probe`)."""
 PROBE_STALE = 0.67
 """A probe whose verify forward cost under this share of the prediction found the cost model stale."""
-QUIET_AFTER_DECLINE = 3
-"""Steps at the same batch size that skip planning after the planner declined speculation."""
+QUIET_AFTER_DECLINE = 7
+"""Steps at the same batch size that skip planning after the planner declined speculation. A plan
+(each sequence's candidate, the goodput search) costs ~150 us at batch 4 on the bundled models;
+at 3 a declining batch-4 engine still spent 43 us a step planning against an `ar` engine's 5
+(in-process, see `PROBE_EVERY` for the measured effect of 7 with it). Another batch size, a probe
+step or an observed request plans at once."""
 PLAIN_STEP_WINDOW = 64  # plain steps per batch size behind the speed-up estimate of batched requests
 
 
