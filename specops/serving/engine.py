@@ -176,7 +176,7 @@ PROBE_EVERY = 32
 """Declined-speculation steps between two probe steps (see `Engine.probe_every`). Each probe pays
 for speculating where the plan said no, a draft model's catch-up included, and a plan-chosen
 speculative step resets the back-off, so at a batch size where speculation hovers around break-even
-probes came often: at batch 4 in-process (the serving mix, the controller's caps γ 10 / 5), 103
+probes came often: at batch 4 in-process (the serving mix, the controller's caps γ 10 / 5), 63-103
 probes in ~6,000 steps at 16, 33-38 at 32 with `QUIET_AFTER_DECLINE` 7, and that engine ran 1.002 /
 0.960 / 0.932x an `ar` engine against 0.864 / 0.934 / 0.895x (three processes, 8 alternations
 each; the host was noisy, single repeats spread 0.61-1.52x)."""
@@ -206,7 +206,7 @@ PROBE_STALE = 0.67
 """A probe whose verify forward cost under this share of the prediction found the cost model stale."""
 QUIET_AFTER_DECLINE = 7
 """Steps at the same batch size that skip planning after the planner declined speculation. A plan
-(each sequence's candidate, the goodput search) costs ~150 us at batch 4 on the bundled models;
+(each sequence's candidate, the goodput search) costs ~170 us at batch 4 on the bundled models;
 at 3 a declining batch-4 engine still spent 43 us a step planning against an `ar` engine's 5
 (in-process, see `PROBE_EVERY` for the measured effect of 7 with it). Another batch size, a probe
 step or an observed request plans at once."""
