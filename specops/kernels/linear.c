@@ -329,8 +329,6 @@ typedef struct {
     float scale;
     int failed;
     const PagedMeta *pg; /* NULL: a dense cache; else B = 1, T = N flat tokens, L = most keys of a token */
-    const int64_t *units; /* NULL: chunks of rows; else [n_units][4] (first flat token, tokens, kv heads g0, g1) */
-    int64_t n_units;
 } AttnJob;
 
 #ifdef SPECOPS_AVX2
@@ -441,23 +439,21 @@ static inline __attribute__((always_inline)) float softmax_terms(float *scores, 
 
 #ifdef SPECOPS_AVX512
 #define PAIR_MAX_D 32 /* head sizes whose two rows' accumulators fit the 32 vector registers */
-/* The scores of two rows that share their keys (query heads of one kv head, one token) for
- * the keys at list ranks c_begin .. c_end - 1 (c_begin a multiple of 8; n: the list's length,
- * where its last block is padded with a real key whose scores are dropped): each key and its
- * 8-lane blocks loaded once for both rows. A key's score is the same sum in the same order
- * whichever block or call it falls in. */
-static inline __attribute__((always_inline)) void pair_scores(const float *qa, const float *qb, const float *kh,
-                                                              const int32_t *keys, int64_t c_begin, int64_t c_end,
-                                                              int64_t n, const int64_t D, int64_t stride, float scale,
-                                                              int prefetch, float *sa, float *sb) {
+/* Two rows that share their keys (query heads of one kv head, one token) in one pass over the
+ * keys and values: each key and value vector is loaded once for both. Each row's arithmetic
+ * is attend_d's exactly (the same sums in the same order), so a row's bits do not depend on
+ * whether it was paired. D % 8 == 0, D <= PAIR_MAX_D. */
+static inline __attribute__((always_inline)) void attend_pair_d(const float *qa, const float *qb, const float *kh,
+                                                                const float *vh, const int32_t *keys, int64_t n,
+                                                                const int64_t D, int64_t stride, float scale,
+                                                                float *sa, float *sb, float *oa, float *ob) {
     const __m256 vs = _mm256_set1_ps(scale);
-    for (int64_t c0 = c_begin; c0 < c_end; c0 += 8) {
+    for (int64_t c0 = 0; c0 < n; c0 += 8) {
         __m256 aa[8], ab[8];
         for (int i = 0; i < 8; i++) aa[i] = ab[i] = _mm256_setzero_ps();
         const float *kr[8];
-        if (prefetch && stride != D)
-            for (int64_t i = c0 + ATTN_PREFETCH_KEYS; i < c0 + ATTN_PREFETCH_KEYS + 8 && i < n; i++)
-                prefetch_row(kh + (int64_t)keys[i] * stride, D);
+        if (stride != D) for (int64_t i = c0 + ATTN_PREFETCH_KEYS; i < c0 + ATTN_PREFETCH_KEYS + 8 && i < n; i++)
+            prefetch_row(kh + (int64_t)keys[i] * stride, D);
         if (consecutive8(keys, c0, n)) {
             for (int i = 0; i < 8; i++) kr[i] = kh + ((int64_t)keys[c0] + i) * stride;
         } else {
@@ -482,21 +478,14 @@ static inline __attribute__((always_inline)) void pair_scores(const float *qa, c
             for (int64_t i = 0; c0 + i < n; i++) sa[c0 + i] = ta[i], sb[c0 + i] = tb[i];
         }
     }
-}
-
-/* Two rows' output sums over the keys at list ranks c_begin .. c_end - 1, in pairs of ranks
- * (c_begin even): the even ranks into e*, the odd into f*, carried in acc = [ea, fa, eb, fb]
- * (each PAIR_MAX_D floats) from the previous ranks. A pair that c_end cuts (c_end odd, the
- * list's last key) is left to pair_finish. */
-static inline __attribute__((always_inline)) void pair_values(const float *sa, const float *sb, const float *vh,
-                                                              const int32_t *keys, int64_t c_begin, int64_t c_end,
-                                                              int64_t n, const int64_t D, int64_t stride, int prefetch,
-                                                              __m256 *ea, __m256 *fa, __m256 *eb, __m256 *fb) {
+    const float total_a = softmax_terms(sa, n), total_b = softmax_terms(sb, n);
+    __m256 ea[PAIR_MAX_D / 8], fa[PAIR_MAX_D / 8], eb[PAIR_MAX_D / 8], fb[PAIR_MAX_D / 8];
     const int64_t nv = D / 8;
-    for (int64_t cc = c_begin; cc + 2 <= c_end; cc += 2) {
-        if (prefetch && stride != D)
-            for (int64_t i = cc + ATTN_PREFETCH_KEYS; i < cc + ATTN_PREFETCH_KEYS + 2 && i < n; i++)
-                prefetch_row(vh + (int64_t)keys[i] * stride, D);
+    for (int64_t i = 0; i < nv; i++) ea[i] = fa[i] = eb[i] = fb[i] = _mm256_setzero_ps();
+    int64_t cc = 0;
+    for (; cc + 2 <= n; cc += 2) {
+        if (stride != D) for (int64_t i = cc + ATTN_PREFETCH_KEYS; i < cc + ATTN_PREFETCH_KEYS + 2 && i < n; i++)
+            prefetch_row(vh + (int64_t)keys[i] * stride, D);
         const __m256 pa0 = _mm256_set1_ps(sa[cc]), pa1 = _mm256_set1_ps(sa[cc + 1]);
         const __m256 pb0 = _mm256_set1_ps(sb[cc]), pb1 = _mm256_set1_ps(sb[cc + 1]);
         const float *v0 = vh + (int64_t)keys[cc] * stride, *v1 = vh + (int64_t)keys[cc + 1] * stride;
@@ -508,17 +497,7 @@ static inline __attribute__((always_inline)) void pair_values(const float *sa, c
             fb[i] = _mm256_fmadd_ps(pb1, x1, fb[i]);
         }
     }
-}
-
-/* The last key of an odd list into e*, then each output = (e + f) / its softmax total. */
-static inline __attribute__((always_inline)) void pair_finish(const float *sa, const float *sb, const float *vh,
-                                                              const int32_t *keys, int64_t n, const int64_t D,
-                                                              int64_t stride, float total_a, float total_b,
-                                                              __m256 *ea, __m256 *fa, __m256 *eb, __m256 *fb,
-                                                              float *oa, float *ob) {
-    const int64_t nv = D / 8;
-    if (n % 2) {
-        const int64_t cc = n - 1;
+    if (cc < n) {
         const __m256 pa0 = _mm256_set1_ps(sa[cc]), pb0 = _mm256_set1_ps(sb[cc]);
         const float *v0 = vh + (int64_t)keys[cc] * stride;
         for (int64_t i = 0; i < nv; i++) {
@@ -532,22 +511,6 @@ static inline __attribute__((always_inline)) void pair_finish(const float *sa, c
         _mm256_storeu_ps(oa + 8 * i, _mm256_mul_ps(_mm256_add_ps(ea[i], fa[i]), ia));
         _mm256_storeu_ps(ob + 8 * i, _mm256_mul_ps(_mm256_add_ps(eb[i], fb[i]), ib));
     }
-}
-
-/* Two rows that share their keys (query heads of one kv head, one token) in one pass over the
- * keys and values: each key and value vector is loaded once for both. Each row's arithmetic
- * is attend_d's exactly (the same sums in the same order), so a row's bits do not depend on
- * whether it was paired. D % 8 == 0, D <= PAIR_MAX_D. */
-static inline __attribute__((always_inline)) void attend_pair_d(const float *qa, const float *qb, const float *kh,
-                                                                const float *vh, const int32_t *keys, int64_t n,
-                                                                const int64_t D, int64_t stride, float scale,
-                                                                float *sa, float *sb, float *oa, float *ob) {
-    pair_scores(qa, qb, kh, keys, 0, n, n, D, stride, scale, 1, sa, sb);
-    const float total_a = softmax_terms(sa, n), total_b = softmax_terms(sb, n);
-    __m256 ea[PAIR_MAX_D / 8], fa[PAIR_MAX_D / 8], eb[PAIR_MAX_D / 8], fb[PAIR_MAX_D / 8];
-    for (int64_t i = 0; i < D / 8; i++) ea[i] = fa[i] = eb[i] = fb[i] = _mm256_setzero_ps();
-    pair_values(sa, sb, vh, keys, 0, n, n, D, stride, 1, ea, fa, eb, fb);
-    pair_finish(sa, sb, vh, keys, n, D, stride, total_a, total_b, ea, fa, eb, fb, oa, ob);
 }
 #endif
 
