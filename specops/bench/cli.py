@@ -8,13 +8,15 @@ from pathlib import Path
 
 import click
 
-METHOD_HELP = ("hf-greedy,hf-assisted,hf-lookup,ar,draft,ngram,medusa,auto[,llama.cpp,llama.cpp-lookup] "
-               "(llama.cpp needs the peers extra: pip install -e \".[peers]\")")
+METHOD_HELP = ("hf-greedy,hf-assisted,hf-lookup,ar,ar-chain,draft,ngram,medusa,auto[,llama.cpp,llama.cpp-lookup] "
+               "(ar-chain: a reference, ar's forwards without its per-token Python; llama.cpp needs the peers "
+               "extra: pip install -e \".[peers]\")")
 
 
 @click.command("decode")
 @click.option("--suite", type=click.Choice(["code", "prose", "mixed", "chat"]), default="code", show_default=True)
-@click.option("--methods", default="hf-greedy,hf-assisted,hf-lookup,ar,draft,ngram,medusa,auto", show_default=True,
+@click.option("--methods", default="hf-greedy,hf-assisted,hf-lookup,ar,ar-chain,draft,ngram,medusa,auto",
+              show_default=True,
               help=f"Comma-separated: {METHOD_HELP}.")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--repeats", type=int, default=3, show_default=True)

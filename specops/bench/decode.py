@@ -33,8 +33,8 @@ from typing import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from specops.bench.peers import (ALL_METHODS, HF_METHODS, LLAMA_CPP_METHODS, BenchMethod, DecoderMethod, HFMethod,
-                                 MethodRun)
+from specops.bench.peers import (ALL_METHODS, HF_METHODS, LLAMA_CPP_METHODS, BenchMethod, ChainedAR, DecoderMethod,
+                                 HFMethod, MethodRun)
 from specops.bench.llamacpp_peer import build_llama_cpp_methods, llama_cpp_version
 from specops.bench.suites import SUITES, BenchPrompt, builtin_suite, load_prompts_file
 from specops.decoder.heap import frozen_heap
@@ -103,6 +103,7 @@ class MethodResult:
     tokens_per_s: float
     speedup: float | None
     speedup_vs_ar: float | None       # tokens/s over ``ar``'s in the same run (None without ar)
+    speedup_vs_ar_chain: float | None  # ... over the ``ar-chain`` reference's (None without it)
     acceptance_rate: float | None
     mean_accepted_len: float
     exact_match: bool | None          # None: no greedy prompt, or no hf-greedy reference
@@ -182,6 +183,11 @@ def build_methods(cfg: BenchConfig, models: Models) -> tuple[list[BenchMethod], 
         drafting = {"draft", "auto"} & set(ours)
         decoder = Decoder(models.target, draft=models.draft if drafting else None, medusa=models.medusa,
                           tokenizer=models.tokenizer, draft_vocab=models.draft_vocab if drafting else None)
+    if "ar-chain" in names:
+        reason = ChainedAR.unavailable_reason(decoder.target)
+        if reason is not None:
+            unavailable["ar-chain"] = reason
+            names = [m for m in names if m != "ar-chain"]
     methods: list[BenchMethod] = []
     for name in names:
         if name in HF_METHODS:
@@ -189,6 +195,8 @@ def build_methods(cfg: BenchConfig, models: Models) -> tuple[list[BenchMethod], 
         elif name in LLAMA_CPP_METHODS:
             if name in peers_by_name:
                 methods.append(peers_by_name[name])
+        elif name == "ar-chain":
+            methods.append(ChainedAR(decoder, eos_token_id=models.eos_token_id))
         else:
             methods.append(DecoderMethod(name, decoder, gamma=cfg.gamma, schedule=cfg.schedule,
                                          eos_token_id=models.eos_token_id))
@@ -327,7 +335,7 @@ def summarize(runs: dict[str, list[list[MethodRun]]], prompts: Sequence[BenchPro
                 "mean_accepted_len": round(sum(len(r.tokens) for r in rs) / max(1, sum(r.target_forwards for r in rs)), 3),
             }
         results.append(MethodResult(
-            method=name, tokens_per_s=round(tps, 2), speedup=None, speedup_vs_ar=None,
+            method=name, tokens_per_s=round(tps, 2), speedup=None, speedup_vs_ar=None, speedup_vs_ar_chain=None,
             acceptance_rate=_round(_acceptance(flat)),
             mean_accepted_len=round(new_tokens / max(1, sum(r.target_forwards for r in flat)), 3),
             exact_match=exact_match, exact_prompts=exact_prompts, new_tokens=new_tokens,
@@ -336,9 +344,11 @@ def summarize(runs: dict[str, list[list[MethodRun]]], prompts: Sequence[BenchPro
             by_kind=by_kind,
         ))
     ar_tps = next((r.tokens_per_s for r in results if r.method == "ar"), None)
+    chain_tps = next((r.tokens_per_s for r in results if r.method == "ar-chain"), None)
     for r in results:
         r.speedup = round(r.tokens_per_s / ref_tps, 3) if ref_tps else None
         r.speedup_vs_ar = round(r.tokens_per_s / ar_tps, 3) if ar_tps else None
+        r.speedup_vs_ar_chain = round(r.tokens_per_s / chain_tps, 3) if chain_tps else None
     return results
 
 
@@ -378,16 +388,18 @@ def divergences(runs: dict[str, list[list[MethodRun]]], prompts: Sequence[BenchP
 
 def format_table(report: dict) -> str:
     """A fixed-width text table of the report's results."""
-    head = (f"{'method':<16} {'tok/s':>8} {'vs hf-greedy':>12} {'vs ar':>7} {'accept':>7} {'tok/fwd':>8} "
-            f"{'exact':>7}")
+    chained = any(r.get("speedup_vs_ar_chain") is not None for r in report["results"])
+    head = (f"{'method':<16} {'tok/s':>8} {'vs hf-greedy':>12} {'vs ar':>7}" + (f" {'vs ar-chain':>11}" if chained else "")
+            + f" {'accept':>7} {'tok/fwd':>8} {'exact':>7}")
     lines = [head, "-" * len(head)]
     for r in report["results"]:
         acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.3f}"
         spd = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
         vs_ar = "-" if r.get("speedup_vs_ar") is None else f"{r['speedup_vs_ar']:.2f}x"
+        vs_chain = "-" if r.get("speedup_vs_ar_chain") is None else f"{r['speedup_vs_ar_chain']:.2f}x"
         exact = "-" if r["exact_match"] is None else ("yes" if r["exact_match"] else f"{r['exact_prompts']}")
-        lines.append(f"{r['method']:<16} {r['tokens_per_s']:>8.1f} {spd:>12} {vs_ar:>7} {acc:>7} "
-                     f"{r['mean_accepted_len']:>8.2f} {exact:>7}")
+        lines.append(f"{r['method']:<16} {r['tokens_per_s']:>8.1f} {spd:>12} {vs_ar:>7}"
+                     + (f" {vs_chain:>11}" if chained else "") + f" {acc:>7} {r['mean_accepted_len']:>8.2f} {exact:>7}")
     for row in report.get("unavailable") or []:
         lines.append(f"{row['method']:<16} unavailable: {row['reason']}")
     costs = report.get("costs")

@@ -16,6 +16,13 @@ its acceptance rate is unknown (None); its mean accepted length is still measure
 Ours (``ar``, ``draft``, ``ngram``, ``medusa``, ``auto``) run through `specops.decoder.Decoder`
 and report the decoder's own exact counters.
 
+``ar-chain`` is a reference, not a decoding method: greedy plain decoding whose continuation
+is computed CHAIN_TOKENS tokens per C call (the fast runner's `draft_chain` on the target,
+the same forwards as ``ar``, so the same tokens), i.e. ``ar`` without its per-token Python.
+Speculation's rounds spend less Python per token than ``ar`` does, so part of a "vs ar"
+ratio is that Python; "vs ar-chain" is the ratio without it. Sampled prompts run ``ar``
+(the chain here is greedy). Fast fp32 CPU runner only.
+
 llama.cpp (``llama.cpp``, ``llama.cpp-lookup``) is the CPU engine people actually run;
 it lives in `specops.bench.llamacpp_peer` (optional: the ``peers`` extra).
 """
@@ -31,7 +38,9 @@ import torch
 HF_METHODS = ("hf-greedy", "hf-assisted", "hf-lookup")
 OUR_METHODS = ("ar", "draft", "ngram", "medusa", "auto")
 LLAMA_CPP_METHODS = ("llama.cpp", "llama.cpp-lookup")  # specops.bench.llamacpp_peer
-ALL_METHODS = HF_METHODS + OUR_METHODS + LLAMA_CPP_METHODS
+REFERENCE_METHODS = ("ar-chain",)
+ALL_METHODS = HF_METHODS + OUR_METHODS + REFERENCE_METHODS + LLAMA_CPP_METHODS
+CHAIN_TOKENS = 32  # tokens per C call of ``ar-chain`` (an EOS is looked for after each call)
 LOOKUP_TOKENS = 10  # transformers' documented example value for prompt_lookup_num_tokens
 
 
@@ -147,3 +156,51 @@ class DecoderMethod:
             drafted=s.drafted if speculative else None, accepted=s.accepted if speculative else None,
             accepted_per_pos=list(s.accepted_per_pos), drafted_per_pos=list(getattr(s, "drafted_per_pos", [])),
         )
+
+
+class ChainedAR:
+    """``ar-chain`` (module docstring): greedy plain decoding, CHAIN_TOKENS tokens per C call."""
+
+    name = "ar-chain"
+
+    def __init__(self, decoder, *, eos_token_id: int | None = None):
+        self.decoder = decoder
+        self.eos_token_id = eos_token_id
+        self.plain = DecoderMethod("ar", decoder, eos_token_id=eos_token_id)
+
+    @staticmethod
+    def unavailable_reason(target) -> str | None:
+        """Why the target cannot chain (None: it can)."""
+        if getattr(target, "draft_chain", None) is None:
+            return "needs the fast Llama runner (FastLlamaRunner.draft_chain)"
+        if not getattr(target, "c_layers", False):
+            return "needs the C layer stack (fp32 CPU with the kernels built)"
+        return None
+
+    def run(self, prompt_ids: Sequence[int], *, max_new_tokens: int, temperature: float, seed: int) -> MethodRun:
+        if temperature > 0:
+            self.plain.eos_token_id = self.eos_token_id
+            return self.plain.run(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+        from specops.decoder.request import check_room, eos_set
+        from specops.decoder.runner import prompt_forward
+
+        target = self.decoder.target
+        eos = eos_set(self.eos_token_id)
+        prompt = list(prompt_ids)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            budget = check_room(len(prompt), target.max_context, max_new_tokens)
+            target.reset(1)
+            tokens = [prompt_forward(target, torch.tensor([prompt], dtype=torch.long)).last_choice()]
+            forwards = 1
+            while len(tokens) < budget and tokens[-1] not in eos:
+                count = min(CHAIN_TOKENS, budget - len(tokens))
+                chained = target.draft_chain([tokens[-1]], count)
+                if chained is None:
+                    raise RuntimeError("ar-chain: the target did not take the C chain")
+                forwards += count
+                for token in chained[0]:
+                    tokens.append(token)
+                    if token in eos:
+                        break
+        return MethodRun(tokens=tokens, seconds=time.perf_counter() - start, target_forwards=forwards)

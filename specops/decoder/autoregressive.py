@@ -52,12 +52,19 @@ def generate_ar(
     stats.record_emitted(1)
 
     step_s = 0.0
+    # greedy on the fast runner: each step's forward and argmax in one C call (`FastLlamaRunner.block_verifier`:
+    # the same C forward `forward` runs, without the Python around it)
+    make = getattr(target, "block_verifier", None) if sampling.greedy else None
+    block = make() if make is not None else None
     while len(out) < budget and out[-1] not in eos:
         t0 = device_clock(device)
-        step = target.forward(torch.tensor([[out[-1]]], dtype=torch.long, device=device))
-        # greedy: the runner's argmax of the row (`RunnerOutput.last_choice`: the fast runner's C call made it)
-        out.append(step.last_choice() if sampling.greedy else
-                   int(next_token(step.logits[:, -1], sampling, generator)[0]))
+        if block is not None and block.applies(1):
+            out.append(block.verify([out[-1]])[1])
+        else:
+            step = target.forward(torch.tensor([[out[-1]]], dtype=torch.long, device=device))
+            # greedy: the runner's argmax of the row (`RunnerOutput.last_choice`: the fast runner's C call made it)
+            out.append(step.last_choice() if sampling.greedy else
+                       int(next_token(step.logits[:, -1], sampling, generator)[0]))
         dt = device_clock(device) - t0
         step_s += dt
         stats.steps += 1

@@ -184,6 +184,7 @@ class FastLlamaRunner:
             layer.swiglu and layer.qkv.weight is not None and layer.gate_up.weight is not None for layer in self.layers
         ) and self.lm_head.weight is not None
         self._table: tuple[int, object] | None = None  # (cache data pointer, C layer table)
+        self._block: tuple[int, "BlockVerifier"] | None = None  # (cache data pointer, reused block verifier)
         self._draft_head: tuple[Tensor, Tensor | None, Tensor] | None = None  # `set_draft_vocab`
 
         # rotary tables for every position: [S, D] each, in the model dtype (as transformers casts them)
@@ -416,6 +417,37 @@ class FastLlamaRunner:
         cache.advance(t)
         return hidden.view(1, t, self.hidden_size), logits.unsqueeze(0), None if choice is None else choice.tolist()
 
+    def _step_loop(self, max_nodes: int, **heads) -> "cpu_linear.StepLoop":
+        keys = self.cache.keys[0]
+        return cpu_linear.StepLoop(
+            self._layer_table(), self.embed, heads=self.n_heads, kv_heads=self.n_kv_heads, head_dim=self.head_dim,
+            intermediate=self.layers[0].down.weight.shape[1], eps=self.eps, scale=self.scale, cos=self._cos,
+            sin=self._sin, kv_strides=(keys.stride(0), keys.stride(1)), norm=self.norm, head=self.lm_head.weight,
+            head_bias=self.lm_head.bias, max_nodes=max_nodes, **heads)
+
+    def _one_call_steps(self) -> bool:
+        return (self.c_layers and self.cache.batch == 1 and self.embed.is_contiguous()
+                and self.embed.dtype == torch.float32)
+
+    def medusa_loop(self, weights: "cpu_linear.MedusaWeights", num_heads: int, top_k: int,
+                    max_nodes: int) -> "MedusaSteps | None":
+        """Greedy Medusa steps in one C call each (`cpu_linear.StepLoop.medusa_step`) on this
+        runner's cache, for trees of up to ``max_nodes`` nodes; None where `forward` would not
+        run such a tree on the C layer stack (then the caller verifies step by step)."""
+        if not (self._one_call_steps() and 1 <= max_nodes <= C_LAYERS_MAX_T):
+            return None
+        return MedusaSteps(self, self._step_loop(max_nodes, weights=weights, num_heads=num_heads, top_k=top_k))
+
+    def block_verifier(self) -> "BlockVerifier | None":
+        """Greedy verification of a drafted block in one C call (`cpu_linear.StepLoop.chain_verify`)
+        on this runner's cache; None where the C layer stack does not run this runner's forwards."""
+        if not self._one_call_steps():
+            return None
+        key = self.cache.data.data_ptr()  # one per cache allocation: its buffers are reused request after request
+        if self._block is None or self._block[0] != key:
+            self._block = (key, BlockVerifier(self, self._step_loop(C_LAYERS_MAX_T)))
+        return self._block[1]
+
     def set_draft_vocab(self, tokens: Tensor | list[int] | None) -> None:
         """Let greedy drafting chains (`draft_chain`) rank only ``tokens`` (distinct ids of this
         vocabulary; None: all of it): they run the LM head over those rows alone, so a drafted
@@ -511,3 +543,64 @@ class FastLlamaRunner:
         cache.advance(t)
         x = F.rms_norm(x, (e,), self.norm, eps)  # [B*T, E]
         return x.view(b, t, e)  # [B, T, E]
+
+
+class MedusaSteps:
+    """Greedy Medusa steps on a fast runner's cache (`FastLlamaRunner.medusa_loop`), one C
+    call each (`cpu_linear.StepLoop.medusa_step`). ``cands`` [K * TK] long: the candidates the next
+    step's tree reads (set them once from the prompt pass's heads, then each step writes the
+    next ones). The cache must not be reallocated while it is in use (one request)."""
+
+    def __init__(self, runner: FastLlamaRunner, loop: cpu_linear.StepLoop) -> None:
+        self.runner = runner
+        self.loop = loop
+        self.cands = loop.cands
+        self.top_k = loop.top_k
+        self.max_nodes = loop.max_nodes
+
+    def step(self, tree: Tensor, root: int) -> tuple[list[int], float]:
+        """One step over ``tree`` ([4, N], `cpu_linear.medusa_tree_words`) rooted at ``root``
+        after the cached positions: returns [P, next token, the P - 1 accepted tokens, ...]
+        (read the first P + 1) and the heads' seconds; the cache then ends with the P
+        accepted path's entries."""
+        cache = self.runner.cache
+        start, n = cache.length, tree.shape[1]
+        if n > self.max_nodes or start + n > self.runner.max_context:
+            raise ValueError(f"a tree of {n} nodes after {start} cached positions does not fit "
+                             f"(at most {self.max_nodes} nodes, context {self.runner.max_context})")
+        heads_s = self.loop.medusa_step(start, tree, root)
+        result = self.loop.result.tolist()
+        cache.length = start + result[0]
+        return result, heads_s
+
+
+class BlockVerifier:
+    """Greedy verification of a pending token and a drafted block on a fast runner's cache
+    (`FastLlamaRunner.block_verifier`), one C call each (`cpu_linear.StepLoop.chain_verify`):
+    the forward `forward` runs for the same block (the C layer stack, all rows' argmax) and
+    `accept_greedy`'s count. The cache must not be reallocated while it is in use (one request)."""
+
+    def __init__(self, runner: FastLlamaRunner, loop: cpu_linear.StepLoop) -> None:
+        self.runner = runner
+        self.loop = loop
+        self.max_tokens = loop.max_nodes
+
+    def applies(self, tokens: int) -> bool:
+        """Whether `forward` over ``tokens`` new positions would run this very C call."""
+        length = self.runner.cache.length
+        return tokens <= self.max_tokens and (tokens == 1 or length > 0) and length + tokens <= self.runner.max_context
+
+    def verify(self, tokens: list[int]) -> tuple[int, int]:
+        """Feed ``tokens`` (see `applies`): (drafted tokens accepted, the next token); the cache
+        then holds all of them, as after `forward` (cut it back with `truncate`)."""
+        cache = self.runner.cache
+        start = cache.length
+        if not self.applies(len(tokens)):
+            raise ValueError(f"{len(tokens)} tokens after {start} cached positions: not a one-call verification")
+        n, nxt = self.loop.chain_verify(start, tokens)
+        cache.length = start + len(tokens)
+        return n, nxt
+
+    def hidden(self, tokens: int, row: int) -> Tensor:
+        """The normed hidden state [E] of ``row`` of the last verification over ``tokens``."""
+        return self.loop.hidden(tokens, row)

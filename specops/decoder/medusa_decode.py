@@ -44,6 +44,7 @@ from specops.decoder.request import check_deadline, check_room, eos_cut, eos_set
 from specops.decoder.stats import DecodeStats
 from specops.decoder.tree import TreeBuffers, TreeError, TreeSpec, build_buffers, resolve_tree
 from specops.decoder.tree_size import TreePlanner, plan_tree, tree_planner
+from specops.kernels import cpu_linear
 from specops.decoder.tree_verify import (
     TreeVerification,
     TypicalAcceptance,
@@ -198,7 +199,10 @@ def generate_medusa(
     output = [root]
     stats.record_emitted(1)
 
-    while len(output) < budget and output[-1] not in eos:
+    steps = _c_steps(target, heads, k, spec, planner) if sampling.greedy and typical is None else None
+    if steps is not None:  # every step in one C call (`FastLlamaRunner.medusa_loop`): same tokens
+        _c_loop(steps, state, planner, spec, hidden, root, output, budget, limit, eos, deadline, stats)
+    while steps is None and len(output) < budget and output[-1] not in eos:
         remaining = budget - len(output)
         room = limit - target.cache_len  # >= remaining + 1 by the budget clamp
         if deadline is not None and time.perf_counter() > deadline:
@@ -232,6 +236,75 @@ def generate_medusa(
     stats.head_predictions, stats.head_correct = state.head_accuracy(output)
     stats.finish(stop_reason(output[-1] in eos, budget, max_new_tokens))
     return output, stats
+
+
+def _c_steps(target: ModelRunner, heads: HeadsLike, k: int, spec: TreeSpec, planner: TreePlanner | None):
+    """The runner's one-call greedy steps (`FastLlamaRunner.medusa_loop`) for every tree this
+    request may use, or None where the runner or the heads lack them (then the loop below runs)."""
+    make, weights_for = getattr(target, "medusa_loop", None), getattr(heads, "kernel_weights", None)
+    if make is None or weights_for is None:
+        return None
+    specs = list(planner.specs.values()) if planner is not None else [spec]
+    top_k = max(1, max(tree_buffers(s, "cpu").top_k for s in specs))
+    weights = weights_for(k, top_k)
+    if weights is None:
+        return None
+    return make(weights, k, top_k, max(s.num_nodes for s in specs))
+
+
+@functools.lru_cache(maxsize=256)
+def _c_tree(spec: TreeSpec, top_k: int) -> Tensor:
+    """``spec`` as `cpu_linear.MedusaLoop` reads it, with ``top_k`` candidates kept per head."""
+    buf = tree_buffers(spec, "cpu")
+    src = [0] + [(c // buf.top_k) * top_k + c % buf.top_k for c in buf.candidate_index.tolist()]
+    return cpu_linear.medusa_tree_words(src, buf.depth.tolist(), buf.parent.tolist(), buf.attn_mask)
+
+
+def _c_loop(steps, state: MedusaState, planner: TreePlanner | None, spec: TreeSpec, hidden: Tensor, root: int,
+            output: list[int], budget: int, limit: int, eos: set[int], deadline: float | None,
+            stats: DecodeStats) -> None:
+    """`generate_medusa`'s greedy loop with each step in one C call: the same trees (the
+    planner's, cut near the budget and the context end, root-only past the deadline), the same
+    tokens; the heads' time is ``draft_s``, the rest of the step ``verify_s``."""
+    tk, k = steps.top_k, state.num_heads
+    cands = head_candidates(state.heads, hidden[None], k, tk, torch.tensor([root], dtype=torch.long))  # [K, 1, TK]
+    steps.cands.copy_(cands.reshape(-1))
+    runner, guesses = state.target, state.head_guesses
+    clock = time.perf_counter
+    while len(output) < budget and output[-1] not in eos:
+        remaining = budget - len(output)
+        room = limit - runner.cache_len
+        if deadline is not None and clock() > deadline:
+            if stats.fallback_reason is None:
+                stats.fallback_reason = "deadline"
+            room = 1
+        if planner is not None:
+            spec = planner.next_spec()
+        step_spec = spec
+        if spec.depth > remaining - 1 or spec.num_nodes > room:
+            step_spec = spec.limit(max_depth=remaining - 1, max_nodes=room)
+        depth = step_spec.depth
+        if depth:
+            top1 = steps.cands.tolist()
+            at = len(output)
+            guesses.extend((at + d, d, top1[d * tk]) for d in range(depth))
+        t0 = clock()
+        result, heads_s = steps.step(_c_tree(step_spec, tk), root)
+        accepted = result[0] - 1
+        new = eos_cut(result[2 : 2 + accepted] + [result[1]], eos)
+        drafted = depth
+        if len(new) <= accepted:  # EOS was an accepted candidate: the deeper positions are void
+            drafted = accepted = len(new)
+        root = new[-1]
+        output.extend(new)
+        t2 = clock()
+        stats.draft_s += heads_s
+        stats.verify_s += t2 - t0 - heads_s
+        if planner is not None and step_spec.num_nodes == spec.num_nodes:
+            planner.observe(spec.num_nodes, t2 - t0)
+        stats.target_forwards += 1
+        stats.record_step(drafted, accepted)
+        stats.record_emitted(len(new))
 
 
 @dataclass

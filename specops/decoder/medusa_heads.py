@@ -423,6 +423,18 @@ class MedusaHeads(nn.Module):
             logits = torch.stack([F.linear(z[i], *self._shortlisted(lm)) for i, lm in enumerate(self.lm_heads[:k])])
         return self.shortlist[torch.topk(logits, top_k, dim=-1).indices]
 
+    def kernel_weights(self, num_heads: int, top_k: int) -> cpu_linear.MedusaWeights | None:
+        """The weights `candidates` hands the C kernel for ``num_heads`` heads' top ``top_k`` of
+        one fp32 CPU row (over the shortlist when ``top_k`` fits in it), for callers that run
+        the kernel themselves (`cpu_linear.MedusaLoop`); None where `candidates` would not use it."""
+        probe = torch.empty(1, self.config.hidden_size)
+        if not 1 <= num_heads <= self.config.num_heads or not self._kernel_path(probe, num_heads):
+            return None
+        shortlisted = self.shortlist is not None and top_k <= self.shortlist.numel()
+        if not 1 <= top_k <= (self.shortlist.numel() if shortlisted else self.config.vocab_size):
+            return None
+        return self._kernel_blocks[4 if shortlisted else 5]
+
     def _shortlisted(self, head: nn.Linear) -> tuple[Tensor, Tensor | None]:
         """The shortlist's rows of an LM head's weight [F, E] and bias, gathered once per weights."""
         key = (head.weight.data_ptr(), head.weight._version, self.shortlist.data_ptr())

@@ -86,6 +86,9 @@ class TargetVerifier:
         self.deadline = None if deadline_s is None else time.perf_counter() + check_deadline(deadline_s)
         self.keep_hidden = keep_hidden
         self.hidden: torch.Tensor | None = None  # [E] target hidden state at the last cached position (keep_hidden)
+        # greedy blocks verified in one C call where the runner has it (`FastLlamaRunner.block_verifier`)
+        make = getattr(target, "block_verifier", None) if sampling.greedy else None
+        self.block = make() if make is not None else None
 
     # -- state -----------------------------------------------------------------------
     @property
@@ -136,6 +139,11 @@ class TargetVerifier:
             # a drafted block is lossless), whichever drafter called (draft, auto, async pipeline)
             drafted, draft_probs, g = [], None, 0
         t0 = device_clock(self.device)
+        if self.block is not None and self.block.applies(g + 1):  # the same forward and count, one C call
+            n, nxt = self.block.verify([self.tokens[-1], *drafted])
+            if self.keep_hidden:
+                self.hidden = self.block.hidden(g + 1, n)  # [E]
+            return self._finish(drafted, n, nxt, g, t0)
         block = torch.tensor([[self.tokens[-1], *drafted]], dtype=torch.long, device=self.device)  # [1, G+1]
         out = self.target.forward(block, need_hidden=self.keep_hidden)
         logits = out.logits  # [1, G+1, V]
@@ -148,6 +156,9 @@ class TargetVerifier:
                                           self.sampling, self.generator)
         if self.keep_hidden:
             self.hidden = out.hidden[0, n]  # [E] at d_n, whose logits chose the next token
+        return self._finish(drafted, n, nxt, g, t0)
+
+    def _finish(self, drafted: list[int], n: int, nxt: int, g: int, t0: float) -> StepResult:
         step = self.commit(drafted[:n], nxt, drafted=g)
         if not self.stopped_by_eos:
             self.target.truncate(len(self.tokens) - 1)  # keep [.., pending, d_1 .. d_n]

@@ -1418,3 +1418,134 @@ int specops_medusa_candidates(const float *hidden, int64_t R, int64_t E, const i
     free(buf);
     return rc;
 }
+
+/* -- one greedy Medusa step of the batch-1 fast runner in one call -------------------------
+ * What `generate_medusa`'s greedy loop does per step, with the same kernel calls in the same
+ * order, so tokens, cache and candidates are those of that loop bit for bit:
+ *   1. the tree's tokens: the root, then node j's token cands[src[j]] (src indexes the K x TK
+ *      candidates the previous step's heads ranked, head-major);
+ *   2. `specops_llama_layers` over the N nodes at cache slots start..start+N-1, rotary
+ *      positions start + depth[j], visibility words[j] (the tree's ancestor mask), logits and
+ *      argmax of every node;
+ *   3. the greedy walk from the root: the first child c (parent[c] == node, c ascending) whose
+ *      token is the node's argmax, until none is; the argmax of the last accepted node is the
+ *      next token;
+ *   4. the accepted path's cache entries moved to start, start + 1, ... in every layer;
+ *   5. `specops_medusa_candidates` on the last accepted node's hidden state with the next
+ *      token as root: the next step's candidates, written over cands.
+ * tree [4, N] int64: src (src[0] unused), depth, parent (-1 for the root), words. result
+ * [N + 2]: the path's length P, the next token, then the P - 1 accepted tokens. heads_s: the
+ * seconds step 5 took (CLOCK_MONOTONIC). Returns 0, 2 (no memory), 3 (a token id or N out of
+ * range; nothing written to the cache). */
+typedef struct { /* a batch-1 fast runner's target (and Medusa heads) for the one-call steps below */
+    const LayerWeights *layers;
+    int64_t n_layers;
+    const float *embed; /* [n_embed, E] fp32: the target's embedding (also the heads' root input) */
+    int64_t n_embed, E, Hq, Hkv, D, I;
+    double eps, scale;
+    const float *cos_tab, *sin_tab; /* [positions, D] */
+    int64_t kv_b, kv_h;
+    const float *norm, *head_w, *head_b;
+    int64_t V, head_flags;
+    const void *root_w; /* the heads: as `specops_medusa_candidates` */
+    int64_t root_flags;
+    const void *const *block_w;
+    const float *const *block_b;
+    int64_t block_flags, K, L;
+    const void *lm_w;
+    const float *lm_b;
+    int64_t lm_flags, F;
+    const int64_t *ids;
+    int64_t TK, threads, max_nodes;
+    float *buf; /* max_nodes * (2 E + V + 2 D + (Hq + 2 Hkv) D + Hq D + 2 I) floats */
+    int64_t *work; /* 3 * max_nodes: tokens, argmax, path */
+} StepLoop;
+
+int specops_medusa_step(const StepLoop *m, int64_t start, int64_t N, const int64_t *tree, int64_t root,
+                        int64_t *cands, int64_t *result, double *heads_s) {
+    if (N < 1 || N > m->max_nodes || N > 64 || root < 0 || root >= m->n_embed) return 3;
+    const int64_t E = m->E, D = m->D, V = m->V;
+    const int64_t *src = tree, *depth = tree + N, *parent = tree + 2 * N;
+    const uint64_t *words = (const uint64_t *)(tree + 3 * N);
+    int64_t *tokens = m->work, *choice = m->work + m->max_nodes, *path = m->work + 2 * m->max_nodes;
+    float *x = m->buf, *hidden = x + N * E, *logits = hidden + N * E, *cs = logits + N * V, *sn = cs + N * D;
+    float *scratch = sn + N * D;
+    tokens[0] = root;
+    for (int64_t j = 1; j < N; j++) {
+        if (src[j] < 0 || src[j] >= m->K * m->TK) return 3;
+        tokens[j] = cands[src[j]];
+        if (tokens[j] < 0 || tokens[j] >= m->n_embed) return 3;
+    }
+    for (int64_t j = 0; j < N; j++) {
+        memcpy(x + j * E, m->embed + tokens[j] * E, sizeof(float) * (size_t)E);
+        memcpy(cs + j * D, m->cos_tab + (start + depth[j]) * D, sizeof(float) * (size_t)D);
+        memcpy(sn + j * D, m->sin_tab + (start + depth[j]) * D, sizeof(float) * (size_t)D);
+    }
+    int rc = specops_llama_layers(m->layers, m->n_layers, x, N, E, m->Hq, m->Hkv, D, m->I, (float)m->eps,
+                                  (float)m->scale, cs, sn, m->kv_b, m->kv_h, start, words, scratch, (int)m->threads,
+                                  m->norm, m->head_w, m->head_b, V, hidden, logits, (int)m->head_flags, N, choice);
+    if (rc != 0) return rc;
+    int64_t P = 1, node = 0;
+    path[0] = 0;
+    for (;;) {
+        int64_t next = -1;
+        for (int64_t c = node + 1; c < N; c++)
+            if (parent[c] == node && tokens[c] == choice[node]) {
+                next = c;
+                break;
+            }
+        if (next < 0) break;
+        path[P++] = next;
+        node = next;
+    }
+    for (int64_t i = 1; i < P; i++) {
+        if (path[i] == i) continue;
+        for (int64_t l = 0; l < m->n_layers; l++)
+            for (int64_t h = 0; h < m->Hkv; h++) {
+                float *k = m->layers[l].k_cache + h * m->kv_h, *v = m->layers[l].v_cache + h * m->kv_h;
+                memcpy(k + (start + i) * D, k + (start + path[i]) * D, sizeof(float) * (size_t)D);
+                memcpy(v + (start + i) * D, v + (start + path[i]) * D, sizeof(float) * (size_t)D);
+            }
+    }
+    const int64_t last = path[P - 1];
+    result[0] = P;
+    result[1] = choice[last];
+    for (int64_t i = 1; i < P; i++) result[1 + i] = tokens[path[i]];
+    const double t0 = clock_s(CLOCK_MONOTONIC);
+    if (m->K > 0)
+        rc = specops_medusa_candidates(hidden + last * E, 1, E, result + 1, m->embed, m->n_embed, m->root_w,
+                                       (int)m->root_flags, m->block_w, m->block_b, (int)m->block_flags, m->K, m->L,
+                                       m->lm_w, m->lm_b, (int)m->lm_flags, m->F, m->ids, m->TK, cands,
+                                       (int)m->threads);
+    if (heads_s != NULL) *heads_s = clock_s(CLOCK_MONOTONIC) - t0;
+    return rc;
+}
+
+/* -- one greedy verification of a linear block in one call ---------------------------------
+ * The target forward over tokens[0..T-1] (the pending token, then T - 1 drafted ones) at
+ * cache slots and rotary positions start..start+T-1 (causal), exactly the `specops_llama_layers`
+ * call of the fast runner's forward, every row's argmax, and the greedy acceptance: n = the
+ * drafted tokens that equal the argmax before them, in order until the first that does not.
+ * result[0] = n, result[1] = the argmax after the last accepted one (the next token). The
+ * cache holds all T new entries afterwards (the caller cuts it back). Returns 0, 2 (no
+ * memory) or 3 (a token id or T out of range; nothing written to the cache). */
+int specops_chain_verify(const StepLoop *m, int64_t start, int64_t T, const int64_t *tokens, int64_t *result) {
+    if (T < 1 || T > m->max_nodes) return 3;
+    for (int64_t j = 0; j < T; j++)
+        if (tokens[j] < 0 || tokens[j] >= m->n_embed) return 3;
+    const int64_t E = m->E, D = m->D;
+    int64_t *choice = m->work + m->max_nodes;
+    float *x = m->buf, *hidden = x + T * E, *logits = hidden + T * E;
+    float *scratch = logits + T * m->V + 2 * T * D;
+    for (int64_t j = 0; j < T; j++) memcpy(x + j * E, m->embed + tokens[j] * E, sizeof(float) * (size_t)E);
+    int rc = specops_llama_layers(m->layers, m->n_layers, x, T, E, m->Hq, m->Hkv, D, m->I, (float)m->eps,
+                                  (float)m->scale, m->cos_tab + start * D, m->sin_tab + start * D, m->kv_b, m->kv_h,
+                                  start, NULL, scratch, (int)m->threads, m->norm, m->head_w, m->head_b, m->V, hidden,
+                                  logits, (int)m->head_flags, T, choice);
+    if (rc != 0) return rc;
+    int64_t n = 0;
+    while (n < T - 1 && tokens[n + 1] == choice[n]) n++;
+    result[0] = n;
+    result[1] = choice[n];
+    return 0;
+}

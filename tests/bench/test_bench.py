@@ -133,3 +133,34 @@ def test_the_bundled_draft_drafts_over_its_shipped_vocabulary_in_the_benchmark()
                     eos_token_id=None, max_context=256)
     decoder = next(m.decoder for m in build_methods(cfg, custom)[0] if m.name == "draft")
     assert decoder.draft._draft_head is None
+
+
+def test_the_ar_chain_reference_emits_ar_tokens_and_gets_its_own_column(tiny_models):
+    """``ar-chain`` runs ar's forwards CHAIN_TOKENS per C call: the same tokens (an EOS inside a
+    chain cuts it there), its own "vs ar-chain" ratio for every row, and ``ar`` on sampled prompts."""
+    from specops.bench.decode import build_methods
+    from specops.bench.peers import CHAIN_TOKENS, ChainedAR
+    from specops.kernels import cpu_linear
+
+    assert cpu_linear.available(), cpu_linear.unavailable_reason()  # CI builds the kernels: never a skip
+    cfg = BenchConfig(methods=["hf-greedy", "ar", "ar-chain"], max_new_tokens=CHAIN_TOKENS + 9, repeats=1,
+                      progress=False)
+    report = run_benchmark(cfg, models=tiny_models, prompts=PROMPTS)
+    rows = {r["method"]: r for r in report["results"]}
+    assert rows["ar-chain"]["exact_match"] is True and rows["ar-chain"]["speedup_vs_ar_chain"] == 1.0
+    assert rows["ar"]["speedup_vs_ar_chain"] == pytest.approx(rows["ar"]["tokens_per_s"]
+                                                              / rows["ar-chain"]["tokens_per_s"], rel=1e-2)
+    assert "vs ar-chain" in format_table(report)
+    methods, _ = build_methods(cfg, tiny_models)
+    chain = next(m for m in methods if isinstance(m, ChainedAR))
+    plain = next(m for m in methods if m.name == "ar")
+    ids = tiny_models.tokenizer.encode(PROMPTS[2].text)
+    want = plain.run(ids, max_new_tokens=CHAIN_TOKENS + 9, temperature=0.0, seed=0).tokens
+    eos = want[CHAIN_TOKENS + 3]  # an EOS in the second chain: the output stops at its first occurrence
+    chain.eos_token_id = plain.eos_token_id = eos
+    cut = plain.run(ids, max_new_tokens=CHAIN_TOKENS + 9, temperature=0.0, seed=0)
+    got = chain.run(ids, max_new_tokens=CHAIN_TOKENS + 9, temperature=0.0, seed=0)
+    assert got.tokens == cut.tokens and got.tokens[-1] == eos
+    sampled = chain.run(ids, max_new_tokens=8, temperature=1.0, seed=3)
+    assert sampled.tokens == plain.run(ids, max_new_tokens=8, temperature=1.0, seed=3).tokens
+    assert "FastLlamaRunner" in ChainedAR.unavailable_reason(object())
