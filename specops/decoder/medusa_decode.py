@@ -13,6 +13,9 @@ One step (Cai et al. 2024, arXiv 2401.10774, with SpecInfer-style lossless sampl
    one recovered/bonus token after it, which becomes the next root.
 4. ``runner.compact(prefix_len, path)`` keeps only the accepted path's KV entries.
 
+Greedy steps on the fast runner with C-kernel heads run steps 1–4 and the next step's
+heads as one C call (`FastLlamaRunner.medusa_loop`, `_c_loop`): the same tokens and cache.
+
 Each step therefore emits ``accepted + 1`` tokens for one target forward. The tree
 is the same at every step (chosen once per request, from the heads' measured
 accuracy and the runner's measured verify cost when no tree is given), cut down near
@@ -44,7 +47,6 @@ from specops.decoder.request import check_deadline, check_room, eos_cut, eos_set
 from specops.decoder.stats import DecodeStats
 from specops.decoder.tree import TreeBuffers, TreeError, TreeSpec, build_buffers, resolve_tree
 from specops.decoder.tree_size import TreePlanner, plan_tree, tree_planner
-from specops.kernels import cpu_linear
 from specops.decoder.tree_verify import (
     TreeVerification,
     TypicalAcceptance,
@@ -52,6 +54,7 @@ from specops.decoder.tree_verify import (
     verify_tree_sampling,
     verify_tree_typical,
 )
+from specops.kernels import cpu_linear
 
 logger = logging.getLogger(__name__)
 
@@ -254,7 +257,7 @@ def _c_steps(target: ModelRunner, heads: HeadsLike, k: int, spec: TreeSpec, plan
 
 @functools.lru_cache(maxsize=256)
 def _c_tree(spec: TreeSpec, top_k: int) -> Tensor:
-    """``spec`` as `cpu_linear.MedusaLoop` reads it, with ``top_k`` candidates kept per head."""
+    """``spec`` as `cpu_linear.StepLoop.medusa_step` reads it, with ``top_k`` candidates kept per head."""
     buf = tree_buffers(spec, "cpu")
     src = [0] + [(c // buf.top_k) * top_k + c % buf.top_k for c in buf.candidate_index.tolist()]
     return cpu_linear.medusa_tree_words(src, buf.depth.tolist(), buf.parent.tolist(), buf.attn_mask)

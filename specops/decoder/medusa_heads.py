@@ -426,7 +426,7 @@ class MedusaHeads(nn.Module):
     def kernel_weights(self, num_heads: int, top_k: int) -> cpu_linear.MedusaWeights | None:
         """The weights `candidates` hands the C kernel for ``num_heads`` heads' top ``top_k`` of
         one fp32 CPU row (over the shortlist when ``top_k`` fits in it), for callers that run
-        the kernel themselves (`cpu_linear.MedusaLoop`); None where `candidates` would not use it."""
+        the kernel themselves (`cpu_linear.StepLoop`); None where `candidates` would not use it."""
         probe = torch.empty(1, self.config.hidden_size)
         if not 1 <= num_heads <= self.config.num_heads or not self._kernel_path(probe, num_heads):
             return None

@@ -32,7 +32,8 @@ import click
 @click.option("--shortlist", type=click.IntRange(0), default=0, show_default=True,
               help="Heads rank only the N most frequent training tokens when decoding (0: all).")
 @click.option("--init-heads", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="Continue these heads (same --heads, --layers, --shared-lm-head) instead of starting at identity.")
+              help="Continue these heads (same --layers and --shared-lm-head; --heads at least theirs, extra heads "
+                   "start as copies of their last) instead of starting at identity.")
 @click.option("--steps", type=click.IntRange(1), default=300, show_default=True)
 @click.option("--batch-size", type=click.IntRange(1), default=8, show_default=True)
 @click.option("--seq-len", type=click.IntRange(8), default=128, show_default=True)

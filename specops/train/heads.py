@@ -329,15 +329,25 @@ def train_heads(base, heads: MedusaHeads, stream: torch.Tensor, heldout: torch.T
 
 def continue_heads(heads: MedusaHeads, init: MedusaHeads) -> None:
     """Load ``init``'s weights into the fresh ``heads`` (same shape; a root projection ``init``
-    lacks stays at zero, so the heads start out predicting exactly what ``init`` does)."""
+    lacks stays at zero, so the heads start out predicting exactly what ``init`` does). ``init``
+    may have fewer heads: each extra head starts as a copy of ``init``'s last one (the deepest
+    head is the nearest guess for the next offset; training then moves it one token on)."""
     mine, theirs = heads.config, init.config
-    for name in ("num_heads", "num_layers", "shared_lm_head", "hidden_size", "vocab_size"):
+    for name in ("num_layers", "shared_lm_head", "hidden_size", "vocab_size"):
         if getattr(mine, name) != getattr(theirs, name):
             raise ValueError(f"--init-heads has {name}={getattr(theirs, name)!r}, this run {getattr(mine, name)!r}")
+    if theirs.num_heads > mine.num_heads:
+        raise ValueError(f"--init-heads has {theirs.num_heads} heads, more than this run's {mine.num_heads}")
     if theirs.root_input and not mine.root_input:
         raise ValueError("--init-heads reads the root token (root_input); train with --root-input to continue it")
     # the init's shortlist is not a weight: this run's --shortlist decides the saved heads'
     state = {key: value for key, value in init.state_dict().items() if key != "shortlist"}
+    last = theirs.num_heads - 1
+    for extra in range(theirs.num_heads, mine.num_heads):
+        for group in ("blocks", "lm_heads"):
+            prefix = f"{group}.{last}."
+            state.update({f"{group}.{extra}." + key[len(prefix):]: value.clone()
+                          for key, value in list(state.items()) if key.startswith(prefix)})
     missing, unexpected = heads.load_state_dict(state, strict=False)
     if unexpected or any(not key.startswith("root_proj.") for key in missing):
         raise ValueError(f"--init-heads does not fit these heads (missing {missing}, unexpected {unexpected})")

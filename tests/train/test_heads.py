@@ -119,11 +119,11 @@ def test_train_heads_cli(tmp_path, one_thread):
     assert rooted.config.shortlist_size == 50 and rooted.shortlist.unique().numel() == 50
     assert rooted.config.root_input and float(rooted.root_proj.weight.detach().abs().sum()) > 0  # R trained
     mismatch = CliRunner().invoke(train_heads_command, [
-        "--model", str(tmp_path / "model"), "--heads", "3", "--data", str(data), "--out", str(tmp_path / "y"),
+        "--model", str(tmp_path / "model"), "--heads", "1", "--data", str(data), "--out", str(tmp_path / "y"),
         "--steps", "1", "--seq-len", "24", "--self-distill", "--distill-sequences", "2", "--quiet",
         "--init-heads", str(tmp_path / "heads"),
     ])
-    assert mismatch.exit_code != 0 and "num_heads" in mismatch.output
+    assert mismatch.exit_code != 0 and "more than this run" in mismatch.output
     too_long = CliRunner().invoke(train_heads_command, [
         "--model", str(tmp_path / "model"), "--heads", "2", "--data", str(data), "--out", str(tmp_path / "z"),
         "--steps", "1", "--seq-len", "24", "--quiet", "--shortlist", "100000",
@@ -192,3 +192,25 @@ def test_continuing_heads_that_carry_a_shortlist():
     fresh = MedusaHeads.from_model(model, num_heads=2, shared_lm_head=True, root_input=True)
     continue_heads(fresh, init)
     assert torch.equal(fresh.root_proj.weight, init.root_proj.weight) and fresh.shortlist is None
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_continuing_fewer_heads_copies_the_last_into_the_new_ones(shared):
+    """``--init-heads`` with fewer heads: the first heads are the init's, each extra one starts
+    as the init's last (so it proposes what that head proposes); more heads than this run is an error."""
+    from specops.train.heads import continue_heads
+
+    model = tiny_model("llama")
+    init = MedusaHeads.from_model(model, num_heads=2, num_layers=2, shared_lm_head=shared, root_input=True)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in init.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+    fresh = MedusaHeads.from_model(model, num_heads=4, num_layers=2, shared_lm_head=shared, root_input=True)
+    continue_heads(fresh, init)
+    hidden, roots = torch.randn(3, fresh.config.hidden_size), torch.tensor([1, 2, 3])
+    with torch.no_grad():
+        theirs, mine = init(hidden, roots=roots), fresh(hidden, roots=roots)  # [K, 3, V]
+    assert torch.equal(mine[:2], theirs) and torch.equal(mine[2], theirs[1]) and torch.equal(mine[3], theirs[1])
+    with pytest.raises(ValueError, match="more than this run"):
+        continue_heads(MedusaHeads.from_model(model, num_heads=1, num_layers=2, shared_lm_head=shared), init)
