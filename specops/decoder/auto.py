@@ -38,8 +38,8 @@ import torch
 from specops.decoder.clock import cost_clock, device_clock
 from specops.decoder.draft import _draft_block, check_vocab
 from specops.decoder.errors import InvalidRequestError
-from specops.decoder.medusa_decode import MedusaState, _verify_step
-from specops.decoder.medusa_heads import HeadsLike
+from specops.decoder.medusa_decode import MedusaState, _c_steps, _c_tree, _verify_step
+from specops.decoder.medusa_heads import HeadsLike, head_candidates
 from specops.decoder.ngram import NgramIndex
 from specops.decoder.runner import ModelRunner, prompt_forward
 from specops.decoder.sampling import SamplingConfig
@@ -352,6 +352,11 @@ def generate_auto(
     request = estimates.start(sampling.greedy)
     chooser = Chooser(request, costs, estimates.clock(sampling.greedy))
     catchup = estimates.catchup(draft, costs.draft_token_s)
+    # greedy Medusa steps in one C call (`FastLlamaRunner.medusa_loop`); ``fresh``: the call's
+    # candidates are those of the current hidden state and pending token (the last step was one)
+    medusa_c = _c_steps(target, heads, medusa.num_heads, medusa.spec, None) if (
+        medusa is not None and sampling.greedy) else None
+    fresh = False
 
     while not v.done:
         stats.gamma = schedule.next_gamma()
@@ -376,10 +381,14 @@ def generate_auto(
         elif option == "draft":
             result, caught_up = _draft_step(v, draft, gamma, sampling, generator, catchup)
             t_step += caught_up  # the catch-up is charged through switch_s, not the step's cost scale
+        elif option == "medusa" and medusa_c is not None:
+            result, catch_up = _medusa_c_step(v, medusa, medusa_c, room, fresh)
+            t_step += catch_up  # the heads run again after another option: a switch, not the step's cost
         elif option == "medusa":
             result = _medusa_step(v, medusa, room, sampling, generator)
         else:
             result = v.verify([], None)
+        fresh = option == "medusa" and medusa_c is not None
         index.extend(result.emitted)
         chooser.record(option, result, device_clock(v.device) - t_step, available.get(option, 0))
         if option == "draft":  # γ schedules model a draft model's cost
@@ -416,6 +425,34 @@ def _draft_step(v: TargetVerifier, draft: ModelRunner, gamma: int, sampling: Sam
     if not v.done:
         draft.truncate(min(draft.cache_len, len(v.tokens) - 1))
     return result, caught_up
+
+
+def _medusa_c_step(v: TargetVerifier, state: MedusaState, steps, room: int,
+                   fresh: bool) -> tuple[StepResult, float]:
+    """`_medusa_step` for a greedy request on the fast runner, in one C call (`_c_loop`'s step,
+    which ends with the heads' proposal for the next one); the heads run first only when the
+    last step was not such a step (``fresh`` False). Returns the result and the seconds that
+    extra proposal took (0 when fresh)."""
+    target = v.target
+    step_spec = state.spec.limit(max_depth=room, max_nodes=target.max_context - target.cache_len)
+    tk, root = steps.top_k, v.tokens[-1]
+    t0 = device_clock(v.device)
+    if not fresh:
+        assert v.hidden is not None
+        cands = head_candidates(state.heads, v.hidden[None], state.num_heads, tk, torch.tensor([root]))  # [K, 1, TK]
+        steps.cands.copy_(cands.reshape(-1))
+    t1 = device_clock(v.device)
+    if step_spec.depth:
+        top1 = steps.cands.tolist()
+        state.head_guesses.extend((len(v.output) + d, d, top1[d * tk]) for d in range(step_spec.depth))
+    result, heads_s = steps.step(_c_tree(step_spec, tk), root)
+    v.hidden = steps.last_hidden()  # [E]
+    step = v.commit(result[2 : 1 + result[0]], result[1], drafted=step_spec.depth)
+    t2 = device_clock(v.device)
+    v.stats.draft_s += t1 - t0 + heads_s
+    v.stats.verify_s += t2 - t1 - heads_s
+    v.stats.target_forwards += 1
+    return step, t1 - t0
 
 
 def _medusa_step(v: TargetVerifier, state: MedusaState, room: int, sampling: SamplingConfig,

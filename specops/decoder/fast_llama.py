@@ -557,6 +557,7 @@ class MedusaSteps:
         self.cands = loop.cands
         self.top_k = loop.top_k
         self.max_nodes = loop.max_nodes
+        self._last = (1, 1)  # the last step's (tree nodes, accepted path length)
 
     def step(self, tree: Tensor, root: int) -> tuple[list[int], float]:
         """One step over ``tree`` ([4, N], `cpu_linear.medusa_tree_words`) rooted at ``root``
@@ -571,7 +572,13 @@ class MedusaSteps:
         heads_s = self.loop.medusa_step(start, tree, root)
         result = self.loop.result.tolist()
         cache.length = start + result[0]
+        self._last = (n, result[0])
         return result, heads_s
+
+    def last_hidden(self) -> Tensor:
+        """A copy of the normed hidden state [E] of the last step's last accepted node."""
+        n, length = self._last
+        return self.loop.hidden(n, int(self.loop._work[2 * self.max_nodes + length - 1]))
 
 
 class BlockVerifier:

@@ -219,3 +219,39 @@ def test_a_bad_block_is_refused_before_the_cache_changes(case):
     assert runner.cache.length == 3 and torch.equal(runner.cache.data, snapshot)
     n, nxt = block.verify([4, 5])
     assert runner.cache.length == 5 and 0 <= n <= 1 and 0 <= nxt < VOCAB
+
+
+def test_auto_runs_its_greedy_medusa_steps_in_one_call(case, monkeypatch):
+    """`generate_auto`'s Medusa steps on the fast runner are the one-call step (the heads run
+    first only after another option's step): its output stays ar's, EOS and budgets included,
+    and the step-by-step Medusa step is not used."""
+    from specops.decoder import auto
+    from specops.decoder.auto import AutoEstimates, generate_auto
+
+    runner, heads = case
+    counter = Counting(monkeypatch)
+    monkeypatch.setattr(auto, "_medusa_step", lambda *a, **k: pytest.fail("the step-by-step Medusa step ran"))
+    fresh_calls = []
+    c_step = auto._medusa_c_step
+
+    def spy(v, state, steps, room, fresh):
+        fresh_calls.append(fresh)
+        return c_step(v, state, steps, room, fresh)
+
+    monkeypatch.setattr(auto, "_medusa_c_step", spy)
+    rng = random.Random(3)
+    estimates = AutoEstimates()
+    for i in range(30):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(2, 12))]
+        max_new = rng.randint(1, 50)
+        plain, _ = generate_ar(runner, torch.tensor([prompt]), sampling=GREEDY, generator=make_generator(0),
+                               max_new_tokens=max_new)
+        eos = plain[rng.randrange(len(plain))] if i % 3 == 0 else None
+        want, _ = generate_ar(runner, torch.tensor([prompt]), sampling=GREEDY, generator=make_generator(0),
+                              max_new_tokens=max_new, eos_token_id=eos)
+        got, stats = generate_auto(runner, torch.tensor([prompt]), draft=None, heads=heads, sampling=GREEDY,
+                                   generator=make_generator(0), max_new_tokens=max_new, estimates=estimates,
+                                   eos_token_id=eos)
+        assert got == want, (i, prompt, max_new, eos)
+        assert all(c <= p for c, p in zip(stats.head_correct, stats.head_predictions))
+    assert counter.calls == len(fresh_calls) > 30 and any(fresh_calls) and not all(fresh_calls)
