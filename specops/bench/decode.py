@@ -275,6 +275,8 @@ COST_PREFIX = 256  # cached positions under the timed forwards (issue 8's protoc
 def measure_costs(methods: Sequence[BenchMethod]) -> dict | None:
     """Our target's verify cost c(T)/c(1) after a 256-token prefix, and one draft-model token
     relative to one target T = 1 forward (fastest of several timings; None without our methods).
+    The target is timed as greedy decoding verifies: one C call per block on the fast runner
+    (`measure_verify_cost(one_call=True)`, ``verify_how``), else `forward`.
     A draft token is timed as decoding drafts it (`auto.draft_token_s`: per token of a C chain
     of 4 on the fast fp32 CPU runner, else one forward and argmax)."""
     decoder = next((m.decoder for m in methods if isinstance(m, DecoderMethod)), None)
@@ -286,12 +288,13 @@ def measure_costs(methods: Sequence[BenchMethod]) -> dict | None:
     target = decoder.target
     prefix = min(COST_PREFIX, target.max_context - COST_SIZES[-1])
     with torch.inference_mode():
-        curve = measure_verify_cost(target, sizes=COST_SIZES, prefix_len=prefix, repeats=15)
+        curve = measure_verify_cost(target, sizes=COST_SIZES, prefix_len=prefix, repeats=15, one_call=True)
         draft_s, draft_how = draft_token_cost(decoder.draft) if decoder.draft is not None else (None, None)
     return {
         "prefix": prefix,
         "target_token_s": curve.at(1),
         "verify_relative": {str(t): round(curve.relative(t), 3) for t in COST_SIZES},
+        "verify_how": curve.how,
         "draft_token_s": draft_s,
         "draft_token_relative": None if draft_s is None else round(draft_s / curve.at(1), 3),
         "draft_token_how": draft_how,
@@ -405,7 +408,8 @@ def format_table(report: dict) -> str:
     costs = report.get("costs")
     if costs:
         curve = " ".join(f"c({t})/c(1)={rel:.2f}" for t, rel in costs["verify_relative"].items())
-        line = f"target T=1 forward {costs['target_token_s'] * 1e3:.2f} ms; verify cost {curve}"
+        how = f" ({costs['verify_how']})" if costs.get("verify_how") else ""
+        line = f"target T=1 forward {costs['target_token_s'] * 1e3:.2f} ms{how}; verify cost {curve}"
         if costs.get("draft_token_relative") is not None:
             line += (f"; one draft token = {costs['draft_token_relative']:.3f} of a target T=1 forward"
                      f" ({costs.get('draft_token_how') or 'forward'})")

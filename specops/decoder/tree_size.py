@@ -46,6 +46,7 @@ class VerifyCostCurve:
 
     sizes: tuple[int, ...]  # ascending T values, first one 1
     seconds: tuple[float, ...]  # seconds per forward at each size
+    how: str = "forward"  # what was timed: "forward", or "one C call" (`measure_verify_cost(one_call=True)`)
 
     def __post_init__(self) -> None:
         if not self.sizes or len(self.sizes) != len(self.seconds):
@@ -74,12 +75,17 @@ class VerifyCostCurve:
 
 
 def measure_verify_cost(runner, *, sizes: Sequence[int] = DEFAULT_SIZES, prefix_len: int = 64,
-                        repeats: int = 7, vocab_high: int | None = None, seed: int = 0) -> VerifyCostCurve:
+                        repeats: int = 7, vocab_high: int | None = None, seed: int = 0,
+                        one_call: bool = False) -> VerifyCostCurve:
     """Time ``runner.forward`` over T chain-shaped tree positions after a ``prefix_len`` prefix.
 
     Sizes are timed round-robin and each keeps the fastest of ``repeats`` runs (the
     least disturbed by other work on the machine); the curve is made non-decreasing.
-    Leaves the runner's cache empty (it resets before and after).
+    Leaves the runner's cache empty (it resets before and after). ``one_call``: where the
+    runner verifies greedy blocks in one C call (`FastLlamaRunner.block_verifier`, what
+    greedy decoding runs), time that call over the T positions instead; `forward` also pays
+    its Python around the same C forward (~0.15–0.3 ms on the bundled target), which
+    makes c(T)/c(1) look flatter than what greedy decoding pays.
     """
     sizes = sorted(set(int(s) for s in sizes) | {1})
     prefix_len = max(1, min(prefix_len, runner.max_context - sizes[-1]))
@@ -97,11 +103,18 @@ def measure_verify_cost(runner, *, sizes: Sequence[int] = DEFAULT_SIZES, prefix_
         positions = (prefix_len + torch.arange(n, device=runner.device))[None]  # [1, n]
         inputs.append((ids, mask, positions))
     clock = cost_clock(runner.device)
+    make = getattr(runner, "block_verifier", None) if one_call else None
+    block = make() if make is not None else None
+    if block is not None and not all(block.applies(n) for n in sizes):
+        block = None
     best = [float("inf")] * len(sizes)
     for rep in range(repeats + 1):  # sizes interleaved, so drifting load hits all of them alike
         for i, (ids, mask, positions) in enumerate(inputs):
             start = clock()
-            runner.forward(ids, position_ids=positions, tree_mask=mask, need_hidden=True)
+            if block is not None:
+                block.verify(ids[0].tolist())
+            else:
+                runner.forward(ids, position_ids=positions, tree_mask=mask, need_hidden=True)
             elapsed = clock() - start
             runner.truncate(prefix_len)
             if rep:  # the first round warms caches and allocators
@@ -110,7 +123,8 @@ def measure_verify_cost(runner, *, sizes: Sequence[int] = DEFAULT_SIZES, prefix_
     runner.reset(1)
     # A bigger forward never costs less; noise from other processes can make it look so.
     monotone = [max(timings[: i + 1]) for i in range(len(timings))]
-    curve = VerifyCostCurve(sizes=tuple(sizes), seconds=tuple(max(t, 1e-9) for t in monotone))
+    curve = VerifyCostCurve(sizes=tuple(sizes), seconds=tuple(max(t, 1e-9) for t in monotone),
+                            how="one C call" if block is not None else "forward")
     logger.info("verify cost curve (relative to 1 position): %s",
                 ", ".join(f"{n}:{curve.relative(n):.2f}" for n in sizes))
     return curve

@@ -219,3 +219,24 @@ def test_the_live_planner_keeps_a_bound_and_plain_decoding_when_nothing_pays():
     assert planner.best_size() == 1  # speculation cannot pay: the root alone, a plain step
     with pytest.raises(TreeError):
         TreePlanner(ACCURACY, steep, overhead_s=0.0, max_nodes=0)
+
+
+def test_measure_verify_cost_times_the_one_call_verification_where_decoding_uses_it(one_thread, monkeypatch):
+    """``one_call=True`` on the fast runner times `BlockVerifier.verify` (what greedy decoding
+    runs) for every size; elsewhere, or by default, it times `forward`."""
+    from specops.decoder.fast_llama import BlockVerifier, FastLlamaRunner
+    from specops.decoder.hf_runner import HFRunner
+    from specops.kernels import cpu_linear
+
+    assert cpu_linear.available(), cpu_linear.unavailable_reason()  # CI builds the kernels: never a skip
+    fast = FastLlamaRunner(tiny_model("llama"))
+    calls = []
+    verify = BlockVerifier.verify
+    monkeypatch.setattr(BlockVerifier, "verify", lambda self, tokens: calls.append(len(tokens)) or verify(self, tokens))
+    curve = measure_verify_cost(fast, sizes=(1, 2, 4), prefix_len=8, repeats=2, one_call=True)
+    assert curve.how == "one C call" and sorted(set(calls)) == [1, 2, 4] and len(calls) == 3 * 3
+    assert fast.cache_len == 0 and all(s > 0 for s in curve.seconds)
+    calls.clear()
+    assert measure_verify_cost(fast, sizes=(1, 2), prefix_len=8, repeats=1).how == "forward" and not calls
+    assert measure_verify_cost(HFRunner(tiny_model("llama")), sizes=(1, 2), prefix_len=8, repeats=1,
+                               one_call=True).how == "forward"
