@@ -38,8 +38,8 @@ import torch
 from specops.decoder.clock import cost_clock, device_clock
 from specops.decoder.draft import _draft_block, check_vocab
 from specops.decoder.errors import InvalidRequestError
-from specops.decoder.medusa_decode import MedusaState, _c_steps, _c_tree, _verify_step
-from specops.decoder.medusa_heads import HeadsLike, head_candidates
+from specops.decoder.medusa_decode import MedusaState, _verify_step, c_propose, c_step, c_steps
+from specops.decoder.medusa_heads import HeadsLike
 from specops.decoder.ngram import NgramIndex
 from specops.decoder.runner import ModelRunner, prompt_forward
 from specops.decoder.sampling import SamplingConfig
@@ -354,7 +354,7 @@ def generate_auto(
     catchup = estimates.catchup(draft, costs.draft_token_s)
     # greedy Medusa steps in one C call (`FastLlamaRunner.medusa_loop`); ``fresh``: the call's
     # candidates are those of the current hidden state and pending token (the last step was one)
-    medusa_c = _c_steps(target, heads, medusa.num_heads, medusa.spec, None) if (
+    medusa_c = c_steps(target, heads, medusa.num_heads, medusa.spec, None) if (
         medusa is not None and sampling.greedy) else None
     fresh = False
 
@@ -429,25 +429,20 @@ def _draft_step(v: TargetVerifier, draft: ModelRunner, gamma: int, sampling: Sam
 
 def _medusa_c_step(v: TargetVerifier, state: MedusaState, steps, room: int,
                    fresh: bool) -> tuple[StepResult, float]:
-    """`_medusa_step` for a greedy request on the fast runner, in one C call (`_c_loop`'s step,
-    which ends with the heads' proposal for the next one); the heads run first only when the
-    last step was not such a step (``fresh`` False). Returns the result and the seconds that
-    extra proposal took (0 when fresh)."""
+    """`_medusa_step` for a greedy request on the fast runner, in one C call (`c_step`, which
+    ends with the heads' proposal for the next one); the heads run first only when the last
+    step was not such a step (``fresh`` False). Returns the result and the seconds that extra
+    proposal took (0 when fresh)."""
     target = v.target
     step_spec = state.spec.limit(max_depth=room, max_nodes=target.max_context - target.cache_len)
-    tk, root = steps.top_k, v.tokens[-1]
     t0 = device_clock(v.device)
     if not fresh:
         assert v.hidden is not None
-        cands = head_candidates(state.heads, v.hidden[None], state.num_heads, tk, torch.tensor([root]))  # [K, 1, TK]
-        steps.cands.copy_(cands.reshape(-1))
+        c_propose(steps, state, v.hidden, v.tokens[-1])
     t1 = device_clock(v.device)
-    if step_spec.depth:
-        top1 = steps.cands.tolist()
-        state.head_guesses.extend((len(v.output) + d, d, top1[d * tk]) for d in range(step_spec.depth))
-    result, heads_s = steps.step(_c_tree(step_spec, tk), root)
+    accepted, next_tok, heads_s = c_step(steps, state, step_spec, v.tokens[-1], len(v.output))
     v.hidden = steps.last_hidden()  # [E]
-    step = v.commit(result[2 : 1 + result[0]], result[1], drafted=step_spec.depth)
+    step = v.commit(accepted, next_tok, drafted=step_spec.depth)
     t2 = device_clock(v.device)
     v.stats.draft_s += t1 - t0 + heads_s
     v.stats.verify_s += t2 - t1 - heads_s

@@ -578,7 +578,7 @@ class MedusaSteps:
     def last_hidden(self) -> Tensor:
         """A copy of the normed hidden state [E] of the last step's last accepted node."""
         n, length = self._last
-        return self.loop.hidden(n, int(self.loop._work[2 * self.max_nodes + length - 1]))
+        return self.loop.hidden(n, self.loop.path_node(length - 1))
 
 
 class BlockVerifier:

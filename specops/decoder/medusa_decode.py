@@ -14,7 +14,7 @@ One step (Cai et al. 2024, arXiv 2401.10774, with SpecInfer-style lossless sampl
 4. ``runner.compact(prefix_len, path)`` keeps only the accepted path's KV entries.
 
 Greedy steps on the fast runner with C-kernel heads run steps 1–4 and the next step's
-heads as one C call (`FastLlamaRunner.medusa_loop`, `_c_loop`): the same tokens and cache.
+heads as one C call (`FastLlamaRunner.medusa_loop`, `c_step`): the same tokens and cache.
 
 Each step therefore emits ``accepted + 1`` tokens for one target forward. The tree
 is the same at every step (chosen once per request, from the heads' measured
@@ -202,10 +202,11 @@ def generate_medusa(
     output = [root]
     stats.record_emitted(1)
 
-    steps = _c_steps(target, heads, k, spec, planner) if sampling.greedy and typical is None else None
-    if steps is not None:  # every step in one C call (`FastLlamaRunner.medusa_loop`): same tokens
-        _c_loop(steps, state, planner, spec, hidden, root, output, budget, limit, eos, deadline, stats)
-    while steps is None and len(output) < budget and output[-1] not in eos:
+    # greedy on the fast runner: every step in one C call (`FastLlamaRunner.medusa_loop`), same tokens
+    steps = c_steps(target, heads, k, spec, planner) if sampling.greedy and typical is None else None
+    if steps is not None:
+        c_propose(steps, state, hidden, root)
+    while len(output) < budget and output[-1] not in eos:
         remaining = budget - len(output)
         room = limit - target.cache_len  # >= remaining + 1 by the budget clamp
         if deadline is not None and time.perf_counter() > deadline:
@@ -214,22 +215,28 @@ def generate_medusa(
             room = 1  # root only: one plain decoding step
         if planner is not None:
             spec = planner.next_spec()
-        step_spec = spec.limit(max_depth=remaining - 1, max_nodes=room)
+        step_spec = spec
+        if spec.depth > remaining - 1 or spec.num_nodes > room:
+            step_spec = spec.limit(max_depth=remaining - 1, max_nodes=room)
         t0 = device_clock(device)
-        tree_tokens, buffers = state.propose(hidden, step_spec, root, len(output) - 1)  # [N]
-        t1 = device_clock(device)
-        stats.draft_s += t1 - t0
-        step = _verify_step(target, tree_tokens, buffers, sampling, generator, typical)
-        path = step.verification.path
-        drafted, accepted = step_spec.depth, len(path) - 1
-        new = eos_cut(tree_tokens[path[1:]].tolist() + [step.verification.next_token], eos)
+        if steps is not None:
+            accepted_tokens, next_tok, draft_s = c_step(steps, state, step_spec, root, len(output))
+        else:
+            tree_tokens, buffers = state.propose(hidden, step_spec, root, len(output) - 1)  # [N]
+            draft_s = device_clock(device) - t0
+            step = _verify_step(target, tree_tokens, buffers, sampling, generator, typical)
+            path = step.verification.path
+            accepted_tokens, next_tok = tree_tokens[path[1:]].tolist(), step.verification.next_token
+            hidden = step.hidden
+        drafted, accepted = step_spec.depth, len(accepted_tokens)
+        new = eos_cut(accepted_tokens + [next_tok], eos)
         if len(new) <= accepted:  # EOS was an accepted candidate: the deeper positions are void
             drafted = accepted = len(new)
-        hidden = step.hidden
         root = new[-1]
         output.extend(new)
         t2 = device_clock(device)
-        stats.verify_s += t2 - t1
+        stats.draft_s += draft_s
+        stats.verify_s += t2 - t0 - draft_s
         if planner is not None and step_spec.num_nodes == spec.num_nodes:  # the whole tree ran: a clean timing
             planner.observe(spec.num_nodes, t2 - t0)
         stats.target_forwards += 1
@@ -241,9 +248,10 @@ def generate_medusa(
     return output, stats
 
 
-def _c_steps(target: ModelRunner, heads: HeadsLike, k: int, spec: TreeSpec, planner: TreePlanner | None):
+def c_steps(target: ModelRunner, heads: HeadsLike, k: int, spec: TreeSpec, planner: TreePlanner | None):
     """The runner's one-call greedy steps (`FastLlamaRunner.medusa_loop`) for every tree this
-    request may use, or None where the runner or the heads lack them (then the loop below runs)."""
+    request may use, or None where the runner or the heads lack them (then each step proposes and
+    verifies from Python)."""
     make, weights_for = getattr(target, "medusa_loop", None), getattr(heads, "kernel_weights", None)
     if make is None or weights_for is None:
         return None
@@ -256,58 +264,31 @@ def _c_steps(target: ModelRunner, heads: HeadsLike, k: int, spec: TreeSpec, plan
 
 
 @functools.lru_cache(maxsize=256)
-def _c_tree(spec: TreeSpec, top_k: int) -> Tensor:
+def c_tree(spec: TreeSpec, top_k: int) -> Tensor:
     """``spec`` as `cpu_linear.StepLoop.medusa_step` reads it, with ``top_k`` candidates kept per head."""
     buf = tree_buffers(spec, "cpu")
     src = [0] + [(c // buf.top_k) * top_k + c % buf.top_k for c in buf.candidate_index.tolist()]
     return cpu_linear.medusa_tree_words(src, buf.depth.tolist(), buf.parent.tolist(), buf.attn_mask)
 
 
-def _c_loop(steps, state: MedusaState, planner: TreePlanner | None, spec: TreeSpec, hidden: Tensor, root: int,
-            output: list[int], budget: int, limit: int, eos: set[int], deadline: float | None,
-            stats: DecodeStats) -> None:
-    """`generate_medusa`'s greedy loop with each step in one C call: the same trees (the
-    planner's, cut near the budget and the context end, root-only past the deadline), the same
-    tokens; the heads' time is ``draft_s``, the rest of the step ``verify_s``."""
-    tk, k = steps.top_k, state.num_heads
-    cands = head_candidates(state.heads, hidden[None], k, tk, torch.tensor([root], dtype=torch.long))  # [K, 1, TK]
+def c_propose(steps, state: MedusaState, hidden: Tensor, root: int) -> None:
+    """Set ``steps``' candidates from the heads at ``hidden`` [E] with ``root`` (what a one-call
+    step leaves for the next one; needed before the first, and after a step of another kind)."""
+    cands = head_candidates(state.heads, hidden[None], state.num_heads, steps.top_k,
+                            torch.tensor([root], dtype=torch.long))  # [K, 1, TK]
     steps.cands.copy_(cands.reshape(-1))
-    runner, guesses = state.target, state.head_guesses
-    clock = time.perf_counter
-    while len(output) < budget and output[-1] not in eos:
-        remaining = budget - len(output)
-        room = limit - runner.cache_len
-        if deadline is not None and clock() > deadline:
-            if stats.fallback_reason is None:
-                stats.fallback_reason = "deadline"
-            room = 1
-        if planner is not None:
-            spec = planner.next_spec()
-        step_spec = spec
-        if spec.depth > remaining - 1 or spec.num_nodes > room:
-            step_spec = spec.limit(max_depth=remaining - 1, max_nodes=room)
-        depth = step_spec.depth
-        if depth:
-            top1 = steps.cands.tolist()
-            at = len(output)
-            guesses.extend((at + d, d, top1[d * tk]) for d in range(depth))
-        t0 = clock()
-        result, heads_s = steps.step(_c_tree(step_spec, tk), root)
-        accepted = result[0] - 1
-        new = eos_cut(result[2 : 2 + accepted] + [result[1]], eos)
-        drafted = depth
-        if len(new) <= accepted:  # EOS was an accepted candidate: the deeper positions are void
-            drafted = accepted = len(new)
-        root = new[-1]
-        output.extend(new)
-        t2 = clock()
-        stats.draft_s += heads_s
-        stats.verify_s += t2 - t0 - heads_s
-        if planner is not None and step_spec.num_nodes == spec.num_nodes:
-            planner.observe(spec.num_nodes, t2 - t0)
-        stats.target_forwards += 1
-        stats.record_step(drafted, accepted)
-        stats.record_emitted(len(new))
+
+
+def c_step(steps, state: MedusaState, spec: TreeSpec, root: int, at: int) -> tuple[list[int], int, float]:
+    """One greedy step over ``spec`` rooted at ``root`` in one C call (`MedusaSteps.step`), its
+    heads' top-1 guesses logged for output positions ``at`` on. Returns the accepted tokens,
+    the next token and the heads' seconds (the next step's proposal, made in the same call)."""
+    tk = steps.top_k
+    if spec.depth:
+        top1 = steps.cands.tolist()
+        state.head_guesses.extend((at + d, d, top1[d * tk]) for d in range(spec.depth))
+    result, heads_s = steps.step(c_tree(spec, tk), root)
+    return result[2 : 1 + result[0]], result[1], heads_s
 
 
 @dataclass

@@ -84,7 +84,7 @@ def measure_verify_cost(runner, *, sizes: Sequence[int] = DEFAULT_SIZES, prefix_
     Leaves the runner's cache empty (it resets before and after). ``one_call``: where the
     runner verifies greedy blocks in one C call (`FastLlamaRunner.block_verifier`, what
     greedy decoding runs), time that call over the T positions instead; `forward` also pays
-    its Python around the same C forward (~0.15–0.3 ms on the bundled target), which
+    its Python around the same C forward (~0.25–0.3 ms on the bundled target), which
     makes c(T)/c(1) look flatter than what greedy decoding pays.
     """
     sizes = sorted(set(int(s) for s in sizes) | {1})

@@ -816,9 +816,14 @@ class StepLoop:
         return self._pair[0], self._pair[1]
 
     def hidden(self, tokens: int, row: int) -> Tensor:
-        """A copy of the normed hidden state [E] of row ``row`` of the last `chain_verify` over ``tokens``."""
+        """A copy of the normed hidden state [E] of row ``row`` of the last step, which fed
+        ``tokens`` positions (`chain_verify`'s tokens, `medusa_step`'s tree nodes)."""
         e = self.hidden_size
         return self._buf[(tokens + row) * e : (tokens + row + 1) * e].clone()
+
+    def path_node(self, i: int) -> int:
+        """The tree node at place ``i`` of the last `medusa_step`'s accepted path (0: the root)."""
+        return int(self._work[2 * self.max_nodes + i])
 
 
 def medusa_tree_words(src: list[int], depth: list[int], parent: list[int], mask: Tensor) -> Tensor:

@@ -58,7 +58,7 @@ class Counting:
 
 
 def step_by_step(monkeypatch):
-    monkeypatch.setattr(medusa_decode, "_c_steps", lambda *args, **kwargs: None)
+    monkeypatch.setattr(medusa_decode, "c_steps", lambda *args, **kwargs: None)
 
 
 def run(runner, heads, prompt, **kwargs):
@@ -134,7 +134,7 @@ def test_a_bad_tree_or_token_is_refused_before_the_cache_changes(case):
     weights = heads.kernel_weights(2, 4)
     steps = runner.medusa_loop(weights, 2, 4, 8)
     assert steps is not None and runner.medusa_loop(weights, 2, 4, 17) is None
-    tree = medusa_decode._c_tree(preset("small", 2).limit(max_nodes=8), 4)
+    tree = medusa_decode.c_tree(preset("small", 2).limit(max_nodes=8), 4)
     snapshot = runner.cache.data.clone()
     for root in (-1, VOCAB):
         with pytest.raises(ValueError, match="out of range"):
@@ -142,7 +142,7 @@ def test_a_bad_tree_or_token_is_refused_before_the_cache_changes(case):
     steps.cands.fill_(VOCAB + 5)  # candidates no embedding row holds
     with pytest.raises(ValueError, match="out of range"):
         steps.step(tree, 1)
-    big = medusa_decode._c_tree(preset("large", 3), 8)
+    big = medusa_decode.c_tree(preset("large", 3), 8)
     with pytest.raises(ValueError, match="does not fit"):
         steps.step(big, 1)
     assert runner.cache.length == 3 and torch.equal(runner.cache.data, snapshot)
