@@ -181,7 +181,7 @@ REQUIRES: dict[str, str] = {"draft": "draft", "medusa": "medusa"}
 OPTIONS: dict[str, frozenset[str]] = {
     "draft": frozenset({"pipeline", "draft_threads"}),  # pipeline "sync" | "async" (specops.decoder.async_draft)
     "ngram": frozenset({"max_ngram", "min_ngram"}),
-    "medusa": frozenset({"typical"}),
+    "medusa": frozenset({"typical", "lookup_branch"}),
     "auto": frozenset({"max_ngram", "min_ngram"}),
 }
 

@@ -7,7 +7,8 @@ holds all of it but the pending token). The options are
 * ``plain``  — nothing drafted: one single-token target forward (plain decoding);
 * ``ngram``  — the prompt-lookup proposal (only when the context offers a match);
 * ``draft``  — γ tokens from the draft model (it first feeds the tokens it has not seen);
-* ``medusa`` — the Medusa heads' tree on the target's last hidden state.
+* ``medusa`` — the Medusa heads' tree on the target's last hidden state (greedy one-call
+  steps with `medusa_decode`'s prompt-lookup branch merged into it).
 
 For each option the request keeps an exponentially weighted mean of the tokens a step
 emitted and of the seconds it took (measured here, so machine load, model size and
@@ -38,7 +39,7 @@ import torch
 from specops.decoder.clock import cost_clock, device_clock
 from specops.decoder.draft import _draft_block, check_vocab
 from specops.decoder.errors import InvalidRequestError
-from specops.decoder.medusa_decode import MedusaState, _verify_step, c_propose, c_step, c_steps
+from specops.decoder.medusa_decode import LOOKUP_BRANCH, MedusaState, _verify_step, c_propose, c_step, c_steps
 from specops.decoder.medusa_heads import HeadsLike
 from specops.decoder.ngram import NgramIndex
 from specops.decoder.runner import ModelRunner, prompt_forward
@@ -354,7 +355,7 @@ def generate_auto(
     catchup = estimates.catchup(draft, costs.draft_token_s)
     # greedy Medusa steps in one C call (`FastLlamaRunner.medusa_loop`); ``fresh``: the call's
     # candidates are those of the current hidden state and pending token (the last step was one)
-    medusa_c = c_steps(target, heads, medusa.num_heads, medusa.spec, None) if (
+    medusa_c = c_steps(target, heads, medusa.num_heads, medusa.spec, None, LOOKUP_BRANCH) if (
         medusa is not None and sampling.greedy) else None
     fresh = False
 
@@ -382,7 +383,7 @@ def generate_auto(
             result, caught_up = _draft_step(v, draft, gamma, sampling, generator, catchup)
             t_step += caught_up  # the catch-up is charged through switch_s, not the step's cost scale
         elif option == "medusa" and medusa_c is not None:
-            result, catch_up = _medusa_c_step(v, medusa, medusa_c, room, fresh)
+            result, catch_up = _medusa_c_step(v, medusa, medusa_c, room, fresh, index)
             t_step += catch_up  # the heads run again after another option: a switch, not the step's cost
         elif option == "medusa":
             result = _medusa_step(v, medusa, room, sampling, generator)
@@ -427,22 +428,26 @@ def _draft_step(v: TargetVerifier, draft: ModelRunner, gamma: int, sampling: Sam
     return result, caught_up
 
 
-def _medusa_c_step(v: TargetVerifier, state: MedusaState, steps, room: int,
-                   fresh: bool) -> tuple[StepResult, float]:
+def _medusa_c_step(v: TargetVerifier, state: MedusaState, steps, room: int, fresh: bool,
+                   index: NgramIndex) -> tuple[StepResult, float]:
     """`_medusa_step` for a greedy request on the fast runner, in one C call (`c_step`, which
-    ends with the heads' proposal for the next one); the heads run first only when the last
-    step was not such a step (``fresh`` False). Returns the result and the seconds that extra
-    proposal took (0 when fresh)."""
+    ends with the heads' proposal for the next one), with `generate_medusa`'s prompt-lookup
+    branch (full-length matches of ``index``, up to LOOKUP_BRANCH tokens); the heads run first
+    only when the last step was not such a step (``fresh`` False). Returns the result and the
+    seconds that extra proposal took (0 when fresh)."""
     target = v.target
-    step_spec = state.spec.limit(max_depth=room, max_nodes=target.max_context - target.cache_len)
+    space = target.max_context - target.cache_len
+    step_spec = state.spec.limit(max_depth=room, max_nodes=space)
     t0 = device_clock(v.device)
     if not fresh:
         assert v.hidden is not None
         c_propose(steps, state, v.hidden, v.tokens[-1])
+    cap = min(LOOKUP_BRANCH, room, space - step_spec.num_nodes, steps.max_nodes - step_spec.num_nodes)
+    branch = index.propose(0, cap) if cap > 0 else None
     t1 = device_clock(v.device)
-    accepted, next_tok, heads_s = c_step(steps, state, step_spec, v.tokens[-1], len(v.output))
+    accepted, next_tok, heads_s = c_step(steps, state, step_spec, v.tokens[-1], len(v.output), branch)
     v.hidden = steps.last_hidden()  # [E]
-    step = v.commit(accepted, next_tok, drafted=step_spec.depth)
+    step = v.commit(accepted, next_tok, drafted=max(step_spec.depth, len(branch) if branch else 0))
     t2 = device_clock(v.device)
     v.stats.draft_s += t1 - t0 + heads_s
     v.stats.verify_s += t2 - t1 - heads_s

@@ -559,20 +559,22 @@ class MedusaSteps:
         self.max_nodes = loop.max_nodes
         self._last = (1, 1)  # the last step's (tree nodes, accepted path length)
 
-    def step(self, tree: Tensor, root: int) -> tuple[list[int], float]:
+    def step(self, tree: Tensor, root: int, branch: list[int] | None = None) -> tuple[list[int], float]:
         """One step over ``tree`` ([4, N], `cpu_linear.medusa_tree_words`) rooted at ``root``
-        after the cached positions: returns [P, next token, the P - 1 accepted tokens, ...]
-        (read the first P + 1) and the heads' seconds; the cache then ends with the P
+        after the cached positions, with ``branch`` (tokens drafted after the root) merged into
+        it up to ``max_nodes`` nodes in all: returns [P, next token, the P - 1 accepted tokens,
+        ...] (read the first P + 1) and the heads' seconds; the cache then ends with the P
         accepted path's entries."""
         cache = self.runner.cache
         start, n = cache.length, tree.shape[1]
-        if n > self.max_nodes or start + n > self.runner.max_context:
-            raise ValueError(f"a tree of {n} nodes after {start} cached positions does not fit "
-                             f"(at most {self.max_nodes} nodes, context {self.runner.max_context})")
-        heads_s = self.loop.medusa_step(start, tree, root)
+        extra = len(branch) if branch else 0
+        if n > self.max_nodes or start + n + extra > self.runner.max_context:
+            raise ValueError(f"a tree of {n} nodes and a branch of {extra} after {start} cached positions does not "
+                             f"fit (at most {self.max_nodes} nodes, context {self.runner.max_context})")
+        heads_s, fed = self.loop.medusa_step(start, tree, root, branch)
         result = self.loop.result.tolist()
         cache.length = start + result[0]
-        self._last = (n, result[0])
+        self._last = (fed, result[0])
         return result, heads_s
 
     def last_hidden(self) -> Tensor:

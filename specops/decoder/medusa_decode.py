@@ -15,6 +15,11 @@ One step (Cai et al. 2024, arXiv 2401.10774, with SpecInfer-style lossless sampl
 
 Greedy steps on the fast runner with C-kernel heads run steps 1–4 and the next step's
 heads as one C call (`FastLlamaRunner.medusa_loop`, `c_step`): the same tokens and cache.
+Those steps also take a *prompt-lookup branch*: when the context's last three tokens
+occurred before (`ngram.NgramIndex`, full-length matches only), up to ``lookup_branch``
+tokens that followed them join the tree, merged into it as into a trie, so one forward
+verifies the heads' guesses and the repetition and the walk keeps the longer accepted
+path. Code and quoted text repeat themselves further than heads three deep can see.
 
 Each step therefore emits ``accepted + 1`` tokens for one target forward. The tree
 is the same at every step (chosen once per request, from the heads' measured
@@ -22,7 +27,7 @@ accuracy and the runner's measured verify cost when no tree is given), cut down 
 the end of the token budget or the context window.
 
 Stats: ``drafted`` counts tree *depth* positions speculated per step (like γ for a
-linear draft), ``accepted`` the accepted path length after the root; per-head
+linear draft; the branch's length when that is deeper), ``accepted`` the accepted path length after the root; per-head
 accuracy compares each head's top-1 guess with the token that was finally emitted at
 its position.
 """
@@ -43,6 +48,7 @@ from specops.decoder.runner import ModelRunner, prompt_forward
 from specops.decoder.sampling import SamplingConfig, next_token, probabilities
 from specops.decoder.clock import device_clock
 from specops.decoder.medusa_heads import HeadsLike, head_candidates
+from specops.decoder.ngram import NgramIndex
 from specops.decoder.request import check_deadline, check_room, eos_cut, eos_set, prompt_list, stop_reason
 from specops.decoder.stats import DecodeStats
 from specops.decoder.tree import TreeBuffers, TreeError, TreeSpec, build_buffers, resolve_tree
@@ -54,9 +60,12 @@ from specops.decoder.tree_verify import (
     verify_tree_sampling,
     verify_tree_typical,
 )
+from specops.decoder.fast_llama import C_LAYERS_MAX_T
 from specops.kernels import cpu_linear
 
 logger = logging.getLogger(__name__)
+
+LOOKUP_BRANCH = 4  # default most tokens of the prompt-lookup branch a greedy one-call step adds to its tree
 
 
 class MedusaState:
@@ -143,6 +152,7 @@ def generate_medusa(
     tree: str | TreeSpec | Sequence[Sequence[int]] | None = None,
     typical: bool | TypicalAcceptance | None = None,
     deadline_s: float | None = None,
+    lookup_branch: int = LOOKUP_BRANCH,
 ) -> tuple[list[int], DecodeStats]:
     """Decode up to ``max_new_tokens`` tokens with Medusa tree speculation.
 
@@ -152,8 +162,14 @@ def generate_medusa(
     most n nodes, root included (a policy's ``tree_size`` bound; the plan may be smaller).
     ``typical``: LOSSY typical acceptance instead of exact rejection sampling (only with
     temperature > 0). ``deadline_s``: past it every step verifies the root alone, i.e. plain decoding on the same cache
-    (``stats.fallback_reason == "deadline"``).
+    (``stats.fallback_reason == "deadline"``). ``lookup_branch``: greedy steps on the fast
+    runner's one-call path add, when the context's last `ngram.NgramIndex` ``max_ngram``
+    tokens occurred before, up to this many tokens that followed them as one more branch of
+    the step's tree (merged into it as into a trie: the same forward verifies both, the walk
+    keeps the longer accepted path); 0: the heads' tree alone. Exact either way.
     """
+    if isinstance(lookup_branch, bool) or not isinstance(lookup_branch, int) or lookup_branch < 0:
+        raise InvalidRequestError(f"lookup_branch must be an integer >= 0, got {lookup_branch!r}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     deadline = None if deadline_s is None else time.perf_counter() + check_deadline(deadline_s)
@@ -203,9 +219,13 @@ def generate_medusa(
     stats.record_emitted(1)
 
     # greedy on the fast runner: every step in one C call (`FastLlamaRunner.medusa_loop`), same tokens
-    steps = c_steps(target, heads, k, spec, planner) if sampling.greedy and typical is None else None
+    steps = c_steps(target, heads, k, spec, planner, lookup_branch) if sampling.greedy and typical is None else None
+    index = None  # the prompt-lookup branch's n-gram index over prompt + output
     if steps is not None:
         c_propose(steps, state, hidden, root)
+        if lookup_branch:
+            index = NgramIndex()
+            index.extend(prompt + output)
     while len(output) < budget and output[-1] not in eos:
         remaining = budget - len(output)
         room = limit - target.cache_len  # >= remaining + 1 by the budget clamp
@@ -219,8 +239,12 @@ def generate_medusa(
         if spec.depth > remaining - 1 or spec.num_nodes > room:
             step_spec = spec.limit(max_depth=remaining - 1, max_nodes=room)
         t0 = device_clock(device)
+        branch = None
         if steps is not None:
-            accepted_tokens, next_tok, draft_s = c_step(steps, state, step_spec, root, len(output))
+            if index is not None:
+                cap = min(lookup_branch, remaining - 1, room - step_spec.num_nodes, steps.max_nodes - step_spec.num_nodes)
+                branch = index.propose(0, cap) if cap > 0 else None  # full-length matches only
+            accepted_tokens, next_tok, draft_s = c_step(steps, state, step_spec, root, len(output), branch)
         else:
             tree_tokens, buffers = state.propose(hidden, step_spec, root, len(output) - 1)  # [N]
             draft_s = device_clock(device) - t0
@@ -228,16 +252,18 @@ def generate_medusa(
             path = step.verification.path
             accepted_tokens, next_tok = tree_tokens[path[1:]].tolist(), step.verification.next_token
             hidden = step.hidden
-        drafted, accepted = step_spec.depth, len(accepted_tokens)
+        drafted, accepted = max(step_spec.depth, len(branch) if branch else 0), len(accepted_tokens)
         new = eos_cut(accepted_tokens + [next_tok], eos)
         if len(new) <= accepted:  # EOS was an accepted candidate: the deeper positions are void
             drafted = accepted = len(new)
         root = new[-1]
         output.extend(new)
+        if index is not None:
+            index.extend(new)
         t2 = device_clock(device)
         stats.draft_s += draft_s
         stats.verify_s += t2 - t0 - draft_s
-        if planner is not None and step_spec.num_nodes == spec.num_nodes:  # the whole tree ran: a clean timing
+        if planner is not None and step_spec.num_nodes == spec.num_nodes and not branch:  # a clean timing of the tree
             planner.observe(spec.num_nodes, t2 - t0)
         stats.target_forwards += 1
         stats.record_step(drafted, accepted)
@@ -248,10 +274,12 @@ def generate_medusa(
     return output, stats
 
 
-def c_steps(target: ModelRunner, heads: HeadsLike, k: int, spec: TreeSpec, planner: TreePlanner | None):
+def c_steps(target: ModelRunner, heads: HeadsLike, k: int, spec: TreeSpec, planner: TreePlanner | None,
+            branch: int = 0):
     """The runner's one-call greedy steps (`FastLlamaRunner.medusa_loop`) for every tree this
-    request may use, or None where the runner or the heads lack them (then each step proposes and
-    verifies from Python)."""
+    request may use, with room for ``branch`` more nodes where the C layer stack allows, or
+    None where the runner or the heads lack them (then each step proposes and verifies from
+    Python)."""
     make, weights_for = getattr(target, "medusa_loop", None), getattr(heads, "kernel_weights", None)
     if make is None or weights_for is None:
         return None
@@ -260,7 +288,8 @@ def c_steps(target: ModelRunner, heads: HeadsLike, k: int, spec: TreeSpec, plann
     weights = weights_for(k, top_k)
     if weights is None:
         return None
-    return make(weights, k, top_k, max(s.num_nodes for s in specs))
+    nodes = max(s.num_nodes for s in specs)
+    return make(weights, k, top_k, max(nodes, min(nodes + branch, C_LAYERS_MAX_T)))
 
 
 @functools.lru_cache(maxsize=256)
@@ -279,15 +308,17 @@ def c_propose(steps, state: MedusaState, hidden: Tensor, root: int) -> None:
     steps.cands.copy_(cands.reshape(-1))
 
 
-def c_step(steps, state: MedusaState, spec: TreeSpec, root: int, at: int) -> tuple[list[int], int, float]:
-    """One greedy step over ``spec`` rooted at ``root`` in one C call (`MedusaSteps.step`), its
-    heads' top-1 guesses logged for output positions ``at`` on. Returns the accepted tokens,
-    the next token and the heads' seconds (the next step's proposal, made in the same call)."""
+def c_step(steps, state: MedusaState, spec: TreeSpec, root: int, at: int,
+           branch: list[int] | None = None) -> tuple[list[int], int, float]:
+    """One greedy step over ``spec`` rooted at ``root`` in one C call (`MedusaSteps.step`), with
+    ``branch`` (tokens drafted after the root) merged into the tree, its heads' top-1 guesses
+    logged for output positions ``at`` on. Returns the accepted tokens, the next token and the
+    heads' seconds (the next step's proposal, made in the same call)."""
     tk = steps.top_k
     if spec.depth:
         top1 = steps.cands.tolist()
         state.head_guesses.extend((at + d, d, top1[d * tk]) for d in range(spec.depth))
-    result, heads_s = steps.step(c_tree(spec, tk), root)
+    result, heads_s = steps.step(c_tree(spec, tk), root, branch)
     return result[2 : 1 + result[0]], result[1], heads_s
 
 

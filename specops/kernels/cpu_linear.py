@@ -103,7 +103,8 @@ def _setup(lib: ctypes.CDLL) -> None:
     step = lib.specops_medusa_step
     step.restype = ctypes.c_int
     step.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                     ctypes.c_void_p]
     chain = lib.specops_chain_verify
     chain.restype = ctypes.c_int
     chain.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
@@ -749,13 +750,14 @@ class StepLoop:
             raise ValueError("StepLoop: the embedding must be contiguous fp32")
         per_node = 2 * e + vocab + 2 * head_dim + (heads + 2 * kv_heads) * head_dim + heads * head_dim + 2 * intermediate
         self._buf = torch.empty(max_nodes * per_node, dtype=torch.float32)
-        self._work = torch.empty(3 * max_nodes, dtype=torch.int64)
+        self._work = torch.empty(6 * max_nodes, dtype=torch.int64)
         k = num_heads if weights is not None else 0
         self.cands = torch.zeros(max(k, 1) * top_k, dtype=torch.int64)  # [K * TK] the next tree's candidates
         self.result = torch.zeros(max_nodes + 2, dtype=torch.int64)  # [P, next, accepted tokens...]
         self._heads_s = ctypes.c_double(0.0)
         self._tokens = (ctypes.c_int64 * max_nodes)()
         self._pair = (ctypes.c_int64 * 2)()
+        self._nodes = ctypes.c_int64(0)
         self._keep = (table, embed, cos, sin, norm, head, head_bias, weights)
         self.top_k, self.max_nodes, self.num_heads, self.hidden_size = top_k, max_nodes, k, e
         m = _StepLoopArgs()
@@ -782,22 +784,30 @@ class StepLoop:
         self._medusa = _kernel.lib.specops_medusa_step
         self._chain = _kernel.lib.specops_chain_verify
         self._ptrs = (ctypes.addressof(m), self.cands.data_ptr(), self.result.data_ptr(), ctypes.addressof(self._heads_s),
-                      ctypes.addressof(self._tokens), ctypes.addressof(self._pair))
+                      ctypes.addressof(self._tokens), ctypes.addressof(self._pair), ctypes.addressof(self._nodes))
 
-    def medusa_step(self, start: int, tree: Tensor, root: int) -> float:
+    def medusa_step(self, start: int, tree: Tensor, root: int, branch: list[int] | None = None) -> tuple[float, int]:
         """One Medusa step after ``start`` cached positions over the tree ``tree`` ([4, N]
-        int64: see `medusa_tree_words`) rooted at ``root``; `result` then holds [P, next, the
-        P - 1 accepted tokens] and `cands` the next candidates. Returns the seconds the heads
-        took. The cache gains the P path entries at start..start+P-1 (the caller sets its length)."""
+        int64: see `medusa_tree_words`) rooted at ``root``, with ``branch`` (drafted tokens after
+        the root, e.g. a prompt-lookup match) merged into it as into a trie, as far as
+        ``max_nodes`` allows; `result` then holds [P, next, the P - 1 accepted tokens] and
+        `cands` the next candidates. Returns the seconds the heads took and the nodes the step
+        fed (N plus the branch's new ones). The cache gains the P path entries at
+        start..start+P-1 (the caller sets its length)."""
         if self.num_heads == 0:
             raise ValueError("StepLoop: built without Medusa heads")
         args, cands, result, heads_s = self._ptrs[:4]
-        rc = self._medusa(args, start, tree.shape[1], tree.data_ptr(), root, cands, result, heads_s)
+        m = 0
+        if branch:
+            m = min(len(branch), self.max_nodes)
+            self._tokens[:m] = branch[:m]
+        rc = self._medusa(args, start, tree.shape[1], tree.data_ptr(), root, cands, result, heads_s,
+                          self._ptrs[4] if m else None, m, self._ptrs[6])
         if rc == 3:
             raise ValueError("StepLoop: a token id or the tree size out of range")
         if rc != 0:
             raise MemoryError(f"CPU Medusa step failed (code {rc})")
-        return self._heads_s.value
+        return self._heads_s.value, self._nodes.value
 
     def chain_verify(self, start: int, tokens: list[int]) -> tuple[int, int]:
         """The forward over ``tokens`` (the pending token, then the drafted ones) after ``start``

@@ -1436,7 +1436,13 @@ int specops_medusa_candidates(const float *hidden, int64_t R, int64_t E, const i
  * tree [4, N] int64: src (src[0] unused), depth, parent (-1 for the root), words. result
  * [N + 2]: the path's length P, the next token, then the P - 1 accepted tokens. heads_s: the
  * seconds step 5 took (CLOCK_MONOTONIC). Returns 0, 2 (no memory), 3 (a token id or N out of
- * range; nothing written to the cache). */
+ * range; nothing written to the cache).
+ * branch [M] (M >= 0; NULL when M == 0): a drafted continuation of the root (a prompt-lookup
+ * match) merged into the tree before step 2 as into a trie: from the root, follow the child
+ * whose token is the branch's next token while there is one, then append the rest as a chain
+ * (nodes N, N + 1, ... after the tree's, depth and ancestor words extended), as far as
+ * max_nodes allows. Siblings keep distinct tokens, so the walk's path is the longest accepted
+ * one. *nodes: the nodes the step fed (N plus the appended ones; the hidden and logit rows). */
 typedef struct { /* a batch-1 fast runner's target (and Medusa heads) for the one-call steps below */
     const LayerWeights *layers;
     int64_t n_layers;
@@ -1458,24 +1464,47 @@ typedef struct { /* a batch-1 fast runner's target (and Medusa heads) for the on
     const int64_t *ids;
     int64_t TK, threads, max_nodes;
     float *buf; /* max_nodes * (2 E + V + 2 D + (Hq + 2 Hkv) D + Hq D + 2 I) floats */
-    int64_t *work; /* 3 * max_nodes: tokens, argmax, path */
+    int64_t *work; /* 6 * max_nodes: tokens, argmax, path, then the step's depth, parent, words */
 } StepLoop;
 
 int specops_medusa_step(const StepLoop *m, int64_t start, int64_t N, const int64_t *tree, int64_t root,
-                        int64_t *cands, int64_t *result, double *heads_s) {
-    if (N < 1 || N > m->max_nodes || N > 64 || root < 0 || root >= m->n_embed) return 3;
-    const int64_t E = m->E, D = m->D, V = m->V;
-    const int64_t *src = tree, *depth = tree + N, *parent = tree + 2 * N;
-    const uint64_t *words = (const uint64_t *)(tree + 3 * N);
+                        int64_t *cands, int64_t *result, double *heads_s, const int64_t *branch, int64_t M,
+                        int64_t *nodes) {
+    if (N < 1 || N > m->max_nodes || N > 64 || root < 0 || root >= m->n_embed || M < 0) return 3;
+    const int64_t E = m->E, D = m->D, V = m->V, cap = m->max_nodes < 64 ? m->max_nodes : 64;
+    const int64_t *src = tree;
     int64_t *tokens = m->work, *choice = m->work + m->max_nodes, *path = m->work + 2 * m->max_nodes;
-    float *x = m->buf, *hidden = x + N * E, *logits = hidden + N * E, *cs = logits + N * V, *sn = cs + N * D;
-    float *scratch = sn + N * D;
+    int64_t *depth = m->work + 3 * m->max_nodes, *parent = m->work + 4 * m->max_nodes;
+    uint64_t *words = (uint64_t *)(m->work + 5 * m->max_nodes);
+    memcpy(depth, tree + N, sizeof(int64_t) * (size_t)N);
+    memcpy(parent, tree + 2 * N, sizeof(int64_t) * (size_t)N);
+    memcpy(words, tree + 3 * N, sizeof(uint64_t) * (size_t)N);
     tokens[0] = root;
     for (int64_t j = 1; j < N; j++) {
         if (src[j] < 0 || src[j] >= m->K * m->TK) return 3;
         tokens[j] = cands[src[j]];
         if (tokens[j] < 0 || tokens[j] >= m->n_embed) return 3;
     }
+    for (int64_t i = 0; i < M; i++)
+        if (branch[i] < 0 || branch[i] >= m->n_embed) return 3;
+    for (int64_t i = 0, at = 0; i < M; i++) { /* the branch into the tree, as into a trie */
+        int64_t child = -1;
+        for (int64_t c = at + 1; c < N; c++)
+            if (parent[c] == at && tokens[c] == branch[i]) {
+                child = c;
+                break;
+            }
+        if (child < 0) {
+            if (N == cap) break;
+            child = N++;
+            tokens[child] = branch[i], depth[child] = depth[at] + 1, parent[child] = at;
+            words[child] = words[at] | ((uint64_t)1 << child);
+        }
+        at = child;
+    }
+    *nodes = N;
+    float *x = m->buf, *hidden = x + N * E, *logits = hidden + N * E, *cs = logits + N * V, *sn = cs + N * D;
+    float *scratch = sn + N * D;
     for (int64_t j = 0; j < N; j++) {
         memcpy(x + j * E, m->embed + tokens[j] * E, sizeof(float) * (size_t)E);
         memcpy(cs + j * D, m->cos_tab + (start + depth[j]) * D, sizeof(float) * (size_t)D);

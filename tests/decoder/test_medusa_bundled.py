@@ -56,6 +56,22 @@ def test_bundled_medusa_is_exact_and_accepts(bundled):
     assert tokens / forwards > 1.8, tokens / forwards
 
 
+def test_the_lookup_branch_accepts_repetitions_the_heads_cannot_see(bundled):
+    """On code the prompt-lookup branch is accepted deeper than the three heads guess, so the
+    same prompts take fewer target forwards; the output stays plain decoding's."""
+    forwards = {0: 0, 4: 0}
+    deep = {0: 0, 4: 0}  # accepted tokens past the heads' depth: only the branch proposes those
+    for prompt in code_prompts(bundled, 8):
+        ar = bundled.generate(prompt, method="ar", max_new_tokens=64)
+        for branch in (0, 4):
+            med = bundled.generate(prompt, method="medusa", max_new_tokens=64, tree="small", lookup_branch=branch)
+            assert med.tokens == ar.tokens, branch
+            forwards[branch] += med.stats.target_forwards
+            deep[branch] += sum(med.stats.accepted_per_pos[bundled.medusa.num_heads:])
+    assert deep[0] == 0 and deep[4] > 0, deep
+    assert forwards[4] < 0.95 * forwards[0], forwards
+
+
 def test_the_heads_kernel_path_proposes_what_fp32_heads_propose(bundled):
     """The C-kernel heads read bf16 weights where the kernel can (half the bytes per proposal); their
     logits stay within bf16 rounding of the fp32 torch path's, and their top-3 per head are the same

@@ -10,13 +10,19 @@ from specops.decoder.errors import InvalidRequestError
 from specops.decoder.ngram import NgramIndex, lookup
 
 
-def brute_force(context: list[int], gamma: int, max_ngram: int, min_ngram: int) -> list[int]:
-    """Reference: scan for the latest earlier occurrence of the longest suffix n-gram."""
+def brute_force(context: list[int], gamma: int, max_ngram: int, min_ngram: int,
+                full_match_gamma: int | None = None) -> list[int]:
+    """Reference: scan for the latest earlier occurrence of the longest suffix n-gram and read
+    what follows it in the context extended by the proposal itself (a repetition goes on)."""
     for n in range(min(max_ngram, len(context)), min_ngram - 1, -1):
         suffix = context[-n:]
         for start in range(len(context) - n - 1, -1, -1):  # occurrence must end before the last token
             if context[start : start + n] == suffix:
-                return context[start + n : start + n + gamma]
+                want = full_match_gamma if n == max_ngram and full_match_gamma is not None else gamma
+                extended = list(context)
+                for k in range(want):
+                    extended.append(extended[start + n + k])
+                return extended[len(context):]
     return []
 
 
@@ -35,12 +41,28 @@ def test_longest_ngram_wins_over_a_more_recent_shorter_one():
 def test_no_match_and_no_self_match():
     assert lookup([1, 2, 3, 4], gamma=3) == []
     assert lookup([7], gamma=3) == []
-    assert lookup([4, 4], gamma=3) == [4]  # the first 4 is followed by the second
+    assert lookup([4, 4], gamma=1) == [4]  # the first 4 is followed by the second
 
 
-def test_short_continuations_and_zero_gamma():
-    assert lookup([1, 2, 1], gamma=5) == [2, 1]  # only two tokens follow the match
+def test_a_continuation_that_reaches_the_end_repeats_its_period():
+    assert lookup([1, 2, 1], gamma=5) == [2, 1, 2, 1, 2]  # "1 2" repeating: period 2
+    assert lookup([3, 4, 5, 9, 3, 4, 5], gamma=6, max_ngram=3) == [9, 3, 4, 5, 9, 3]
+    assert lookup([7, 7], gamma=3) == [7, 7, 7]
     assert lookup([1, 2, 1], gamma=0) == []
+
+
+def test_a_full_length_match_drafts_full_match_gamma():
+    ctx = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]
+    index = NgramIndex(max_ngram=3)
+    index.extend(ctx)
+    assert index.propose(2, full_match_gamma=5) == [4, 5, 6, 7, 8]
+    assert index.propose(0, full_match_gamma=3) == [4, 5, 6]  # full-length matches only
+    ctx2 = [1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 2, 3]  # only "2 3" matches
+    index2 = NgramIndex(max_ngram=3)
+    index2.extend(ctx2)
+    assert index2.propose(2, full_match_gamma=5) == [4, 5]
+    assert index2.propose(0, full_match_gamma=5) == []
+    assert lookup([5, 6, 7], gamma=2, full_match_gamma=5) == []
 
 
 def test_min_ngram_limits_short_matches():
@@ -60,11 +82,12 @@ def test_bad_ngram_sizes(kwargs):
     chunks=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=6), min_size=1, max_size=8),
     gamma=st.integers(1, 6),
     max_ngram=st.integers(1, 4),
+    full=st.one_of(st.none(), st.integers(0, 12)),
 )
-def test_incremental_index_equals_brute_force_after_every_append(chunks, gamma, max_ngram):
+def test_incremental_index_equals_brute_force_after_every_append(chunks, gamma, max_ngram, full):
     index = NgramIndex(max_ngram=max_ngram, min_ngram=1)
     context: list[int] = []
     for chunk in chunks:
         index.extend(chunk)
         context.extend(chunk)
-        assert index.propose(gamma) == brute_force(context, gamma, max_ngram, 1)
+        assert index.propose(gamma, full) == brute_force(context, gamma, max_ngram, 1, full)

@@ -50,9 +50,12 @@ class Counting:
         self.calls = 0
         step = MedusaSteps.step
 
-        def counted(steps, tree, root):
+        def counted(steps, tree, root, branch=None):
             self.calls += 1
-            return step(steps, tree, root)
+            self.branches += bool(branch)
+            return step(steps, tree, root, branch)
+
+        self.branches = 0
 
         monkeypatch.setattr(MedusaSteps, "step", counted)
 
@@ -79,7 +82,7 @@ def test_c_steps_equal_the_step_by_step_loop(case, monkeypatch):
         prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 12))]
         tree = trees[i % len(trees)]
         kwargs = dict(max_new_tokens=rng.randint(1, 60), num_heads=rng.randint(1, 3) if isinstance(tree, str) else 3,
-                      tree=tree, eos_token_id=None)
+                      tree=tree, eos_token_id=None, lookup_branch=0)  # the step-by-step loop has no lookup branch
         if i % 4 == 0:  # an EOS id the output reaches (a token of its plain continuation)
             plain, _ = generate_ar(runner, torch.tensor([prompt]), sampling=GREEDY, generator=make_generator(0),
                                    max_new_tokens=kwargs["max_new_tokens"])
@@ -101,6 +104,63 @@ def test_c_steps_equal_the_step_by_step_loop(case, monkeypatch):
         accepted += stats.accepted
     assert counter.calls > 200 and accepted > 100, (counter.calls, accepted)
     assert all(stops.values()), stops  # EOS, the context's end and the budget all occurred
+
+
+def test_the_lookup_branch_is_exact(case, monkeypatch):
+    """Greedy output with the prompt-lookup branch equals plain decoding, for fixed trees, EOS,
+    budgets and the context's end (its acceptance on real text: test_medusa_bundled)."""
+    runner, heads = case
+    counter = Counting(monkeypatch)
+    rng = random.Random(8)
+    trees = ["chain", "small", [(0,), (1,), (0, 0)], "medium"]
+    stops = set()
+    for i in range(40):
+        unit = [rng.randrange(VOCAB) for _ in range(rng.randint(2, 6))]
+        prompt = (unit * 4)[: rng.randint(8, 20)]  # repeats: full 3-gram matches from the first step
+        kwargs = dict(max_new_tokens=rng.randint(20, 60), tree=trees[i % len(trees)], eos_token_id=None)
+        ar, _ = generate_ar(runner, torch.tensor([prompt]), sampling=GREEDY, generator=make_generator(0),
+                            max_new_tokens=kwargs["max_new_tokens"])
+        if i % 5 == 0:
+            kwargs["eos_token_id"] = ar[rng.randrange(len(ar))]
+            ar = ar[: ar.index(kwargs["eos_token_id"]) + 1]
+        for branch in (0, 8):
+            got, stats, _ = run(runner, heads, prompt, lookup_branch=branch, **kwargs)
+            assert got == ar, (i, branch, kwargs)
+            assert stats.new_tokens == len(got)
+            stops.add(stats.stop_reason)
+    assert counter.branches >= 8, counter.branches
+    assert stops == {"eos", "max_new_tokens", "context"}, stops
+
+
+def test_a_branch_merges_into_the_tree_like_a_trie(case):
+    runner, heads = case
+    runner.reset(1)
+    runner.forward(torch.tensor([[1, 2, 3]]))
+    k, tk = 2, 2
+    steps = runner.medusa_loop(heads.kernel_weights(k, tk), k, tk, 8)
+    tree = medusa_decode.c_tree(preset("chain", k), tk)  # root, head 0's top-1, head 1's top-1 under it
+    n = tree.shape[1]
+    assert n == 3
+    fed = []
+    for branch in ("empty", "none", "top1", "top1+", "other", "long"):
+        runner.cache.length = 3
+        cands = steps.cands.tolist()
+        top1 = [cands[0], cands[tk]]
+        other = next(t for t in range(VOCAB) if t not in (cands[0], cands[1]))
+        tokens = {"empty": [], "none": None, "top1": top1, "top1+": top1 + [5, 6], "other": [other, 7],
+                  "long": [other] * 12}[branch]
+        snapshot = steps.cands.clone()
+        steps.step(tree, 4, tokens)
+        fed.append(steps._last[0])
+        steps.cands.copy_(snapshot)  # the same candidates for every case
+    # no branch; the heads' own chain (merged: no new node); two more under it; a new child of the
+    # root and its child; a long one cut at max_nodes
+    assert fed == [n, n, n, n + 2, n + 2, 8], fed
+    with pytest.raises(ValueError, match="out of range"):
+        steps.step(tree, 4, [VOCAB])
+    runner.cache.length = runner.max_context - 4
+    with pytest.raises(ValueError, match="does not fit"):
+        steps.step(tree, 4, [1, 2])
 
 
 def test_planned_trees_and_the_deadline_take_the_c_steps(case, monkeypatch):
@@ -139,6 +199,9 @@ def test_a_bad_tree_or_token_is_refused_before_the_cache_changes(case):
     for root in (-1, VOCAB):
         with pytest.raises(ValueError, match="out of range"):
             steps.step(tree, root)
+    for branch in ([VOCAB], [1, -1]):
+        with pytest.raises(ValueError, match="out of range"):
+            steps.step(tree, 1, branch)
     steps.cands.fill_(VOCAB + 5)  # candidates no embedding row holds
     with pytest.raises(ValueError, match="out of range"):
         steps.step(tree, 1)
@@ -234,9 +297,9 @@ def test_auto_runs_its_greedy_medusa_steps_in_one_call(case, monkeypatch):
     fresh_calls = []
     c_step = auto._medusa_c_step
 
-    def spy(v, state, steps, room, fresh):
+    def spy(v, state, steps, room, fresh, index):
         fresh_calls.append(fresh)
-        return c_step(v, state, steps, room, fresh)
+        return c_step(v, state, steps, room, fresh, index)
 
     monkeypatch.setattr(auto, "_medusa_c_step", spy)
     rng = random.Random(3)
