@@ -50,6 +50,8 @@ class FeedItem:
 class ItemOutput:
     logits: Tensor  # [r, V] float32
     hidden: Tensor | None  # [r, E]
+    step_logits: Tensor | None = None  # the step's whole [R, V] logits, ``logits`` its rows row0..row0+r-1
+    row0: int = 0
 
 
 def _split_outputs(items: list[FeedItem], logits: Tensor, hidden: Tensor | None) -> list[ItemOutput]:
@@ -58,7 +60,7 @@ def _split_outputs(items: list[FeedItem], logits: Tensor, hidden: Tensor | None)
     r0 = 0
     for it in items:
         r = len(it.rows)
-        outs.append(ItemOutput(logits[r0 : r0 + r], None if hidden is None else hidden[r0 : r0 + r]))
+        outs.append(ItemOutput(logits[r0 : r0 + r], None if hidden is None else hidden[r0 : r0 + r], logits, r0))
         r0 += r
         it.kv.computed += len(it.tokens)
     return outs

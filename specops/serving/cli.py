@@ -62,8 +62,9 @@ def quiet_omp_spin(environ: MutableMapping[str, str] | None = None) -> bool:
               help="Most sequences in one engine step.")
 @click.option("--max-queue", type=click.IntRange(0, 100_000), default=256, show_default=True,
               help="Requests waiting beyond --max-batch before 429.")
-@click.option("--kv-cache-mb", type=click.FloatRange(min=1.0), default=64.0, show_default=True,
-              help="Memory budget of the paged KV cache.")
+@click.option("--kv-cache-mb", type=click.FloatRange(min=1.0), default=None,
+              help="Memory budget of the paged KV cache (target and draft) [default: --max-batch sequences "
+                   "at the model's full context, twice over; the second half keeps the prefix cache].")
 @click.option("--api-key-env", default=None, metavar="VAR",
               help="Require 'Authorization: Bearer <key>' with the key read from this environment variable.")
 @click.option("--served-model-name", default=None, help="Model id in the API (default: 'bundled' or the folder name).")

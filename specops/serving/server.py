@@ -42,7 +42,7 @@ class ServeConfig:
     port: int = 8000
     max_batch: int = 16
     max_queue: int = 256
-    kv_cache_mb: float = 64.0
+    kv_cache_mb: float | None = None  # None: `engine.auto_kv_cache_mb`
     api_key: str | None = None
     served_model_name: str | None = None
     reconcile_s: float = 5.0

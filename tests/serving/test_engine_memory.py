@@ -195,3 +195,17 @@ def test_prefix_cache_reuses_prompt_blocks_and_stays_exact(dec):
         assert got[rid] == dec.generate(p, method="ar", max_new_tokens=12).tokens, rid
     assert eng.pool.num_used == 0 and eng.pool.cache_hits == 7 + 7 + 2
 
+
+
+def test_the_default_budget_holds_a_full_batch_at_full_context_twice(dec):
+    from specops.serving.batch_forward import bytes_per_token
+    from specops.serving.engine import auto_kv_cache_mb
+
+    per_slot = bytes_per_token(dec.target) + bytes_per_token(dec.draft)
+    assert auto_kv_cache_mb(per_slot, 4, 128) == 2 * 4 * 128 * per_slot / 2**20
+    eng = Engine(dec, max_batch=4, kv_cache_mb=None, block_size=8, calibrate=False)
+    assert eng.pool.capacity_slots == 2 * 4 * dec.target.max_context
+    assert eng.kv_bytes == 2 * 4 * dec.target.max_context * per_slot
+    for bad in (0, -1.0, True, "64"):
+        with pytest.raises(ValueError, match="kv_cache_mb"):
+            Engine(dec, max_batch=4, kv_cache_mb=bad, calibrate=False)
