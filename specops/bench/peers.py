@@ -179,7 +179,6 @@ class ChainedAR:
 
     def run(self, prompt_ids: Sequence[int], *, max_new_tokens: int, temperature: float, seed: int) -> MethodRun:
         if temperature > 0:
-            self.plain.eos_token_id = self.eos_token_id
             return self.plain.run(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
         from specops.decoder.request import check_room, eos_set
         from specops.decoder.runner import prompt_forward

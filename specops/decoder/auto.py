@@ -39,7 +39,8 @@ import torch
 from specops.decoder.clock import cost_clock, device_clock
 from specops.decoder.draft import _draft_block, check_vocab
 from specops.decoder.errors import InvalidRequestError
-from specops.decoder.medusa_decode import LOOKUP_BRANCH, MedusaState, _verify_step, c_propose, c_step, c_steps
+from specops.decoder.medusa_decode import (LOOKUP_BRANCH, MedusaState, _verify_step, c_branch, c_propose, c_step,
+                                           c_steps)
 from specops.decoder.medusa_heads import HeadsLike
 from specops.decoder.ngram import NgramIndex
 from specops.decoder.runner import ModelRunner, prompt_forward
@@ -442,12 +443,11 @@ def _medusa_c_step(v: TargetVerifier, state: MedusaState, steps, room: int, fres
     if not fresh:
         assert v.hidden is not None
         c_propose(steps, state, v.hidden, v.tokens[-1])
-    cap = min(LOOKUP_BRANCH, room, space - step_spec.num_nodes, steps.max_nodes - step_spec.num_nodes)
-    branch = index.propose(0, cap) if cap > 0 else None
+    branch = c_branch(index, steps, step_spec, LOOKUP_BRANCH, room, space)
     t1 = device_clock(v.device)
-    accepted, next_tok, heads_s = c_step(steps, state, step_spec, v.tokens[-1], len(v.output), branch)
+    accepted, next_tok, heads_s, drafted = c_step(steps, state, step_spec, v.tokens[-1], len(v.output), branch)
     v.hidden = steps.last_hidden()  # [E]
-    step = v.commit(accepted, next_tok, drafted=max(step_spec.depth, len(branch) if branch else 0))
+    step = v.commit(accepted, next_tok, drafted=drafted)
     t2 = device_clock(v.device)
     v.stats.draft_s += t1 - t0 + heads_s
     v.stats.verify_s += t2 - t1 - heads_s

@@ -239,12 +239,9 @@ def generate_medusa(
         if spec.depth > remaining - 1 or spec.num_nodes > room:
             step_spec = spec.limit(max_depth=remaining - 1, max_nodes=room)
         t0 = device_clock(device)
-        branch = None
         if steps is not None:
-            if index is not None:
-                cap = min(lookup_branch, remaining - 1, room - step_spec.num_nodes, steps.max_nodes - step_spec.num_nodes)
-                branch = index.propose(0, cap) if cap > 0 else None  # full-length matches only
-            accepted_tokens, next_tok, draft_s = c_step(steps, state, step_spec, root, len(output), branch)
+            branch = c_branch(index, steps, step_spec, lookup_branch, remaining - 1, room)
+            accepted_tokens, next_tok, draft_s, drafted = c_step(steps, state, step_spec, root, len(output), branch)
         else:
             tree_tokens, buffers = state.propose(hidden, step_spec, root, len(output) - 1)  # [N]
             draft_s = device_clock(device) - t0
@@ -252,7 +249,8 @@ def generate_medusa(
             path = step.verification.path
             accepted_tokens, next_tok = tree_tokens[path[1:]].tolist(), step.verification.next_token
             hidden = step.hidden
-        drafted, accepted = max(step_spec.depth, len(branch) if branch else 0), len(accepted_tokens)
+            branch, drafted = None, step_spec.depth
+        accepted = len(accepted_tokens)
         new = eos_cut(accepted_tokens + [next_tok], eos)
         if len(new) <= accepted:  # EOS was an accepted candidate: the deeper positions are void
             drafted = accepted = len(new)
@@ -308,18 +306,29 @@ def c_propose(steps, state: MedusaState, hidden: Tensor, root: int) -> None:
     steps.cands.copy_(cands.reshape(-1))
 
 
+def c_branch(index: NgramIndex | None, steps, spec: TreeSpec, most: int, drafts: int, space: int) -> list[int] | None:
+    """The prompt-lookup branch of a one-call step over ``spec``: ``index``'s full-length match
+    (None: no branch), at most ``most`` tokens, ``drafts`` (what the budget lets a step draft)
+    and what the context's ``space`` positions and the step loop's nodes leave beside the tree."""
+    cap = min(most, drafts, space - spec.num_nodes, steps.max_nodes - spec.num_nodes)
+    if index is None or cap <= 0:
+        return None
+    return index.propose(0, cap) or None
+
+
 def c_step(steps, state: MedusaState, spec: TreeSpec, root: int, at: int,
-           branch: list[int] | None = None) -> tuple[list[int], int, float]:
+           branch: list[int] | None = None) -> tuple[list[int], int, float, int]:
     """One greedy step over ``spec`` rooted at ``root`` in one C call (`MedusaSteps.step`), with
-    ``branch`` (tokens drafted after the root) merged into the tree, its heads' top-1 guesses
-    logged for output positions ``at`` on. Returns the accepted tokens, the next token and the
-    heads' seconds (the next step's proposal, made in the same call)."""
+    ``branch`` (tokens drafted after the root, `c_branch`) merged into the tree, its heads' top-1
+    guesses logged for output positions ``at`` on. Returns the accepted tokens, the next token,
+    the heads' seconds (the next step's proposal, made in the same call) and the positions it
+    drafted (the tree's depth, or the branch's length when that is deeper)."""
     tk = steps.top_k
     if spec.depth:
         top1 = steps.cands.tolist()
         state.head_guesses.extend((at + d, d, top1[d * tk]) for d in range(spec.depth))
     result, heads_s = steps.step(c_tree(spec, tk), root, branch)
-    return result[2 : 1 + result[0]], result[1], heads_s
+    return result[2 : 1 + result[0]], result[1], heads_s, max(spec.depth, len(branch) if branch else 0)
 
 
 @dataclass
