@@ -14,7 +14,8 @@ For each option the request keeps an exponentially weighted mean of the tokens a
 emitted and of the seconds it took (measured here, so machine load, model size and
 acceptance are all in it); each step runs the option with the most tokens per second.
 An option that looks worse is still tried now and then, the rarer the worse it looks
-(so that its probes cost at most ``PROBE_BUDGET`` of the time), and the choice follows
+(so that its probes cost at most ``PROBE_BUDGET`` of the time; plain decoding, which has no
+acceptance to learn, only every ``PROBE_MAX_WAIT`` steps), and the choice follows
 the text as it changes; the estimates start from the decoder's running estimates of earlier
 requests (greedy and sampling kept apart: acceptance differs) and are handed back at
 the end. Past the deadline every step is ``plain``.
@@ -172,13 +173,20 @@ class Costs:
     draft_token_s: float  # one draft-model token, drafted as decoding drafts (`draft_token_s`)
     heads_s: float  # one Medusa proposal
     tree_nodes: int  # N of the Medusa tree
+    _memo: dict[tuple[str, int], float] = field(default_factory=dict, compare=False, repr=False)
 
     def seconds(self, option: str, drafted: int) -> float:
-        if option == "draft":
-            return self.verify.at(drafted + 1) + drafted * self.draft_token_s
-        if option == "medusa":
-            return self.verify.at(self.tree_nodes) + self.heads_s
-        return self.verify.at(drafted + 1)  # plain (drafted 0), ngram
+        key = (option, drafted)
+        got = self._memo.get(key)
+        if got is None:
+            if option == "draft":
+                got = self.verify.at(drafted + 1) + drafted * self.draft_token_s
+            elif option == "medusa":
+                got = self.verify.at(self.tree_nodes) + self.heads_s
+            else:
+                got = self.verify.at(drafted + 1)  # plain (drafted 0), ngram
+            self._memo[key] = got
+        return got
 
 
 class Chooser:
@@ -236,9 +244,13 @@ class Chooser:
         for option in rates:
             if option == best or self.step - self.last_used[option] < PROBE_EVERY:
                 continue  # the best, or not due whatever it costs (every wait is >= PROBE_EVERY)
-            hoped = self.rate(option, available[option], hopeful=True)
-            loss = rates[best] / max(hoped, 1e-12) - 1.0  # a probe's time lost, in best steps
-            wait = min(max(PROBE_EVERY, loss / PROBE_BUDGET), PROBE_MAX_WAIT)
+            if option == "plain":
+                # plain decoding has no acceptance to learn; its probes only re-measure the cost scale
+                wait = PROBE_MAX_WAIT
+            else:
+                hoped = self.rate(option, available[option], hopeful=True)
+                loss = rates[best] / max(hoped, 1e-12) - 1.0  # a probe's time lost, in best steps
+                wait = min(max(PROBE_EVERY, loss / PROBE_BUDGET), PROBE_MAX_WAIT)
             if self.step - self.last_used[option] >= wait:
                 return option
         return best
@@ -373,7 +385,7 @@ def generate_auto(
             lag = len(v.tokens) - draft.cache_len - CATCHUP_FREE  # tokens the draft must read first
             steps_left = max(1.0, v.remaining / expected_tokens(request["draft"].alpha, gamma))
             chooser.switch_s["draft"] = max(lag, 0) * catchup.token_s / steps_left
-        if medusa is not None and room and v.hidden is not None:
+        if medusa is not None and room and v.has_hidden:
             available["medusa"] = min(room, medusa.spec.depth)
         option = chooser.choose(available) if len(available) > 1 else "plain"
         draft_before, verify_before = stats.draft_s, stats.verify_s
@@ -446,7 +458,7 @@ def _medusa_c_step(v: TargetVerifier, state: MedusaState, steps, room: int, fres
     branch = c_branch(index, steps, step_spec, LOOKUP_BRANCH, room, space)
     t1 = device_clock(v.device)
     accepted, next_tok, heads_s, drafted = c_step(steps, state, step_spec, v.tokens[-1], len(v.output), branch)
-    v.hidden = steps.last_hidden()  # [E]
+    v.hidden_from(steps.last_hidden)  # [E], read only if the next step needs it (`fresh` is False there)
     step = v.commit(accepted, next_tok, drafted=drafted)
     t2 = device_clock(v.device)
     v.stats.draft_s += t1 - t0 + heads_s

@@ -103,6 +103,62 @@ def test_an_estimate_from_one_unlucky_block_is_measured_again_soon():
     assert picks[-10:] == ["draft"] * 10, picks  # and chosen once measured
 
 
+def test_plain_decoding_is_probed_only_every_max_wait_steps():
+    """Plain decoding has no acceptance to learn: while a drafter is clearly best, a plain step
+    comes at most once per PROBE_MAX_WAIT steps (its probes re-measure its cost scale only),
+    where a budgeted wait would have tried it every ~30."""
+    from specops.decoder.auto import PROBE_MAX_WAIT
+
+    est = {name: OptionEstimate() for name in ("plain", "ngram", "draft", "medusa")}
+    for _ in range(30):  # the draft model ~1.17x plain on the model's costs: a budgeted wait of ~35 steps
+        est["draft"].update(drafted=4, accepted=1, emitted=2)
+    chooser = Chooser(est, _costs())
+    assert 1.1 < chooser.rate("draft", 4) / chooser.rate("plain", 0) < 1.3
+    picks = []
+    for _ in range(3 * PROBE_MAX_WAIT):
+        p = chooser.choose({"plain": 0, "draft": 4})
+        chooser.last_used[p] = chooser.step
+        picks.append(p)
+    plain_at = [i for i, p in enumerate(picks) if p == "plain"]
+    assert 2 <= len(plain_at) <= 3, plain_at
+    assert all(b - a >= PROBE_MAX_WAIT for a, b in zip(plain_at, plain_at[1:])), plain_at
+
+
+def test_the_hidden_state_is_read_only_when_a_step_asks_for_it(bundled):
+    """`TargetVerifier.hidden_from`: the verifier keeps where the hidden state is, not a copy;
+    the first read takes it, and a newer step's state replaces an unread one."""
+    from specops.decoder.sampling import SamplingConfig
+    from specops.decoder.speculation import TargetVerifier
+    from specops.decoder.stats import DecodeStats
+
+    target = bundled.target
+    prompt = code_prompts(bundled, 1)[0]
+    v = TargetVerifier(target, prompt, sampling=SamplingConfig(temperature=0.0), generator=torch.Generator(),
+                       max_new_tokens=8, eos_token_id=None, stats=DecodeStats(method="auto"), keep_hidden=True)
+    v.prefill()
+    assert v.has_hidden
+    reads = []
+
+    def source(value):
+        def read():
+            reads.append(value)
+            return torch.full((4,), float(value))
+        return read
+
+    v.hidden_from(source(1))
+    v.hidden_from(source(2))
+    assert v.has_hidden and reads == []  # nothing read yet, the first source never
+    assert v.hidden[0] == 2.0 and v.hidden[0] == 2.0 and reads == [2]  # read once, then kept
+    result = v.verify([], None)  # a plain step on the fast runner: the block verifier's buffer is the source
+    assert len(result.emitted) == 1
+    lazy = v.hidden.clone()  # read now, from the step's buffer: the state of the prompt's last token
+    ref = bundled.generate(prompt, method="ar", max_new_tokens=1)
+    assert ref.tokens == v.output
+    target.reset(1)
+    full = target.forward(torch.tensor([prompt]), need_hidden=True)
+    assert torch.allclose(lazy, full.hidden[0, -1], atol=1e-5)
+
+
 def test_chooser_picks_plain_when_nothing_accepts():
     est = {name: OptionEstimate() for name in ("plain", "ngram", "draft", "medusa")}
     for _ in range(30):
