@@ -139,6 +139,31 @@ def test_a_cost_point_not_measured_again_lately_leaves_the_fit_until_it_is():
     assert cost.predict(4, 12) == pytest.approx(7e-3)
 
 
+def test_tokens_past_the_last_point_are_never_priced_free():
+    """A noisy far point pools the curve's end flat (isotonic): a server's startup calibration read
+    (4, 12) at 2.91 ms and (4, 20) at 2.56. Past the last point the slope is at least the curve's
+    mean slope, so a plan at batch 4 reaching T = 44 (γ 10 each) no longer costs what T = 12 does,
+    and a plan over it stops looking profitable."""
+    cost = CostModel()
+    for _ in range(5):
+        cost.observe(4, 4, 1.95e-3)
+        cost.observe(4, 12, 2.91e-3)
+        cost.observe(4, 20, 2.56e-3)
+    flat = cost.predict(4, 20)
+    assert cost.predict(4, 12) == pytest.approx(flat)  # pooled: inside the curve it stays as measured
+    mean_slope = (flat - 1.95e-3) / 16
+    assert cost.predict(4, 44) == pytest.approx(flat + 24 * mean_slope)
+    gains = [linear_gains(0.7, 10)] * 4  # four sequences drafting 10 tokens at acceptance 0.7
+    chosen = plan([Candidate(gains=g) for g in gains], cost, batch=4, base_tokens=4)
+    assert sum(chosen) < 40, chosen
+    steep = CostModel()  # a last segment steeper than the mean keeps its own slope
+    for _ in range(5):
+        steep.observe(4, 4, 2e-3)
+        steep.observe(4, 12, 2.2e-3)
+        steep.observe(4, 20, 4e-3)
+    assert steep.predict(4, 28) == pytest.approx(4e-3 + 8 * (1.8e-3 / 8))
+
+
 def test_a_long_draft_cache_catch_up_is_not_counted_as_speculations_recurring_cost(qwen2):
     """`Engine._note_catch_up`: a first drafting round that fed more than FULL_CATCH_UP tokens to some
     sequence cost its seconds beyond the same round capped at FULL_CATCH_UP per sequence; that part
