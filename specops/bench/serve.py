@@ -28,6 +28,8 @@ interleaved run also reports the goal ratios paired per repeat (the median over 
 of each repeat's own ratio, ``paired_ratios``), beside the ratios of the medians. Below the
 table, the ratios the serving goals are stated in (off c_max / c_min, adaptive / off,
 adaptive / max(off, fixed)) from those medians.
+``cpu ms/tok``: the server process's CPU time per output token in the cell, from its
+``process_cpu_seconds_total`` (`cpu_delta`; the median over repeats).
 Terms: TTFT = arrival → first token; TPOT = (E2E − TTFT) / (output tokens − 1);
 ITL = gaps between streamed chunks; goodput = requests/s meeting every SLO.
 """
@@ -184,7 +186,7 @@ def summarize(mode: str, concurrency: int, results: list[RequestResult], duratio
     drafted = sum(r.drafted for r in ok)
     row = {
         "mode": mode, "concurrency": concurrency, "requests": len(results), "errors": len(results) - len(ok),
-        "duration_s": duration_s,
+        "duration_s": duration_s, "output_tokens": tokens,
         "output_tokens_per_s": tokens / duration_s if duration_s > 0 else 0.0,
         "requests_per_s": len(ok) / duration_s if duration_s > 0 else 0.0,
         "ttft_p50_s": _percentile([r.ttft_s for r in ok], 0.5), "ttft_p99_s": _percentile([r.ttft_s for r in ok], 0.99),
@@ -206,6 +208,10 @@ def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     row["repeats"] = len(runs)
     row["output_tokens_per_s_runs"] = [r["output_tokens_per_s"] for r in runs]
     row["errors_all_runs"] = sum(r["errors"] for r in runs)
+    cpu = [r["server_cpu_ms_per_token"] for r in runs if r.get("server_cpu_ms_per_token") is not None]
+    if "server_cpu_ms_per_token" in row or cpu:
+        row["server_cpu_ms_per_token_runs"] = cpu
+        row["server_cpu_ms_per_token"] = statistics.median(cpu) if cpu else None  # over the runs, see `cpu_delta`
     return row
 
 
@@ -521,7 +527,9 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
                                                      on_done=on_done))
             row = summarize(t.mode, c, results, duration, cfg)
             row["settings"] = _settings_text(t.url)  # at the cell's end (adaptive: what the controller chose)
-            row.update(planner_delta(before, planner_counts(t.url)))
+            after = planner_counts(t.url)
+            row.update(planner_delta(before, after))
+            row.update(cpu_delta(before, after, row["output_tokens"]))
             runs[(t.mode, c)].append(row)
 
         if cfg.base_url:
@@ -566,9 +574,13 @@ PLANNER_SERIES = {("specops_serving_decode_steps", "kind"): ("spec", "plain"),
                   ("specops_serving_planner_events", "event"): ("veto", "probe", "plain_probe")}
 
 
+CPU_SERIES = "process_cpu_seconds"  # prometheus_client's process collector (specops serve, vLLM, SGLang)
+
+
 def planner_counts(url: str) -> dict[str, float] | None:
-    """The speculation planner's counters from a `specops serve` ``/metrics`` (None for a server
-    without them, e.g. vLLM behind ``--base-url``)."""
+    """The speculation planner's counters from a `specops serve` ``/metrics``, and the server
+    process's CPU seconds (``cpu_s``, where it exports ``process_cpu_seconds_total``); None when
+    the scrape fails or finds neither (`planner_delta` and `cpu_delta` read what is there)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -584,17 +596,35 @@ def planner_counts(url: str) -> dict[str, float] | None:
         for sample in family.samples if family is not None else ():
             if sample.labels.get(label) in values:
                 out[sample.labels[label]] = sample.value
-    return out if {"spec", "plain"} <= out.keys() else None
+    for family in (families.get(CPU_SERIES), families.get(CPU_SERIES + "_total")):  # as typed, or untyped
+        for sample in family.samples if family is not None else ():
+            if sample.name == CPU_SERIES + "_total":
+                out["cpu_s"] = sample.value
+    return out or None
 
 
 def planner_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any]:
     """A cell's share of decode steps that speculated, and the planner's vetoes and probes in it."""
-    if before is None or after is None:
+    if before is None or after is None or not {"spec", "plain"} <= (before.keys() & after.keys()):
         return {"spec_step_share": None, "vetoes": None, "probes": None}
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     steps = d["spec"] + d["plain"]
     return {"spec_step_share": d["spec"] / steps if steps > 0 else None, "vetoes": int(d.get("veto", 0)),
             "probes": int(d.get("probe", 0) + d.get("plain_probe", 0))}
+
+
+def cpu_delta(before: dict[str, float] | None, after: dict[str, float] | None, tokens: int) -> dict[str, Any]:
+    """The server process's CPU seconds in a cell (``server_cpu_s``) and per output token, in ms
+    (``server_cpu_ms_per_token``): what a token cost the host's CPUs, beside what it cost in time.
+    It is not steadier than tokens/s on a noisy host: on the 2-core CI host both moved by 10-15%
+    between repeats of one cell, the CPU per token up where tokens/s went down (a slower moment
+    costs more CPU per token too). It counts every thread of the process, those that spin while
+    they wait for work included: at concurrency 1, `off` used ~3 ms of CPU per token at ~2.1 ms
+    of wall time per token."""
+    if before is None or after is None or "cpu_s" not in before or "cpu_s" not in after:
+        return {"server_cpu_s": None, "server_cpu_ms_per_token": None}
+    spent = max(after["cpu_s"] - before["cpu_s"], 0.0)
+    return {"server_cpu_s": spent, "server_cpu_ms_per_token": 1000.0 * spent / tokens if tokens > 0 else None}
 
 
 def _adaptive_warmup(url: str, model: str, cfg: ServeBenchConfig) -> None:
@@ -635,7 +665,7 @@ def emit_report(report: dict[str, Any], table: str, json_path: Path | None, plot
 def format_table(report: dict[str, Any]) -> str:
     head = (f"{'mode':<9}{'conc':>5}{'req':>5}{'err':>4}{'tok/s':>9}{'req/s':>7}{'TTFT p50':>10}{'p99':>8}"
             f"{'TPOT p50':>10}{'p99':>8}{'ITL p99':>9}{'E2E p99':>9}{'goodput':>9}{'accept':>8}{'spec%':>7}"
-            f"{'veto':>5}")
+            f"{'veto':>5}{'cpu ms/tok':>11}")
     lines = [head, "  (latencies in ms)"]
     for r in report["results"]:
         lines.append(f"{r['mode']:<9}{r['concurrency']:>5}{r['requests']:>5}{r['errors']:>4}"
@@ -644,10 +674,13 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{_fmt(r['tpot_p50_s'], 1000):>10}{_fmt(r['tpot_p99_s'], 1000):>8}"
                      f"{_fmt(r['itl_p99_s'], 1000):>9}{_fmt(r['e2e_p99_s'], 1000):>9}{r['goodput_rps']:>9.2f}"
                      f"{_fmt(r['acceptance_rate'], 1, 2):>8}{_fmt(r.get('spec_step_share'), 100, 0):>7}"
-                     f"{_fmt(r.get('vetoes'), 1, 0):>5}")
+                     f"{_fmt(r.get('vetoes'), 1, 0):>5}{_fmt(r.get('server_cpu_ms_per_token'), 1, 3):>11}")
     if any(r.get("spec_step_share") is not None for r in report["results"]):
         lines.append("  (spec%: the cell's decode steps where some sequence speculated; veto: times the planner "
                      "stopped speculating at a batch size where it measured it slower)")
+    if any(r.get("server_cpu_ms_per_token") is not None for r in report["results"]):
+        lines.append("  (cpu ms/tok: the server process's CPU ms per output token in the cell, from its "
+                     "process_cpu_seconds_total; with repeats, the median over them)")
     if any(r.get("repeats", 1) > 1 for r in report["results"]):
         lines.append(f"  (each row: the median of {report['results'][0]['repeats']} runs by tok/s; "
                      "all runs' tok/s in the JSON)")

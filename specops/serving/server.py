@@ -136,7 +136,7 @@ def build_engine_client(cfg: ServeConfig, serving_client: Any, policy: Any, regi
 def run_server(cfg: ServeConfig) -> None:
     """Serve until SIGINT / SIGTERM; raises `ServeError` when it cannot start."""
     import uvicorn
-    from prometheus_client import CollectorRegistry
+    from prometheus_client import CollectorRegistry, ProcessCollector
 
     from specops.policies import PolicyError, load_policy
     from specops.policies.loader import read_source
@@ -157,6 +157,9 @@ def run_server(cfg: ServeConfig) -> None:
         if admin is not None:
             _bootstrap(admin, cfg.namespace, policy, text, source=cfg.policy_file)
         registry = CollectorRegistry()
+        # process_cpu_seconds_total, process_resident_memory_bytes, ... (Linux): what serving costs the host,
+        # read by `specops bench serve` per cell (CPU seconds per output token) and by operators' dashboards
+        ProcessCollector(registry=registry)
         name = cfg.served_model_name or ("bundled" if cfg.model == "bundled" else Path(cfg.model).name)
 
         def on_load_error(exc: BaseException) -> None:

@@ -158,7 +158,7 @@ def test_a_started_bench_runs_one_server_per_mode_and_interleaves_the_modes_per_
 
     def planner_counts(url):  # each scrape of a server: 3 more speculative steps, 1 more plain step
         n = scrapes[url] = scrapes.get(url, 0) + 1
-        return {"spec": 3.0 * n, "plain": 1.0 * n, "veto": 0.0, "probe": 0.0, "plain_probe": float(n)}
+        return {"spec": 3.0 * n, "plain": 1.0 * n, "veto": 0.0, "probe": 0.0, "plain_probe": float(n), "cpu_s": 0.5 * n}
 
     monkeypatch.setattr(serve, "planner_counts", planner_counts)
     cfg = serve.ServeBenchConfig(redis_url="redis://127.0.0.1:9/0", concurrency=[1, 4], repeats=3, num_prompts=1,
@@ -174,6 +174,8 @@ def test_a_started_bench_runs_one_server_per_mode_and_interleaves_the_modes_per_
         (m, c, 3) for m in ("off", "fixed", "adaptive") for c in (1, 4)]
     assert report["config"]["interleaved"] is True
     assert all((r["spec_step_share"], r["vetoes"], r["probes"]) == (0.75, 0, 1) for r in report["results"])
+    # each cell: 0.5 CPU s between its two scrapes, over its one request's 8 tokens
+    assert all(r["server_cpu_ms_per_token_runs"] == [62.5] * 3 for r in report["results"])
 
 
 def test_the_planner_delta_of_a_cell():
@@ -184,6 +186,50 @@ def test_the_planner_delta_of_a_cell():
     assert planner_delta(before, after) == {"spec_step_share": 0.75, "vetoes": 2, "probes": 1}
     assert planner_delta(None, after) == {"spec_step_share": None, "vetoes": None, "probes": None}
     assert planner_delta(after, after)["spec_step_share"] is None  # no decode step in the cell
+
+
+def test_the_cpu_per_token_of_a_cell_from_the_servers_process_counter(monkeypatch):
+    """A cell's server CPU comes from ``process_cpu_seconds_total`` (any server that exports it,
+    specops serve or vLLM); the planner's figures only where its counters are there too; with
+    repeats the row carries every run's CPU per token and their median."""
+    import httpx
+
+    from specops.bench import serve
+
+    planner = ('specops_serving_decode_steps{kind="spec"} 6.0\n'
+               'specops_serving_decode_steps{kind="plain"} 2.0\n')
+    texts = {"http://ours": "# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total 12.5\n"
+                            "# TYPE specops_serving_decode_steps gauge\n" + planner,
+             "http://peer": "process_cpu_seconds_total 3.25\n",  # untyped
+             "http://bare": "# TYPE up gauge\nup 1.0\n"}
+
+    def get(url, timeout):
+        base = url.rsplit("/metrics", 1)[0]
+        return httpx.Response(200, text=texts[base], request=httpx.Request("GET", url))
+
+    monkeypatch.setattr(httpx, "get", get)
+    ours, peer = serve.planner_counts("http://ours"), serve.planner_counts("http://peer")
+    assert ours == {"spec": 6.0, "plain": 2.0, "cpu_s": 12.5} and peer == {"cpu_s": 3.25}
+    assert serve.planner_counts("http://bare") is None
+    assert serve.planner_delta(peer, dict(peer, cpu_s=4.0))["spec_step_share"] is None  # no planner there
+    assert serve.cpu_delta(peer, dict(peer, cpu_s=4.0), 500) == {"server_cpu_s": 0.75,
+                                                                  "server_cpu_ms_per_token": pytest.approx(1.5)}
+    assert serve.cpu_delta(None, peer, 500)["server_cpu_ms_per_token"] is None
+    assert serve.cpu_delta({"spec": 1.0, "plain": 1.0}, ours, 500)["server_cpu_s"] is None  # no counter before
+    assert serve.cpu_delta(peer, peer, 0)["server_cpu_ms_per_token"] is None  # no token in the cell
+
+    def row(tps, cpu):
+        return {"mode": "off", "concurrency": 4, "requests": 8, "errors": 0, "output_tokens_per_s": tps,
+                "requests_per_s": 1.0, "ttft_p50_s": 0.01, "ttft_p99_s": 0.02, "tpot_p50_s": 0.002,
+                "tpot_p99_s": 0.003, "itl_p99_s": 0.004, "e2e_p99_s": 0.2, "goodput_rps": 1.0,
+                "acceptance_rate": None, "server_cpu_ms_per_token": cpu}
+
+    med = serve.median_row([row(300.0, 1.0), row(100.0, 3.0), row(250.0, 1.5)])
+    assert med["output_tokens_per_s"] == 250.0 and med["server_cpu_ms_per_token_runs"] == [1.0, 3.0, 1.5]
+    assert med["server_cpu_ms_per_token"] == 1.5  # the median over the runs
+    assert serve.median_row([row(300.0, None)])["server_cpu_ms_per_token"] is None
+    table = serve.format_table({"results": [med]})
+    assert "cpu ms/tok" in table and "1.500" in table and "process_cpu_seconds_total" in table
 
 
 def test_paired_ratios_take_each_repeats_ratio_then_the_median():

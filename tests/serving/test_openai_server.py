@@ -292,6 +292,7 @@ def test_bench_serve_modes_against_the_live_server(server, redis_box):
     assert all(r["spec_step_share"] == 0.0 and r["vetoes"] == 0 for r in rows if r["mode"] == "off")
     assert any(r["spec_step_share"] > 0 for r in rows if r["mode"] == "fixed")
     assert "spec%" in format_table(report)
+    assert all(r["server_cpu_ms_per_token"] > 0 for r in rows)  # the server's process_cpu_seconds_total
     assert rows[0]["settings"]["code"] == "off" and rows[2]["settings"]["code"].startswith("draft γ")
     assert "fixed" in format_table(report)
     classes = _ready(server)["policy"]["classes"]
