@@ -208,10 +208,10 @@ def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     row["repeats"] = len(runs)
     row["output_tokens_per_s_runs"] = [r["output_tokens_per_s"] for r in runs]
     row["errors_all_runs"] = sum(r["errors"] for r in runs)
-    cpu = [r["server_cpu_ms_per_token"] for r in runs if r.get("server_cpu_ms_per_token") is not None]
-    if "server_cpu_ms_per_token" in row or cpu:
+    if "server_cpu_ms_per_token" in row:  # measured cells (`cpu_delta`): the median over the runs
+        cpu = [r["server_cpu_ms_per_token"] for r in runs if r.get("server_cpu_ms_per_token") is not None]
         row["server_cpu_ms_per_token_runs"] = cpu
-        row["server_cpu_ms_per_token"] = statistics.median(cpu) if cpu else None  # over the runs, see `cpu_delta`
+        row["server_cpu_ms_per_token"] = statistics.median(cpu) if cpu else None
     return row
 
 
