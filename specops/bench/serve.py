@@ -14,6 +14,12 @@ Modes switch the server through its Redis, as an operator would:
               ``--adaptive-warmup-s`` (45 s) of the same traffic mix, so the controller has
               had its ticks and its alert rules their ``for_s``.
 
+With started servers every mode's server gets that same warm-up traffic (the controller
+runs only beside the adaptive one), so all are measured after the same history: a server
+that had served 45 s more traffic than the one it was compared with read 0.92-0.96x of it
+at c = 16 in two runs of three, with its speculation off in 99% of steps (and 1.02-1.04x
+in two of two with the traffic equal).
+
 The bench waits until the server's ``/readyz`` shows the settings before measuring.
 A started server is one process per mode (its own Redis namespace), and repeat r runs,
 for each concurrency, every mode's cell back to back, the order rotated by r and the
@@ -88,7 +94,7 @@ class ServeBenchConfig:
     warmup: int = 2
     repeats: int = 1                        # runs of every cell; rows are the median run
     controller_interval_s: float = 2.0
-    adaptive_warmup_s: float = 45.0         # adaptive: traffic before measuring (controller ticks + alert for_s)
+    adaptive_warmup_s: float = 45.0         # traffic before measuring (adaptive: controller ticks + alert for_s)
     server_args: list[str] = field(default_factory=list)
     progress: bool = True
 
@@ -511,13 +517,16 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
         on_done = (lambda: bar.update(1)) if bar else None
         runs: dict[tuple[str, int], list[dict[str, Any]]] = {(m, c): [] for m in cfg.modes for c in cfg.concurrency}
 
-        def prepare(t: _Target) -> subprocess.Popen | None:
+        def prepare(t: _Target, traffic: bool) -> subprocess.Popen | None:
+            """Set the mode, warm the server; ``traffic``: then `_adaptive_warmup`'s traffic (the
+            adaptive mode always: its controller needs it; with started servers every mode, so each
+            server is measured after the same history)."""
             expected = _apply_mode(t.store, t.mode)
             _wait_settings(t.url, expected)
             started = _start_controller(cfg, redis_url, workdir, t.namespace) if t.mode == "adaptive" else None
             warm = build_prompts(cfg, max(cfg.warmup, 1))
             asyncio.run(run_cell(t.url, model, warm, min(len(warm), max(cfg.concurrency)), cfg))
-            if t.mode == "adaptive":
+            if traffic:
                 _adaptive_warmup(t.url, model, cfg)
             return started
 
@@ -534,7 +543,7 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
 
         if cfg.base_url:
             for mode in cfg.modes:
-                controller = prepare(targets[mode])
+                controller = prepare(targets[mode], traffic=mode == "adaptive")
                 for _ in range(cfg.repeats):
                     for c in cfg.concurrency:
                         measure(targets[mode], c)
@@ -543,7 +552,7 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
                     controller = None
         else:
             for t in targets.values():
-                controller = prepare(t) or controller
+                controller = prepare(t, traffic=True) or controller
             for r in range(cfg.repeats):
                 for j, c in enumerate(cfg.concurrency):  # the cells compared with each other back to back
                     for i in range(len(cfg.modes)):
@@ -747,7 +756,8 @@ def plot_report(report: dict[str, Any], path: str | Path) -> Path:
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--adaptive-warmup-s", type=click.FloatRange(min=0), default=45.0, show_default=True,
-              help="adaptive: seconds of the same traffic before measuring, so the controller has acted.")
+              help="Seconds of the same traffic before measuring, so the controller has acted (with started "
+                   "servers every mode's server gets it, so all are measured after the same history).")
 @click.option("--server-arg", "server_args", multiple=True,
               help="Extra argument for the started server (repeatable; it runs in a scratch folder, so give "
                    "file paths absolute).")

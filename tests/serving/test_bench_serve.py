@@ -152,7 +152,8 @@ def test_a_started_bench_runs_one_server_per_mode_and_interleaves_the_modes_per_
     monkeypatch.setattr(serve, "_wait_ready", lambda url, timeout_s, proc=None: {"model": "m", "policy": {}})
     monkeypatch.setattr(serve, "_apply_mode", lambda store, mode: {})
     monkeypatch.setattr(serve, "_wait_settings", lambda url, expected, timeout_s=30.0: None)
-    monkeypatch.setattr(serve, "_adaptive_warmup", lambda url, model, cfg: None)
+    warmed = []
+    monkeypatch.setattr(serve, "_adaptive_warmup", lambda url, model, cfg: warmed.append(url.split("//")[1]))
     monkeypatch.setattr(serve, "run_cell", cell)
     scrapes = {}
 
@@ -165,6 +166,8 @@ def test_a_started_bench_runs_one_server_per_mode_and_interleaves_the_modes_per_
                                  progress=True)
     report = serve.run_bench_serve(cfg)
     assert started == ["specops-off", "specops-fixed", "specops-adaptive"] and controllers == ["specops-adaptive"]
+    # every mode's server gets the same warm-up traffic (only the adaptive one has a controller)
+    assert warmed == ["specops-off", "specops-fixed", "specops-adaptive"]
     # per repeat and concurrency, every mode back to back, the order rotated by both
     assert [(ns.split("-")[1], c) for ns, c in measured] == [
         ("off", 1), ("fixed", 1), ("adaptive", 1), ("fixed", 4), ("adaptive", 4), ("off", 4),  # repeat 0
