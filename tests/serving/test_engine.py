@@ -258,6 +258,60 @@ def test_speculation_shrinks_and_switches_off_by_itself_at_high_load(qwen2):
     assert all(r.drafted == 0 for r in crowded)  # the same requests at batch 8: speculation off
 
 
+def test_planning_backs_off_while_a_steady_batch_keeps_declining(qwen2, monkeypatch):
+    """A plan that declines at a batch size quiets planning there and at larger sizes for
+    `QUIET_AFTER_DECLINE` steps, and each further decline in a row doubles the stretch (7, 15, 31
+    steps, capped at `QUIET_MAX`); a smaller batch plans; a plan that speculates starts over at the
+    short stretch."""
+    import specops.serving.engine as engine_mod
+
+    eng = Engine(qwen2, max_batch=8, kv_cache_mb=1, calibrate=False)
+    eng.cost = SteepCost()  # batch 8: every drafted token costs a whole forward, so every plan declines
+    eng.calibration = None
+    eng.probe_every = 0
+    weighed = [False]
+    real_plan = engine_mod.plan
+
+    def counting_plan(cands, *args, **kwargs):
+        weighed[0] = any(c.gains for c in cands)  # a plan that weighed proposals (n-gram: a match now)
+        return real_plan(cands, *args, **kwargs)
+
+    monkeypatch.setattr(engine_mod, "plan", counting_plan)
+    for i in range(8):
+        eng.add(f"r{i}", [3, 4, 5] * 5, SamplingParams(max_tokens=150, ignore_eos=True),
+                SpecSettings(method="ngram", gamma=4))
+    stretches, plans, steps = [], 0, 0
+    while eng.has_unfinished() and steps < 140:
+        weighed[0] = False
+        eng.step()
+        steps += 1
+        plans += weighed[0]
+        if weighed[0]:
+            stretches.append(eng._quiet[0])
+    assert stretches[:5] == [7, 15, 31, 31, 31], stretches
+    assert plans <= 8  # against 140 / 8 with a fixed stretch of 7
+    assert eng.decode_steps[1] == 0  # all declined
+
+    # the stretch covers its batch size and larger ones; a smaller batch plans
+    weighed[0] = False
+    eng._quiet = (3, 6)  # declined at 6: this batch of 8 skips planning
+    eng.step()
+    assert not weighed[0] and eng._quiet == (2, 6)
+    eng._quiet = (3, 9)  # declined at 9: a batch of 8 plans again
+    eng.step()
+    assert weighed[0]
+
+    # a plan that speculates resets the stretch: the next decline quiets for 7 steps again
+    eng._quiet = (0, 8)  # the stretch is over: the next step plans
+    chosen = [True]
+    monkeypatch.setattr(engine_mod, "plan", lambda cands, *a, **k: [1 if chosen[0] else 0] + [0] * (len(cands) - 1))
+    eng.step()
+    assert eng._quiet == (0, 0)
+    chosen[0] = False
+    eng.step()
+    assert eng._quiet == (eng.quiet_after_decline, 8)
+
+
 def test_a_cost_spike_does_not_switch_speculation_off_for_good(qwen2):
     """Speculative verify costs measured in a load spike (10 s per forward over 2+ tokens)
     would make the planner decline for ever, since a declined step measures nothing about
