@@ -662,10 +662,12 @@ class Engine:
             self._quiet_next = min(2 * self._quiet_next + 1, max(self.quiet_max, shortest)) if again else shortest
             self._quiet_size = min(self._quiet_size, len(batch)) if again else len(batch)
             self._quiet = (self._quiet_next, self._quiet_size)
-        elif any(chosen):
-            self._quiet, self._quiet_size = (0, 0), 0
-        else:  # nothing to weigh (no n-gram match now): plan again next step, the stretch kept
-            self._quiet = (0, len(batch))
+        else:
+            # plan again next step; a plan that speculates also ends the declines in a row (one with
+            # nothing to weigh, no n-gram match now, leaves them as they are)
+            self._quiet = (0, 0)
+            if any(chosen):
+                self._quiet_size = 0
         self._spec_run[b] = self._spec_run.get(b, 0) + 1 if any(chosen) else 0
         if any(chosen):
             self._probe_backoff = 1
