@@ -5,7 +5,9 @@ the forward issues many small ops), but it runs every architecture transformers 
 GPT-2, GPT-NeoX, Llama, Qwen2, Mistral, ... — with the same exact results as calling the
 model directly.
 
-- cache: a `DynamicCache` passed as the forward's `cache=` argument;
+- cache: a `DynamicCache` passed as the forward's `cache=` argument (`past_key_values=` where
+  the installed transformers predates that name: 5.17 still read only the old one, and an
+  unknown keyword vanishes into the forward's ``**kwargs``, so the cache was silently unused);
 - truncate: `DynamicCache.crop(-removed)`;
 - compact: an index copy on every cache layer's keys/values, then a crop;
 - tree forwards: a 4-D additive float mask [B, 1, T, L + T]; transformers' masking_utils
@@ -13,6 +15,8 @@ model directly.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from torch import Tensor
@@ -30,6 +34,17 @@ from specops.decoder.runner import (
 
 # transformers attention implementations that add a custom 4-D float mask to the scores
 MASKABLE_ATTENTION = ("eager", "sdpa")
+
+
+def cache_argument(model) -> str:
+    """The name under which ``model.forward`` takes its cache: ``cache`` (transformers' name
+    from 5.2x on; ``past_key_values`` is then a deprecated alias) or ``past_key_values``."""
+    params = inspect.signature(model.forward).parameters
+    if "cache" in params:
+        return "cache"
+    if "past_key_values" in params:
+        return "past_key_values"
+    raise UnsupportedModelError(f"{type(model).__name__}.forward takes neither `cache` nor `past_key_values`")
 
 
 class HFRunner:
@@ -62,6 +77,7 @@ class HFRunner:
         self.dtype = first.dtype
         self._window = sliding_window(config)
         self._cache_cls = DynamicCache
+        self._cache_arg = cache_argument(model)
         self._batch = 1
         self._len = 0
         self._cache = DynamicCache(config=config)
@@ -114,8 +130,8 @@ class HFRunner:
                 input_ids=input_ids.to(self.device),
                 position_ids=args.position_ids,
                 attention_mask=mask,
-                cache=self._cache,
                 use_cache=True,
+                **{self._cache_arg: self._cache},
                 output_hidden_states=need_hidden,
                 return_dict=True,
             )

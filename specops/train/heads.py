@@ -130,14 +130,16 @@ def greedy_continuations(base, prompts: torch.Tensor, new_tokens: int) -> torch.
     """Base model's greedy continuation of each prompt. prompts: [B, P] -> [B, P + new_tokens]."""
     from transformers import DynamicCache
 
+    from specops.decoder.hf_runner import cache_argument
+
     seq = prompts
-    cache = DynamicCache(config=base.config)
+    cache = {cache_argument(base): DynamicCache(config=base.config)}  # `cache=` or, before 5.2x, `past_key_values=`
     with torch.no_grad():
-        out = base(input_ids=prompts, cache=cache, use_cache=True, return_dict=True)
+        out = base(input_ids=prompts, use_cache=True, return_dict=True, **cache)
         for _ in range(new_tokens):
             nxt = out.logits[:, -1].argmax(dim=-1, keepdim=True)  # [B, 1]
             seq = torch.cat([seq, nxt], dim=1)
-            out = base(input_ids=nxt, cache=cache, use_cache=True, return_dict=True)
+            out = base(input_ids=nxt, use_cache=True, return_dict=True, **cache)
     return seq
 
 
