@@ -81,8 +81,14 @@ image:
 	  $$builder build --target "$$target" -t "$$name" $(BUILD_ARGS) . || exit 1; \
 	done
 
-gpu-check: $(STAMP)
-	$(PY) -m specops.bench.gpu_check --json out/gpu_check.json
+# GPU_PYTHON=python3: run with a python that already has a CUDA torch, transformers and triton
+# (a GPU machine with no package index), from the source tree, without making .venv.
+GPU_PYTHON ?=
+# GPU_CHECK_ARGS="--prompts F": the code suite as a file, for a python without the stdlib tests.
+GPU_CHECK_JSON ?= out/gpu_check.json
+GPU_CHECK_ARGS ?=
+gpu-check: $(if $(GPU_PYTHON),,$(STAMP))
+	$(or $(GPU_PYTHON),$(PY)) -m specops.bench.gpu_check --json $(GPU_CHECK_JSON) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -35,12 +35,14 @@ METHOD_HELP = ("hf-greedy,hf-assisted,hf-lookup,ar,ar-chain,draft,ngram,medusa,a
 @click.option("--schedule", type=click.Choice(["constant", "heuristic", "goodput"]), default="constant",
               show_default=True)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@click.option("--device", default="cpu", show_default=True,
+              help="Where the models run: cpu, cuda or cuda:N (the llama.cpp peers need cpu).")
 @click.option("--limit", type=int, default=None, help="Use only the first N prompts.")
 @click.option("--threads", type=int, default=2, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def bench_decode_command(suite, methods, max_new_tokens, repeats, json_path, plot_path, prompts_file, model, draft,
-                         medusa, gamma, schedule, dtype, limit, threads, seed, quiet):
+                         medusa, gamma, schedule, dtype, device, limit, threads, seed, quiet):
     """Benchmark decoding methods against transformers on the same prompts."""
     from specops.bench.decode import BenchConfig, BenchError, format_table, run_benchmark
     from specops.bench.suites import SuiteError
@@ -48,8 +50,8 @@ def bench_decode_command(suite, methods, max_new_tokens, repeats, json_path, plo
     logging.basicConfig(level=logging.WARNING)
     cfg = BenchConfig(suite=suite, methods=[m.strip() for m in methods.split(",") if m.strip()],
                       max_new_tokens=max_new_tokens, repeats=repeats, model=model, draft=draft, medusa=medusa,
-                      prompts_file=prompts_file, gamma=gamma, schedule=schedule, dtype=dtype, seed=seed,
-                      threads=threads, limit=limit, progress=not quiet)
+                      prompts_file=prompts_file, gamma=gamma, schedule=schedule, dtype=dtype, device=device,
+                      seed=seed, threads=threads, limit=limit, progress=not quiet)
     try:
         report = run_benchmark(cfg)
     except (BenchError, SuiteError) as exc:

@@ -71,6 +71,7 @@ class BenchConfig:
     gamma: int = 4
     schedule: str = "constant"
     dtype: str = "float32"
+    device: str = "cpu"               # where the models run: "cpu", "cuda", "cuda:1", ...
     seed: int = 0
     threads: int = 2
     limit: int | None = None          # use only the first N prompts
@@ -93,6 +94,18 @@ class BenchConfig:
                 raise BenchError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.limit is not None and self.limit < 1:
             raise BenchError(f"limit must be >= 1, got {self.limit}")
+        try:
+            device = torch.device(self.device)
+        except RuntimeError as exc:
+            raise BenchError(f"device must be cpu or cuda[:N], got {self.device!r} ({exc})") from None
+        if device.type not in ("cpu", "cuda"):
+            raise BenchError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise BenchError(f"device {self.device!r}: this torch sees no CUDA device")
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise BenchError(f"device {self.device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        if device.type == "cuda" and any(m in LLAMA_CPP_METHODS for m in self.methods):
+            raise BenchError("the llama.cpp peers run on the CPU: leave them out of --methods with --device cuda")
 
 
 @dataclass
@@ -141,13 +154,13 @@ def load_models(cfg: BenchConfig) -> Models:
     if not (target_path / "config.json").is_file():
         raise BenchError(f"no model at {target_path} (config.json missing)" +
                          ("; run `specops train tiny`" if cfg.model is None else ""))
-    target = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype).eval()
+    target = AutoModelForCausalLM.from_pretrained(str(target_path), dtype=dtype).to(cfg.device).eval()
     needs_draft = any(m in ("draft", "hf-assisted") for m in cfg.methods)
     draft = None
     if needs_draft or ("auto" in cfg.methods and draft_path is not None):  # auto uses a draft when there is one
         if draft_path is None:
             raise BenchError("methods draft / hf-assisted need --draft PATH with a custom --model")
-        draft = AutoModelForCausalLM.from_pretrained(str(draft_path), dtype=dtype).eval()
+        draft = AutoModelForCausalLM.from_pretrained(str(draft_path), dtype=dtype).to(cfg.device).eval()
     medusa = None
     auto_heads = "auto" in cfg.methods and (cfg.medusa is not None or (cfg.model is None and MEDUSA_DIR.exists()))
     if "medusa" in cfg.methods or auto_heads:
@@ -158,7 +171,7 @@ def load_models(cfg: BenchConfig) -> Models:
         medusa_path = Path(cfg.medusa) if cfg.medusa else MEDUSA_DIR
         if not medusa_path.exists():
             raise BenchError(f"method medusa needs heads: none at {medusa_path} (give --medusa PATH)")
-        medusa = MedusaHeads.from_pretrained(medusa_path, base=target, device="cpu")  # heads pick their fastest dtype
+        medusa = MedusaHeads.from_pretrained(medusa_path, base=target, device=cfg.device)  # heads pick their fastest dtype
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
     eos = tokenizer.eos_token_id
     max_context = int(getattr(target.config, "max_position_embeddings", 0) or 0) or 1 << 30
@@ -217,6 +230,11 @@ def encode_prompts(prompts: Sequence[BenchPrompt], tokenizer, *, max_context: in
     return ids
 
 
+def _device_name(device: str) -> str:
+    dev = torch.device(device)
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+
+
 def run_benchmark(cfg: BenchConfig, *, models: Models | None = None,
                   prompts: Sequence[BenchPrompt] | None = None) -> dict:
     """Run the benchmark; returns the JSON-ready report (``results``: one row per method)."""
@@ -256,6 +274,7 @@ def run_benchmark(cfg: BenchConfig, *, models: Models | None = None,
     report = {
         "config": asdict(cfg),
         "machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": cfg.threads,
+                    "device": _device_name(cfg.device),
                     "processor": platform.processor() or platform.machine(), "llama_cpp_python": llama_cpp_version(),
                     "load_avg_1_5_15m": [round(x, 2) for x in os.getloadavg()]},
         "prompts": len(prompts),
@@ -414,6 +433,9 @@ def format_table(report: dict) -> str:
             line += (f"; one draft token = {costs['draft_token_relative']:.3f} of a target T=1 forward"
                      f" ({costs.get('draft_token_how') or 'forward'})")
         lines.append(line)
+    device = (report.get("machine") or {}).get("device", "cpu")
+    if device != "cpu":
+        lines.append(f"models on {device}")
     div = report.get("divergences") or []
     if div:
         gaps = sorted(d["top2_gap"] for d in div)

@@ -35,6 +35,8 @@ from typing import Protocol, Sequence
 
 import torch
 
+from specops.decoder.clock import device_clock
+
 HF_METHODS = ("hf-greedy", "hf-assisted", "hf-lookup")
 OUR_METHODS = ("ar", "draft", "ngram", "medusa", "auto")
 LLAMA_CPP_METHODS = ("llama.cpp", "llama.cpp-lookup")  # specops.bench.llamacpp_peer
@@ -109,10 +111,10 @@ class HFMethod:
         draft_counter = ForwardCounter(self.draft) if self.name == "hf-assisted" else None
         try:
             torch.manual_seed(seed)
-            start = time.perf_counter()
+            start = device_clock(ids.device)
             with torch.inference_mode():
                 out = self.model.generate(ids, **kwargs)  # [1, P + N]
-            seconds = time.perf_counter() - start
+            seconds = device_clock(ids.device) - start
         finally:
             target_counter.remove()
             if draft_counter is not None:

@@ -29,6 +29,10 @@ class SuiteError(ValueError):
     """Raised for an unknown suite or an unusable prompts file."""
 
 
+class _TooFewFiles(SuiteError):
+    """The stdlib's held-out files gave fewer prompts than the suite needs."""
+
+
 @dataclass(frozen=True)
 class BenchPrompt:
     """One benchmark prompt."""
@@ -71,7 +75,7 @@ def docstring_prompts(files: Sequence[Path], *, count: int = 10, min_chars: int 
         if len(found) == count:
             break
     if len(found) < count:
-        raise SuiteError(f"only {len(found)} docstring prompts found, {count} requested")
+        raise _TooFewFiles(f"only {len(found)} docstring prompts found, {count} requested")
     return found
 
 
@@ -79,13 +83,27 @@ def builtin_suite(name: str, *, seed: int = 0, code_count: int = 20, prose_count
                   hot_count: int = 6, chat_conversations: int = 6, chat_turns: int = 3,
                   chat_template: str | None = None) -> list[BenchPrompt]:
     """The built-in suite ``name`` (one of `SUITES`)."""
+    from specops.train.data import DataError
+
+    try:
+        return _builtin_suite(name, seed=seed, code_count=code_count, prose_count=prose_count, hot_count=hot_count,
+                              chat_conversations=chat_conversations, chat_turns=chat_turns, chat_template=chat_template)
+    except (DataError, _TooFewFiles) as exc:
+        raise SuiteError(f"{exc}: this Python's stdlib test/ folder is missing or partial (Debian and Ubuntu ship "
+                         f"it apart, as libpython3.X-testsuite); write the suite where it is whole with "
+                         f"`python -m specops.bench.suites --suite {name} --out prompts.jsonl` and pass "
+                         f"--prompts prompts.jsonl") from None
+
+
+def _builtin_suite(name: str, *, seed: int, code_count: int, prose_count: int, hot_count: int,
+                   chat_conversations: int, chat_turns: int, chat_template: str | None) -> list[BenchPrompt]:
     from specops.train.data import code_prompts, heldout_files
 
     if name not in SUITES:
         raise SuiteError(f"unknown suite {name!r}; choose one of {', '.join(SUITES)}")
     files = list(heldout_files())
     if not files:
-        raise SuiteError("no held-out stdlib test files found (the stdlib test/ folder is missing)")
+        raise _TooFewFiles("no held-out stdlib test files found")
     if name == "code":
         return [BenchPrompt(t, "code") for t in code_prompts(files, count=code_count, seed=seed)]
     if name == "prose":
@@ -161,3 +179,32 @@ def load_prompts_file(path: str | Path) -> list[BenchPrompt]:
     if not prompts:
         raise SuiteError(f"no prompts in {path}")
     return prompts
+
+
+def write_prompts_file(prompts: Sequence[BenchPrompt], path: str | Path) -> None:
+    """``prompts`` as the JSONL that `load_prompts_file` reads back (text, kind, temperature)."""
+    rows = [json.dumps({"prompt": p.text, "kind": p.kind, "temperature": p.temperature}) for p in prompts]
+    Path(path).write_text("\n".join(rows) + "\n", encoding="utf-8")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m specops.bench.suites --suite mixed --out prompts.jsonl``: a built-in suite as
+    a prompts file, for `specops bench decode --prompts` on a machine without the stdlib tests."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__.split(":")[0].strip("`"))
+    parser.add_argument("--suite", choices=[s for s in SUITES if s != "chat"], default="code")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    try:
+        prompts = builtin_suite(args.suite, seed=args.seed)
+    except SuiteError as exc:
+        parser.exit(2, f"error: {exc}\n")
+    write_prompts_file(prompts, args.out)
+    print(f"wrote {len(prompts)} {args.suite} prompts to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from specops.bench.decode import BenchConfig, BenchError, Models, format_table, run_benchmark, summarize
 from specops.bench.peers import MethodRun
@@ -82,6 +83,48 @@ def test_bad_config_is_rejected():
         BenchConfig(repeats=0).validate()
     with pytest.raises(BenchError, match="dtype"):
         BenchConfig(dtype="float8").validate()
+
+
+def test_bad_device_is_rejected(monkeypatch):
+    BenchConfig(device="cpu").validate()
+    for bad in ("gpu0", "meta", "cuda:x"):
+        with pytest.raises(BenchError, match="device must be cpu or cuda"):
+            BenchConfig(device=bad).validate()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(BenchError, match="sees no CUDA device"):
+        BenchConfig(device="cuda").validate()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(BenchError, match="has 1 CUDA device"):
+        BenchConfig(device="cuda:1").validate()
+    with pytest.raises(BenchError, match="llama.cpp peers run on the CPU"):
+        BenchConfig(device="cuda", methods=["hf-greedy", "llama.cpp"]).validate()
+    BenchConfig(device="cuda:0", methods=["hf-greedy", "ar"]).validate()
+
+
+def test_a_suite_round_trips_through_a_prompts_file_and_a_missing_stdlib_says_so(tmp_path, monkeypatch, capsys):
+    """`python -m specops.bench.suites` writes a suite as the JSONL `--prompts` reads back, for a
+    machine whose Python ships without the stdlib tests (a GPU image had one such file)."""
+    import specops.train.data as data
+    from specops.bench.suites import builtin_suite, main
+
+    out = tmp_path / "mixed.jsonl"
+    assert main(["--suite", "mixed", "--out", str(out)]) == 0
+    assert load_prompts_file(out) == builtin_suite("mixed")
+    assert {p.kind for p in load_prompts_file(out)} == {"code", "prose", "hot"}
+    files = list(data.heldout_files())[:1]
+    monkeypatch.setattr(data, "heldout_files", lambda root=None: tuple(files))
+    for suite in ("code", "mixed"):
+        with pytest.raises(SuiteError, match=r"only \d+ prompts found.*libpython3.X-testsuite.*--prompts prompts.jsonl"):
+            builtin_suite(suite)
+    monkeypatch.setattr(data, "heldout_files", lambda root=None: ())
+    with pytest.raises(SuiteError, match="no held-out stdlib test files found.*--prompts"):
+        builtin_suite("prose")
+    with pytest.raises(SystemExit):
+        main(["--suite", "code", "--out", str(tmp_path / "x.jsonl")])
+    assert "error: no held-out" in capsys.readouterr().err
+    with pytest.raises(SuiteError, match="unknown suite"):
+        builtin_suite("poetry")
 
 
 def test_prompts_file_formats(tmp_path):
