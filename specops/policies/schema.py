@@ -206,6 +206,13 @@ class RequestClass(_Model):
     adaptation: Adaptation = Adaptation()
     """How the controller adapts this class's knobs."""
 
+    @field_validator("method", mode="before")
+    @classmethod
+    def _bare_off(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare `method: off` (the spelling this schema's own messages use) as
+        # False; `off` is the only method that a YAML boolean can stand for
+        return "off" if value is False else value
+
     @field_validator("gamma", "medusa_heads", "tree_size")
     @classmethod
     def _at_least_one(cls, value: IntRange, info: ValidationInfo) -> IntRange:

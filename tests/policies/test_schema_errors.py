@@ -292,3 +292,13 @@ def test_one_line_text_too_long_for_a_file_name_is_yaml_not_a_path():
         with pytest.raises(PolicyError) as err:
             load_policy(text)
         assert "<string>" in str(err.value)
+
+
+@pytest.mark.parametrize("spelling", ["off", "Off", "no", "false"])
+def test_a_bare_off_method_is_the_method_off(spelling):
+    """YAML 1.1 reads `method: off` unquoted as False: it means the method off, as the
+    schema's own messages spell it; true stays an error."""
+    policy = load_policy(TEMPLATE.replace("    method: draft\n", f"    method: {spelling}\n", 1))
+    assert policy.classes[0].method == "off" and not policy.classes[0].speculates_at(0.0)
+    with pytest.raises(PolicyError, match="method"):
+        load_policy(TEMPLATE.replace("    method: draft\n", "    method: on\n", 1))
