@@ -136,17 +136,19 @@ def decode_random(dry_run: bool, device: str) -> dict:
                                  max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens)  # [1, P + N]
         return out[0, len(prompt):].tolist()
 
+    def run(method: str, prompt: list[int], n: int) -> list[int]:
+        if method == "hf-greedy":
+            return hf_greedy(prompt, n)
+        return list(dec.generate(prompt, method=method, max_new_tokens=n).tokens)
+
     rows: dict[str, dict] = {}
     outputs: dict[str, list[list[int]]] = {}
     for method in ("hf-greedy", "ar", "ngram", "auto"):
-        def run(prompt, n, method=method):
-            return hf_greedy(prompt, n) if method == "hf-greedy" else dec.generate(prompt, method=method,
-                                                                                 max_new_tokens=n).tokens
-        run(prompts[0], min(16, new))  # untimed: lazy init, auto's calibration
+        run(method, prompts[0], min(16, new))  # untimed: lazy init, auto's calibration
         seconds, outputs[method] = 0.0, []
         for prompt in prompts:
             t0 = device_clock(model.device)
-            outputs[method].append(list(run(prompt, new)))
+            outputs[method].append(run(method, prompt, new))
             seconds += device_clock(model.device) - t0
         rows[method] = {"tokens_per_s": round(sum(map(len, outputs[method])) / seconds, 1)}
     for method, row in rows.items():
