@@ -34,6 +34,9 @@ interleaved run also reports the goal ratios paired per repeat (the median over 
 of each repeat's own ratio, ``paired_ratios``), beside the ratios of the medians. Below the
 table, the ratios the serving goals are stated in (off c_max / c_min, adaptive / off,
 adaptive / max(off, fixed)) from those medians.
+``--twin`` (started servers): a fourth server, ``off-twin``, set like ``off`` and measured in
+the same interleaving; ``off-twin / off`` beside the goal ratios is how far two identical
+server processes differ in this run, the noise floor those ratios between processes carry.
 ``cpu ms/tok``: the server process's CPU time per output token in the cell, from its
 ``process_cpu_seconds_total`` (`cpu_delta`; the median over repeats).
 Terms: TTFT = arrival → first token; TPOT = (E2E − TTFT) / (output tokens − 1);
@@ -63,6 +66,10 @@ from typing import Any
 import click
 
 MODES = ("off", "fixed", "adaptive")
+TWIN = "off-twin"
+"""``--twin``: a second server measured as ``off``. Two identical server processes differed by
+5-10% at 16 streams in one run (session 25: 1.01-1.21x per repeat), and the mode ratios are
+taken between processes; ``off-twin / off`` prints that spread beside them."""
 # Fewest requests in a cell by default (and 8 per unit of concurrency). At concurrency 1,
 # 8 requests are ~1 s of traffic: the same cell's repeats varied 309-524 tok/s, and a
 # ratio of two such medians was noise; 24 still varied ±15% between repeats.
@@ -96,7 +103,13 @@ class ServeBenchConfig:
     controller_interval_s: float = 2.0
     adaptive_warmup_s: float = 45.0         # traffic before measuring (adaptive: controller ticks + alert for_s)
     server_args: list[str] = field(default_factory=list)
+    twin: bool = False                      # also a second `off` server (TWIN), started servers only
     progress: bool = True
+
+    @property
+    def all_modes(self) -> list[str]:
+        """The measured modes: ``modes`` and, with ``twin``, TWIN."""
+        return [*self.modes, TWIN] if self.twin else list(self.modes)
 
 
 @dataclass
@@ -221,9 +234,10 @@ def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
-def _goal_terms(concs: list[int]) -> list[tuple[str, tuple[str, int], list[tuple[str, int]]]]:
+def _goal_terms(concs: list[int], twin: bool = False) -> list[tuple[str, tuple[str, int], list[tuple[str, int]]]]:
     """Every ratio the serving goals are stated in: (name, numerator cell, denominator cells,
-    of which the best counts) over the measured concurrencies ``concs`` (sorted)."""
+    of which the best counts) over the measured concurrencies ``concs`` (sorted); with ``twin``
+    also ``off-twin / off``, two identical servers' ratio (the noise floor, no goal)."""
     if not concs:
         return []
     lo, hi = concs[0], concs[-1]
@@ -231,14 +245,20 @@ def _goal_terms(concs: list[int]) -> list[tuple[str, tuple[str, int], list[tuple
     for c in concs:
         terms.append((f"adaptive / off at c{c}", ("adaptive", c), [("off", c)]))
         terms.append((f"adaptive / max(off, fixed) at c{c}", ("adaptive", c), [("off", c), ("fixed", c)]))
+    if twin:
+        terms += [(f"{TWIN} / off at c{c}", (TWIN, c), [("off", c)]) for c in concs]
     return terms
+
+
+def _has_twin(report: dict[str, Any]) -> bool:
+    return any(r["mode"] == TWIN for r in report["results"])
 
 
 def goal_ratios(report: dict[str, Any]) -> dict[str, float]:
     """The ratios the serving goals are stated in, from the rows' (median) output tokens/s."""
     tps = {(r["mode"], r["concurrency"]): r["output_tokens_per_s"] for r in report["results"]}
     out: dict[str, float] = {}
-    for name, num, dens in _goal_terms(sorted({c for _, c in tps})):
+    for name, num, dens in _goal_terms(sorted({c for _, c in tps}), _has_twin(report)):
         best = max((tps[d] for d in dens if d in tps), default=0.0)
         if num in tps and best > 0:
             out[name] = tps[num] / best
@@ -251,7 +271,7 @@ def _pairs(report: dict[str, Any]) -> dict[str, list[float]]:
         return {}
     runs = {(r["mode"], r["concurrency"]): list(r.get("output_tokens_per_s_runs") or []) for r in report["results"]}
     out: dict[str, list[float]] = {}
-    for name, num, dens in _goal_terms(sorted({c for _, c in runs})):
+    for name, num, dens in _goal_terms(sorted({c for _, c in runs}), _has_twin(report)):
         cols = [runs[d] for d in dens if runs.get(d)]
         if not runs.get(num) or not cols:
             continue
@@ -393,7 +413,7 @@ def _apply_mode(store: Any, mode: str) -> dict[str, str]:
     if rev is None:
         raise BenchServeError("the server's Redis holds no current policy revision")
     settings = effective_for(store.get_revision(rev).policy, rev, time.time())
-    if mode == "off":
+    if mode in ("off", TWIN):
         settings = {k: replace(v, method="off") for k, v in settings.items()}
     store.set_effective(settings, epoch=None, reason=f"bench serve: mode {mode}", replace=True, actor="bench")
     return {k: v.method for k, v in settings.items()}
@@ -486,6 +506,10 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
 
     if cfg.base_url and not cfg.redis_url:
         raise BenchServeError("a running server (--base-url) needs --redis, the server's Redis, to switch modes")
+    if cfg.twin and (cfg.base_url or "off" not in cfg.modes):
+        raise BenchServeError("--twin starts a second `off` server beside `off`'s: it needs started servers "
+                              "(no --base-url) and off among --modes")
+    modes = cfg.all_modes
     workdir = Path(tempfile.mkdtemp(prefix="specops-bench-serve-"))
     embedded = controller = client = None
     servers: list[subprocess.Popen] = []
@@ -499,10 +523,10 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
         if cfg.base_url:
             url = cfg.base_url.rstrip("/")
             targets = {m: _Target(m, url, PolicyStore(client, namespace=cfg.namespace), cfg.namespace)
-                       for m in cfg.modes}
+                       for m in modes}
         else:
             targets = {}
-            for mode in cfg.modes:
+            for mode in modes:
                 ns = f"{cfg.namespace}-{mode}"
                 proc, url = _start_server(cfg, redis_url, workdir, max(cfg.concurrency), ns, name=f"serve-{mode}")
                 servers.append(proc)
@@ -512,10 +536,10 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
         first = next(iter(targets.values()))
         model = _wait_ready(first.url, 60).get("model", "bundled")
         counts = {c: cfg.num_prompts or max(MIN_CELL_REQUESTS, REQUESTS_PER_SLOT * c) for c in cfg.concurrency}
-        total = sum(counts.values()) * len(cfg.modes) * cfg.repeats
+        total = sum(counts.values()) * len(modes) * cfg.repeats
         bar = click.progressbar(length=total, label="bench serve", file=sys.stderr) if cfg.progress else None
         on_done = (lambda: bar.update(1)) if bar else None
-        runs: dict[tuple[str, int], list[dict[str, Any]]] = {(m, c): [] for m in cfg.modes for c in cfg.concurrency}
+        runs: dict[tuple[str, int], list[dict[str, Any]]] = {(m, c): [] for m in modes for c in cfg.concurrency}
 
         def prepare(t: _Target, traffic: bool) -> subprocess.Popen | None:
             """Set the mode, warm the server; ``traffic``: then `_adaptive_warmup`'s traffic (the
@@ -542,7 +566,7 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
             runs[(t.mode, c)].append(row)
 
         if cfg.base_url:
-            for mode in cfg.modes:
+            for mode in modes:
                 controller = prepare(targets[mode], traffic=mode == "adaptive")
                 for _ in range(cfg.repeats):
                     for c in cfg.concurrency:
@@ -555,9 +579,9 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
                 controller = prepare(t, traffic=True) or controller
             for r in range(cfg.repeats):
                 for j, c in enumerate(cfg.concurrency):  # the cells compared with each other back to back
-                    for i in range(len(cfg.modes)):
-                        measure(targets[cfg.modes[(i + r + j) % len(cfg.modes)]], c)
-        rows = [median_row(runs[(m, c)]) for m in cfg.modes for c in cfg.concurrency]
+                    for i in range(len(modes)):
+                        measure(targets[modes[(i + r + j) % len(modes)]], c)
+        rows = [median_row(runs[(m, c)]) for m in modes for c in cfg.concurrency]
         cfg_out = {k: v for k, v in asdict(cfg).items() if k != "api_key"}
         cfg_out["request_rate"] = None if math.isinf(cfg.request_rate) else cfg.request_rate
         cfg_out["interleaved"] = not cfg.base_url
@@ -763,10 +787,14 @@ def plot_report(report: dict[str, Any], path: str | Path) -> Path:
                    "file paths absolute).")
 @click.option("--repeats", type=click.IntRange(min=1), default=1, show_default=True,
               help="Runs of every cell; each row is the median run (use 3 or more for a claim).")
+@click.option("--twin", is_flag=True,
+              help=f"Also start a second server measured as off ({TWIN}) and report {TWIN} / off: how far two "
+                   "identical server processes differ in this run, the noise floor of the mode ratios "
+                   "(started servers only).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def bench_serve_command(base_url, redis_url, namespace, modes, concurrency, num_prompts, request_rate, max_tokens, mix,
                         prompts_file, slo, api_key_env, json_path, plot_path, seed, adaptive_warmup_s, server_args,
-                        repeats, quiet) -> None:
+                        repeats, twin, quiet) -> None:
     """Benchmark a specops server over HTTP: off / fixed / adaptive at several concurrencies."""
     try:
         mode_list = [m.strip() for m in modes.split(",") if m.strip()]
@@ -787,7 +815,7 @@ def bench_serve_command(base_url, redis_url, namespace, modes, concurrency, num_
                            concurrency=conc, num_prompts=num_prompts, request_rate=request_rate, max_tokens=max_tokens,
                            mix=mix_weights, prompts_file=prompts_file, slo_ttft_s=ttft, slo_tpot_s=tpot,
                            api_key=api_key, seed=seed, server_args=list(server_args), progress=not quiet,
-                           adaptive_warmup_s=adaptive_warmup_s, repeats=repeats)
+                           adaptive_warmup_s=adaptive_warmup_s, repeats=repeats, twin=twin)
     try:
         report = run_bench_serve(cfg)
     except BenchServeError as exc:

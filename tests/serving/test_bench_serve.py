@@ -181,6 +181,79 @@ def test_a_started_bench_runs_one_server_per_mode_and_interleaves_the_modes_per_
     assert all(r["server_cpu_ms_per_token_runs"] == [62.5] * 3 for r in report["results"])
 
 
+def test_twin_adds_a_second_off_server_and_its_ratio_to_off(monkeypatch):
+    """--twin: a fourth started server set to off, warmed and interleaved like the others, its
+    rows named off-twin, and off-twin / off among the ratios (the noise floor of the others)."""
+    from specops.bench import serve
+
+    started, applied, measured = [], [], []
+
+    class FakeProc:
+        pid = 0
+
+        def poll(self):
+            return None
+
+    def start_server(cfg, redis_url, workdir, max_batch, namespace=None, name="serve"):
+        started.append(namespace)
+        return FakeProc(), f"http://{namespace}"
+
+    speed = {"specops-off": 100.0, "specops-fixed": 110.0, "specops-adaptive": 120.0, "specops-off-twin": 90.0}
+
+    async def cell(url, model, prompts, c, cfg, on_done=None):
+        ns = url.split("//")[1]
+        if on_done is not None:
+            measured.append(ns)
+        n = 8 * len(prompts)
+        return [serve.RequestResult(ok=True, ttft_s=0.01, e2e_s=0.1, output_tokens=8)] * len(prompts), n / speed[ns]
+
+    monkeypatch.setattr(serve, "_start_server", start_server)
+    monkeypatch.setattr(serve, "_start_controller", lambda cfg, r, w, ns=None: FakeProc())
+    monkeypatch.setattr(serve, "_stop", lambda proc, timeout_s=20.0: None)
+    monkeypatch.setattr(serve, "_wait_ready", lambda url, timeout_s, proc=None: {"model": "m", "policy": {}})
+    monkeypatch.setattr(serve, "_apply_mode", lambda store, mode: applied.append(mode) or {})
+    monkeypatch.setattr(serve, "_wait_settings", lambda url, expected, timeout_s=30.0: None)
+    monkeypatch.setattr(serve, "_adaptive_warmup", lambda url, model, cfg: None)
+    monkeypatch.setattr(serve, "run_cell", cell)
+    monkeypatch.setattr(serve, "planner_counts", lambda url: None)
+    cfg = serve.ServeBenchConfig(redis_url="redis://127.0.0.1:9/0", concurrency=[16], repeats=2, num_prompts=2,
+                                 progress=True, twin=True)  # (measured cells report progress; warm-ups do not)
+    report = serve.run_bench_serve(cfg)
+    assert started == ["specops-off", "specops-fixed", "specops-adaptive", "specops-off-twin"]
+    assert applied == ["off", "fixed", "adaptive", "off-twin"]
+    assert sorted(measured) == sorted(2 * list(speed))
+    assert [r["mode"] for r in report["results"]] == ["off", "fixed", "adaptive", "off-twin"]
+    assert report["ratios"]["off-twin / off at c16"] == pytest.approx(0.9)
+    assert report["paired_ratios"]["off-twin / off at c16"] == pytest.approx(0.9)
+    assert report["ratios"]["adaptive / max(off, fixed) at c16"] == pytest.approx(120 / 110)
+    table = serve.format_table(report)
+    assert "off-twin / off at c16 0.90x" in table and "\noff-twin    16" in table
+    # the twin needs started servers and an off mode to compare with
+    for bad in (dict(base_url="http://x"), dict(modes=["fixed", "adaptive"])):
+        with pytest.raises(serve.BenchServeError, match="--twin"):
+            serve.run_bench_serve(serve.ServeBenchConfig(redis_url="redis://127.0.0.1:9/0", twin=True, **bad))
+
+
+def test_twin_applies_the_off_settings(monkeypatch):
+    from specops.bench import serve
+
+    class Store:
+        def current_revision(self):
+            return 1
+
+        def get_revision(self, rev):
+            from specops.policies import load_policy
+
+            return type("R", (), {"policy": load_policy("version: v\ndefault_class: a\nclasses: [{name: a}]\n")})
+
+        def set_effective(self, settings, **kw):
+            self.settings = settings
+
+    store = Store()
+    assert serve._apply_mode(store, "off-twin") == {"a": "off"} == serve._apply_mode(store, "off")
+    assert serve._apply_mode(store, "fixed") == {"a": "draft"}
+
+
 def test_the_planner_delta_of_a_cell():
     from specops.bench.serve import planner_delta
 
