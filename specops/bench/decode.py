@@ -100,12 +100,13 @@ class BenchConfig:
             raise BenchError(f"device must be cpu or cuda[:N], got {self.device!r} ({exc})") from None
         if device.type not in ("cpu", "cuda"):
             raise BenchError(f"device must be cpu or cuda[:N], got {self.device!r}")
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise BenchError(f"device {self.device!r}: this torch sees no CUDA device")
-        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-            raise BenchError(f"device {self.device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-        if device.type == "cuda" and any(m in LLAMA_CPP_METHODS for m in self.methods):
-            raise BenchError("the llama.cpp peers run on the CPU: leave them out of --methods with --device cuda")
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise BenchError(f"device {self.device!r}: this torch sees no CUDA device")
+            if (device.index or 0) >= torch.cuda.device_count():
+                raise BenchError(f"device {self.device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+            if any(m in LLAMA_CPP_METHODS for m in self.methods):
+                raise BenchError("the llama.cpp peers run on the CPU: leave them out of --methods with --device cuda")
 
 
 @dataclass

@@ -17,8 +17,9 @@ Steps (each recorded in one JSON, then printed as a table):
 8 tokens) and skips the CUDA-only steps, so `make test` keeps the script working
 (tests/bench/test_gpu_check.py). On one GPU the full run takes a few minutes (budget: 8).
 ``--prompts FILE`` gives decode-bundled its prompts where this Python lacks the stdlib tests
-that the code suite is cut from. The JSON is rewritten after each step and the CUDA tests' whole output is kept beside it
-(``<json>.pytest.log``), so a run cut short keeps the steps it finished.
+that the code suite is cut from. The JSON is rewritten after each step and the CUDA tests'
+whole output is kept beside it (``<json>.pytest.log``), so a run cut short keeps the steps
+it finished.
 
 On a GPU machine whose ``python3`` already has a CUDA torch, transformers and triton (no
 package index needed): ``make gpu-check GPU_PYTHON=python3`` runs from the source tree.

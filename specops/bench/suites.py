@@ -192,7 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a prompts file, for `specops bench decode --prompts` on a machine without the stdlib tests."""
     import argparse
 
-    parser = argparse.ArgumentParser(description=main.__doc__.split(":")[0].strip("`"))
+    parser = argparse.ArgumentParser(description="Write a built-in bench suite as a prompts file (JSONL) "
+                                                 "for `specops bench decode --prompts`.")
     parser.add_argument("--suite", choices=[s for s in SUITES if s != "chat"], default="code")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
