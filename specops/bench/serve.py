@@ -24,7 +24,11 @@ The bench waits until the server's ``/readyz`` shows the settings before measuri
 A started server is one process per mode (its own Redis namespace), and repeat r runs,
 for each concurrency, every mode's cell back to back, the order rotated by r and the
 concurrency, so the machine's drift over minutes falls on every mode alike; against
-``--base-url`` the modes run one after the other.
+``--base-url`` the modes run one after the other. ``--one-server``: one started process
+serves every mode in that same order, its settings switched through Redis before each cell
+and ``--settle-s`` of unmeasured traffic in the new mode before measuring (the controller
+paused outside the adaptive cells: see `run_bench_serve`), so the ratios compare modes and
+not processes.
 With ``--repeats R`` every cell runs R times; a row is the repeat with the median output
 tokens/s (a measured row, its latencies from the same run), with every repeat's tokens/s
 beside it and each class's live setting at the end of that run (``settings``), and what the
@@ -36,7 +40,9 @@ table, the ratios the serving goals are stated in (off c_max / c_min, adaptive /
 adaptive / max(off, fixed)) from those medians.
 ``--twin`` (started servers): a fourth server, ``off-twin``, set like ``off`` and measured in
 the same interleaving; ``off-twin / off`` beside the goal ratios is how far two identical
-server processes differ in this run, the noise floor those ratios between processes carry.
+server processes differ in this run, the noise floor those ratios between processes carry
+(with ``--one-server``, a fourth mode set like ``off`` on the one server: the noise floor of
+two cells of the same thing).
 ``cpu ms/tok``: the server process's CPU time per output token in the cell, from its
 ``process_cpu_seconds_total`` (`cpu_delta`; the median over repeats).
 Terms: TTFT = arrival → first token; TPOT = (E2E − TTFT) / (output tokens − 1);
@@ -69,7 +75,9 @@ MODES = ("off", "fixed", "adaptive")
 TWIN = "off-twin"
 """``--twin``: a second server measured as ``off``. Two identical server processes differed by
 5-10% at 16 streams in one run (session 25: 1.01-1.21x per repeat), and the mode ratios are
-taken between processes; ``off-twin / off`` prints that spread beside them."""
+taken between processes; ``off-twin / off`` prints that spread beside them. With
+``--one-server`` it is a fourth mode of the one server, set like ``off``: ``off-twin / off``
+is then how far two cells of the same thing differ in one process (the cells' own noise)."""
 # Fewest requests in a cell by default (and 8 per unit of concurrency). At concurrency 1,
 # 8 requests are ~1 s of traffic: the same cell's repeats varied 309-524 tok/s, and a
 # ratio of two such medians was noise; 24 still varied ±15% between repeats.
@@ -104,7 +112,18 @@ class ServeBenchConfig:
     adaptive_warmup_s: float = 45.0         # traffic before measuring (adaptive: controller ticks + alert for_s)
     server_args: list[str] = field(default_factory=list)
     twin: bool = False                      # also a second `off` server (TWIN), started servers only
+    one_server: bool = False                # started: one server for every mode (see `run_bench_serve`)
+    settle_s: float | None = None           # one_server: traffic before each cell (None: the controller's window)
     progress: bool = True
+
+    @property
+    def window_s(self) -> float:
+        """The started controller's telemetry window (``--window``)."""
+        return max(5.0, 5 * self.controller_interval_s)
+
+    @property
+    def settle_seconds(self) -> float:
+        return self.window_s if self.settle_s is None else self.settle_s
 
     @property
     def all_modes(self) -> list[str]:
@@ -403,8 +422,14 @@ def _log_tail(proc: subprocess.Popen | None, lines: int = 5) -> str:
     return "; it said: " + " | ".join(line.strip() for line in tail if line.strip()) if tail else ""
 
 
-def _apply_mode(store: Any, mode: str) -> dict[str, str]:
-    """Write the mode's effective settings (an operator action); returns class -> method expected."""
+def _expected(settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """What the server's ``/readyz`` shows per class once it applied ``settings`` (class -> EffectiveSettings)."""
+    return {k: {"method": v.method, "gamma": v.gamma, "medusa_heads": v.medusa_heads, "fallback": v.fallback_active}
+            for k, v in settings.items()}
+
+
+def _apply_mode(store: Any, mode: str) -> dict[str, dict[str, Any]]:
+    """Write the mode's effective settings (an operator action); returns what `_wait_settings` waits for."""
     from dataclasses import replace
 
     from specops.policies.rollout import effective_for
@@ -416,21 +441,48 @@ def _apply_mode(store: Any, mode: str) -> dict[str, str]:
     if mode in ("off", TWIN):
         settings = {k: replace(v, method="off") for k, v in settings.items()}
     store.set_effective(settings, epoch=None, reason=f"bench serve: mode {mode}", replace=True, actor="bench")
-    return {k: v.method for k, v in settings.items()}
+    return _expected(settings)
 
 
-def _wait_settings(url: str, expected: dict[str, str], timeout_s: float = 30.0) -> None:
+def _restore_adaptive(store: Any, settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """One server: put back the settings the controller had when its last cell ended."""
+    if not settings:
+        raise BenchServeError("the server's Redis held no effective settings after the adaptive mode's cell")
+    store.set_effective(settings, epoch=None, reason="bench serve: mode adaptive (the controller's settings back)",
+                        replace=True, actor="bench")
+    return _expected(settings)
+
+
+def _wait_settings(url: str, expected: dict[str, Any], timeout_s: float = 30.0) -> None:
+    """Until ``/readyz`` shows ``expected``: class -> method, or class -> the fields `_expected` lists."""
+    def shows(live: dict[str, Any], want: Any) -> bool:
+        if isinstance(want, str):
+            return live.get("method") == want
+        return all(live.get(k) == v for k, v in want.items())
+
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         classes = _wait_ready(url, timeout_s)["policy"].get("classes", {})
-        if all(classes.get(k, {}).get("method") == m for k, m in expected.items()):
+        if all(shows(classes.get(k, {}), want) for k, want in expected.items()):
             return
         time.sleep(0.3)
     raise BenchServeError(f"the server did not apply the settings within {timeout_s:.0f}s")
 
 
+def _pause(proc: subprocess.Popen | None) -> None:
+    """One server: stop the adaptive mode's controller (SIGSTOP) while other modes hold the server."""
+    if proc is not None and proc.poll() is None:
+        os.kill(proc.pid, signal.SIGSTOP)
+
+
+def _resume(proc: subprocess.Popen | None) -> None:
+    if proc is not None and proc.poll() is None:
+        os.kill(proc.pid, signal.SIGCONT)
+
+
 def _stop(proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
     if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGCONT)  # a paused controller (`_pause`) would not act on SIGTERM
         os.kill(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout_s)
@@ -443,8 +495,10 @@ def _start_controller(cfg: ServeBenchConfig, redis_url: str, workdir: Path,
                       namespace: str | None = None) -> subprocess.Popen:
     argv = [sys.executable, "-m", "specops.cli", "controller", "run", "--redis", redis_url, "--namespace",
             namespace or cfg.namespace, "--interval", str(cfg.controller_interval_s), "--window",
-            str(max(5.0, 5 * cfg.controller_interval_s)), "--listen", f"127.0.0.1:{_free_port()}",
-            "--lease-ttl-ms", str(int(max(15_000, 4000 * cfg.controller_interval_s)))]
+            str(cfg.window_s), "--listen", f"127.0.0.1:{_free_port()}",
+            # one server: the controller is paused while other modes are measured (`_pause`), for longer
+            # than a 15 s lease; it is the only controller, so nobody else could take the lead meanwhile
+            "--lease-ttl-ms", str(int(max(600_000 if cfg.one_server else 15_000, 4000 * cfg.controller_interval_s)))]
     env = dict(os.environ, SPECOPS_WEBHOOK_TOKEN=secrets.token_hex(16))
     log = open(workdir / "controller.log", "wb")
     return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -498,6 +552,17 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
     minutes, and modes measured minutes apart compared that drift as often as the modes. A
     running server (``--base-url``) holds one setting at a time, so there the modes run one
     after the other.
+
+    ``one_server`` (``--one-server``): one started server serves every mode, in the same
+    interleaved order. It is warmed in the adaptive mode with the controller running; then
+    each cell writes its mode's settings (adaptive: the settings the controller left at the
+    end of its previous cell) and waits until ``/readyz`` shows them, sends ``settle_s``
+    seconds of unmeasured traffic at the cell's concurrency, and is measured. The controller
+    runs only during adaptive cells (paused with SIGSTOP otherwise, so it neither overrides
+    the other modes' settings nor reads their requests: its first window after resuming holds
+    the settle traffic, served under its own settings). The modes' ratios are then taken
+    within one process: two identical server processes differed by up to 27% at 16 streams
+    in one run (``--twin``, session 25), more than the goals' margins.
     """
     import redis as redis_lib
 
@@ -507,8 +572,12 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
     if cfg.base_url and not cfg.redis_url:
         raise BenchServeError("a running server (--base-url) needs --redis, the server's Redis, to switch modes")
     if cfg.twin and (cfg.base_url or "off" not in cfg.modes):
-        raise BenchServeError("--twin starts a second `off` server beside `off`'s: it needs started servers "
-                              "(no --base-url) and off among --modes")
+        raise BenchServeError("--twin measures a second `off` beside `off`: it needs started servers (no "
+                              "--base-url) and off among --modes")
+    if cfg.one_server and cfg.base_url:
+        raise BenchServeError("--one-server starts its server: it cannot be combined with --base-url")
+    if cfg.settle_s is not None and not cfg.one_server:
+        raise BenchServeError("--settle-s is the traffic before each cell of --one-server; add --one-server")
     modes = cfg.all_modes
     workdir = Path(tempfile.mkdtemp(prefix="specops-bench-serve-"))
     embedded = controller = client = None
@@ -524,6 +593,12 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
             url = cfg.base_url.rstrip("/")
             targets = {m: _Target(m, url, PolicyStore(client, namespace=cfg.namespace), cfg.namespace)
                        for m in modes}
+        elif cfg.one_server:
+            proc, url = _start_server(cfg, redis_url, workdir, max(cfg.concurrency), cfg.namespace)
+            servers.append(proc)
+            _wait_ready(url, 600, proc)
+            store = PolicyStore(client, namespace=cfg.namespace)
+            targets = {m: _Target(m, url, store, cfg.namespace) for m in modes}
         else:
             targets = {}
             for mode in modes:
@@ -574,6 +649,26 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
                 if controller is not None:
                     _stop(controller)
                     controller = None
+        elif cfg.one_server:
+            # warmed once, in the adaptive mode when measured (its controller acts on the warm-up), then
+            # paused with its settings kept; every cell sets its mode, settles, and is measured
+            store = first.store
+            controller = prepare(targets["adaptive" if "adaptive" in modes else modes[0]], traffic=True)
+            _pause(controller)
+            kept = store.effective()
+            for r in range(cfg.repeats):
+                for j, c in enumerate(cfg.concurrency):
+                    for i in range(len(modes)):
+                        t = targets[modes[(i + r + j) % len(modes)]]
+                        adaptive = t.mode == "adaptive"
+                        _wait_settings(t.url, _restore_adaptive(store, kept) if adaptive else _apply_mode(store, t.mode))
+                        _settle(t.url, model, cfg, c, build_prompts(cfg, counts[c]))
+                        if adaptive:
+                            _resume(controller)
+                        measure(t, c)
+                        if adaptive:
+                            _pause(controller)
+                            kept = store.effective()
         else:
             for t in targets.values():
                 controller = prepare(t, traffic=True) or controller
@@ -585,6 +680,7 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
         cfg_out = {k: v for k, v in asdict(cfg).items() if k != "api_key"}
         cfg_out["request_rate"] = None if math.isinf(cfg.request_rate) else cfg.request_rate
         cfg_out["interleaved"] = not cfg.base_url
+        cfg_out["settle_s"] = cfg.settle_seconds if cfg.one_server else None
         report = {"config": cfg_out, "model": model, "results": rows}
         report["ratios"], report["paired_ratios"] = goal_ratios(report), paired_ratios(report)
         report["paired_ranges"] = {k: list(v) for k, v in paired_ranges(report).items()}
@@ -660,6 +756,19 @@ def cpu_delta(before: dict[str, float] | None, after: dict[str, float] | None, t
     return {"server_cpu_s": spent, "server_cpu_ms_per_token": 1000.0 * spent / tokens if tokens > 0 else None}
 
 
+def _traffic(url: str, model: str, cfg: ServeBenchConfig, seconds: float, concurrencies: list[int],
+             pool: list[tuple[str, float]]) -> None:
+    """Unmeasured traffic from ``pool`` (cycled), at each of ``concurrencies`` in turn, for ``seconds``."""
+    deadline = time.monotonic() + seconds
+    k = at = 0
+    while time.monotonic() < deadline:
+        c = concurrencies[k % len(concurrencies)]
+        n = max(2 * c, 4)
+        prompts = [pool[(at + i) % len(pool)] for i in range(n)]
+        asyncio.run(run_cell(url, model, prompts, c, cfg))
+        k, at = k + 1, at + n
+
+
 def _adaptive_warmup(url: str, model: str, cfg: ServeBenchConfig) -> None:
     """Traffic of the same mix (other draws), cycling through the measured concurrencies,
     for ``adaptive_warmup_s``: the controller decides from telemetry windows and its alert
@@ -668,14 +777,17 @@ def _adaptive_warmup(url: str, model: str, cfg: ServeBenchConfig) -> None:
     from dataclasses import replace
 
     pool = build_prompts(replace(cfg, seed=cfg.seed + 1000), 512)  # other draws than the measured cells
-    deadline = time.monotonic() + cfg.adaptive_warmup_s
-    k = at = 0
-    while time.monotonic() < deadline:
-        c = cfg.concurrency[k % len(cfg.concurrency)]
-        n = max(2 * c, 4)
-        prompts = [pool[(at + i) % len(pool)] for i in range(n)]
-        asyncio.run(run_cell(url, model, prompts, c, cfg))
-        k, at = k + 1, at + n
+    _traffic(url, model, cfg, cfg.adaptive_warmup_s, cfg.concurrency, pool)
+
+
+def _settle(url: str, model: str, cfg: ServeBenchConfig, concurrency: int, prompts: list[tuple[str, float]]) -> None:
+    """One server: ``settle_seconds`` of the cell's own prompts at its concurrency under the mode
+    just set, before the cell; for the adaptive mode with its controller still paused, so that
+    its first window after resuming holds only requests served under its own settings. The
+    cell's own prompts, as with a server per mode, where each repeat found the previous one's
+    prompts in the prefix cache: settled with other draws, the cache had lost them, and TTFT
+    at c16 doubled (p50 27 -> 59 ms) in every mode alike."""
+    _traffic(url, model, cfg, cfg.settle_seconds, [concurrency], prompts)
 
 
 def _fmt(value: Any, scale: float = 1.0, digits: int = 1) -> str:
@@ -714,6 +826,10 @@ def format_table(report: dict[str, Any]) -> str:
     if any(r.get("server_cpu_ms_per_token") is not None for r in report["results"]):
         lines.append("  (cpu ms/tok: the server process's CPU ms per output token in the cell, from its "
                      "process_cpu_seconds_total; with repeats, the median over them)")
+    config = report.get("config", {})
+    if config.get("one_server"):
+        lines.append("  (one server for every mode: its settings switched through Redis before each cell, then "
+                     f"{config.get('settle_s') or 0:g} s of unmeasured traffic in that mode)")
     if any(r.get("repeats", 1) > 1 for r in report["results"]):
         lines.append(f"  (each row: the median of {report['results'][0]['repeats']} runs by tok/s; "
                      "all runs' tok/s in the JSON)")
@@ -790,11 +906,18 @@ def plot_report(report: dict[str, Any], path: str | Path) -> Path:
 @click.option("--twin", is_flag=True,
               help=f"Also start a second server measured as off ({TWIN}) and report {TWIN} / off: how far two "
                    "identical server processes differ in this run, the noise floor of the mode ratios "
-                   "(started servers only).")
+                   "(started servers only; with --one-server a fourth mode set like off on the one server).")
+@click.option("--one-server", is_flag=True,
+              help="One started server for every mode: each cell switches its settings through Redis, sends "
+                   "--settle-s of unmeasured traffic, then measures (the controller paused outside adaptive "
+                   "cells). The ratios then compare modes within one process.")
+@click.option("--settle-s", type=click.FloatRange(min=0), default=None,
+              help="With --one-server: seconds of traffic in a cell's mode before measuring it (default: the "
+                   "controller's window, 5 x its 2 s interval).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def bench_serve_command(base_url, redis_url, namespace, modes, concurrency, num_prompts, request_rate, max_tokens, mix,
                         prompts_file, slo, api_key_env, json_path, plot_path, seed, adaptive_warmup_s, server_args,
-                        repeats, twin, quiet) -> None:
+                        repeats, twin, one_server, settle_s, quiet) -> None:
     """Benchmark a specops server over HTTP: off / fixed / adaptive at several concurrencies."""
     try:
         mode_list = [m.strip() for m in modes.split(",") if m.strip()]
@@ -815,7 +938,8 @@ def bench_serve_command(base_url, redis_url, namespace, modes, concurrency, num_
                            concurrency=conc, num_prompts=num_prompts, request_rate=request_rate, max_tokens=max_tokens,
                            mix=mix_weights, prompts_file=prompts_file, slo_ttft_s=ttft, slo_tpot_s=tpot,
                            api_key=api_key, seed=seed, server_args=list(server_args), progress=not quiet,
-                           adaptive_warmup_s=adaptive_warmup_s, repeats=repeats, twin=twin)
+                           adaptive_warmup_s=adaptive_warmup_s, repeats=repeats, twin=twin, one_server=one_server,
+                           settle_s=settle_s)
     try:
         report = run_bench_serve(cfg)
     except BenchServeError as exc:

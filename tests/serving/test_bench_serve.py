@@ -250,8 +250,144 @@ def test_twin_applies_the_off_settings(monkeypatch):
             self.settings = settings
 
     store = Store()
-    assert serve._apply_mode(store, "off-twin") == {"a": "off"} == serve._apply_mode(store, "off")
-    assert serve._apply_mode(store, "fixed") == {"a": "draft"}
+    methods = lambda expected: {k: v["method"] for k, v in expected.items()}  # noqa: E731
+    assert methods(serve._apply_mode(store, "off-twin")) == {"a": "off"} == methods(serve._apply_mode(store, "off"))
+    assert serve._apply_mode(store, "fixed") == {"a": {"method": "draft", "gamma": 4, "medusa_heads": 3,
+                                                      "fallback": False}}
+
+
+def test_one_server_serves_every_mode_switching_settings_settling_and_pausing_the_controller(monkeypatch):
+    """--one-server: one started server and one controller; warmed in the adaptive mode, then each
+    cell writes its mode (adaptive: the settings its controller left after its previous cell), waits
+    for /readyz to show them, settles at the cell's concurrency, and is measured; the controller
+    runs only during adaptive cells."""
+    from specops.bench import serve
+
+    events, started = [], []
+
+    class FakeProc:
+        pid = 0
+
+        def poll(self):
+            return None
+
+    def start_server(cfg, redis_url, workdir, max_batch, namespace=None, name="serve"):
+        started.append(namespace)
+        return FakeProc(), "http://one"
+
+    class Store:
+        gamma = 6  # what the controller has set: it moves during each adaptive cell (below)
+
+        def effective(self):
+            events.append(("kept", self.gamma))
+            return {"code": self.gamma}
+
+    store = Store()
+    monkeypatch.setattr("specops.policies.store.PolicyStore", lambda client, namespace: store)
+    monkeypatch.setattr(serve, "_start_server", start_server)
+    monkeypatch.setattr(serve, "_start_controller",
+                        lambda cfg, r, w, ns=None: events.append(("controller", ns)) or FakeProc())
+    monkeypatch.setattr(serve, "_stop", lambda proc, timeout_s=20.0: None)
+    monkeypatch.setattr(serve, "_pause", lambda proc: events.append("pause"))
+    monkeypatch.setattr(serve, "_resume", lambda proc: events.append("resume"))
+    monkeypatch.setattr(serve, "_wait_ready", lambda url, timeout_s, proc=None: {"model": "m", "policy": {}})
+    monkeypatch.setattr(serve, "_apply_mode", lambda st, mode: events.append(("apply", mode)) or {"code": mode})
+    monkeypatch.setattr(serve, "_restore_adaptive",
+                        lambda st, kept: events.append(("restore", kept["code"])) or {"code": kept["code"]})
+    monkeypatch.setattr(serve, "_wait_settings", lambda url, expected, timeout_s=30.0: events.append(("wait", expected)))
+    monkeypatch.setattr(serve, "_adaptive_warmup", lambda url, model, cfg: events.append("warmup"))
+    monkeypatch.setattr(serve, "_settle", lambda url, model, cfg, c, prompts: events.append(("settle", c)))
+    monkeypatch.setattr(serve, "planner_counts", lambda url: None)
+
+    async def cell(url, model, prompts, c, cfg, on_done=None):
+        if on_done is not None:  # a measured cell
+            events.append(("measure", c))
+            if events[-2] == "resume":  # the controller acts during its cell
+                store.gamma += 1
+        return [serve.RequestResult(ok=True, ttft_s=0.01, e2e_s=0.1, output_tokens=8)], 0.1
+
+    monkeypatch.setattr(serve, "run_cell", cell)
+    cfg = serve.ServeBenchConfig(redis_url="redis://127.0.0.1:9/0", concurrency=[1, 4], repeats=1, num_prompts=1,
+                                 one_server=True, settle_s=2.5)
+    report = serve.run_bench_serve(cfg)
+    assert started == ["specops"]
+    assert events[:5] == [("apply", "adaptive"), ("wait", {"code": "adaptive"}), ("controller", "specops"),
+                          "warmup", "pause"]
+    assert events[5:] == [
+        ("kept", 6),
+        ("apply", "off"), ("wait", {"code": "off"}), ("settle", 1), ("measure", 1),
+        ("apply", "fixed"), ("wait", {"code": "fixed"}), ("settle", 1), ("measure", 1),
+        ("restore", 6), ("wait", {"code": 6}), ("settle", 1), "resume", ("measure", 1), "pause", ("kept", 7),
+        ("apply", "fixed"), ("wait", {"code": "fixed"}), ("settle", 4), ("measure", 4),
+        ("restore", 7), ("wait", {"code": 7}), ("settle", 4), "resume", ("measure", 4), "pause", ("kept", 8),
+        ("apply", "off"), ("wait", {"code": "off"}), ("settle", 4), ("measure", 4)]
+    assert report["config"]["one_server"] is True and report["config"]["settle_s"] == 2.5
+    assert report["config"]["interleaved"] is True and report["paired_ratios"]
+    assert "then 2.5 s of unmeasured traffic in that mode" in serve.format_table(report)
+    # the settle time defaults to the started controller's window
+    assert serve.ServeBenchConfig(one_server=True).settle_seconds == 10.0
+    with pytest.raises(serve.BenchServeError, match="--one-server"):
+        serve.run_bench_serve(serve.ServeBenchConfig(redis_url="redis://127.0.0.1:9/0", one_server=True,
+                                                     base_url="http://x"))
+    # --twin there: a fourth mode of the same server, written like off
+    events.clear()
+    report = serve.run_bench_serve(serve.ServeBenchConfig(redis_url="redis://127.0.0.1:9/0", concurrency=[16],
+                                                          num_prompts=1, one_server=True, twin=True))
+    assert started == ["specops", "specops"]
+    assert [e[1] for e in events if e[0] == "apply"] == ["adaptive", "off", "fixed", "off-twin"]
+    assert "off-twin / off at c16" in report["ratios"]
+    with pytest.raises(serve.BenchServeError, match="add --one-server"):  # a settle time without it does nothing
+        serve.run_bench_serve(serve.ServeBenchConfig(redis_url="redis://127.0.0.1:9/0", settle_s=3.0))
+
+
+def test_wait_settings_waits_for_every_knob_not_only_the_method(monkeypatch):
+    """Switching between modes with the same methods (fixed and adaptive) changes only γ: the
+    wait has to see the new γ, or the cell's first requests run under the old one."""
+    from specops.bench import serve
+
+    old, new = ({"code": {"method": "draft", "gamma": g, "medusa_heads": 3, "fallback": False}} for g in (10, 6))
+    polls = []  # the server shows the old γ twice, then the new one
+
+    def ready(url, timeout_s, proc=None):
+        polls.append(1)
+        return {"policy": {"classes": old if len(polls) <= 2 else new}}
+
+    monkeypatch.setattr(serve, "_wait_ready", ready)
+    monkeypatch.setattr(serve.time, "sleep", lambda s: None)
+    serve._wait_settings("http://x", {"code": {"method": "draft", "gamma": 6, "medusa_heads": 3, "fallback": False}})
+    assert len(polls) == 3
+    serve._wait_settings("http://x", {"code": "draft"})  # a method alone still works
+    with pytest.raises(serve.BenchServeError, match="did not apply"):
+        serve._wait_settings("http://x", {"code": {"gamma": 1}}, timeout_s=0.0)
+
+
+def test_a_paused_controller_resumes_and_stops_at_once(tmp_path):
+    """The one-server bench pauses its controller with SIGSTOP; `_stop` continues it first, so a
+    paused controller acts on SIGTERM instead of waiting out the kill timeout."""
+    import subprocess
+    import sys
+    import time
+
+    from specops.bench import serve
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        state = lambda: open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0]  # noqa: E731
+        serve._pause(proc)
+        deadline = time.monotonic() + 5
+        while state() != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert state() == "T"  # stopped
+        serve._resume(proc)
+        serve._pause(proc)
+        started = time.monotonic()
+        serve._stop(proc, timeout_s=10.0)
+        assert proc.returncode == -15 and time.monotonic() - started < 5.0  # SIGTERM, not the kill timeout
+        serve._pause(proc)  # an exited process: nothing to do
+        serve._resume(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_the_planner_delta_of_a_cell():
