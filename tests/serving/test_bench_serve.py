@@ -9,6 +9,27 @@ import pytest
 from specops.bench.serve import RequestResult, ServeBenchConfig, build_prompts, parse_mix, parse_slo, summarize
 
 
+class FakeProc:
+    """A started server or controller as the orchestration sees it: never exits."""
+
+    pid = 0
+
+    def __init__(self, name: str = "") -> None:
+        self.name = name
+
+    def poll(self):
+        return None
+
+
+def recording_starter(started: list, url: str | None = None):
+    """A `_start_server` that records each namespace and returns a FakeProc and ``url`` (default
+    ``http://NAMESPACE``)."""
+    def start_server(cfg, redis_url, workdir, max_batch, namespace=None, name="serve"):
+        started.append(namespace)
+        return FakeProc(name), url or f"http://{namespace}"
+    return start_server
+
+
 def test_parse_mix_and_slo():
     assert parse_mix("code:0.5,prose:0.3,hot:0.2") == {"code": 0.5, "prose": 0.3, "hot": 0.2}
     for bad in ("code", "poetry:1", "code:x", "code:-1", "code:0"):
@@ -130,23 +151,12 @@ def test_a_started_bench_runs_one_server_per_mode_and_interleaves_the_modes_per_
 
     started, measured, controllers = [], [], []
 
-    class FakeProc:
-        def __init__(self, name):
-            self.name, self.pid = name, 0
-
-        def poll(self):
-            return None
-
-    def start_server(cfg, redis_url, workdir, max_batch, namespace=None, name="serve"):
-        started.append(namespace)
-        return FakeProc(name), f"http://{namespace}"
-
     async def cell(url, model, prompts, c, cfg, on_done=None):
         if on_done is not None:  # a measured cell (warm-ups pass no progress callback)
             measured.append((url.split("//")[1], c))
         return [serve.RequestResult(ok=True, ttft_s=0.01, e2e_s=0.1, output_tokens=8)], 0.1
 
-    monkeypatch.setattr(serve, "_start_server", start_server)
+    monkeypatch.setattr(serve, "_start_server", recording_starter(started))
     monkeypatch.setattr(serve, "_start_controller", lambda cfg, r, w, ns=None: controllers.append(ns) or FakeProc("c"))
     monkeypatch.setattr(serve, "_stop", lambda proc, timeout_s=20.0: None)
     monkeypatch.setattr(serve, "_wait_ready", lambda url, timeout_s, proc=None: {"model": "m", "policy": {}})
@@ -188,16 +198,6 @@ def test_twin_adds_a_second_off_server_and_its_ratio_to_off(monkeypatch):
 
     started, applied, measured = [], [], []
 
-    class FakeProc:
-        pid = 0
-
-        def poll(self):
-            return None
-
-    def start_server(cfg, redis_url, workdir, max_batch, namespace=None, name="serve"):
-        started.append(namespace)
-        return FakeProc(), f"http://{namespace}"
-
     speed = {"specops-off": 100.0, "specops-fixed": 110.0, "specops-adaptive": 120.0, "specops-off-twin": 90.0}
 
     async def cell(url, model, prompts, c, cfg, on_done=None):
@@ -207,7 +207,7 @@ def test_twin_adds_a_second_off_server_and_its_ratio_to_off(monkeypatch):
         n = 8 * len(prompts)
         return [serve.RequestResult(ok=True, ttft_s=0.01, e2e_s=0.1, output_tokens=8)] * len(prompts), n / speed[ns]
 
-    monkeypatch.setattr(serve, "_start_server", start_server)
+    monkeypatch.setattr(serve, "_start_server", recording_starter(started))
     monkeypatch.setattr(serve, "_start_controller", lambda cfg, r, w, ns=None: FakeProc())
     monkeypatch.setattr(serve, "_stop", lambda proc, timeout_s=20.0: None)
     monkeypatch.setattr(serve, "_wait_ready", lambda url, timeout_s, proc=None: {"model": "m", "policy": {}})
@@ -265,16 +265,6 @@ def test_one_server_serves_every_mode_switching_settings_settling_and_pausing_th
 
     events, started = [], []
 
-    class FakeProc:
-        pid = 0
-
-        def poll(self):
-            return None
-
-    def start_server(cfg, redis_url, workdir, max_batch, namespace=None, name="serve"):
-        started.append(namespace)
-        return FakeProc(), "http://one"
-
     class Store:
         gamma = 6  # what the controller has set: it moves during each adaptive cell (below)
 
@@ -284,7 +274,7 @@ def test_one_server_serves_every_mode_switching_settings_settling_and_pausing_th
 
     store = Store()
     monkeypatch.setattr("specops.policies.store.PolicyStore", lambda client, namespace: store)
-    monkeypatch.setattr(serve, "_start_server", start_server)
+    monkeypatch.setattr(serve, "_start_server", recording_starter(started, "http://one"))
     monkeypatch.setattr(serve, "_start_controller",
                         lambda cfg, r, w, ns=None: events.append(("controller", ns)) or FakeProc())
     monkeypatch.setattr(serve, "_stop", lambda proc, timeout_s=20.0: None)
