@@ -651,8 +651,8 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
                     controller = None
         elif cfg.one_server:
             # warmed once, in the adaptive mode when measured (its controller acts on the warm-up), then
-            # paused with its settings kept; every cell sets its mode, settles, and is measured
-            store = first.store
+            # paused with its settings kept; every cell sets its mode, settles, and is measured (on `store`,
+            # the one server's, from above)
             controller = prepare(targets["adaptive" if "adaptive" in modes else modes[0]], traffic=True)
             _pause(controller)
             kept = store.effective()
