@@ -119,6 +119,12 @@ class MatchRule(_Model):
     turn: TurnRange | None = None
     """Conversation turn (see ``specops.policies.turns``): from chat ``messages``, or the
     ``turn`` label of a plain completion. A request whose turn is unknown never matches."""
+    temperature: FloatRange | None = None
+    """The request's sampling temperature is in this range (0 = greedy; an OpenAI request
+    that omits it samples at 1.0). Sampled requests accept far fewer drafted tokens than
+    greedy ones of the same text, so a class of their own keeps each class's acceptance
+    (and the alerts on it) about one kind of traffic. A request whose temperature is
+    unknown never matches."""
 
     @field_validator("regex")
     @classmethod
@@ -132,18 +138,21 @@ class MatchRule(_Model):
 
     @model_validator(mode="after")
     def _has_condition(self) -> MatchRule:
-        given = [f for f in ("prefix", "regex", "label", "min_prompt_tokens", "max_prompt_tokens", "turn")
-                 if getattr(self, f) is not None]
+        given = [f for f in ("prefix", "regex", "label", "min_prompt_tokens", "max_prompt_tokens", "turn",
+                             "temperature") if getattr(self, f) is not None]
         if not given:
             raise ValueError("a match rule needs at least one of prefix, regex, label, min_prompt_tokens, "
-                             "max_prompt_tokens, turn")
+                             "max_prompt_tokens, turn, temperature")
         if (self.min_prompt_tokens is not None and self.max_prompt_tokens is not None
                 and self.min_prompt_tokens > self.max_prompt_tokens):
             raise ValueError(f"min_prompt_tokens ({self.min_prompt_tokens}) must be <= max_prompt_tokens ({self.max_prompt_tokens})")
         return self
 
-    def matches(self, prompt: str, labels: dict[str, str], prompt_tokens: int, turn: int | None = None) -> bool:
+    def matches(self, prompt: str, labels: dict[str, str], prompt_tokens: int, turn: int | None = None,
+                temperature: float | None = None) -> bool:
         if self.turn is not None and (turn is None or not self.turn.contains(turn)):
+            return False
+        if self.temperature is not None and (temperature is None or not self.temperature.contains(temperature)):
             return False
         if self.prefix is not None and not prompt.startswith(self.prefix):
             return False
@@ -384,15 +393,16 @@ class Policy(_Model):
         return [c.name for c in self.classes]
 
     def classify(self, prompt: str, labels: dict[str, str] | None = None, prompt_tokens: int = 0,
-                 turn: int | None = None) -> RequestClass:
+                 turn: int | None = None, temperature: float | None = None) -> RequestClass:
         """The first class (in order) with a matching rule, else the default class.
 
         ``turn``: the conversation turn (`specops.policies.turns.turn_from_messages`);
-        None falls back to the ``turn`` label, else the turn is unknown."""
+        None falls back to the ``turn`` label, else the turn is unknown. ``temperature``:
+        the request's sampling temperature; None (unknown) matches no temperature rule."""
         labels = labels or {}
         turn = resolve_turn(turn, labels)
         for c in self.classes:
-            if any(rule.matches(prompt, labels, prompt_tokens, turn) for rule in c.match):
+            if any(rule.matches(prompt, labels, prompt_tokens, turn, temperature) for rule in c.match):
                 return c
         return self.get_class(self.default_class)
 

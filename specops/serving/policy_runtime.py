@@ -186,7 +186,7 @@ class PolicyRuntime:
         key = routing_key if routing_key is not None else f"{self.rng.random():.12f}"
         revision, canary = self._route(key)
         policy = self._policy(revision)
-        rc = policy.classify(text, labels or {}, prompt_tokens, turn)
+        rc = policy.classify(text, labels or {}, prompt_tokens, turn, temperature)
         settings = self._settings(policy, rc, revision, canary)
         method, probe, reason = self._method(rc, settings, temperature)
         loaded = max(1, self.medusa_heads_loaded)

@@ -110,7 +110,7 @@ class Router:
         key = routing_key if routing_key is not None else f"{self.rng.random():.12f}"
         revision, canary = self._revision(key)
         policy = self.policy(revision)
-        rc = policy.classify(text, labels or {}, len(text) // CHARS_PER_TOKEN)
+        rc = policy.classify(text, labels or {}, len(text) // CHARS_PER_TOKEN, temperature=temperature)
         s = self._settings(policy, rc.name, revision, canary)
         u = policy.upstreams or Upstreams()
         reason: str | None = None

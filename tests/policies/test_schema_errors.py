@@ -272,6 +272,41 @@ def test_classify_first_match_wins_and_default():
     assert code.speculates_at(0.7) and not code.speculates_at(1.5)
 
 
+def test_temperature_rules_match_the_request_temperature_and_never_an_unknown_one():
+    p = load_policy(TEMPLATE.replace("classes:\n", "classes:\n  - name: sampled\n    match:\n"
+                                     "      - temperature: {min: 0.5, max: 2.0}\n        label: {app: chat}\n", 1))
+    assert p.classify("hello", {"app": "chat"}, 5, temperature=1.0).name == "sampled"
+    assert p.classify("hello", {"app": "chat"}, 5, temperature=0.5).name == "sampled"  # inclusive bounds
+    assert p.classify("hello", {"app": "chat"}, 5, temperature=0.49).name == "chat"
+    assert p.classify("hello", {}, 5, temperature=1.0).name == "chat"  # both conditions of the rule must hold
+    assert p.classify("hello", {"app": "chat"}, 5).name == "chat"  # temperature unknown: no temperature rule matches
+    with pytest.raises(PolicyError, match="min .* must be <= max"):
+        load_policy(TEMPLATE.replace("        max_prompt_tokens: 100\n", "        temperature: {min: 1.0, max: 0.5}\n"))
+    with pytest.raises(PolicyError, match="turn, temperature"):
+        load_policy(TEMPLATE.replace("        max_prompt_tokens: 100\n", "      - {}\n"))
+
+
+def test_the_default_policy_puts_sampled_requests_and_indented_code_in_their_classes():
+    """`bench serve`'s mix under the default policy: sampled requests in `sampled` whatever their
+    text; greedy code, most of which starts with a newline or indentation, in `code`; docstring
+    prose mostly in `general`."""
+    from pathlib import Path
+
+    from specops.bench.suites import HOT_TEMPERATURE, builtin_suite
+
+    p = load_policy(Path(__file__).resolve().parents[2] / "examples" / "policies" / "default.yaml")
+    for seed in (0, 1):
+        code = [p.classify(q.text, {}, 0, temperature=0.0).name for q in builtin_suite("code", seed=seed)]
+        hot = {p.classify(q.text, {}, 0, temperature=HOT_TEMPERATURE).name for q in builtin_suite("code", seed=seed)}
+        prose = [p.classify(q.text, {}, 0, temperature=0.0).name for q in builtin_suite("prose", seed=seed)]
+        assert code.count("code") >= 0.9 * len(code), code
+        assert hot == {"sampled"}
+        assert prose.count("general") >= 0.8 * len(prose), prose
+    assert p.classify("What is the capital of France?", {}, 8, temperature=0.0).name == "factual"
+    assert p.classify("\n    for x in xs:\n        total += x\n", {}, 12, temperature=0.0).name == "code"
+    assert p.classify("Once upon a time", {}, 4, temperature=0.0).name == "general"
+
+
 def test_policy_built_in_python_still_checks_references():
     from pydantic import ValidationError
 
