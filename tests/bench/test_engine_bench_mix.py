@@ -26,7 +26,7 @@ def test_mix_requests_carry_the_mix_temperatures_and_each_class_initial_settings
     assert {t for _, t, _ in mix} == {0.0, 1.0}  # greedy code / prose, sampled hot prompts
     for (ids, temperature, spec), (text, _) in zip(mix, texts):
         assert ids == bundled.tokenizer.encode(text)
-        rc = policy.classify(text, {}, len(ids))
+        rc = policy.classify(text, {}, len(ids), temperature=temperature)
         assert spec.method == rc.method
         if rc.method in ("draft", "ngram"):
             assert spec.gamma == rc.gamma.initial

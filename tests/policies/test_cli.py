@@ -53,7 +53,7 @@ def test_rollout_lifecycle(run, redis_client):
     assert run("status").exit_code == 0
     assert "no changes against revision 1" in run("diff", default).output
     diff = run("diff", chat).output
-    assert "-version: 2026-11-29.1" in diff and "+version: chat-2026.11.1" in diff and "+- name: creative" in diff
+    assert "-version: 2026-12-04.1" in diff and "+version: chat-2026.11.1" in diff and "+- name: creative" in diff
 
     res = run("rollout", chat)
     assert res.exit_code == 0 and "10% on canary" in res.output
@@ -148,5 +148,5 @@ def test_embedded_state_dir_persists_between_invocations(tmp_path):
     pidfile = Path(json.loads(settings_file.read_text())["pidfile"])
     assert not pidfile.exists(), "embedded redis-server still running (its pidfile is removed on clean shutdown)"
     res = runner.invoke(main, ["policy", "history"], env=env, catch_exceptions=False)
-    assert res.exit_code == 0 and "current" in res.output and "2026-11-29.1" in res.output
+    assert res.exit_code == 0 and "current" in res.output and "2026-12-04.1" in res.output
     assert not Path(json.loads(settings_file.read_text())["pidfile"]).exists()

@@ -292,7 +292,9 @@ def test_bench_serve_modes_against_the_live_server(server, redis_box):
     assert all(r["acceptance_rate"] is None for r in rows if r["mode"] == "off")  # nothing drafted
     # what the planner did, from the server's /metrics: off never speculates, fixed (draft on code) does
     assert all(r["spec_step_share"] == 0.0 and r["vetoes"] == 0 for r in rows if r["mode"] == "off")
-    assert any(r["spec_step_share"] > 0 for r in rows if r["mode"] == "fixed")
+    assert any(r["spec_step_share"] > 0 for r in rows if r["mode"] == "fixed"), [
+        (r["mode"], r["concurrency"], r["spec_step_share"], r["vetoes"], r["acceptance_rate"], r.get("settings"))
+        for r in rows]
     assert "spec%" in format_table(report)
     assert all(r["server_cpu_ms_per_token"] > 0 for r in rows)  # the server's process_cpu_seconds_total
     assert rows[0]["settings"]["code"] == "off" and rows[2]["settings"]["code"].startswith("draft γ")
@@ -332,7 +334,7 @@ def test_canary_routing_key_from_user_or_header(server, redis_box):
 
     store = _store(redis_box)
     path = ROOT / "examples" / "policies" / "default.yaml"
-    text = path.read_text().replace('version: "2026-11-29.1"', 'version: "canary-test"')
+    text = path.read_text().replace('version: "2026-12-04.1"', 'version: "canary-test"')
     assert text != path.read_text()
     from specops.policies.loader import parse_policy
 
@@ -351,7 +353,7 @@ def test_canary_routing_key_from_user_or_header(server, redis_box):
             assert via_user["canary"] is (rev != stable)
     finally:
         machine.abort(store, reason="test over")
-    assert load_policy(path).version == "2026-11-29.1"
+    assert load_policy(path).version == "2026-12-04.1"
 
 
 def _spec_for(body: dict, server, headers: dict | None = None) -> dict:

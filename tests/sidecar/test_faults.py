@@ -175,9 +175,9 @@ def test_non_streaming_routed_and_body_unchanged(side, pools):
     r = _post(side, {"prompt": "tell me a story", "max_tokens": 3, "temperature": 0})
     assert r.status_code == 200 and r.json()["pool"] == "spec" and r.headers["x-specops-class"] == "general"
     assert json.loads(pools[0].seen[-1][1]) == {"prompt": "tell me a story", "max_tokens": 3, "temperature": 0}
-    # temperature above the class's range → plain pool
+    # temperature above the class's range (`sampled`: up to 1.0) → plain pool
     r = _post(side, {"prompt": "def f(x):", "temperature": 1.7})
-    assert r.json()["pool"] == "plain"
+    assert r.json()["pool"] == "plain" and r.headers["x-specops-class"] == "sampled"
 
 
 def test_malformed_upstream_body_is_a_clear_502(side):

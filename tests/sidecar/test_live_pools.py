@@ -134,7 +134,8 @@ def test_routing_by_class(stack):
     assert r.status_code == 200, r.text
     assert (r.headers["x-specops-class"], r.headers["x-specops-pool"]) == ("code", "spec")
     assert r.json()["specops"]["method"] == "draft"
-    hot = _post(stack, dict(CODE, temperature=1.5))  # code speculates up to 1.0
+    hot = _post(stack, dict(CODE, temperature=1.5))  # the `sampled` class speculates up to 1.0
+    assert hot.headers["x-specops-class"] == "sampled"
     assert hot.headers["x-specops-pool"] == "plain" and hot.json()["specops"]["method"] == "ar"
     labelled = _post(stack, {"prompt": "x = 1", "max_tokens": 4, "temperature": 0, "metadata": {"task": "code"}})
     assert labelled.headers["x-specops-class"] == "code"

@@ -112,7 +112,12 @@ def test_router_pools_fallback_probe_temperature_off():
     r = Router(policy, pools, rng=random.Random(1))
     code = r.route("def f(x):", temperature=0)
     assert (code.request_class, code.pool, code.method, code.fallback_reason) == ("code", "spec", "draft", None)
-    assert r.route("def f(x):", temperature=1.5).fallback_reason == REASON_TEMPERATURE
+    sampled = r.route("def f(x):", temperature=1.0)  # the default policy's first class: temperature decides
+    assert (sampled.request_class, sampled.pool, sampled.method) == ("sampled", "spec", "draft")
+    assert r.route("def f(x):").request_class == "sampled"  # an OpenAI request without temperature samples at 1.0
+    assert r.route("def f(x):", temperature=0.3).request_class == "code"
+    hot = r.route("def f(x):", temperature=1.5)  # `sampled` speculates up to 1.0: hotter decodes plainly
+    assert (hot.request_class, hot.pool, hot.fallback_reason) == ("sampled", "plain", REASON_TEMPERATURE)
     assert r.route("x", labels={"task": "code"}, temperature=0).request_class == "code"
     fb = Router(policy, pools, live=_live(policy, code={"fallback_active": True, "probe_fraction": 0.0}))
     moved = fb.route("def f(x):", temperature=0)
