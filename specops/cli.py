@@ -46,6 +46,7 @@ COMMANDS: dict[tuple[str, ...], dict[str, str]] = {
         "history": "specops.policies.cli:history_command",
         "migrate-keys": "specops.policies.cli:migrate_keys_command",
         "decisions": "specops.policies.cli_decisions:decisions_command",
+        "classify": "specops.policies.cli_classify:classify_command",
     },
     ("controller",): {
         "run": "specops.controller.cli:run_command",

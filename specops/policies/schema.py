@@ -64,6 +64,11 @@ class IntRange(_Model):
         return max(self.min, min(self.max, value))
 
 
+CHARS_PER_TOKEN = 4
+"""Characters per token where a prompt's length must be estimated without a tokenizer (the
+sidecar's routing, `specops policy classify`)."""
+
+
 class FloatRange(_Model):
     """A closed interval of floats."""
 
@@ -399,12 +404,19 @@ class Policy(_Model):
         ``turn``: the conversation turn (`specops.policies.turns.turn_from_messages`);
         None falls back to the ``turn`` label, else the turn is unknown. ``temperature``:
         the request's sampling temperature; None (unknown) matches no temperature rule."""
+        return self.match(prompt, labels, prompt_tokens, turn, temperature)[0]
+
+    def match(self, prompt: str, labels: dict[str, str] | None = None, prompt_tokens: int = 0,
+              turn: int | None = None, temperature: float | None = None) -> tuple[RequestClass, int | None]:
+        """`classify`'s class and the index of its rule that matched (None: the default class,
+        reached because no rule matched)."""
         labels = labels or {}
         turn = resolve_turn(turn, labels)
         for c in self.classes:
-            if any(rule.matches(prompt, labels, prompt_tokens, turn, temperature) for rule in c.match):
-                return c
-        return self.get_class(self.default_class)
+            for index, rule in enumerate(c.match):
+                if rule.matches(prompt, labels, prompt_tokens, turn, temperature):
+                    return c, index
+        return self.get_class(self.default_class), None
 
     def analysis_rules(self) -> list[AlertRule]:
         """Alert rules the rollout analysis evaluates."""

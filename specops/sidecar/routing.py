@@ -22,16 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from specops.policies.rollout import effective_for, pick_revision
-from specops.policies.schema import Policy, Upstreams
+from specops.policies.schema import CHARS_PER_TOKEN, Policy, Upstreams  # the proxy has no tokenizer
 from specops.policies.state import EffectiveSettings
 
 REASON_FALLBACK = "policy_fallback"
 REASON_OFF = "method_off"
 REASON_TEMPERATURE = "temperature_out_of_range"
-
-#: prompt length estimate for `max_prompt_tokens` rules: the proxy has no tokenizer
-CHARS_PER_TOKEN = 4
-
 
 @dataclass(frozen=True)
 class Route:
