@@ -273,6 +273,20 @@ def _has_twin(report: dict[str, Any]) -> bool:
     return any(r["mode"] == TWIN for r in report["results"])
 
 
+def mix_classes(policy: Any, cfg: ServeBenchConfig, counts: dict[int, int]) -> dict[str, dict[str, int]]:
+    """How each concurrency's cell of prompts splits into ``policy``'s classes, per class in policy
+    order (as `specops policy classify` counts them: the requests carry no labels or turn, and
+    length rules see the prompt's characters / ``CHARS_PER_TOKEN``)."""
+    from specops.policies.schema import CHARS_PER_TOKEN
+
+    out: dict[str, dict[str, int]] = {}
+    for c, n in counts.items():
+        names = [policy.classify(text, {}, len(text) // CHARS_PER_TOKEN, temperature=temperature).name
+                 for text, temperature in build_prompts(cfg, n)]
+        out[str(c)] = {rc.name: names.count(rc.name) for rc in policy.classes}
+    return out
+
+
 def goal_ratios(report: dict[str, Any]) -> dict[str, float]:
     """The ratios the serving goals are stated in, from the rows' (median) output tokens/s."""
     tps = {(r["mode"], r["concurrency"]): r["output_tokens_per_s"] for r in report["results"]}
@@ -566,6 +580,7 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
     """
     import redis as redis_lib
 
+    from specops.policies.errors import StateError, StoreUnavailableError
     from specops.policies.redis_backend import close, connect
     from specops.policies.store import PolicyStore
 
@@ -682,6 +697,14 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
         cfg_out["interleaved"] = not cfg.base_url
         cfg_out["settle_s"] = cfg.settle_seconds if cfg.one_server else None
         report = {"config": cfg_out, "model": model, "results": rows}
+        try:  # the revision the servers run (every mode: the same file)
+            policy = first.store.current_policy()
+        except (StoreUnavailableError, StateError, redis_lib.RedisError) as exc:  # the figures stand without it
+            policy = None
+            report["classes_error"] = str(exc)
+        if policy is not None:
+            report["policy_version"] = policy.version
+            report["classes"] = mix_classes(policy, cfg, counts)
         report["ratios"], report["paired_ratios"] = goal_ratios(report), paired_ratios(report)
         report["paired_ranges"] = {k: list(v) for k, v in paired_ranges(report).items()}
         return report
@@ -843,6 +866,10 @@ def format_table(report: dict[str, Any]) -> str:
         ranges = paired_ranges(report)
         lines.append("paired range (lowest-highest repeat): "
                      + ", ".join(f"{k} {lo:.2f}-{hi:.2f}x" for k, (lo, hi) in ranges.items()))
+    for c, split in (report.get("classes") or {}).items():
+        total = sum(split.values())
+        lines.append(f"c{c} cell's requests by class (policy {report.get('policy_version')}): "
+                     + " · ".join(f"{name} {n}" for name, n in split.items()) + f" of {total}")
     for r in report["results"]:
         if r["mode"] == "adaptive" and r.get("settings"):
             lines.append(f"adaptive c{r['concurrency']} settings at the end of its run: "

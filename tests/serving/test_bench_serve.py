@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
 from specops.bench.serve import RequestResult, ServeBenchConfig, build_prompts, parse_mix, parse_slo, summarize
+
+DEFAULT_POLICY = Path(__file__).resolve().parents[2] / "examples" / "policies" / "default.yaml"
 
 
 class FakeProc:
@@ -272,6 +275,11 @@ def test_one_server_serves_every_mode_switching_settings_settling_and_pausing_th
             events.append(("kept", self.gamma))
             return {"code": self.gamma}
 
+        def current_policy(self):  # the bundled default: the report counts the cells' requests per class
+            from specops.policies.loader import load_policy
+
+            return load_policy(DEFAULT_POLICY)
+
     store = Store()
     monkeypatch.setattr("specops.policies.store.PolicyStore", lambda client, namespace: store)
     monkeypatch.setattr(serve, "_start_server", recording_starter(started, "http://one"))
@@ -314,6 +322,9 @@ def test_one_server_serves_every_mode_switching_settings_settling_and_pausing_th
     assert report["config"]["one_server"] is True and report["config"]["settle_s"] == 2.5
     assert report["config"]["interleaved"] is True and report["paired_ratios"]
     assert "then 2.5 s of unmeasured traffic in that mode" in serve.format_table(report)
+    assert report["policy_version"] == "2026-12-04.1" and set(report["classes"]) == {"1", "4"}
+    assert all(sum(split.values()) == 1 for split in report["classes"].values())  # --num-prompts 1
+    assert "c4 cell's requests by class (policy 2026-12-04.1): sampled " in serve.format_table(report)
     # the settle time defaults to the started controller's window
     assert serve.ServeBenchConfig(one_server=True).settle_seconds == 10.0
     with pytest.raises(serve.BenchServeError, match="--one-server"):
@@ -458,3 +469,22 @@ def test_paired_ratios_take_each_repeats_ratio_then_the_median():
     assert (lo, hi) == (pytest.approx(290 / 300), pytest.approx(600 / 560))
     assert "paired range (lowest-highest repeat): " in format_table(report)
     assert paired_ratios({"config": {"interleaved": False}, "results": results}) == {}  # sequential: no pairs
+
+
+def test_the_report_counts_each_cells_requests_per_class_of_the_servers_policy():
+    """Where the mix lands decides what the modes compare: session 26's default policy put 39 of a
+    c1 cell's 48 requests in `general`; this one splits them by temperature and code."""
+    from specops.bench import serve
+    from specops.policies.loader import load_policy
+
+    policy = load_policy(DEFAULT_POLICY)
+    cfg = serve.ServeBenchConfig()
+    split = serve.mix_classes(policy, cfg, {1: 48, 16: 128})
+    assert list(split) == ["1", "16"] and list(split["1"]) == ["sampled", "code", "factual", "general"]
+    assert sum(split["1"].values()) == 48 and sum(split["16"].values()) == 128
+    hot = sum(t > 0 for _, t in serve.build_prompts(cfg, 48))
+    assert split["1"]["sampled"] == hot  # every temperature-1.0 request, whatever its text
+    assert split["1"]["code"] >= 0.3 * 48 and split["1"]["general"] <= 0.4 * 48
+    table = serve.format_table({"results": [], "classes": split, "policy_version": policy.version})
+    assert f"c1 cell's requests by class (policy {policy.version}): sampled {hot} · code" in table
+    assert table.endswith(" of 128")
