@@ -281,7 +281,7 @@ def test_bench_serve_modes_against_the_live_server(server, redis_box):
 
     cfg = ServeBenchConfig(base_url=server.url, redis_url=f"redis://127.0.0.1:{redis_box['port']}/0", namespace=NS,
                            modes=["off", "fixed"], concurrency=[1, 2], num_prompts=3, max_tokens=24,
-                           mix={"code": 1.0}, api_key=KEY, warmup=1, progress=False)
+                           mix={"prose": 1.0}, api_key=KEY, warmup=1, progress=False)
     report = run_bench_serve(cfg)
     rows = report["results"]
     assert [(r["mode"], r["concurrency"]) for r in rows] == [("off", 1), ("off", 2), ("fixed", 1), ("fixed", 2)]
@@ -290,12 +290,15 @@ def test_bench_serve_modes_against_the_live_server(server, redis_box):
         assert r["output_tokens_per_s"] * r["duration_s"] == pytest.approx(3 * 24)  # ignore_eos: all 24 tokens
         assert r["ttft_p50_s"] > 0 and r["tpot_p99_s"] > 0
     assert all(r["acceptance_rate"] is None for r in rows if r["mode"] == "off")  # nothing drafted
-    # what the planner did, from the server's /metrics: off never speculates, fixed (draft on code) does
+    # what the planner did, from the server's /metrics: off never speculates, fixed (draft on the docstrings'
+    # class, `general`, where the bundled draft is accepted most) does
     assert all(r["spec_step_share"] == 0.0 and r["vetoes"] == 0 for r in rows if r["mode"] == "off")
     assert any(r["spec_step_share"] > 0 for r in rows if r["mode"] == "fixed"), [
         (r["mode"], r["concurrency"], r["spec_step_share"], r["vetoes"], r["acceptance_rate"], r.get("settings"))
         for r in rows]
     assert "spec%" in format_table(report)
+    # each cell's requests by class of the revision the server runs (read from its Redis namespace)
+    assert report["classes"] == {str(c): {"sampled": 0, "code": 0, "factual": 0, "general": 3} for c in (1, 2)}
     assert all(r["server_cpu_ms_per_token"] > 0 for r in rows)  # the server's process_cpu_seconds_total
     assert rows[0]["settings"]["code"] == "off" and rows[2]["settings"]["code"].startswith("draft γ")
     assert "fixed" in format_table(report)
