@@ -166,6 +166,16 @@ class SpecCalibration:
         return min(max(real_extra / extra / r_plain, self.lo), self.hi)
 
 
+WARMUP_EXACT_T = 16
+"""Up to this many tokens a forward's warm-up is counted per exact T (`CostModel.warmup`)."""
+
+
+def warmup_shape(t: int) -> int:
+    """The shape a forward of ``t`` tokens warms up: ``t`` itself up to WARMUP_EXACT_T, then the
+    power of two at or above it (padded row ladders and allocator size classes group like this)."""
+    return t if t <= WARMUP_EXACT_T else 1 << (t - 1).bit_length()
+
+
 class CostModel:
     """Seconds of one forward as a function of (batch size B, total new tokens T).
 
@@ -205,7 +215,12 @@ class CostModel:
         self._last: dict[tuple[int, int], int] = {}  # (B, T) -> `_count[B]` at its last observation
         # observations of each (B, T) dropped before it counts: a shape's first forward pays
         # one-time costs (oneDNN builds its kernels for a new row count, the allocator grows),
-        # up to ~100x a warm one; alone in a new point's window it would be its median
+        # up to ~100x a warm one; alone in a new point's window it would be its median. Counted per
+        # `warmup_shape` (above WARMUP_EXACT_T tokens a power-of-two bucket), not per T: a draft
+        # cache's catch-up feeds a request's whole prompt, a T seen once per request, and with the
+        # drop per exact T none was ever kept, so a catch-up was priced by extrapolating the
+        # one-token rounds' slope (5-10x its cost at 160 tokens) and a fresh engine declined its
+        # requests' speculation at batch 1 from their first step (see `Engine._candidate`)
         self.warmup = warmup
         self.refit_every = refit_every
         self.samples: dict[tuple[int, int], deque[float]] = {}
@@ -230,8 +245,9 @@ class CostModel:
     def observe(self, b: int, t: int, seconds: float) -> None:
         if seconds <= 0:
             return
-        if self._seen.get((b, t), 0) < self.warmup:  # see ``warmup``
-            self._seen[(b, t)] = self._seen.get((b, t), 0) + 1
+        shape = (b, warmup_shape(t))
+        if self._seen.get(shape, 0) < self.warmup:  # see ``warmup``
+            self._seen[shape] = self._seen.get(shape, 0) + 1
             return
         window = self.samples.get((b, t))
         if window is None:
