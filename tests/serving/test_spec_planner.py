@@ -272,7 +272,11 @@ def test_long_forwards_warm_up_per_size_class_not_per_length():
     from specops.serving.spec_planner import warmup_shape
 
     assert [warmup_shape(t) for t in (1, 7, 16, 17, 32, 33, 160, 256, 257)] == [1, 7, 16, 32, 32, 64, 256, 256, 512]
-    cost = CostModel(warmup=1)
+    exact = CostModel(warmup=1)  # the target's model: per exact T
+    exact.observe(1, 160, 0.050)
+    exact.observe(1, 181, 0.002)
+    assert exact.points == {}
+    cost = CostModel(warmup=1, warmup_by_class=True)  # the draft model's
     cost.observe(1, 160, 0.050)  # the first forward of 129-256 tokens: one-time costs, dropped
     cost.observe(1, 181, 0.002)  # another prompt length of that class: kept
     cost.observe(1, 300, 0.004)  # a new class (257-512): dropped
