@@ -280,7 +280,7 @@ class Engine:
                                    draft_pool=self.draft_pool, release=self._release)
         self.cost_clock = cost_clock(self.device)
         self.cost = CostModel(warmup=1)  # target forwards (verify)
-        self.draft_cost = CostModel(warmup=1, warmup_by_class=True)  # draft-model forwards (one drafting round)
+        self.draft_cost = CostModel(warmup=1)  # draft-model forwards (one drafting round)
         self.overhead = {m: Meter() for m in ALPHA_PRIOR}  # per speculating sequence, outside the forwards
         self.fixed: dict[int, Meter] = {}  # per batch size: the step's host time outside forwards and proposals
         self._plain_commit = Meter()  # verification + commit of a plain decoding step, per sequence

@@ -166,16 +166,6 @@ class SpecCalibration:
         return min(max(real_extra / extra / r_plain, self.lo), self.hi)
 
 
-WARMUP_EXACT_T = 16
-"""Up to this many tokens a forward's warm-up is counted per exact T (`CostModel.warmup`)."""
-
-
-def warmup_shape(t: int) -> int:
-    """The shape a forward of ``t`` tokens warms up: ``t`` itself up to WARMUP_EXACT_T, then the
-    power of two at or above it (padded row ladders and allocator size classes group like this)."""
-    return t if t <= WARMUP_EXACT_T else 1 << (t - 1).bit_length()
-
-
 class CostModel:
     """Seconds of one forward as a function of (batch size B, total new tokens T).
 
@@ -208,24 +198,15 @@ class CostModel:
     concurrency 4 and ran at 0.87x `off` (with the initial γ 6: 2%).
     """
 
-    def __init__(self, window: int = 9, refit_every: int = 32, warmup: int = 0, max_age: int = 2048,
-                 warmup_by_class: bool = False) -> None:
+    def __init__(self, window: int = 9, refit_every: int = 32, warmup: int = 0, max_age: int = 2048) -> None:
         self.window = window
         self.max_age = max_age
         self._count: dict[int, int] = {}  # B -> observations at B so far
         self._last: dict[tuple[int, int], int] = {}  # (B, T) -> `_count[B]` at its last observation
         # observations of each (B, T) dropped before it counts: a shape's first forward pays
         # one-time costs (oneDNN builds its kernels for a new row count, the allocator grows),
-        # up to ~100x a warm one; alone in a new point's window it would be its median.
-        # ``warmup_by_class``: counted per `warmup_shape` (above WARMUP_EXACT_T tokens a power-of-two
-        # bucket), not per T. The draft model's cost model needs it: a draft cache's catch-up feeds
-        # a request's whole prompt, a T seen about once per request, and with the drop per exact T
-        # none was ever kept, so a catch-up was priced by extrapolating the one-token rounds' slope
-        # (5-12 ms for 160 tokens that cost 2-4) and fresh requests declined speculation at batch 1
-        # (see `Engine._candidate`). The target's verify forwards repeat their T and keep the drop
-        # per exact T.
+        # up to ~100x a warm one; alone in a new point's window it would be its median
         self.warmup = warmup
-        self.warmup_by_class = warmup_by_class
         self.refit_every = refit_every
         self.samples: dict[tuple[int, int], deque[float]] = {}
         self._curves: dict[int, tuple[list[int], list[float]]] | None = None  # B -> (T ascending, seconds)
@@ -249,9 +230,8 @@ class CostModel:
     def observe(self, b: int, t: int, seconds: float) -> None:
         if seconds <= 0:
             return
-        shape = (b, warmup_shape(t) if self.warmup_by_class else t)
-        if self._seen.get(shape, 0) < self.warmup:  # see ``warmup``
-            self._seen[shape] = self._seen.get(shape, 0) + 1
+        if self._seen.get((b, t), 0) < self.warmup:  # see ``warmup``
+            self._seen[(b, t)] = self._seen.get((b, t), 0) + 1
             return
         window = self.samples.get((b, t))
         if window is None:

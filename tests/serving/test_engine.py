@@ -106,28 +106,6 @@ def test_bundled_mixed_methods_join_mid_batch_equal_single_request_ar(bundled):
     assert sum(r.head_correct[0] for r in medusa) > 0  # per-head accuracy is measured
 
 
-def test_draft_catch_ups_of_new_prompt_lengths_enter_the_draft_cost_model(bundled):
-    """Each request's first drafting round feeds its whole prompt to the draft model, a length the
-    engine rarely sees twice. Those rounds must reach the draft cost model (after one warm-up per
-    size class), or a catch-up is priced by extrapolating one-token rounds and fresh requests decline
-    speculation (six fresh engines, eight code requests each at batch 1: 19 of the 48 took >= 55 target
-    forwards for their 64 tokens, against 6 with the warm-up per size class)."""
-    from specops.bench.suites import builtin_suite
-
-    tok = bundled.tokenizer
-    texts = [p.text for p in builtin_suite("code", seed=0)]
-    prompts = [tok.encode(t)[:n] for t, n in zip(texts, (70, 90, 110))]  # three lengths of one class (65-128)
-    eng = Engine(bundled, max_batch=1, kv_cache_mb=16)
-    for i, prompt in enumerate(prompts):
-        # observed: drafts at its setting whatever the plan says, so every request has a catch-up round
-        eng.add(f"r{i}", prompt, SamplingParams(max_tokens=4, ignore_eos=True),
-                SpecSettings(method="draft", gamma=2, observed=True))
-        while eng.has_unfinished():
-            eng.step()
-    long_rounds = sorted(t for b, t in eng.draft_cost.points if b == 1 and t > 16)
-    assert len(long_rounds) >= 2 and all(65 <= t <= 128 for t in long_rounds), eng.draft_cost.points
-
-
 def test_bundled_long_prompts_equal_single_request_ar(bundled):
     """Prompts well over 128 tokens, joining a running batch: the engine's prefills (any size, on
     the C layer stack) and `Decoder`'s prompt pass (`prompt_forward`) make the same kernel calls."""

@@ -265,29 +265,6 @@ def test_a_shapes_first_forward_is_not_its_cost():
     assert cost.points == {(1, 1): 0.004, (1, 7): 0.005}
 
 
-def test_long_forwards_warm_up_per_size_class_not_per_length():
-    """Above WARMUP_EXACT_T tokens the first forward of a power-of-two size class is the warm-up,
-    not the first of each exact length: a draft cache's catch-up feeds a request's whole prompt, a
-    length seen once, and dropped per length none was ever kept (its cost was extrapolated 5-10x)."""
-    from specops.serving.spec_planner import warmup_shape
-
-    assert [warmup_shape(t) for t in (1, 7, 16, 17, 32, 33, 160, 256, 257)] == [1, 7, 16, 32, 32, 64, 256, 256, 512]
-    exact = CostModel(warmup=1)  # the target's model: per exact T
-    exact.observe(1, 160, 0.050)
-    exact.observe(1, 181, 0.002)
-    assert exact.points == {}
-    cost = CostModel(warmup=1, warmup_by_class=True)  # the draft model's
-    cost.observe(1, 160, 0.050)  # the first forward of 129-256 tokens: one-time costs, dropped
-    cost.observe(1, 181, 0.002)  # another prompt length of that class: kept
-    cost.observe(1, 300, 0.004)  # a new class (257-512): dropped
-    assert cost.points == {(1, 181): 0.002}
-    cost.observe(1, 12, 0.300)  # up to 16 tokens every T warms up on its own, as before
-    cost.observe(1, 13, 0.300)
-    assert cost.points == {(1, 181): 0.002}
-    cost.observe(1, 13, 0.001)
-    assert cost.points == {(1, 181): 0.002, (1, 13): 0.001}
-
-
 def test_cached_medians_follow_every_observation():
     """Meter and CostModel keep their medians between observations (read per sequence and per
     step): after each observation, stale-point drops included, they equal a fresh median."""
