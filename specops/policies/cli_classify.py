@@ -49,9 +49,7 @@ class Verdict:
 
 def describe_rule(rule: MatchRule) -> str:
     """The conditions a rule tests, briefly: ``regex + label``."""
-    parts = [name for name in ("prefix", "regex", "label", "min_prompt_tokens", "max_prompt_tokens", "turn",
-                               "temperature") if getattr(rule, name) is not None]
-    return " + ".join(parts)
+    return " + ".join(rule.conditions())
 
 
 def classify(policy: Policy, sample: Sample) -> Verdict:

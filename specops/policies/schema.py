@@ -105,6 +105,10 @@ class TurnRange(_Model):
         return turn >= self.min and (self.max is None or turn <= self.max)
 
 
+MATCH_CONDITIONS = ("prefix", "regex", "label", "min_prompt_tokens", "max_prompt_tokens", "turn", "temperature")
+"""The fields of a `MatchRule` that are conditions (a rule needs at least one)."""
+
+
 class MatchRule(_Model):
     """One way a request can belong to a class; all conditions given in a rule must hold.
 
@@ -141,13 +145,14 @@ class MatchRule(_Model):
                 raise ValueError(f"invalid regular expression: {exc}") from None
         return value
 
+    def conditions(self) -> list[str]:
+        """The conditions this rule tests, in `MATCH_CONDITIONS` order."""
+        return [name for name in MATCH_CONDITIONS if getattr(self, name) is not None]
+
     @model_validator(mode="after")
     def _has_condition(self) -> MatchRule:
-        given = [f for f in ("prefix", "regex", "label", "min_prompt_tokens", "max_prompt_tokens", "turn",
-                             "temperature") if getattr(self, f) is not None]
-        if not given:
-            raise ValueError("a match rule needs at least one of prefix, regex, label, min_prompt_tokens, "
-                             "max_prompt_tokens, turn, temperature")
+        if not self.conditions():
+            raise ValueError(f"a match rule needs at least one of {', '.join(MATCH_CONDITIONS)}")
         if (self.min_prompt_tokens is not None and self.max_prompt_tokens is not None
                 and self.min_prompt_tokens > self.max_prompt_tokens):
             raise ValueError(f"min_prompt_tokens ({self.min_prompt_tokens}) must be <= max_prompt_tokens ({self.max_prompt_tokens})")
