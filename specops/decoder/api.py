@@ -180,7 +180,7 @@ REQUIRES: dict[str, str] = {"draft": "draft", "medusa": "medusa"}
 # method-specific keyword options `generate(**options)` may pass through
 OPTIONS: dict[str, frozenset[str]] = {
     "draft": frozenset({"pipeline", "draft_threads"}),  # pipeline "sync" | "async" (specops.decoder.async_draft)
-    "ngram": frozenset({"max_ngram", "min_ngram"}),
+    "ngram": frozenset({"max_ngram", "min_ngram", "by_match"}),
     "medusa": frozenset({"typical", "lookup_branch"}),
     "auto": frozenset({"max_ngram", "min_ngram"}),
 }

@@ -70,24 +70,73 @@ class NgramIndex:
                     table[tuple(toks[j + 1 - n : j + 1])] = j + 1
         self._indexed_until = max(self._indexed_until, stop)
 
-    def propose(self, gamma: int, full_match_gamma: int | None = None) -> list[int]:
-        """The ``gamma`` tokens that followed the latest match of the longest suffix n-gram,
-        continued periodically where they run into the context's end; ``full_match_gamma``
-        (None: ``gamma``) tokens instead when the match is ``max_ngram`` long."""
+    def match(self) -> tuple[int, int] | None:
+        """(where the latest occurrence of the longest suffix n-gram ends, how many tokens the
+        context's suffix and that occurrence's run agree on, counted back up to MATCH_SPAN), or
+        None without a match. The agreement can run past ``max_ngram``: the index finds a match
+        by its last ``max_ngram`` tokens, and this reads how far back it really goes."""
         if not self.tokens:
-            return []
+            return None
         self._catch_up()
         toks = self.tokens
         for n in range(min(self.max_ngram, len(toks)), self.min_ngram - 1, -1):
             start = self._latest[n].get(tuple(toks[-n:]))
             if start is not None:
-                want = full_match_gamma if n == self.max_ngram and full_match_gamma is not None else gamma
-                out = toks[start : start + want]
-                period = len(toks) - start  # the occurrence ends this many tokens before the context does
-                while 0 < len(out) < want:
-                    out.append(out[len(out) - period])
-                return out
-        return []
+                length = n
+                if n == self.max_ngram:
+                    while length < MATCH_SPAN and start > length and toks[start - 1 - length] == toks[-1 - length]:
+                        length += 1
+                return start, length
+        return None
+
+    def propose(self, gamma: int, full_match_gamma: int | None = None, *, by_match: bool = False) -> list[int]:
+        """The ``gamma`` tokens that followed the latest match of the longest suffix n-gram,
+        continued periodically where they run into the context's end; ``full_match_gamma``
+        (None: ``gamma``) tokens instead when the match is ``max_ngram`` long. ``by_match``:
+        as many as `match_gamma` gives for the match's length (``gamma`` the usual length)."""
+        found = self.match()
+        if found is None:
+            return []
+        start, length = found
+        if by_match:
+            want = match_gamma(gamma, length)
+        elif length >= self.max_ngram and full_match_gamma is not None:
+            want = full_match_gamma
+        else:
+            want = gamma
+        toks = self.tokens
+        out = toks[start : start + want]
+        period = len(toks) - start  # the occurrence ends this many tokens before the context does
+        while 0 < len(out) < want:
+            out.append(out[len(out) - period])
+        return out
+
+
+MATCH_SPAN = 16
+"""`NgramIndex.match` counts a match's length up to this many tokens."""
+
+
+def match_gamma(gamma: int, length: int) -> int:
+    """How many tokens to draft after a match ``length`` tokens long, for a usual length ``gamma``.
+
+    How deep a match's continuation is accepted grows with how far back the match goes. On
+    the bundled code suite (greedy, 128 tokens, every step's proposal of 8 checked against the
+    target's own continuation) the mean accepted depth was 1.0 after a 1-token match, 2.05
+    after 2, 2.65 after 3-4, 3.5 after 5-7, 4.9 after 8-15 and 7.2 after 16 or more (81% of
+    those accepted all 8). One γ for all of them drafts too deep after short matches (each
+    drafted position costs 6-14% of a step on CPU) and too shallow after long ones. So: 1 token
+    after a 1-token match, 2 after 2, ``gamma`` after 3-7, 1.5 ``gamma`` after 8-15 and 2
+    ``gamma`` after 16 or more. Replayed on those steps with the measured verify-cost curve,
+    tokens per unit of verify cost went 1.52 -> 1.63 against a constant γ = 4."""
+    if length <= 0 or gamma <= 0:
+        return 0
+    if length < 3:
+        return min(gamma, length)
+    if length < 8:
+        return gamma
+    if length < MATCH_SPAN:
+        return (3 * gamma + 1) // 2
+    return 2 * gamma
 
 
 def lookup(context: list[int], gamma: int, max_ngram: int = 3, min_ngram: int = 1,
@@ -110,8 +159,12 @@ def generate_ngram(
     max_ngram: int = 3,
     min_ngram: int = 1,
     deadline_s: float | None = None,
+    by_match: bool = True,
 ) -> tuple[list[int], DecodeStats]:
     """Speculative decoding with prompt-lookup drafts; returns ``(tokens, DecodeStats)``.
+
+    ``by_match`` (the default): each step drafts `match_gamma` tokens for its match's length,
+    the schedule's γ being the usual length (False: γ after every match).
 
     The drafter is deterministic, so sampling verification treats its proposal as a
     point mass (``q = one_hot``), which keeps the output distribution the target's.
@@ -120,6 +173,8 @@ def generate_ngram(
     """
     if max_new_tokens < 1:
         raise InvalidRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not isinstance(by_match, bool):
+        raise InvalidRequestError(f"by_match must be true or false, got {by_match!r}")
     schedule = schedule if schedule is not None else ConstantSchedule(4)
     prompt = prompt_list(prompt_ids)
     stats = DecodeStats(method="ngram")
@@ -141,11 +196,12 @@ def generate_ngram(
         stats.gamma = schedule.next_gamma()
         gamma = min(stats.gamma, v.max_draft())
         t0 = time.perf_counter()
-        drafted = index.propose(gamma)
+        drafted = index.propose(gamma, by_match=by_match)
         draft_s = time.perf_counter() - t0
         stats.draft_s += draft_s
-        if v.max_draft() < len(drafted):  # the deadline passed while drafting: this step runs plainly
-            drafted = []
+        # the budget bounds a long match's draft past γ; past the deadline (max_draft 0, the deadline
+        # may pass while drafting) the step runs plainly
+        drafted = drafted[: v.max_draft()]
         verify_before = stats.verify_s
         result = v.verify(drafted, None)
         index.extend(result.emitted)

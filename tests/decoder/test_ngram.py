@@ -7,7 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specops.decoder.errors import InvalidRequestError
-from specops.decoder.ngram import NgramIndex, lookup
+from specops.decoder import Decoder
+from specops.decoder.ngram import MATCH_SPAN, NgramIndex, lookup, match_gamma
+from tests.decoder.tiny_models import VOCAB, tiny_llama
 
 
 def brute_force(context: list[int], gamma: int, max_ngram: int, min_ngram: int,
@@ -24,6 +26,23 @@ def brute_force(context: list[int], gamma: int, max_ngram: int, min_ngram: int,
                     extended.append(extended[start + n + k])
                 return extended[len(context):]
     return []
+
+
+def brute_force_match(context: list[int], max_ngram: int, min_ngram: int) -> tuple[int, int] | None:
+    """Reference for `NgramIndex.match`: where the latest occurrence of the longest suffix n-gram
+    ends, and how many tokens before that end agree with the context's end (up to MATCH_SPAN;
+    a shorter n-gram's match is exactly n long, else the longer one would have matched)."""
+    for n in range(min(max_ngram, len(context)), min_ngram - 1, -1):
+        suffix = context[-n:]
+        for start in range(len(context) - n - 1, -1, -1):
+            if context[start : start + n] == suffix:
+                end = start + n
+                length = n
+                while (n == max_ngram and length < MATCH_SPAN and end - 1 - length >= 0
+                       and context[end - 1 - length] == context[-1 - length]):
+                    length += 1
+                return end, length
+    return None
 
 
 def test_continuation_of_the_latest_match_is_proposed():
@@ -91,3 +110,59 @@ def test_incremental_index_equals_brute_force_after_every_append(chunks, gamma, 
         index.extend(chunk)
         context.extend(chunk)
         assert index.propose(gamma, full) == brute_force(context, gamma, max_ngram, 1, full)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    chunks=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=8), min_size=1, max_size=8),
+    gamma=st.integers(1, 6),
+    max_ngram=st.integers(1, 4),
+)
+def test_match_length_and_the_proposal_by_match_equal_brute_force(chunks, gamma, max_ngram):
+    index = NgramIndex(max_ngram=max_ngram, min_ngram=1)
+    context: list[int] = []
+    for chunk in chunks:
+        index.extend(chunk)
+        context.extend(chunk)
+        found = brute_force_match(context, max_ngram, 1)
+        assert index.match() == found
+        want = 0 if found is None else match_gamma(gamma, found[1])
+        expected = brute_force(context, want, max_ngram, 1) if want else []
+        assert index.propose(gamma, by_match=True) == expected
+
+
+def test_a_match_counts_back_past_max_ngram():
+    ctx = [9, 1, 2, 3, 4, 5, 6, 8, 1, 2, 3, 4, 5, 6]
+    index = NgramIndex(max_ngram=3)
+    index.extend(ctx)
+    assert index.match() == (7, 6)  # "4 5 6" found it; "1 2 3 4 5 6" agree, "9" / "8" do not
+    assert index.propose(4, by_match=True) == [8, 1, 2, 3]  # 3-7 tokens long: gamma itself
+    long = NgramIndex(max_ngram=3)
+    long.extend(list(range(20)) * 2)  # the match runs back 20 tokens: counted up to MATCH_SPAN
+    assert long.match() == (20, MATCH_SPAN)
+    assert long.propose(4, by_match=True) == list(range(8))  # 2 gamma
+    assert NgramIndex().match() is None
+
+
+@pytest.mark.parametrize("gamma, length, expected", [
+    (4, 0, 0), (4, 1, 1), (4, 2, 2), (1, 2, 1), (4, 3, 4), (4, 7, 4), (4, 8, 6), (3, 8, 5), (4, 15, 6),
+    (4, 16, 8), (2, 40, 4), (0, 20, 0),
+])
+def test_match_gamma_drafts_by_the_match_length(gamma, length, expected):
+    assert match_gamma(gamma, length) == expected
+
+
+def test_generate_by_match_drafts_past_gamma_after_long_matches_and_stays_exact():
+    """A prompt that repeats itself: by match length the steps draft up to 2 gamma after the
+    long matches (and 1-2 tokens after short ones); by_match=False drafts gamma after every
+    match. Both equal plain greedy decoding."""
+    dec = Decoder(tiny_llama(seed=5))
+    block = [(7 * i + 3) % VOCAB for i in range(24)]
+    prompt = block * 3
+    ar = dec.generate(prompt, method="ar", max_new_tokens=40).tokens
+    by_match = dec.generate(prompt, method="ngram", gamma=3, max_new_tokens=40)
+    plain = dec.generate(prompt, method="ngram", gamma=3, max_new_tokens=40, by_match=False)
+    assert by_match.tokens == ar and plain.tokens == ar
+    assert max(by_match.stats.gamma_trace) > 3 >= max(plain.stats.gamma_trace)
+    with pytest.raises(InvalidRequestError, match="by_match must be true or false, got 'yes'"):
+        dec.generate(prompt, method="ngram", max_new_tokens=4, by_match="yes")
