@@ -106,6 +106,14 @@ def meters(eng: Engine, c: int) -> str:
     return "planner ms: " + " ".join(parts)
 
 
+def planner_line(eng: Engine) -> str:
+    """What the planner did over every run of an engine (warm-up included): the share of
+    decode steps where some sequence speculated, vetoes, probes and plain probes."""
+    plain, spec = eng.decode_steps[False], eng.decode_steps[True]
+    return (f"spec steps {100 * spec / max(plain + spec, 1):.1f}% of {plain + spec}, vetoes {eng.vetoes}, "
+            f"probes {eng.probes}, plain probes {eng.plain_probes}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--concurrency", default="1,16")
@@ -168,6 +176,9 @@ def main() -> None:
             cratio = f"{cmed / ar_cpu:.2f}x" if ar_cpu else ""
             print(f"c={c:3d} {m:7s} wall {med:7.1f} tok/s {ratio:6s} cpu {cmed:7.1f} tok/cpu-s {cratio:6s} "
                   f"wall runs={[round(r, 1) for r in rates[m]]}")
+        for m in methods:
+            if m != "ar":
+                print(f"c={c:3d} {m:7s} {planner_line(engines[m])}")
     print(f"load: {os.getloadavg()}")
 
 
