@@ -307,6 +307,30 @@ def test_the_default_policy_puts_sampled_requests_and_indented_code_in_their_cla
     assert p.classify("Once upon a time", {}, 4, temperature=0.0).name == "general"
 
 
+def test_the_auto_example_is_the_default_policy_with_every_class_on_auto():
+    """examples/policies/auto.yaml says it is default.yaml with method auto: the same classes in
+    the same order, match rules, temperature ranges, deadlines, adaptation, gamma bounds where
+    default has them, alert rules and rollout (it had drifted: no `sampled` class, the old code
+    rule and fallback thresholds)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "examples" / "policies"
+    default, auto = load_policy(root / "default.yaml"), load_policy(root / "auto.yaml")
+    assert [c.name for c in auto.classes] == [c.name for c in default.classes]
+    assert auto.default_class == default.default_class
+    same = ("match", "temperature", "deadline_s", "adaptation")
+    for a, d in zip(auto.classes, default.classes):
+        assert a.method == "auto"
+        for field in same:
+            assert getattr(a, field) == getattr(d, field), (a.name, field)
+        if d.method in ("draft", "ngram"):
+            assert a.gamma == d.gamma, a.name
+        if d.method == "medusa":
+            assert (a.medusa_heads, a.tree_size) == (d.medusa_heads, d.tree_size), a.name
+    assert auto.alerts == default.alerts
+    assert auto.rollout == default.rollout
+
+
 def test_policy_built_in_python_still_checks_references():
     from pydantic import ValidationError
 
