@@ -61,7 +61,7 @@ def test_default_install_objects():
                          ("Deployment", "rel-specops-controller")}
     # the policy ConfigMap holds a valid policy (the chart's default)
     policy_text = docs[("ConfigMap", "rel-specops-policy")]["data"]["policy.yaml"]
-    assert load_policy(policy_text).version == "chart-default-1"
+    assert load_policy(policy_text).version == "chart-default-2"
     # the dashboard ConfigMap carries the sidecar label and the generated dashboard
     dash = docs[("ConfigMap", "rel-specops-dashboard")]
     assert dash["metadata"]["labels"]["grafana_dashboard"] == "1"
@@ -97,7 +97,7 @@ def test_operator_objects_and_sidecar_are_values_gated():
 
 def test_existing_secrets_and_custom_policy(tmp_path):
     policy = tmp_path / "policy.yaml"
-    policy.write_text((CHART / "files" / "policy.yaml").read_text().replace("chart-default-1", "custom-7"))
+    policy.write_text((CHART / "files" / "policy.yaml").read_text().replace("chart-default-2", "custom-7"))
     out = subprocess.run([_helm(), "template", "rel", str(CHART), "--set", "webhook.existingSecret=mine",
                           "--set", "redis.existingSecret=mine", "--set-file", f"policy={policy}"],
                          capture_output=True, text=True, timeout=120)
