@@ -104,10 +104,15 @@ class NgramIndex:
             want = full_match_gamma
         else:
             want = gamma
+        return self.continuation(start, want)
+
+    def continuation(self, start: int, count: int) -> list[int]:
+        """The ``count`` tokens from index ``start`` on (a `match`'s end), continued periodically
+        where they run into the context's end."""
         toks = self.tokens
-        out = toks[start : start + want]
+        out = toks[start : start + count]
         period = len(toks) - start  # the occurrence ends this many tokens before the context does
-        while 0 < len(out) < want:
+        while 0 < len(out) < count:
             out.append(out[len(out) - period])
         return out
 

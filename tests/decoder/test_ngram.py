@@ -166,3 +166,30 @@ def test_generate_by_match_drafts_past_gamma_after_long_matches_and_stays_exact(
     assert max(by_match.stats.gamma_trace) > 3 >= max(plain.stats.gamma_trace)
     with pytest.raises(InvalidRequestError, match="by_match must be true or false, got 'yes'"):
         dec.generate(prompt, method="ngram", max_new_tokens=4, by_match="yes")
+
+
+@pytest.mark.parametrize("usual, length, expected", [(4, 3, 4), (4, 7, 4), (4, 8, 8), (4, 15, 8), (4, 16, 12), (2, 40, 6)])
+def test_medusa_lookup_branch_length_grows_with_the_match(usual, length, expected):
+    from specops.decoder.medusa_decode import branch_length
+
+    assert branch_length(usual, length) == expected
+
+
+def test_medusa_lookup_branch_takes_full_matches_only_and_fits_the_step():
+    """`c_branch`: no branch without a full-length match; after a long one, up to 3x the usual
+    length, bounded by the budget, the context's space and the step loop's nodes beside the tree."""
+    from types import SimpleNamespace
+
+    from specops.decoder.medusa_decode import c_branch
+
+    steps, spec = SimpleNamespace(max_nodes=16), SimpleNamespace(num_nodes=4)
+    short = NgramIndex()
+    short.extend([1, 2, 3, 9, 8, 2, 3])  # only "2 3" recurs: no full-length match
+    assert c_branch(short, steps, spec, 4, 100, 1000) is None
+    long = NgramIndex()
+    long.extend(list(range(20)) * 2)  # a 20-token match
+    assert c_branch(long, steps, spec, 4, 100, 1000) == list(range(12))  # 3 x 4
+    assert c_branch(long, steps, spec, 4, 5, 1000) == list(range(5))  # the budget
+    assert c_branch(long, steps, spec, 4, 100, 10) == list(range(6))  # the context: 10 - 4 nodes
+    assert c_branch(long, SimpleNamespace(max_nodes=9), spec, 4, 100, 1000) == list(range(5))  # the loop
+    assert c_branch(long, steps, spec, 0, 100, 1000) is None and c_branch(None, steps, spec, 4, 100, 1000) is None
