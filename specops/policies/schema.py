@@ -213,7 +213,10 @@ class RequestClass(_Model):
     """Speculation method: ``draft`` model, ``medusa`` heads, ``ngram`` prompt lookup, ``auto``
     (per request and step, whichever of those pays; lossless), or ``off``."""
     gamma: IntRange = IntRange(initial=4, min=1, max=8)
-    """Speculation length γ (draft and n-gram methods); min must be at least 1."""
+    """Speculation length γ (draft and n-gram methods); min must be at least 1. The controller
+    keeps the class's live γ within [min, max]. `specops serve`'s engine reads the live γ as a
+    cap: its planner drafts fewer tokens each step, down to none, where more would not pay at
+    that step's load (so ``min`` bounds the controller, not a step)."""
     medusa_heads: IntRange = IntRange(initial=3, min=1, max=4)
     """Number of Medusa heads used (medusa method); min must be at least 1."""
     tree_size: IntRange = IntRange(initial=16, min=4, max=64)
