@@ -126,6 +126,7 @@ class MethodResult:
     tokens_per_s_runs: list[float]
     acceptance_by_pos: list[float]    # index = draft position (our speculative methods)
     by_kind: dict[str, dict]
+    prefill_share: float | None = None  # the prompt passes' share of the method's time (None: not exposed)
 
 
 @dataclass
@@ -364,7 +365,7 @@ def summarize(runs: dict[str, list[list[MethodRun]]], prompts: Sequence[BenchPro
             exact_match=exact_match, exact_prompts=exact_prompts, new_tokens=new_tokens,
             tokens_per_s_runs=[round(t, 2) for t in tps_runs],
             acceptance_by_pos=[round(a / d, 4) if d else 0.0 for a, d in zip(accepted_pos, drafted_pos)],
-            by_kind=by_kind,
+            by_kind=by_kind, prefill_share=_prefill_share(flat),
         ))
     ar_tps = next((r.tokens_per_s for r in results if r.method == "ar"), None)
     chain_tps = next((r.tokens_per_s for r in results if r.method == "ar-chain"), None)
@@ -373,6 +374,14 @@ def summarize(runs: dict[str, list[list[MethodRun]]], prompts: Sequence[BenchPro
         r.speedup_vs_ar = round(r.tokens_per_s / ar_tps, 3) if ar_tps else None
         r.speedup_vs_ar_chain = round(r.tokens_per_s / chain_tps, 3) if chain_tps else None
     return results
+
+
+def _prefill_share(runs: Sequence[MethodRun]) -> float | None:
+    """The prompt passes' share of the runs' seconds, where every run exposes it."""
+    if not runs or any(r.prefill_s is None for r in runs):
+        return None
+    total = sum(r.seconds for r in runs)
+    return round(sum(r.prefill_s for r in runs) / total, 4) if total > 0 else None
 
 
 def _round(x: float | None, n: int = 4) -> float | None:
@@ -434,6 +443,12 @@ def format_table(report: dict) -> str:
             line += (f"; one draft token = {costs['draft_token_relative']:.3f} of a target T=1 forward"
                      f" ({costs.get('draft_token_how') or 'forward'})")
         lines.append(line)
+    ar = next((r for r in report["results"] if r["method"] == "ar"), None)
+    if ar is not None and ar.get("prefill_share"):
+        share = ar["prefill_share"]
+        bound = " / ".join(f"{1 / (share + (1 - share) / n):.2f}" for n in (2, 3))
+        lines.append(f"ar's prompt passes: {100 * share:.0f}% of its time, which speculation does not shorten "
+                     f"(decoding after the prompt 2x / 3x as fast reads {bound}x ar)")
     device = (report.get("machine") or {}).get("device", "cpu")
     if device != "cpu":
         lines.append(f"models on {device}")

@@ -57,6 +57,7 @@ class MethodRun:
     accepted: int | None = None
     accepted_per_pos: list[int] = field(default_factory=list)
     drafted_per_pos: list[int] = field(default_factory=list)
+    prefill_s: float | None = None        # seconds of the target's prompt pass (None: not exposed)
 
 
 class BenchMethod(Protocol):
@@ -157,6 +158,7 @@ class DecoderMethod:
             tokens=list(out.tokens), seconds=seconds, target_forwards=s.target_forwards,
             drafted=s.drafted if speculative else None, accepted=s.accepted if speculative else None,
             accepted_per_pos=list(s.accepted_per_pos), drafted_per_pos=list(getattr(s, "drafted_per_pos", [])),
+            prefill_s=s.prefill_s,
         )
 
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -50,6 +51,24 @@ def test_harness_reports_every_key_and_greedy_methods_are_exact(tiny_models):
     json.dumps(report)  # JSON-ready
     table = format_table(report)
     assert all(name in table for name in GREEDY_METHODS)
+    assert rows["hf-greedy"]["prefill_share"] is None  # transformers' generate does not expose it
+    assert 0.0 < rows["ar"]["prefill_share"] < 1.0 and 0.0 < rows["draft"]["prefill_share"] < 1.0
+    assert f"ar's prompt passes: {100 * rows['ar']['prefill_share']:.0f}% of its time" in table
+
+
+def test_the_prefill_share_and_the_bound_it_puts_on_speed_ups():
+    """ar spending 20% of its time on prompts: decoding the rest 2x / 3x faster reads
+    1 / (0.2 + 0.8 / 2) = 1.67x and 1 / (0.2 + 0.8 / 3) = 2.14x ar."""
+    prompts = [BenchPrompt("a"), BenchPrompt("b")]
+    ar = [[MethodRun([1, 2], 1.0, 2, prefill_s=0.1), MethodRun([3, 4], 1.0, 2, prefill_s=0.3)]]
+    hf = [[MethodRun([1, 2], 2.0, 2), MethodRun([3, 4], 2.0, 2)]]
+    rows = {r.method: r for r in summarize({"hf-greedy": hf, "ar": ar}, prompts)}
+    assert rows["ar"].prefill_share == pytest.approx(0.2) and rows["hf-greedy"].prefill_share is None
+    report = {"results": [dataclasses.asdict(r) for r in rows.values()]}
+    assert "ar's prompt passes: 20% of its time" in format_table(report)
+    assert "2x / 3x as fast reads 1.67 / 2.14x ar" in format_table(report)
+    report["results"] = [r for r in report["results"] if r["method"] != "ar"]
+    assert "prompt passes" not in format_table(report)
 
 
 def test_sampling_prompts_are_left_out_of_exactness(tiny_models):
