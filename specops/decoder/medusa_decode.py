@@ -19,7 +19,8 @@ Those steps also take a *prompt-lookup branch*: when the context's last three to
 occurred before (`ngram.NgramIndex`, full-length matches only), ``lookup_branch`` tokens
 that followed them (more after a match that runs back further: `branch_length`) join the
 tree, merged into it as into a trie, so one forward verifies the heads' guesses and the
-repetition and the walk keeps the longer accepted path. Code and quoted text repeat themselves further than heads three deep can see.
+repetition and the walk keeps the longer accepted path. Code and quoted text repeat
+themselves further than heads three deep can see.
 
 Each step therefore emits ``accepted + 1`` tokens for one target forward. The tree
 is the same at every step (chosen once per request, from the heads' measured
@@ -278,9 +279,8 @@ def c_steps(target: ModelRunner, heads: HeadsLike, k: int, spec: TreeSpec, plann
             branch: int = 0):
     """The runner's one-call greedy steps (`FastLlamaRunner.medusa_loop`) for every tree this
     request may use, with room for a long match's branch (BRANCH_MAX_SCALE x ``branch`` more
-    nodes) where the C layer stack allows, or
-    None where the runner or the heads lack them (then each step proposes and verifies from
-    Python)."""
+    nodes) where the C layer stack allows, or None where the runner or the heads lack them
+    (then each step proposes and verifies from Python)."""
     make, weights_for = getattr(target, "medusa_loop", None), getattr(heads, "kernel_weights", None)
     if make is None or weights_for is None:
         return None
