@@ -182,6 +182,28 @@ def test_estimates_carry_over_between_requests_per_sampling_mode():
     assert estimates.start(greedy=False)["ngram"].steps == 0
 
 
+def test_one_requests_end_moves_where_the_next_starts_only_by_the_carry_weight():
+    """A request whose Medusa steps ended poorly (1.8 tokens per step, after requests at 4.0)
+    moves the starting estimate by CARRY_WEIGHT of the difference, not all the way: the next
+    request (maybe of another kind) does not start from one request's end."""
+    from specops.decoder.auto import CARRY_WEIGHT
+
+    estimates = AutoEstimates()
+    first = estimates.start(greedy=True)
+    first["medusa"].tokens, first["medusa"].steps = 4.0, 30
+    first["draft"].successes, first["draft"].trials, first["draft"].steps = 9.0, 10.0, 20
+    estimates.finish(True, first)
+    assert estimates.start(greedy=True)["medusa"].tokens == 4.0  # the first one is taken as it is
+    second = estimates.start(greedy=True)
+    second["medusa"].tokens = 1.8
+    second["draft"].successes, second["draft"].trials = 2.0, 10.0
+    estimates.finish(True, second)
+    start = estimates.start(greedy=True)
+    assert start["medusa"].tokens == pytest.approx(4.0 + CARRY_WEIGHT * (1.8 - 4.0))
+    assert start["draft"].alpha == pytest.approx((9.0 + CARRY_WEIGHT * -7.0) / 10.0)
+    assert 0.0 < CARRY_WEIGHT < 1.0
+
+
 def test_short_requests_still_probe_an_option_that_looked_bad():
     """Requests of 3 steps each: the probe clock runs across requests, so an option whose
     early estimate was bad is tried again (a per-request clock never reached PROBE_EVERY)."""
