@@ -277,11 +277,11 @@ def mix_classes(policy: Any, cfg: ServeBenchConfig, counts: dict[int, int]) -> d
     """How each concurrency's cell of prompts splits into ``policy``'s classes, per class in policy
     order (as `specops policy classify` counts them: the requests carry no labels or turn, and
     length rules see the prompt's characters / ``CHARS_PER_TOKEN``)."""
-    from specops.policies.schema import CHARS_PER_TOKEN
+    from specops.policies.cli_classify import Sample, classify
 
     out: dict[str, dict[str, int]] = {}
     for c, n in counts.items():
-        names = [policy.classify(text, {}, len(text) // CHARS_PER_TOKEN, temperature=temperature).name
+        names = [classify(policy, Sample(text, temperature, {})).request_class
                  for text, temperature in build_prompts(cfg, n)]
         out[str(c)] = {rc.name: names.count(rc.name) for rc in policy.classes}
     return out

@@ -70,11 +70,12 @@ class NgramIndex:
                     table[tuple(toks[j + 1 - n : j + 1])] = j + 1
         self._indexed_until = max(self._indexed_until, stop)
 
-    def match(self) -> tuple[int, int] | None:
+    def match(self, count_back: bool = True) -> tuple[int, int] | None:
         """(where the latest occurrence of the longest suffix n-gram ends, how many tokens the
         context's suffix and that occurrence's run agree on, counted back up to MATCH_SPAN), or
         None without a match. The agreement can run past ``max_ngram``: the index finds a match
-        by its last ``max_ngram`` tokens, and this reads how far back it really goes."""
+        by its last ``max_ngram`` tokens, and this reads how far back it really goes
+        (``count_back=False``: it does not, and a full-length match reads ``max_ngram``)."""
         if not self.tokens:
             return None
         self._catch_up()
@@ -83,7 +84,7 @@ class NgramIndex:
             start = self._latest[n].get(tuple(toks[-n:]))
             if start is not None:
                 length = n
-                if n == self.max_ngram:
+                if n == self.max_ngram and count_back:
                     while length < MATCH_SPAN and start > length and toks[start - 1 - length] == toks[-1 - length]:
                         length += 1
                 return start, length
@@ -94,7 +95,7 @@ class NgramIndex:
         continued periodically where they run into the context's end; ``full_match_gamma``
         (None: ``gamma``) tokens instead when the match is ``max_ngram`` long. ``by_match``:
         as many as `match_gamma` gives for the match's length (``gamma`` the usual length)."""
-        found = self.match()
+        found = self.match(count_back=by_match)  # only `match_gamma` reads past max_ngram
         if found is None:
             return []
         start, length = found

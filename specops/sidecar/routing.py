@@ -29,6 +29,7 @@ REASON_FALLBACK = "policy_fallback"
 REASON_OFF = "method_off"
 REASON_TEMPERATURE = "temperature_out_of_range"
 
+
 @dataclass(frozen=True)
 class Route:
     """Where one request goes, and why."""
