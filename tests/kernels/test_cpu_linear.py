@@ -677,10 +677,12 @@ def test_the_narrower_instruction_set_builds_compute_the_same_way(isa, tmp_path)
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                                                    ctypes.c_float]
     gen = torch.Generator().manual_seed(11)
-    k, n = 40, 300  # nine whole panels and a tail of 12, over two threads in chunks of 64 rows
+    # nine whole panels and a tail of 12, over two threads in chunks of 64 rows; k over two and a
+    # part of AVX2's k chunks (64), rows past its group of 16
+    k, n = 150, 300
     w, b = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
     packed = cpu_linear.pack(w)
-    x, add = torch.randn(9, k, generator=gen), torch.randn(9, n, generator=gen)
+    x, add = torch.randn(19, k, generator=gen), torch.randn(19, n, generator=gen)
 
     def call(rows: int, threads: int) -> torch.Tensor:
         y = torch.empty(rows, n)
@@ -688,9 +690,9 @@ def test_the_narrower_instruction_set_builds_compute_the_same_way(isa, tmp_path)
                   rows, k, n, threads, 0, None, 0.0) == 0
         return y
 
-    full = call(9, 1)
+    full = call(19, 1)
     want = torch.addmm(b.double(), x.double(), w.double().t()).float() + add
     torch.testing.assert_close(full, want, atol=2e-5 * k**0.5, rtol=1e-5)
-    for rows in (1, 2, 3, 8):
+    for rows in (1, 2, 3, 8, 16, 17):
         for threads in (1, 2):
             assert torch.equal(call(rows, threads), full[:rows]), (rows, threads)
