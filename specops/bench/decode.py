@@ -22,6 +22,7 @@ GGUF, the report lists them under ``unavailable`` with the reason (never an erro
 from __future__ import annotations
 
 import logging
+import math
 import os
 import platform
 import statistics
@@ -311,7 +312,7 @@ def measure_costs(methods: Sequence[BenchMethod]) -> dict | None:
     with torch.inference_mode():
         curve = measure_verify_cost(target, sizes=COST_SIZES, prefix_len=prefix, repeats=15, one_call=True)
         draft_s, draft_how = draft_token_cost(decoder.draft) if decoder.draft is not None else (None, None)
-    return {
+    out = {
         "prefix": prefix,
         "target_token_s": curve.at(1),
         "verify_relative": {str(t): round(curve.relative(t), 3) for t in COST_SIZES},
@@ -320,6 +321,57 @@ def measure_costs(methods: Sequence[BenchMethod]) -> dict | None:
         "draft_token_relative": None if draft_s is None else round(draft_s / curve.at(1), 3),
         "draft_token_how": draft_how,
     }
+    model = getattr(target, "model", None)
+    if (getattr(target, "device", torch.device("cpu")).type == "cpu" and isinstance(model, torch.nn.Module)
+            and getattr(target, "dtype", torch.float32) == torch.float32):
+        floor = multiply_add_floor(model, COST_SIZES[-1])
+        if floor is not None:
+            out["multiply_add"] = {**floor, "floor_relative": round(floor["floor_s"] / curve.at(1), 3)}
+    return out
+
+
+def multiply_add_rate(threads: int | None = None, rows: int = 8, k: int = 256, sizes: tuple[int, int] = (256, 768),
+                      calls: int = 20, repeats: int = 15) -> float | None:
+    """Multiply-adds per second of the C linear kernel (`cpu_linear`) at ``rows`` rows of x, on
+    fp32 weights small enough to stay in cache (two output sizes ``sizes`` over ``k`` inputs; the
+    rate is the difference of their fastest timings, so the fixed cost of a call drops out). A
+    forward's matrices, whose weights also stream from memory, cannot multiply faster than
+    this. None where the kernel is not built."""
+    from specops.kernels import cpu_linear
+
+    if not cpu_linear.available():
+        return None
+    threads = threads or torch.get_num_threads()
+    gen = torch.Generator().manual_seed(0)
+    best = []
+    for n in sizes:
+        w = cpu_linear.pack(torch.randn(n, k, generator=gen))
+        x, y = torch.randn(rows, k, generator=gen), torch.empty(rows, n)
+        fastest = math.inf
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                cpu_linear.unchecked(x, w, None, None, y, None, 1e-6, False, threads)
+            fastest = min(fastest, (time.perf_counter() - t0) / calls)
+        best.append(fastest)
+    spent = best[1] - best[0]
+    return rows * k * (sizes[1] - sizes[0]) / spent if spent > 0 else None
+
+
+def multiply_add_floor(model: torch.nn.Module, rows: int) -> dict | None:
+    """The least time ``rows`` positions' matrices can take at the measured rate
+    (`multiply_add_rate`): ``rows`` x the multiply-adds of every linear layer a position passes
+    (the weights of the model's `nn.Linear`s, the tied LM head included), attention and
+    norms left out. Beside c(1), it bounds c(rows)/c(1) from below for the C kernel at the
+    rate measured then (on shared cores the rate moves: 15-37 G/s on one 2-core host in one
+    session). A one-position forward is bound by streaming the weights; a several-position
+    one also by multiplying them, which this floor isolates."""
+    rate = multiply_add_rate(rows=rows)
+    if rate is None:
+        return None
+    macs = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return {"rate_per_s": rate, "macs_per_position": macs, "rows": rows, "floor_s": rows * macs / rate,
+            "threads": torch.get_num_threads()}
 
 
 def _acceptance(rs: Sequence[MethodRun]) -> float | None:
@@ -443,6 +495,12 @@ def format_table(report: dict) -> str:
             line += (f"; one draft token = {costs['draft_token_relative']:.3f} of a target T=1 forward"
                      f" ({costs.get('draft_token_how') or 'forward'})")
         lines.append(line)
+        mad = costs.get("multiply_add")
+        if mad:
+            lines.append(f"the target's matrices at T={mad['rows']} need {mad['rows'] * mad['macs_per_position'] / 1e6:.0f}M"
+                         f" multiply-adds: at the C kernel's rate on weights in cache ({mad['rate_per_s'] / 1e9:.1f} G/s,"
+                         f" {mad['threads']} threads) at least {mad['floor_s'] * 1e3:.2f} ms, so"
+                         f" c({mad['rows']})/c(1) >= {mad['floor_relative']:.2f} before attention")
     ar = next((r for r in report["results"] if r["method"] == "ar"), None)
     if ar is not None and ar.get("prefill_share"):
         share = ar["prefill_share"]

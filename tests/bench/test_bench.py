@@ -71,6 +71,28 @@ def test_the_prefill_share_and_the_bound_it_puts_on_speed_ups():
     assert "prompt passes" not in format_table(report)
 
 
+def test_the_multiply_add_floor_under_a_verify_forward(tiny_models):
+    """The floor `bench decode` prints beside c(T): T positions need T x the multiply-adds of
+    every linear layer (the LM head included), at the C kernel's rate on weights in cache."""
+    from specops.bench.decode import multiply_add_floor
+    from specops.kernels import cpu_linear
+
+    floor = multiply_add_floor(tiny_models.target, 8)
+    if not cpu_linear.available():  # no compiler: nothing to measure the rate with
+        assert floor is None
+        return
+    linears = [m for m in tiny_models.target.modules() if isinstance(m, torch.nn.Linear)]
+    assert any(m is tiny_models.target.get_output_embeddings() for m in linears)
+    assert floor["macs_per_position"] == sum(m.in_features * m.out_features for m in linears)
+    assert floor["rate_per_s"] > 1e6 and floor["rows"] == 8
+    assert floor["floor_s"] == pytest.approx(8 * floor["macs_per_position"] / floor["rate_per_s"])
+    report = {"results": [], "costs": {"target_token_s": 1e-3, "verify_relative": {"1": 1.0, "8": 2.0},
+                                       "multiply_add": {**floor, "rate_per_s": 2e10, "macs_per_position": 5e6,
+                                                        "floor_s": 2e-3, "floor_relative": 2.0, "threads": 2}}}
+    assert ("the target's matrices at T=8 need 40M multiply-adds: at the C kernel's rate on weights in cache "
+            "(20.0 G/s, 2 threads) at least 2.00 ms, so c(8)/c(1) >= 2.00 before attention") in format_table(report)
+
+
 def test_sampling_prompts_are_left_out_of_exactness(tiny_models):
     prompts = [BenchPrompt("def add(a, b):\n", "code"), BenchPrompt("import os\n", "hot", temperature=1.0)]
     cfg = BenchConfig(methods=["hf-greedy", "draft"], max_new_tokens=8, repeats=1, progress=False)
