@@ -322,8 +322,8 @@ def measure_costs(methods: Sequence[BenchMethod]) -> dict | None:
         "draft_token_how": draft_how,
     }
     model = getattr(target, "model", None)
-    if (getattr(target, "device", torch.device("cpu")).type == "cpu" and isinstance(model, torch.nn.Module)
-            and getattr(target, "dtype", torch.float32) == torch.float32):
+    weight = next(model.parameters(), None) if isinstance(model, torch.nn.Module) else None
+    if weight is not None and weight.device.type == "cpu" and weight.dtype == torch.float32:  # the C kernel's case
         floor = multiply_add_floor(model, COST_SIZES[-1])
         if floor is not None:
             out["multiply_add"] = {**floor, "floor_relative": round(floor["floor_s"] / curve.at(1), 3)}
@@ -366,12 +366,13 @@ def multiply_add_floor(model: torch.nn.Module, rows: int) -> dict | None:
     rate measured then (on shared cores the rate moves: 15-37 G/s on one 2-core host in one
     session). A one-position forward is bound by streaming the weights; a several-position
     one also by multiplying them, which this floor isolates."""
-    rate = multiply_add_rate(rows=rows)
+    threads = torch.get_num_threads()
+    rate = multiply_add_rate(threads, rows=rows)
     if rate is None:
         return None
     macs = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     return {"rate_per_s": rate, "macs_per_position": macs, "rows": rows, "floor_s": rows * macs / rate,
-            "threads": torch.get_num_threads()}
+            "threads": threads}
 
 
 def _acceptance(rs: Sequence[MethodRun]) -> float | None:
@@ -497,7 +498,7 @@ def format_table(report: dict) -> str:
         lines.append(line)
         mad = costs.get("multiply_add")
         if mad:
-            lines.append(f"the target's matrices at T={mad['rows']} need {mad['rows'] * mad['macs_per_position'] / 1e6:.0f}M"
+            lines.append(f"the target's matrices at T={mad['rows']} need {mad['rows'] * mad['macs_per_position'] / 1e6:.3g}M"
                          f" multiply-adds: at the C kernel's rate on weights in cache ({mad['rate_per_s'] / 1e9:.1f} G/s,"
                          f" {mad['threads']} threads) at least {mad['floor_s'] * 1e3:.2f} ms, so"
                          f" c({mad['rows']})/c(1) >= {mad['floor_relative']:.2f} before attention")
