@@ -26,6 +26,7 @@ COMMANDS: dict[tuple[str, ...], dict[str, str]] = {
         "tiny": "specops.train.cli:train_tiny_command",
         "draft": "specops.train.cli:train_draft_command",
         "heads": "specops.train.cli_heads:train_heads_command",
+        "ngram-store": "specops.train.cli_store:train_store_command",
     },
     ("bench",): {
         "decode": "specops.bench.cli:bench_decode_command",
@@ -61,7 +62,7 @@ COMMANDS: dict[tuple[str, ...], dict[str, str]] = {
 }
 
 GROUP_HELP = {
-    ("train",): "Train the bundled models, distil drafts, train Medusa heads.",
+    ("train",): "Train the bundled models, distil drafts, train Medusa heads, count n-gram stores.",
     ("bench",): "Benchmarks: decoding methods vs peers, kernels, serving, chat turns, the sidecar's overhead.",
     ("policy",): "Validate and roll out YAML speculation policies.",
     ("controller",): "The adaptive control loop (fleet controller; the per-pod proxy is `specops sidecar`).",

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import click
 
-METHOD_HELP = ("hf-greedy,hf-assisted,hf-lookup,ar,ar-chain,draft,ngram,medusa,auto[,llama.cpp,llama.cpp-lookup] "
-               "(ar-chain: a reference, ar's forwards without its per-token Python; llama.cpp needs the peers "
+METHOD_HELP = ("hf-greedy,hf-assisted,hf-lookup,ar,ar-chain,draft,ngram,ngram-prompt,medusa,auto"
+               "[,llama.cpp,llama.cpp-lookup] (ar-chain: a reference, ar's forwards without its per-token Python; "
+               "ngram-prompt: ngram without the target's corpus n-gram store; llama.cpp needs the peers "
                "extra: pip install -e \".[peers]\")")
 
 

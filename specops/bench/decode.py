@@ -29,7 +29,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -142,6 +142,7 @@ class Models:
     max_context: int
     target_dir: Path | None = None    # the target's folder (llama.cpp converts it to GGUF); None: in memory
     draft_vocab: list[int] | None = None  # the draft folder's draft_vocab.json, as `Decoder.from_pretrained` reads it
+    ngram_store: Any = None  # the target folder's ngram_store.npz, as `Decoder.from_pretrained` reads it
 
 
 def load_models(cfg: BenchConfig) -> Models:
@@ -179,9 +180,11 @@ def load_models(cfg: BenchConfig) -> Models:
     eos = tokenizer.eos_token_id
     max_context = int(getattr(target.config, "max_position_embeddings", 0) or 0) or 1 << 30
     from specops.decoder.api import draft_vocab_in
+    from specops.decoder.ngram_store import store_in
 
     return Models(target, draft, medusa, tokenizer, eos, max_context, target_dir=target_path,
-                  draft_vocab=draft_vocab_in(draft_path) if draft is not None else None)
+                  draft_vocab=draft_vocab_in(draft_path) if draft is not None else None,
+                  ngram_store=store_in(target_path))
 
 
 def build_methods(cfg: BenchConfig, models: Models) -> tuple[list[BenchMethod], dict[str, str]]:
@@ -198,7 +201,8 @@ def build_methods(cfg: BenchConfig, models: Models) -> tuple[list[BenchMethod], 
 
         drafting = {"draft", "auto"} & set(ours)
         decoder = Decoder(models.target, draft=models.draft if drafting else None, medusa=models.medusa,
-                          tokenizer=models.tokenizer, draft_vocab=models.draft_vocab if drafting else None)
+                          tokenizer=models.tokenizer, draft_vocab=models.draft_vocab if drafting else None,
+                          ngram_store=models.ngram_store)
     if "ar-chain" in names:
         reason = ChainedAR.unavailable_reason(decoder.target)
         if reason is not None:

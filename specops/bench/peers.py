@@ -38,7 +38,10 @@ import torch
 from specops.decoder.clock import device_clock
 
 HF_METHODS = ("hf-greedy", "hf-assisted", "hf-lookup")
-OUR_METHODS = ("ar", "draft", "ngram", "medusa", "auto")
+OUR_METHODS = ("ar", "draft", "ngram", "ngram-prompt", "medusa", "auto")
+# bench names that run one of the Decoder's methods with options: prompt lookup without the
+# target's corpus n-gram store (`specops.decoder.ngram_store`), as ``ngram`` ran before it had one
+VARIANTS: dict[str, tuple[str, dict]] = {"ngram-prompt": ("ngram", {"corpus": False})}
 LLAMA_CPP_METHODS = ("llama.cpp", "llama.cpp-lookup")  # specops.bench.llamacpp_peer
 REFERENCE_METHODS = ("ar-chain",)
 ALL_METHODS = HF_METHODS + OUR_METHODS + REFERENCE_METHODS + LLAMA_CPP_METHODS
@@ -139,21 +142,22 @@ class DecoderMethod:
         if name not in OUR_METHODS:
             raise ValueError(f"unknown specops method {name!r}; choose one of {', '.join(OUR_METHODS)}")
         self.name = name
+        self.method, extra = VARIANTS.get(name, (name, {}))
         self.decoder = decoder
         self.gamma = gamma
         self.schedule = schedule
         self.eos_token_id = eos_token_id
-        self.options = options
+        self.options = {**extra, **options}
 
     def run(self, prompt_ids: Sequence[int], *, max_new_tokens: int, temperature: float, seed: int) -> MethodRun:
         start = time.perf_counter()
         with torch.inference_mode():
-            out = self.decoder.generate(list(prompt_ids), method=self.name, gamma=self.gamma, schedule=self.schedule,
+            out = self.decoder.generate(list(prompt_ids), method=self.method, gamma=self.gamma, schedule=self.schedule,
                                         max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                         eos_token_id=self.eos_token_id, **self.options)
         seconds = time.perf_counter() - start
         s = out.stats
-        speculative = self.name != "ar"
+        speculative = self.method != "ar"
         return MethodRun(
             tokens=list(out.tokens), seconds=seconds, target_forwards=s.target_forwards,
             drafted=s.drafted if speculative else None, accepted=s.accepted if speculative else None,

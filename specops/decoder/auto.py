@@ -44,6 +44,7 @@ from specops.decoder.medusa_decode import (LOOKUP_BRANCH, MedusaState, _verify_s
                                            c_steps)
 from specops.decoder.medusa_heads import HeadsLike
 from specops.decoder.ngram import NgramIndex
+from specops.decoder.ngram_store import NgramStore
 from specops.decoder.runner import ModelRunner, prompt_forward
 from specops.decoder.sampling import SamplingConfig
 from specops.decoder.schedule import ConstantSchedule, GammaSchedule, expected_tokens
@@ -340,6 +341,7 @@ def generate_auto(
     deadline_s: float | None = None,
     max_ngram: int = 3,
     min_ngram: int = 1,
+    store: NgramStore | None = None,
 ) -> tuple[list[int], DecodeStats]:
     """Decode with the per-step choice of drafter; returns ``(tokens, DecodeStats)``.
 
@@ -356,7 +358,7 @@ def generate_auto(
     prompt = prompt_list(prompt_ids)
     stats = DecodeStats(method="auto")
     stats.start()
-    index = NgramIndex(max_ngram=max_ngram, min_ngram=min_ngram)
+    index = NgramIndex(max_ngram=max_ngram, min_ngram=min_ngram, store=store)
     index.extend(prompt)
     medusa = None
     heads_s = 0.0

@@ -19,6 +19,11 @@ tokens drafted, a 3-gram match's continuation was accepted 3.7 tokens deep on av
 pay on the bundled models: past ~5 positions a CPU verify forward is compute-bound and each
 extra position costs ~12% of a step.
 
+**Corpus fallback** (``store``, an `specops.decoder.ngram_store.NgramStore`): where the
+context has no match, or only a 1-token one, the index drafts the store's chain instead
+when it is longer (what usually follows the text's last 2-3 tokens in a corpus); the
+models' own folder may carry one (`Decoder.from_pretrained` loads it).
+
 `NgramIndex` keeps, per n, a dict from n-gram to where its latest occurrence ended,
 updated incrementally as tokens are appended, so a lookup is O(max_ngram) instead of a
 scan over the whole context.
@@ -31,6 +36,7 @@ import time
 import torch
 
 from specops.decoder.errors import InvalidRequestError
+from specops.decoder.ngram_store import NgramStore
 from specops.decoder.runner import ModelRunner
 from specops.decoder.sampling import SamplingConfig
 from specops.decoder.schedule import ConstantSchedule, GammaSchedule
@@ -42,13 +48,15 @@ from specops.decoder.stats import DecodeStats
 class NgramIndex:
     """An append-only token sequence with an index of the n-grams it contains."""
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, store: NgramStore | None = None) -> None:
         if isinstance(min_ngram, bool) or not isinstance(min_ngram, int) or min_ngram < 1:
             raise InvalidRequestError(f"min_ngram must be an integer >= 1, got {min_ngram!r}")
         if isinstance(max_ngram, bool) or not isinstance(max_ngram, int) or max_ngram < min_ngram:
             raise InvalidRequestError(f"max_ngram must be an integer >= min_ngram ({min_ngram}), got {max_ngram!r}")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self.store = store
+        self.store_drafts = 0  # proposals that came from the store
         self.tokens: list[int] = []
         # n -> {n-gram: index just after its latest occurrence that has a continuation}
         self._latest: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_ngram, max_ngram + 1)}
@@ -96,6 +104,11 @@ class NgramIndex:
         (None: ``gamma``) tokens instead when the match is ``max_ngram`` long. ``by_match``:
         as many as `match_gamma` gives for the match's length (``gamma`` the usual length)."""
         found = self.match(count_back=by_match)  # only `match_gamma` reads past max_ngram
+        if self.store is not None and gamma > 0 and (found is None or found[1] <= 1):
+            chain = self.store.chain(self.tokens, gamma)
+            if len(chain) > (0 if found is None else 1):  # a 1-token match's continuation is followed ~1 deep
+                self.store_drafts += 1
+                return chain
         if found is None:
             return []
         start, length = found
@@ -166,6 +179,7 @@ def generate_ngram(
     min_ngram: int = 1,
     deadline_s: float | None = None,
     by_match: bool = True,
+    store: NgramStore | None = None,
 ) -> tuple[list[int], DecodeStats]:
     """Speculative decoding with prompt-lookup drafts; returns ``(tokens, DecodeStats)``.
 
@@ -175,7 +189,8 @@ def generate_ngram(
     The drafter is deterministic, so sampling verification treats its proposal as a
     point mass (``q = one_hot``), which keeps the output distribution the target's.
     A step without a match verifies zero drafted tokens, i.e. one plain target step.
-    Past ``deadline_s`` seconds the rest is plain decoding.
+    Past ``deadline_s`` seconds the rest is plain decoding. ``store``: the corpus fallback
+    (`NgramIndex`); ``stats.store_drafts`` counts the steps it drafted.
     """
     if max_new_tokens < 1:
         raise InvalidRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -185,7 +200,7 @@ def generate_ngram(
     prompt = prompt_list(prompt_ids)
     stats = DecodeStats(method="ngram")
     stats.start()
-    index = NgramIndex(max_ngram=max_ngram, min_ngram=min_ngram)
+    index = NgramIndex(max_ngram=max_ngram, min_ngram=min_ngram, store=store)
     index.extend(prompt)
     v = TargetVerifier(
         target,
@@ -212,5 +227,6 @@ def generate_ngram(
         result = v.verify(drafted, None)
         index.extend(result.emitted)
         schedule.update(len(drafted), result.raw_accepted, draft_s, stats.verify_s - verify_before)
+    stats.store_drafts = index.store_drafts
     stats.finish(v.stop_reason())
     return v.output, stats

@@ -81,6 +81,8 @@ class DecodeStats:
     """Measured seconds of one single-token target forward, used for the speed-up estimate."""
     auto_steps: dict[str, int] = field(default_factory=dict)
     """``auto``: steps run per option (plain, ngram, draft, medusa); empty for other methods."""
+    store_drafts: int = 0
+    """``ngram``: steps whose draft came from the corpus n-gram store (`specops.decoder.ngram_store`)."""
     decode_step_s: float = 0.0
     """Batched serving: wall seconds of the engine steps this request decoded in (its
     prefill steps excluded), whatever else the batch held."""

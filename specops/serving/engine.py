@@ -273,6 +273,7 @@ class Engine:
         self.vocab_size = runner.vocab_size
         self.device = runner.device
         self.medusa = MedusaProposer(decoder.medusa, runner.device) if decoder.medusa is not None else None
+        self.ngram_store = getattr(decoder, "ngram_store", None)  # the n-gram drafter's corpus fallback
         if eos_token_id == "model":
             eos_token_id = getattr(getattr(getattr(runner, "model", None), "config", None), "eos_token_id", None)
         self.eos = eos_set(eos_token_id)
@@ -389,7 +390,8 @@ class Engine:
         seq.alpha = self.priors.alpha(seq.prior_key, spec.method)
         seq.accept_scale = self.priors.scale(seq.prior_key)
         if spec.method == "ngram":
-            seq.ngram = NgramIndex()
+            seq.ngram = NgramIndex(store=self.ngram_store if params.temperature == 0 else None)  # greedy only:
+            # see `specops.decoder.api._corpus`
             seq.ngram.extend(ids)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)

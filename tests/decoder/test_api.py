@@ -213,7 +213,7 @@ def test_deadline_turns_speculation_into_plain_decoding_exactly(dec, models, met
 @pytest.mark.parametrize("kwargs, needle", [
     ({"deadline_s": 0}, "deadline_s"),
     ({"deadline_s": -1.0}, "deadline_s"),
-    ({"method": "ngram", "max_ngrams": 4}, "unknown option.*max_ngrams.*allowed: by_match, max_ngram, min_ngram"),
+    ({"method": "ngram", "max_ngrams": 4}, "unknown option.*max_ngrams.*allowed: by_match, corpus, max_ngram, min_ngram"),
     ({"method": "draft", "max_ngram": 4}, "unknown option.*for method 'draft'"),
 ])
 def test_bad_deadline_and_unknown_options(dec, kwargs, needle):
