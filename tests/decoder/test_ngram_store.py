@@ -7,13 +7,15 @@ import json
 
 import numpy as np
 import pytest
-import torch
 from click.testing import CliRunner
 
 from specops.decoder import Decoder
 from specops.decoder.errors import InvalidRequestError, ModelLoadError
 from specops.decoder.ngram import NgramIndex
 from specops.decoder.ngram_store import STORE_FILE, NgramStore, store_in, tokenizer_digest
+from tests.decoder import test_medusa_bundled
+
+bundled = test_medusa_bundled.bundled  # the bundled Decoder, module-scoped, on one torch thread
 
 V = 16
 
@@ -97,14 +99,6 @@ def test_index_drafts_the_store_chain_only_without_a_longer_context_match():
     plain = NgramIndex()
     plain.extend([1, 2])
     assert plain.propose(4, by_match=True) == []
-
-
-@pytest.fixture(scope="module")
-def bundled():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield Decoder.from_pretrained("bundled")
-    torch.set_num_threads(before)
 
 
 def test_the_bundled_target_ships_a_store_for_its_tokenizer(bundled):
