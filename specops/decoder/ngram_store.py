@@ -206,10 +206,11 @@ class NgramStore:
                                          f"this version reads {FORMAT_VERSION}")
                 tables = {int(o): StoreTable(keys=data[f"keys{o}"].astype(np.int64), next=data[f"next{o}"].astype(np.int32),
                                              prob=data[f"prob{o}"].astype(np.float32)) for o in header["orders"]}
-        except (OSError, KeyError, ValueError) as exc:
+            # a header's bad value (vocab_size, min_prob, ...) is the file's fault, not the caller's
+            return cls(tables, vocab_size=header["vocab_size"], tokenizer=header.get("tokenizer", ""),
+                       min_prob=header.get("min_prob", DEFAULT_MIN_PROB), meta=header.get("meta"))
+        except (OSError, KeyError, ValueError, TypeError, AttributeError) as exc:
             raise ModelLoadError(f"cannot read the n-gram store {path}: {exc}") from exc
-        return cls(tables, vocab_size=header["vocab_size"], tokenizer=header.get("tokenizer", ""),
-                   min_prob=header.get("min_prob", DEFAULT_MIN_PROB), meta=header.get("meta"))
 
 
 def check_min_prob(value: Any) -> float:

@@ -75,6 +75,18 @@ def test_a_broken_or_foreign_file_is_a_load_error(tmp_path):
         NgramStore.load(bad)
 
 
+def test_a_bad_header_value_is_a_load_error_too(tmp_path):
+    path = small_store().save(tmp_path)
+    with np.load(path) as data:
+        arrays = {k: data[k] for k in data.files}
+    header = json.loads(bytes(arrays["header"]).decode())
+    header["min_prob"] = 5.0
+    arrays["header"] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
+    np.savez(path, **arrays)
+    with pytest.raises(ModelLoadError, match="min_prob"):
+        NgramStore.load(path)
+
+
 def test_build_rejects_bad_input():
     with pytest.raises(ValueError, match="outside"):
         NgramStore.build([1, 2, 99], vocab_size=V)
