@@ -453,8 +453,9 @@ class FastLlamaRunner:
         vocabulary; None: all of it): they run the LM head over those rows alone, so a drafted
         token reads F rows of it instead of V (FR-Spec's frequency-ranked draft vocabulary).
         A drafter only proposes, so outputs stay exact; a token outside the list is never
-        proposed. Sampled chains, `forward` and batched (engine) drafting keep the whole
-        vocabulary, as does drafting where the C chain does not run (not fp32 CPU)."""
+        proposed. The engine's batched drafting ranks it too in calls where no sequence samples
+        (`PagedLlama.draft_ragged`, through `draft_head`). Sampled chains and `forward` keep the
+        whole vocabulary, as does drafting where the C chain does not run (not fp32 CPU)."""
         if tokens is None:
             self._draft_head = None
             return
@@ -470,6 +471,12 @@ class FastLlamaRunner:
         rows = cpu_linear.unpack(self.lm_head.weight)[ids]  # [F, E], the kernel copy's dtype
         bias = None if self.lm_head.bias is None else self.lm_head.bias[ids].contiguous()
         self._draft_head = (cpu_linear.pack(rows.contiguous()), bias, ids.contiguous())
+
+    @property
+    def draft_head(self) -> tuple[Tensor, Tensor | None, Tensor] | None:
+        """The draft vocabulary's LM-head rows (the kernel copy's layout), their bias and token
+        ids, or None without one (`set_draft_vocab`)."""
+        return self._draft_head
 
     def draft_chain(self, tokens: list[int], count: int, *, uniforms: Tensor | None = None,
                     temperature: float = 1.0) -> tuple[list[int], Tensor | None] | None:

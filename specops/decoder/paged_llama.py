@@ -246,19 +246,26 @@ class PagedLlama:
         ``batch``'s first, start and tables say what each sequence feeds in round 0; then
         ``gammas[s]`` tokens per sequence, each fed back but the last: argmax tokens, equal to a
         loop of `forward_ragged` rounds and argmaxes, or, for the sequences ``inv_temps`` marks,
-        draws from softmax(logits * inv_temp) with their ``uniforms``, q rows into ``q_out``."""
+        draws from softmax(logits * inv_temp) with their ``uniforms``, q rows into ``q_out``.
+        A call that samples nothing ranks the runner's draft vocabulary alone where it has one
+        (`FastLlamaRunner.draft_head`), as the runner's own greedy chains do: its argmaxes are
+        then over those rows of the logits (on the bundled draft, 1,024 of 4,096 rows)."""
         r = self.r
         if not self.c_layers:
             raise ValueError("draft_ragged needs the runner's C layer stack (fp32 CPU, SwiGLU, kernels built)")
         if batch.tables.size and (int(batch.tables.min()) < 0 or int(batch.tables.max()) >= self.num_blocks):
             raise ValueError(f"a block table names a block outside 0..{self.num_blocks - 1}")
+        head, bias, head_ids = r.lm_head.weight, r.lm_head.bias, None
+        shortlist = getattr(r, "draft_head", None)
+        if inv_temps is None and shortlist is not None:  # greedy: the draft vocabulary's rows
+            head, bias, head_ids = shortlist
         with torch.inference_mode():
             return cpu_linear.paged_draft(
                 self._c_table, r.embed, tokens, batch.first, batch.start, gammas, batch.tables, batch.block_size,
                 heads=r.n_heads, kv_heads=r.n_kv_heads, head_dim=r.head_dim,
                 intermediate=r.layers[0].down.weight.shape[1], eps=r.eps, scale=r.scale, cos=r._cos, sin=r._sin,
-                norm=r.norm, head=r.lm_head.weight, head_bias=r.lm_head.bias, clock_id=clock_id,
-                uniforms=uniforms, inv_temps=inv_temps, q_out=q_out)
+                norm=r.norm, head=head, head_bias=bias, clock_id=clock_id,
+                uniforms=uniforms, inv_temps=inv_temps, q_out=q_out, head_ids=head_ids)
 
     def copy_slots(self, src: Tensor, dst: Tensor) -> None:  # src, dst: [n] long slot ids
         """Move the entries of slots ``src`` to slots ``dst`` in every layer (gathered first)."""

@@ -93,7 +93,7 @@ def _setup(lib: ctypes.CDLL) -> None:
                       [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_float] +
                       [ctypes.c_void_p] * 4 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] +
                       [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
-                                               ctypes.c_void_p] + [ctypes.c_void_p] * 3)
+                                               ctypes.c_void_p] + [ctypes.c_void_p] * 4)
     med = lib.specops_medusa_candidates
     med.restype = ctypes.c_int
     med.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
@@ -539,8 +539,8 @@ def paged_draft(table: ctypes.Array, embed: Tensor, tokens: list[int], first: np
                 intermediate: int, eps: float, scale: float, cos: Tensor, sin: Tensor, norm: Tensor, head: Tensor,
                 head_bias: Tensor | None = None, threads: int | None = None,
                 clock_id: int | None = None, uniforms: np.ndarray | None = None,
-                inv_temps: np.ndarray | None = None,
-                q_out: Tensor | None = None) -> tuple[list[list[int]], list[float] | None]:
+                inv_temps: np.ndarray | None = None, q_out: Tensor | None = None,
+                head_ids: Tensor | None = None) -> tuple[list[list[int]], list[float] | None]:
     """Drafting of a ragged batch in one call (``specops_paged_draft`` in linear.c):
     round 0 feeds sequence s its ``tokens[first[s]:first[s+1]]`` after ``start[s]`` cached
     ones, each later round one token, the last one chosen, to the sequences still short of
@@ -550,7 +550,9 @@ def paged_draft(table: ctypes.Array, embed: Tensor, tokens: list[int], first: np
     [0, 1), G = max(gammas)), q written to ``q_out[s, r]`` ([S, G, V] fp32, contiguous; the
     rows of greedy sequences and past each ``gammas[s]`` are left as they were). ``table``,
     ``embed`` [vocab, E], ``tables`` [S, blocks] and the shapes are `paged_layers`' (the draft
-    model's). Returns each sequence's tokens and, with
+    model's). With ``head_ids`` [F] long (greedy only: no ``inv_temps``), ``head`` holds
+    those tokens' rows of the LM head (a draft vocabulary, `FastLlamaRunner.set_draft_vocab`)
+    and the argmax row r drafts token head_ids[r]. Returns each sequence's tokens and, with
     ``clock_id`` (a ``time.CLOCK_*`` id), each round's seconds on that clock; the same tokens
     and cache as a loop of `paged_layers` rounds and argmaxes, bit for bit."""
     s = len(gammas)
@@ -573,6 +575,10 @@ def paged_draft(table: ctypes.Array, embed: Tensor, tokens: list[int], first: np
     vocab = head.shape[0]
     if (uniforms is None) != (inv_temps is None) or (inv_temps is None) != (q_out is None):
         raise ValueError("paged_draft: sampling needs uniforms, inv_temps and q_out together")
+    if head_ids is not None and (inv_temps is not None or head_ids.shape != (vocab,) or head_ids.dtype != torch.int64
+                                 or not head_ids.is_contiguous()):
+        raise ValueError("paged_draft: head_ids must be a contiguous int64 [F] tensor naming the head's rows, "
+                         "for greedy drafting only")
     if inv_temps is not None:
         uniforms = np.ascontiguousarray(uniforms, dtype=np.float64)
         inv_temps = np.ascontiguousarray(inv_temps, dtype=np.float32)
@@ -602,7 +608,7 @@ def paged_draft(table: ctypes.Array, embed: Tensor, tokens: list[int], first: np
         WEIGHTS_BF16 if head.dtype == torch.bfloat16 else 0, out.ctypes.data, g,
         -1 if clock_id is None else int(clock_id), None if rounds is None else rounds.ctypes.data,
         None if uniforms is None else uniforms.ctypes.data, None if inv_temps is None else inv_temps.ctypes.data,
-        None if q_out is None else q_out.data_ptr())
+        None if q_out is None else q_out.data_ptr(), None if head_ids is None else head_ids.data_ptr())
     if rc == 3:
         raise ValueError("CPU paged drafting kernel refused the batch's shapes")
     if rc != 0:

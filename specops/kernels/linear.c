@@ -1249,6 +1249,8 @@ static double clock_s(int clock_id) {
  * from q = softmax(logits * inv_temps[s]) with the uniform uniforms[s * G + r] (`draw_softmax`,
  * as `specops_llama_draft` does) and stores q in q[(s * G + r) * V ..]; the others take the
  * argmax. The verifier accepts against exactly that q (lossless).
+ * head_ids (greedy only, NULL otherwise): the head's V rows are these tokens' (a draft
+ * vocabulary), so the argmax row r drafts, and the next round feeds, token head_ids[r].
  *   x        at least max(N0, S) * E floats; hidden S * E; logits S * V
  *   scratch  as `specops_paged_layers` for max(N0, S) tokens
  * Returns 0, or the first failing call's code (2: no memory, 3: bad shapes). */
@@ -1259,9 +1261,10 @@ int specops_paged_draft(const LayerWeights *layers, int64_t n_layers, const floa
                         float *x, float *scratch, int threads, const float *norm, const float *head_w,
                         const float *head_b, int64_t V, float *hidden, float *logits, int head_flags, int64_t *out,
                         int64_t G, int clock_id, double *round_s, const double *uniforms,
-                        const float *inv_temps, float *q) {
+                        const float *inv_temps, float *q, const int64_t *head_ids) {
     if (S < 1 || G < 1 || first0[0] != 0) return 3;
     if (inv_temps != NULL && (uniforms == NULL || q == NULL)) return 3;
+    if (head_ids != NULL && inv_temps != NULL) return 3; /* a draft vocabulary drafts greedily only */
     const int64_t N0 = first0[S];
     for (int64_t s = 0; s < S; s++)
         if (first0[s + 1] <= first0[s] || gammas[s] < 1 || gammas[s] > G) return 3;
@@ -1312,7 +1315,7 @@ int specops_paged_draft(const LayerWeights *layers, int64_t n_layers, const floa
                 out[s * G + r] = draw_softmax(logits + j * V, V, inv_temps[s], uniforms[s * G + r],
                                               q + (s * G + r) * V);
             else
-                out[s * G + r] = picked[j];
+                out[s * G + r] = head_ids != NULL ? head_ids[picked[j]] : picked[j];
         }
         if (round_s != NULL) round_s[r] = clock_s(clock_id) - t0;
     }
