@@ -517,6 +517,25 @@ def test_the_c_drafting_chain_equals_the_per_round_loop(qwen2):
     assert calls == [1]  # one C call drafted everything
 
 
+def _drafting_seqs(backend, prompts: list[list[int]], cached: list[int], configs: list, seed: int) -> list:
+    """Sequences as `draft_blocks` reads them: sequence i holds ``prompts[i]``, its draft cache
+    (blocks 10i .. 10i + 5 of ``backend``'s pool) its first ``cached[i]`` tokens, the sampling
+    ``configs[i]`` and a generator seeded ``seed + i``."""
+    from types import SimpleNamespace
+
+    from specops.serving.batch_forward import FeedItem
+    from specops.serving.sequence import SeqKV
+
+    seqs = []
+    for i, (prompt, c, cfg) in enumerate(zip(prompts, cached, configs)):
+        kv = SeqKV(blocks=list(range(i * 10, i * 10 + 6)))
+        if c:
+            backend.forward([FeedItem(kv=kv, tokens=prompt[:c], rows=[c - 1])])
+        seqs.append(SimpleNamespace(tokens=prompt, draft=kv, sampling=cfg,
+                                    generator=torch.Generator().manual_seed(seed + i)))
+    return seqs
+
+
 def test_the_c_drafting_chain_ranks_the_draft_vocabulary_in_greedy_calls(qwen2):
     """With a draft vocabulary on the draft runner (`set_draft_vocab`, as the bundled draft ships
     one), a greedy `PagedBackend.draft_chain` call ranks only its rows, as the runner's own greedy
@@ -525,8 +544,6 @@ def test_the_c_drafting_chain_ranks_the_draft_vocabulary_in_greedy_calls(qwen2):
     token, with the same KV counters. A call that samples keeps the whole vocabulary (q has V
     columns). Before, the engine's rounds ran the full LM head: 0.72 ms of CPU per bundled draft
     round at batch 1 against 0.25 with the draft vocabulary."""
-    from types import SimpleNamespace
-
     from specops.decoder.sampling import SamplingConfig
     from specops.kernels import cpu_linear
     from specops.serving.batch_forward import FeedItem
@@ -541,16 +558,6 @@ def test_the_c_drafting_chain_ranks_the_draft_vocabulary_in_greedy_calls(qwen2):
     cached = [0, 4, 9]
     gammas = [4, 2, 5]
 
-    def seqs_for(backend, configs):
-        seqs = []
-        for i, (prompt, c, cfg) in enumerate(zip(prompts, cached, configs)):
-            kv = SeqKV(blocks=list(range(i * 10, i * 10 + 6)))
-            if c:
-                backend.forward([FeedItem(kv=kv, tokens=prompt[:c], rows=[c - 1])])
-            seqs.append(SimpleNamespace(tokens=prompt, draft=kv, sampling=cfg,
-                                        generator=torch.Generator().manual_seed(40 + i)))
-        return seqs
-
     runner = qwen2.draft
     runner.set_draft_vocab(vocab)
     try:
@@ -558,7 +565,7 @@ def test_the_c_drafting_chain_ranks_the_draft_vocabulary_in_greedy_calls(qwen2):
         calls = []
         chain_fn = backend.draft_chain
         backend.draft_chain = lambda *a, **k: calls.append(1) or chain_fn(*a, **k)
-        greedy = seqs_for(backend, [SamplingConfig()] * 3)
+        greedy = _drafting_seqs(backend, prompts, cached, [SamplingConfig()] * 3, 40)
         blocks = draft_blocks(backend, greedy, gammas)
         assert calls == [1]  # the one C call
         loop = PagedBackend(runner, BlockPool(40, 4))
@@ -576,8 +583,8 @@ def test_the_c_drafting_chain_ranks_the_draft_vocabulary_in_greedy_calls(qwen2):
             assert kv.computed == greedy[i].draft.computed == len(prompt) + gammas[i] - 1
         # a call with a sampled sequence drafts over the whole vocabulary
         mixed = PagedBackend(runner, BlockPool(40, 4))
-        sampled = draft_blocks(mixed, seqs_for(mixed, [SamplingConfig(temperature=1.0), SamplingConfig(),
-                                                       SamplingConfig()]), gammas)
+        configs = [SamplingConfig(temperature=1.0), SamplingConfig(), SamplingConfig()]
+        sampled = draft_blocks(mixed, _drafting_seqs(mixed, prompts, cached, configs, 40), gammas)
         assert sampled[0][1].shape == (gammas[0], runner.vocab_size)
     finally:
         runner.set_draft_vocab(None)
@@ -589,8 +596,6 @@ def test_the_c_drafting_chain_samples_a_mixed_batch_from_the_q_it_returns(qwen2)
     uniform, from the q row returned for it; q is softmax(logits / T) of the logits the per-round
     loop computes over the same tokens; the greedy sequence's tokens, every KV counter and the
     paged store equal the loop's. A top-k request sends the batch to the loop."""
-    from types import SimpleNamespace
-
     from specops.decoder.sampling import SamplingConfig
     from specops.kernels import cpu_linear
     from specops.serving.batch_forward import FeedItem
@@ -606,13 +611,7 @@ def test_the_c_drafting_chain_samples_a_mixed_batch_from_the_q_it_returns(qwen2)
     gammas = [4, 3, 2]
 
     def run(backend, configs, seed):
-        seqs = []
-        for i, (prompt, c, cfg) in enumerate(zip(prompts, cached, configs)):
-            kv = SeqKV(blocks=list(range(i * 10, i * 10 + 6)))
-            if c:
-                backend.forward([FeedItem(kv=kv, tokens=prompt[:c], rows=[c - 1])])
-            seqs.append(SimpleNamespace(tokens=prompt, draft=kv, sampling=cfg,
-                                        generator=torch.Generator().manual_seed(seed + i)))
+        seqs = _drafting_seqs(backend, prompts, cached, configs, seed)
         return seqs, draft_blocks(backend, seqs, gammas)
 
     chain_backend = PagedBackend(qwen2.draft, BlockPool(40, 4))
