@@ -549,7 +549,6 @@ def test_the_c_drafting_chain_ranks_the_draft_vocabulary_in_greedy_calls(qwen2):
     from specops.serving.batch_forward import FeedItem
     from specops.serving.kv_pool import BlockPool
     from specops.serving.proposers import draft_blocks
-    from specops.serving.sequence import SeqKV
 
     assert cpu_linear.available(), cpu_linear.unavailable_reason()  # CI builds the kernels: never a skip
     rng = random.Random(23)
@@ -570,10 +569,9 @@ def test_the_c_drafting_chain_ranks_the_draft_vocabulary_in_greedy_calls(qwen2):
         assert calls == [1]  # the one C call
         loop = PagedBackend(runner, BlockPool(40, 4))
         columns = torch.tensor(vocab)
-        for i, (prompt, c) in enumerate(zip(prompts, cached)):
-            kv = SeqKV(blocks=list(range(i * 10, i * 10 + 6)))
-            if c:
-                loop.forward([FeedItem(kv=kv, tokens=prompt[:c], rows=[c - 1])])
+        for i, (prompt, c, seq) in enumerate(zip(prompts, cached, _drafting_seqs(loop, prompts, cached,
+                                                                                  [SamplingConfig()] * 3, 40))):
+            kv = seq.draft
             fed, drafted = prompt[c:], blocks[i][0]
             assert len(drafted) == gammas[i] and set(drafted) <= set(vocab)
             for g in range(gammas[i]):
