@@ -84,6 +84,19 @@ is then how far two cells of the same thing differ in one process (the cells' ow
 # ratio of two such medians was noise; 24 still varied ±15% between repeats.
 MIN_CELL_REQUESTS = 48
 REQUESTS_PER_SLOT = 8
+# From concurrency 2 on, also up to BATCHED_CELL_REQUESTS (32 per slot below that): 48 requests at
+# concurrency 4 were a 5-6 s cell on the bundled models (c1's 48 took ~14 s, c16's 128 ~11 s), the
+# shortest of a run, and its repeats spread the most (adaptive / off at c4 0.98-1.18x in one run).
+BATCHED_CELL_REQUESTS = 128
+
+
+def cell_requests(concurrency: int) -> int:
+    """A cell's requests by default (``--num-prompts`` unset): at concurrency 1, 4 and 16 on the
+    bundled models 48, 128 and 128, each ~10-15 s of traffic."""
+    batched = min(32 * concurrency, BATCHED_CELL_REQUESTS) if concurrency > 1 else 0
+    return max(MIN_CELL_REQUESTS, REQUESTS_PER_SLOT * concurrency, batched)
+
+
 MIX_KINDS = ("code", "prose", "hot")
 
 
@@ -98,7 +111,7 @@ class ServeBenchConfig:
     namespace: str = "specops"
     modes: list[str] = field(default_factory=lambda: list(MODES))
     concurrency: list[int] = field(default_factory=lambda: [1, 4, 16])
-    num_prompts: int | None = None          # per cell; None: max(MIN_CELL_REQUESTS, 8 x concurrency)
+    num_prompts: int | None = None          # per cell; None: `cell_requests`
     request_rate: float = math.inf
     max_tokens: int = 64
     mix: dict[str, float] = field(default_factory=lambda: {"code": 0.5, "prose": 0.3, "hot": 0.2})
@@ -562,16 +575,38 @@ class _Target:
     namespace: str
 
 
+def cell_order(modes: list[str], repeat: int, index: int) -> list[str]:
+    """The order of the modes' cells in repeat ``repeat`` at the ``index``-th concurrency: rotated
+    by both, in a Williams design. Rotation alone put every mode in every position, but behind the
+    same predecessor each time (off after adaptive, fixed after off, ...), so whatever a cell
+    leaves behind for the next one fell on one mode: in session 32, off-twin (set exactly like
+    off, behind adaptive in three repeats of four) read 1.03-1.09x off at c1 in all four repeats.
+    The rows of a Williams square (0, 1, n-1, 2, n-2, ... shifted by the row) put each mode behind
+    each other one equally often over n repeats for an even number of modes n; for an odd n, the
+    rows are rotations and every odd repeat runs its row reversed, which does the same over 2n
+    repeats (6 for off, fixed, adaptive). Every position is held equally often either way."""
+    n = len(modes)
+    base, lo, hi = [0], 1, n - 1
+    while len(base) < n:
+        base.append(lo)
+        lo += 1
+        if len(base) < n:
+            base.append(hi)
+            hi -= 1
+    row = [modes[(b + repeat + index) % n] for b in base]
+    return row[::-1] if n % 2 and repeat % 2 else row
+
+
 def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
     """Run every mode × concurrency cell; returns ``{"config", "results"}``.
 
     A started server (no ``--base-url``): one server process per mode, each on its own Redis
     namespace (``NAMESPACE-MODE``; the controller runs against the adaptive one), all started
     and warmed first; then repeat r runs, for each concurrency, every mode's cell back to back,
-    in an order rotated by the repeat and the concurrency. The machine's speed drifts over
-    minutes, and modes measured minutes apart compared that drift as often as the modes. A
-    running server (``--base-url``) holds one setting at a time, so there the modes run one
-    after the other.
+    in `cell_order` (rotated by the repeat and the concurrency, a Williams design). The machine's
+    speed drifts over minutes, and modes measured minutes apart compared that drift as often as
+    the modes. A running server (``--base-url``) holds one setting at a time, so there the modes
+    run one after the other.
 
     ``one_server`` (``--one-server``): one started server serves every mode, in the same
     interleaved order. It is warmed in the adaptive mode with the controller running; then
@@ -631,7 +666,7 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
                 _wait_ready(t.url, 600, proc)
         first = next(iter(targets.values()))
         model = _wait_ready(first.url, 60).get("model", "bundled")
-        counts = {c: cfg.num_prompts or max(MIN_CELL_REQUESTS, REQUESTS_PER_SLOT * c) for c in cfg.concurrency}
+        counts = {c: cfg.num_prompts or cell_requests(c) for c in cfg.concurrency}
         total = sum(counts.values()) * len(modes) * cfg.repeats
         bar = click.progressbar(length=total, label="bench serve", file=sys.stderr) if cfg.progress else None
         on_done = (lambda: bar.update(1)) if bar else None
@@ -679,8 +714,9 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
             kept = store.effective()
             for r in range(cfg.repeats):
                 for j, c in enumerate(cfg.concurrency):
+                    order = cell_order(modes, r, j)
                     for i in range(len(modes)):
-                        t = targets[modes[(i + r + j) % len(modes)]]
+                        t = targets[order[i]]
                         adaptive = t.mode == "adaptive"
                         _wait_settings(t.url, _restore_adaptive(store, kept) if adaptive else _apply_mode(store, t.mode))
                         _settle(t.url, model, cfg, c, build_prompts(cfg, counts[c]))
@@ -695,8 +731,8 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
                 controller = prepare(t, traffic=True) or controller
             for r in range(cfg.repeats):
                 for j, c in enumerate(cfg.concurrency):  # the cells compared with each other back to back
-                    for i in range(len(modes)):
-                        measure(targets[modes[(i + r + j) % len(modes)]], c)
+                    for mode in cell_order(modes, r, j):
+                        measure(targets[mode], c)
         rows = [median_row(runs[(m, c)]) for m in modes for c in cfg.concurrency]
         cfg_out = {k: v for k, v in asdict(cfg).items() if k != "api_key"}
         cfg_out["request_rate"] = None if math.isinf(cfg.request_rate) else cfg.request_rate
@@ -917,7 +953,8 @@ def plot_report(report: dict[str, Any], path: str | Path) -> Path:
 @click.option("--namespace", default="specops", show_default=True)
 @click.option("--modes", default=",".join(MODES), show_default=True, help="Comma-separated: off,fixed,adaptive.")
 @click.option("--concurrency", default="1,4,16", show_default=True, help="Comma-separated max concurrencies.")
-@click.option("--num-prompts", type=click.IntRange(min=1), default=None, help=f"Requests per cell (default {REQUESTS_PER_SLOT} x conc, >= {MIN_CELL_REQUESTS}).")
+@click.option("--num-prompts", type=click.IntRange(min=1), default=None, help=f"Requests per cell (default {REQUESTS_PER_SLOT} x conc, >= {MIN_CELL_REQUESTS}; from "
+                   f"concurrency 2 on >= min(32 x conc, {BATCHED_CELL_REQUESTS})).")
 @click.option("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default: all at once).")
 @click.option("--max-tokens", type=click.IntRange(min=2), default=64, show_default=True)
 @click.option("--mix", default="code:0.5,prose:0.3,hot:0.2", show_default=True)

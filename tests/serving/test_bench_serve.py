@@ -66,6 +66,14 @@ def test_summary_figures_and_goodput():
         assert key in row
 
 
+def test_default_cells_last_alike_at_every_concurrency():
+    """48 requests at c1 (~14 s on the bundled models); from c2 on 32 per slot up to 128, so the c4
+    cell is no longer a third as long as the others; 8 per slot beyond that."""
+    from specops.bench.serve import cell_requests
+
+    assert [cell_requests(c) for c in (1, 2, 4, 8, 16, 32)] == [48, 64, 128, 128, 128, 256]
+
+
 def test_prompts_follow_the_mix_and_repeat_across_modes():
     cfg = ServeBenchConfig(mix={"code": 1.0, "hot": 1.0}, seed=3)
     a, b = build_prompts(cfg, 40), build_prompts(cfg, 40)
@@ -181,10 +189,11 @@ def test_a_started_bench_runs_one_server_per_mode_and_interleaves_the_modes_per_
     assert started == ["specops-off", "specops-fixed", "specops-adaptive"] and controllers == ["specops-adaptive"]
     # every mode's server gets the same warm-up traffic (only the adaptive one has a controller)
     assert warmed == ["specops-off", "specops-fixed", "specops-adaptive"]
-    # per repeat and concurrency, every mode back to back, the order rotated by both
+    # per repeat and concurrency, every mode back to back, the order rotated by both and reversed in odd
+    # repeats (`cell_order`)
     assert [(ns.split("-")[1], c) for ns, c in measured] == [
         ("off", 1), ("fixed", 1), ("adaptive", 1), ("fixed", 4), ("adaptive", 4), ("off", 4),  # repeat 0
-        ("fixed", 1), ("adaptive", 1), ("off", 1), ("adaptive", 4), ("off", 4), ("fixed", 4),  # repeat 1
+        ("off", 1), ("adaptive", 1), ("fixed", 1), ("fixed", 4), ("off", 4), ("adaptive", 4),  # repeat 1
         ("adaptive", 1), ("off", 1), ("fixed", 1), ("off", 4), ("fixed", 4), ("adaptive", 4)]  # repeat 2
     assert [(r["mode"], r["concurrency"], r["repeats"]) for r in report["results"]] == [
         (m, c, 3) for m in ("off", "fixed", "adaptive") for c in (1, 4)]
@@ -192,6 +201,28 @@ def test_a_started_bench_runs_one_server_per_mode_and_interleaves_the_modes_per_
     assert all((r["spec_step_share"], r["vetoes"], r["probes"]) == (0.75, 0, 1) for r in report["results"])
     # each cell: 0.5 CPU s between its two scrapes, over its one request's 8 tokens
     assert all(r["server_cpu_ms_per_token_runs"] == [62.5] * 3 for r in report["results"])
+
+
+@pytest.mark.parametrize("modes", [["off"], ["off", "fixed"], ["off", "fixed", "adaptive"],
+                                   ["off", "fixed", "adaptive", "off-twin"], list("abcde")])
+def test_the_cell_order_puts_every_mode_behind_every_other_and_in_every_position_alike(modes):
+    """A Williams design: over n repeats (2n for an odd number n of modes) each ordered pair of
+    modes is adjacent equally often, and each mode holds each position equally often, whatever
+    the concurrency's offset."""
+    from collections import Counter
+
+    from specops.bench.serve import cell_order
+
+    n = len(modes)
+    for index in range(3):
+        pairs, places = Counter(), Counter()
+        for r in range(n if n % 2 == 0 else 2 * n):
+            order = cell_order(modes, r, index)
+            assert sorted(order) == sorted(modes)
+            places.update((m, i) for i, m in enumerate(order))
+            pairs.update(zip(order, order[1:]))
+        assert len(pairs) == n * (n - 1) and len(set(pairs.values())) <= 1
+        assert len(places) == n * n and len(set(places.values())) == 1
 
 
 def test_twin_adds_a_second_off_server_and_its_ratio_to_off(monkeypatch):
