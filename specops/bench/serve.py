@@ -714,9 +714,8 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
             kept = store.effective()
             for r in range(cfg.repeats):
                 for j, c in enumerate(cfg.concurrency):
-                    order = cell_order(modes, r, j)
-                    for i in range(len(modes)):
-                        t = targets[order[i]]
+                    for mode in cell_order(modes, r, j):
+                        t = targets[mode]
                         adaptive = t.mode == "adaptive"
                         _wait_settings(t.url, _restore_adaptive(store, kept) if adaptive else _apply_mode(store, t.mode))
                         _settle(t.url, model, cfg, c, build_prompts(cfg, counts[c]))
