@@ -322,10 +322,11 @@ def test_argmax_follows_torch_on_ties_and_nans():
 
 
 def test_argmax_follows_torch_on_long_rows_with_ties_zeros_infs_and_nans():
-    """Rows long enough for the vector path (and its masked tail): the first of tied maxima
-    wherever they sit, -0.0 against +0.0, all -inf, and NaN after the maximum or in the tail."""
+    """Rows long enough for the vector paths (16 lanes with AVX-512, 8 with AVX2, and their
+    tails): the first of tied maxima wherever they sit, -0.0 against +0.0, all -inf, and NaN
+    after the maximum or in the tail."""
     gen = torch.Generator().manual_seed(1)
-    for cols in (16, 17, 31, 100, 4096, 4103):
+    for cols in (8, 9, 15, 16, 17, 31, 100, 4096, 4103):
         x = torch.randn(12, cols, generator=gen)
         x[1, cols // 3] = x[1, cols - 1] = 50.0  # a tie: the first one wins
         x[2, :] = float("-inf")
