@@ -44,6 +44,11 @@ server processes differ in this run, the noise floor those ratios between proces
 (with ``--one-server``, a fourth mode set like ``off`` on the one server: the noise floor of
 two cells of the same thing); ``off-twin / max(off, fixed)`` is the goal's ratio read for a
 mode that decodes exactly like ``off``, what ``adaptive`` reads where it decodes plainly too.
+An interleaved run with 3+ repeats also reports the goal's resolution (`goal_resolution`):
+how often a mode exactly like the better of ``off`` and ``fixed`` would read adaptive /
+max(off, fixed) >= 0.97, in simulated runs whose cells vary as this run's ``off`` and
+``fixed`` cells did (each repeat's common drift plus each cell's own spread). Far below
+100%, that goal's verdict at that concurrency is the host's noise, not the modes.
 ``cpu ms/tok``: the server process's CPU time per output token in the cell, from its
 ``process_cpu_seconds_total`` (`cpu_delta`; the median over repeats).
 Terms: TTFT = arrival → first token; TPOT = (E2E − TTFT) / (output tokens − 1);
@@ -345,6 +350,53 @@ def paired_ranges(report: dict[str, Any]) -> dict[str, tuple[float, float]]:
     """The lowest and highest per-repeat ratio of each goal term: how far one repeat can
     stray on this host, beside the median `paired_ratios` reports."""
     return {name: (min(pairs), max(pairs)) for name, pairs in _pairs(report).items()}
+
+
+GOAL_FLOOR = 0.97
+"""The serving goal's bound: adaptive >= GOAL_FLOOR x max(off, fixed) at every concurrency."""
+RESOLUTION_DRAWS = 20000
+
+
+def goal_resolution(report: dict[str, Any], floor: float = GOAL_FLOOR, draws: int = RESOLUTION_DRAWS,
+                    seed: int = 0) -> dict[str, dict[str, float]]:
+    """How well this run can tell the goal ``adaptive >= floor x max(off, fixed)`` at each
+    concurrency: the chance that a mode decoding exactly like the better of ``off`` and
+    ``fixed`` (no slower, no faster) reads at least ``floor``, over ``draws`` simulated runs
+    whose cells vary as this run's ``off`` and ``fixed`` cells did.
+
+    A cell's log tokens/s is the repeat's share (the host's drift over minutes, common to
+    every mode of the repeat: ``drift_sd``) plus its own (``cell_sd``, estimated from the
+    spread of log(off / fixed) within the repeats: var / 2, their mean difference removed);
+    ``drift_sd`` is what the pooled spread of both modes about their means leaves. The
+    simulated ratio is read as the table reads it (each mode's median run, ``p_median``)
+    and as the paired ratio does (the median of the repeats' ratios, ``p_paired``). Well
+    below 1, the goal's verdict at that concurrency is the host's noise, not the modes: the
+    larger of two noisy cells sits above their common mean. Interleaved runs with 3+
+    repeats of both ``off`` and ``fixed`` only."""
+    import numpy as np
+
+    if not report.get("config", {}).get("interleaved"):
+        return {}
+    runs = {(r["mode"], r["concurrency"]): list(r.get("output_tokens_per_s_runs") or []) for r in report["results"]}
+    rng = np.random.default_rng(seed)
+    out: dict[str, dict[str, float]] = {}
+    for c in sorted({c for _, c in runs}):
+        off, fixed = runs.get(("off", c)) or [], runs.get(("fixed", c)) or []
+        n = min(len(off), len(fixed))
+        if n < 3 or min(off[:n] + fixed[:n]) <= 0:
+            continue
+        a, b = np.log(np.asarray(off[:n], dtype=float)), np.log(np.asarray(fixed[:n], dtype=float))
+        cell_var = float(np.var(a - b, ddof=1)) / 2
+        pooled = (float(((a - a.mean()) ** 2).sum()) + float(((b - b.mean()) ** 2).sum())) / (2 * n - 2)
+        cell_sd, drift_sd = math.sqrt(cell_var), math.sqrt(max(pooled - cell_var, 0.0))
+        cells = (rng.normal(0.0, drift_sd, size=(draws, 1, n))  # [draw, mode (like-best, off, fixed), repeat]
+                 + rng.normal(0.0, cell_sd, size=(draws, 3, n)))
+        middle = np.sort(cells, axis=2)[:, :, (n - 1) // 2]  # each mode's median run (`median_row`)
+        p_median = float(np.mean(np.exp(middle[:, 0] - middle[:, 1:].max(axis=1)) >= floor))
+        paired = np.median(np.exp(cells[:, 0] - cells[:, 1:].max(axis=1)), axis=1)  # `paired_ratios`
+        out[f"c{c}"] = {"cell_sd": cell_sd, "drift_sd": drift_sd, "repeats": n, "p_median": p_median,
+                        "p_paired": float(np.mean(paired >= floor))}
+    return out
 
 
 # -- the load generator ---------------------------------------------------------------------
@@ -748,6 +800,7 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
             report["classes"] = mix_classes(policy, cfg, counts)
         report["ratios"], report["paired_ratios"] = goal_ratios(report), paired_ratios(report)
         report["paired_ranges"] = {k: list(v) for k, v in paired_ranges(report).items()}
+        report["resolution"] = goal_resolution(report)
         return report
     finally:
         if bar is not None:
@@ -907,6 +960,13 @@ def format_table(report: dict[str, Any]) -> str:
         ranges = paired_ranges(report)
         lines.append("paired range (lowest-highest repeat): "
                      + ", ".join(f"{k} {lo:.2f}-{hi:.2f}x" for k, (lo, hi) in ranges.items()))
+    resolution = goal_resolution(report)
+    if resolution:
+        lines.append(f"resolution of adaptive / max(off, fixed) >= {GOAL_FLOOR:g} (simulated runs of a mode exactly "
+                     "like the better of off and fixed, cells varying as this run's off and fixed did): "
+                     + ", ".join(f"{c} passes in {100 * v['p_median']:.0f}% (paired {100 * v['p_paired']:.0f}%; "
+                                 f"cell sd {100 * v['cell_sd']:.1f}%, drift sd {100 * v['drift_sd']:.1f}%)"
+                                 for c, v in resolution.items()))
     for c, split in (report.get("classes") or {}).items():
         total = sum(split.values())
         lines.append(f"c{c} cell's requests by class (policy {report.get('policy_version')}): "
@@ -919,7 +979,10 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def plot_report(report: dict[str, Any], path: str | Path) -> Path:
-    """Two panels: output tokens/s and p99 TPOT against concurrency, one line per mode."""
+    """Two panels: output tokens/s and p99 TPOT against concurrency, one line per mode
+    (the rows: with repeats, the median run); with repeats, every run's tokens/s as a faint
+    dot beside its mode's point (each mode a little to one side), so the spread that the
+    ratios between modes carry is in the picture."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -928,12 +991,21 @@ def plot_report(report: dict[str, Any], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for mode in dict.fromkeys(r["mode"] for r in report["results"]):
+    modes = list(dict.fromkeys(r["mode"] for r in report["results"]))
+    for i, mode in enumerate(modes):
         rows = [r for r in report["results"] if r["mode"] == mode]
         xs = [r["concurrency"] for r in rows]
-        left.plot(xs, [r["output_tokens_per_s"] for r in rows], marker="o", label=mode)
+        line, = left.plot(xs, [r["output_tokens_per_s"] for r in rows], marker="o", label=mode)
         right.plot(xs, [(r["tpot_p99_s"] or 0) * 1000 for r in rows], marker="o", label=mode)
-    for ax, title in ((left, "output tokens/s"), (right, "p99 TPOT (ms)")):
+        shift = 2 ** (0.06 * (i - (len(modes) - 1) / 2))  # side by side on the log axis
+        for r in rows:
+            runs = r.get("output_tokens_per_s_runs") or []
+            if len(runs) > 1:
+                left.scatter([r["concurrency"] * shift] * len(runs), runs, s=14, alpha=0.5,
+                             color=line.get_color(), linewidths=0)
+    repeats = max((len(r.get("output_tokens_per_s_runs") or []) for r in report["results"]), default=0)
+    spread = f" (line: median run; dots: each of {repeats} runs)" if repeats > 1 else ""
+    for ax, title in ((left, "output tokens/s" + spread), (right, "p99 TPOT (ms)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("max concurrency")
         ax.set_title(title)

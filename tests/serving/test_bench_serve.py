@@ -522,3 +522,53 @@ def test_the_report_counts_each_cells_requests_per_class_of_the_servers_policy()
     table = serve.format_table({"results": [], "classes": split, "policy_version": policy.version})
     assert f"c1 cell's requests by class (policy {policy.version}): sampled {hot} · code" in table
     assert table.endswith(" of 128")
+
+
+def test_goal_resolution_is_how_often_a_mode_like_the_best_passes_at_this_runs_noise():
+    """Cells that differ within each repeat leave the goal's 0.97 bound to chance for a mode
+    equal to the better of off and fixed; drift that moves every mode of a repeat alike does
+    not (the paired ratio cancels it, and the modes' medians move together)."""
+    from specops.bench.serve import format_table, goal_resolution
+
+    def row(mode, c, runs):
+        return {"mode": mode, "concurrency": c, "requests": 8, "errors": 0, "output_tokens_per_s": sorted(runs)[(len(runs) - 1) // 2],
+                "output_tokens_per_s_runs": runs, "repeats": len(runs), "requests_per_s": 1.0, "ttft_p50_s": 0.01,
+                "ttft_p99_s": 0.01, "tpot_p50_s": 0.002, "tpot_p99_s": 0.003, "itl_p99_s": 0.004, "e2e_p99_s": 0.2,
+                "goodput_rps": 1.0, "acceptance_rate": None}
+
+    quiet = [1000.0, 1001.0, 999.0, 1000.0, 1000.5, 999.5]
+    drift = [800.0, 1200.0, 1000.0, 900.0, 1100.0, 1000.0]  # the host's state, alike for both modes
+    noisy_off, noisy_fixed = [1000.0, 1100.0, 900.0, 1050.0, 950.0, 1000.0], [1100.0, 900.0, 1000.0, 950.0, 1050.0, 1000.0]
+    results = [row("off", 1, quiet), row("fixed", 1, [x * 1.3 for x in quiet]),  # fixed faster: the spread counts
+               row("off", 4, drift), row("fixed", 4, drift),
+               row("off", 16, noisy_off), row("fixed", 16, noisy_fixed), row("adaptive", 16, noisy_off),
+               row("off", 32, quiet[:2]), row("fixed", 32, quiet[:2])]  # 2 repeats: too few to read
+    report = {"config": {"interleaved": True}, "results": results}
+    res = goal_resolution(report)
+    assert set(res) == {"c1", "c4", "c16"}
+    assert res["c1"]["cell_sd"] < 0.002 and res["c1"]["p_median"] == res["c1"]["p_paired"] == 1.0
+    assert res["c4"]["cell_sd"] == pytest.approx(0.0, abs=1e-9) and res["c4"]["drift_sd"] > 0.1
+    assert res["c4"]["p_median"] == res["c4"]["p_paired"] == 1.0  # drift alone never fails a mode equal to the best
+    logs = [math.log(a / b) for a, b in zip(noisy_off, noisy_fixed)]
+    mean = sum(logs) / len(logs)
+    expect_sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1) / 2)
+    assert res["c16"]["cell_sd"] == pytest.approx(expect_sd) and res["c16"]["repeats"] == 6
+    assert 0.2 < res["c16"]["p_median"] < 0.8 and 0.2 < res["c16"]["p_paired"] < 0.8  # ~10% per cell: a coin toss
+    assert goal_resolution(report) == res  # seeded: the same report reads the same
+    assert goal_resolution(report, floor=0.5)["c16"]["p_median"] == 1.0
+    table = format_table(report)
+    assert "resolution of adaptive / max(off, fixed) >= 0.97" in table and "c16 passes in" in table
+    assert goal_resolution({"config": {"interleaved": False}, "results": results}) == {}  # sequential: no pairs
+
+
+def test_the_plot_draws_each_modes_line_and_with_repeats_every_run(tmp_path):
+    from specops.bench.serve import plot_report
+
+    def row(mode, c, runs):
+        return {"mode": mode, "concurrency": c, "output_tokens_per_s": sorted(runs)[(len(runs) - 1) // 2],
+                "output_tokens_per_s_runs": runs, "tpot_p99_s": 0.01}
+
+    for name, runs in (("one", [100.0]), ("three", [90.0, 100.0, 120.0])):
+        report = {"results": [row(m, c, [x * c for x in runs]) for m in ("off", "adaptive") for c in (1, 4, 16)]}
+        path = plot_report(report, tmp_path / name / "serve.png")
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
