@@ -3,7 +3,10 @@
 No HTTP: a `specops.serving.engine.Engine` over the bundled models, ``concurrency``
 requests kept in flight (a finished one is replaced at once), greedy, code prompts.
 Methods are run interleaved, repeated ``--repeats`` times; the median is reported
-with the ratio to ``ar`` at the same concurrency.
+with the ratio to ``ar`` at the same concurrency, and where the target forwards' time went
+over all repeats: prompt prefill (what the prefix cache did not skip) per request, against
+decode per output token. Prefill costs a request the same at any concurrency and decode
+is what batching shares, so their split bounds how far tokens/s can scale with it.
 
     python -m specops.bench.engine_bench --concurrency 1,16 --repeats 3
     python -m specops.bench.engine_bench --profile --concurrency 1,16   # where a step's time goes
@@ -95,6 +98,22 @@ def run(eng: Engine, method: str, prompt_ids: list[list[int]], concurrency: int,
     return time.perf_counter() - t0, tokens, time.process_time() - c0
 
 
+def forward_split(records: list) -> str:
+    """Where the target forwards' wall time went, over finished requests' `DecodeStats`: each
+    step's forward time is shared among its sequences by the tokens each fed, so a prompt that
+    joins a batch is charged its own rows. Prompt tokens a prefix-cache hit skipped cost nothing
+    and are not counted. Output tokens after the first come from decode (or verify) rows."""
+    if not records:
+        return "forward: no finished requests"
+    fwd = sum(r.verify_s for r in records)
+    prefill = sum(r.prefill_s for r in records)
+    later = sum(max(r.new_tokens - 1, 0) for r in records)
+    n = len(records)
+    return (f"forward {1e3 * fwd / n:.1f} ms/request: prefill {1e3 * prefill / n:.1f} ms "
+            f"({100 * prefill / fwd if fwd > 0 else 0.0:.0f}%), decode {1e3 * (fwd - prefill) / max(later, 1):.2f} ms "
+            f"per later output token")
+
+
 def meters(eng: Engine, c: int) -> str:
     """What the planner believes (ms): verify and draft-round costs, overheads, fixed host time."""
     ms = lambda x: f"{1e3 * x:.2f}"  # noqa: E731
@@ -114,6 +133,16 @@ def planner_line(eng: Engine) -> str:
             f"probes {eng.probes}, plain probes {eng.plain_probes}")
 
 
+def _budget(text: str) -> str:
+    if text != "auto":
+        try:
+            if float(text) <= 0:
+                raise ValueError
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive number of MB or 'auto', got {text!r}") from None
+    return text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--concurrency", default="1,16")
@@ -125,6 +154,10 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile one run per method and concurrency")
     ap.add_argument("--mix", action="store_true", help="bench serve's prompt mix; adds the method 'policy'")
     ap.add_argument("--policy", default=None, help="policy file for 'policy' (default: the server's default)")
+    ap.add_argument("--kv-cache-mb", default="64", type=_budget,
+                    help="each engine's KV budget in MB, or 'auto': a server's default (`auto_kv_cache_mb`: "
+                         "max batch x full context, twice over, which keeps a run's prompts in the prefix "
+                         "cache as `bench serve`'s server does)")
     args = ap.parse_args()
     methods = args.methods.split(",")
     unknown = [m for m in methods if m not in METHOD_SETTINGS and not (args.mix and m == "policy")]
@@ -141,8 +174,9 @@ def main() -> None:
         mix = mix_requests(dec, n, args.policy) if args.mix else None
         ps = prompts(dec, n) if mix is None else [ids for ids, _, _ in mix]
         # --mix: one engine per method; otherwise all methods share one (as before)
-        shared = Engine(dec, max_batch=max(c, 1), kv_cache_mb=64) if mix is None else None
-        engines = {m: shared if shared is not None else Engine(dec, max_batch=max(c, 1), kv_cache_mb=64)
+        budget = None if args.kv_cache_mb == "auto" else float(args.kv_cache_mb)
+        shared = Engine(dec, max_batch=max(c, 1), kv_cache_mb=budget) if mix is None else None
+        engines = {m: shared if shared is not None else Engine(dec, max_batch=max(c, 1), kv_cache_mb=budget)
                    for m in methods}
         for e in {id(e): e for e in engines.values()}.values():
             run(e, "ar", ps[: min(n, c)], c, 8)  # warm-up
@@ -163,11 +197,14 @@ def main() -> None:
             continue
         rates: dict[str, list[float]] = {m: [] for m in methods}
         cpu_rates: dict[str, list[float]] = {m: [] for m in methods}
+        records: dict[str, list] = {m: [] for m in methods}
         for r in range(args.repeats):
             for m in (methods if r % 2 == 0 else methods[::-1]):  # alternated: the host drifts over minutes
+                RECORDS.clear()
                 sec, toks, cpu = run(engines[m], m, ps, c, args.max_tokens, mix)
                 rates[m].append(toks / sec)
                 cpu_rates[m].append(toks / cpu)
+                records[m].extend(RECORDS)
         ar = statistics.median(rates["ar"]) if "ar" in rates else None
         ar_cpu = statistics.median(cpu_rates["ar"]) if "ar" in rates else None
         for m in methods:
@@ -177,6 +214,7 @@ def main() -> None:
             print(f"c={c:3d} {m:7s} wall {med:7.1f} tok/s {ratio:6s} cpu {cmed:7.1f} tok/cpu-s {cratio:6s} "
                   f"wall runs={[round(r, 1) for r in rates[m]]}")
         for m in methods:
+            print(f"c={c:3d} {m:7s} {forward_split(records[m])}")
             if m != "ar":
                 print(f"c={c:3d} {m:7s} {planner_line(engines[m])}")
     print(f"load: {os.getloadavg()}")

@@ -61,6 +61,9 @@ class ServingMetrics:
         self.kv_free = Gauge("specops_serving_kv_blocks_free", "Paged KV blocks free.", registry=registry)
         self.prefix_hits = Gauge("specops_serving_prefix_cache_hit_blocks", "KV blocks reused from the prefix cache "
                                  "since start (prompt blocks not recomputed).", registry=registry)
+        self.prefix_deferrals = Gauge("specops_serving_prefix_deferrals", "Admissions put off one step since start "
+                                      "to reuse prompt blocks another request admitted in the same step was "
+                                      "computing.", registry=registry)
         self.decode_steps = Gauge("specops_serving_decode_steps", "Decode steps since start: kind=spec where some "
                                   "sequence speculated, plain where none did.", ["kind"], registry=registry)
         self.planner_events = Gauge("specops_serving_planner_events", "The speculation planner's interventions since "
@@ -87,6 +90,7 @@ class ServingMetrics:
         self.kv_used.set(stats.kv_blocks_used)
         self.kv_free.set(stats.kv_blocks_free)
         self.prefix_hits.set(stats.prefix_cache_hit_blocks)
+        self.prefix_deferrals.set(stats.prefix_deferrals)
         self.decode_steps.labels("spec").set(stats.spec_steps)
         self.decode_steps.labels("plain").set(stats.plain_steps)
         for event, value in (("veto", stats.vetoes), ("probe", stats.probes), ("plain_probe", stats.plain_probes)):

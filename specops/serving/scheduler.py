@@ -10,7 +10,9 @@ Per step (`Scheduler.schedule`):
 2. waiting sequences join (FIFO) while the batch has room (``max_batch``), the step's
    token budget allows their prefill (``max_step_tokens``) and the pool can hold all
    their tokens plus one spare block per running sequence (so the next decode steps do
-   not immediately preempt what was just admitted).
+   not immediately preempt what was just admitted). A request whose prompt shares full
+   blocks with one admitted in the same step, not yet in the prefix cache, waits a step
+   and then reuses them rather than computing them twice (`_shares_uncached`).
 3. later, once the planner has chosen each sequence's speculation, `grant` allocates the
    *lookahead* slots of its drafts (target, and the draft model's own cache) before the
    forward: all of them or, if that fails, fewer drafts — never a partial allocation.
@@ -41,6 +43,7 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
+        self.deferrals = 0  # admissions put off a step to reuse a same-step prompt's blocks
         self._release = release  # frees a sequence's blocks (and generic caches) in every model
 
     def add(self, seq: Sequence) -> None:
@@ -75,6 +78,7 @@ class Scheduler:
             if seq.status is SeqStatus.RUNNING:
                 batch.append(seq)
                 tokens += len(seq.tokens) - seq.target.computed
+        admitted: list[Sequence] = []
         while self.waiting and len(batch) < self.max_batch:
             seq = self.waiting[0]
             kv = seq.target
@@ -84,6 +88,10 @@ class Scheduler:
                 kv.computed *= self.pool.block_size
             if batch and tokens + need - kv.computed > self.max_step_tokens:
                 self._unmatch(seq)
+                break
+            if self._shares_uncached(seq, admitted):
+                self._unmatch(seq)
+                self.deferrals += 1
                 break
             reserve = len(self.running)
             if self.pool.missing(kv.blocks, need) + reserve > self.pool.num_free and (
@@ -96,8 +104,31 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             batch.append(seq)
+            admitted.append(seq)
             tokens += need - seq.target.computed
         return batch
+
+    def _shares_uncached(self, seq: Sequence, admitted: list[Sequence]) -> bool:
+        """Whether a request admitted in this same step computes full prompt blocks that ``seq``
+        could reuse but has not found in the cache: both would compute them in this forward,
+        while one step later the other's blocks are published (at its commit) and ``seq``
+        reuses them. The queue then waits a step (FIFO is kept): ``seq``'s first token comes a
+        step later, from a shorter prefill. In-process, 128 of `bench serve`'s prompts from a
+        cold cache at 16 streams recomputed 53 of 708 cacheable prompt blocks without this, none
+        with it. Never twice for one cause: the other request is running by the next step."""
+        if not self.pool.prefix_caching or not admitted:
+            return False
+        bs = self.pool.block_size
+        reusable = (len(seq.tokens) - 1) // bs * bs  # never the block holding the last token
+        have = seq.target.computed
+        if reusable <= have:
+            return False
+        head = seq.tokens[have : have + bs]  # the first block it would compute
+        for other in admitted:
+            if other.target.computed <= have and other.tokens[have : have + bs] == head \
+                    and len(other.tokens) >= have + bs and other.tokens[:have] == seq.tokens[:have]:
+                return True
+        return False
 
     def _unmatch(self, seq: Sequence) -> None:
         """Undo a prefix-cache match of a sequence that stays waiting."""

@@ -135,6 +135,9 @@ class EngineStats:
     """Sequences preempted (blocks freed, recomputed later) since start."""
     prefix_cache_hit_blocks: int = 0
     """KV blocks reused from the prefix cache (prompt blocks not recomputed) since start."""
+    prefix_deferrals: int = 0
+    """Admissions put off a step since start so a prompt reuses blocks that another prompt admitted
+    in the same step was computing (`Scheduler._shares_uncached`)."""
     attention_kernel: str = "sdpa"
     """How decode attention reads the paged KV: ``cpu-paged`` (in place) or ``sdpa`` (gathered)."""
     plain_steps: int = 0

@@ -46,3 +46,27 @@ def test_policy_needs_mix(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         engine_bench.main()
     assert "policy needs --mix" in capsys.readouterr().err
+
+
+def test_forward_split_charges_prompts_per_request_and_decode_per_later_token():
+    from specops.decoder.stats import DecodeStats
+
+    a, b = DecodeStats(method="ar"), DecodeStats(method="ar")
+    a.verify_s, a.prefill_s, a.new_tokens = 0.050, 0.020, 11  # 10 later tokens, 3 ms each
+    b.verify_s, b.prefill_s, b.new_tokens = 0.040, 0.010, 11
+    line = engine_bench.forward_split([a, b])
+    assert line == "forward 45.0 ms/request: prefill 15.0 ms (33%), decode 3.00 ms per later output token"
+    assert engine_bench.forward_split([]) == "forward: no finished requests"
+
+
+def test_a_run_splits_its_forward_time_between_prefill_and_decode(bundled):
+    mix = engine_bench.mix_requests(bundled, 4)
+    eng = Engine(bundled, max_batch=2, kv_cache_mb=16)
+    engine_bench.RECORDS.clear()
+    engine_bench.run(eng, "ar", [i for i, _, _ in mix], 2, 6, mix)
+    records = list(engine_bench.RECORDS)
+    assert len(records) == 4
+    for r in records:  # every request prefilled its prompt and then decoded 5 more tokens
+        assert 0 < r.prefill_s < r.verify_s and r.new_tokens == 6
+    share = float(engine_bench.forward_split(records).split("(")[1].split("%")[0])
+    assert 0 < share < 100

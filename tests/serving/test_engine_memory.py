@@ -196,6 +196,41 @@ def test_prefix_cache_reuses_prompt_blocks_and_stays_exact(dec):
     assert eng.pool.num_used == 0 and eng.pool.cache_hits == 7 + 7 + 2
 
 
+def test_a_prompt_admitted_with_a_same_prefix_waits_a_step_and_reuses_its_blocks(dec):
+    """Cold cache, four requests at once: "b" and "d" share "a"'s prompt blocks, which nobody
+    has computed yet. Admitted in a's step they would compute them again; put off one step
+    (FIFO: "c" and "d" behind it wait too), they find a's blocks published."""
+    eng = full_speculation(Engine(dec, max_batch=4, kv_cache_mb=1, block_size=4, calibrate=False))
+    fed: dict[str, int] = {}
+    forward = eng.target.forward
+
+    def spy(items, need_hidden=False):
+        for it in items:
+            seq = next(s for s in eng.seqs.values() if s.target is it.kv)
+            fed.setdefault(seq.request_id, len(it.tokens))  # first feed: the prefill
+        return forward(items, need_hidden)
+
+    eng.target.forward = spy
+    prompt = [(7 * i) % 96 for i in range(30)]
+    requests = {"a": prompt, "b": prompt + [5, 6], "c": [(5 * i + 3) % 96 for i in range(13)], "d": prompt}
+    methods = {"a": "ar", "b": "ngram", "c": "draft", "d": "medusa"}
+    for rid in requests:
+        eng.add(rid, requests[rid], SamplingParams(max_tokens=12), SpecSettings(method=methods[rid]))
+    got: dict[str, list[int]] = {}
+    first = True
+    while eng.has_unfinished():
+        for out in eng.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if first:
+            assert list(fed) == ["a"] and [s.request_id for s in eng.scheduler.waiting] == ["b", "c", "d"]
+            first = False
+        check_blocks(eng)
+    assert fed == {"a": 30, "b": 32 - 28, "c": 13, "d": 30 - 28}
+    assert eng.stats().prefix_deferrals == 1 and eng.pool.cache_hits == 7 + 7
+    for rid, p in requests.items():
+        assert got[rid] == dec.generate(p, method="ar", max_new_tokens=12).tokens, rid
+    assert eng.pool.num_used == 0
+
 
 def test_the_default_budget_holds_a_full_batch_at_full_context_twice(dec):
     from specops.serving.batch_forward import bytes_per_token

@@ -102,3 +102,30 @@ def test_cost_model_never_predicts_cheaper_for_more_tokens_under_noise():
     for t, sec in ((1, 9e-3), (2, 4e-3), (3, 8e-3), (4, 3e-3)):  # noise: bigger looks cheaper
         cost.observe(1, t, sec)
     assert cost.predict(1, 8) >= cost.predict(1, 1)
+
+
+def test_a_same_step_shared_prefix_defers_admission_once_and_keeps_fifo():
+    pool = BlockPool(16, 4, prefix_caching=True)
+    sch = Scheduler(pool, max_batch=4, max_step_tokens=1000, release=released(pool))
+    a, b, c = make_seq("a", 10), make_seq("b", 10), make_seq("c", 10)
+    c.tokens = [50 + t for t in c.tokens]  # shares nothing
+    for s in (a, b, c):
+        sch.add(s)
+    assert [s.request_id for s in sch.schedule()] == ["a"]  # b would recompute a's 2 blocks
+    assert sch.deferrals == 1 and [s.request_id for s in sch.waiting] == ["b", "c"] and b.target.blocks == []
+    a.target.computed = 10  # a's prefill ran: its full blocks are published at its commit
+    a.target.published = pool.publish(a.target.blocks, a.tokens, 10, 0)
+    assert [s.request_id for s in sch.schedule()] == ["a", "b", "c"]
+    assert b.target.computed == 8 and b.target.blocks[:2] == a.target.blocks[:2] and c.target.computed == 0
+    assert sch.deferrals == 1
+
+
+def test_without_prefix_caching_or_a_shared_block_nobody_waits():
+    for caching, second in ((False, list(range(10))), (True, list(range(3)) + [99] * 7)):
+        pool = BlockPool(16, 4, prefix_caching=caching)
+        sch = Scheduler(pool, max_batch=4, max_step_tokens=1000, release=released(pool))
+        a, b = make_seq("a", 10), make_seq("b", 10)
+        b.tokens = second  # caching: b's first block differs from a's in its last token
+        sch.add(a)
+        sch.add(b)
+        assert [s.request_id for s in sch.schedule()] == ["a", "b"] and sch.deferrals == 0
