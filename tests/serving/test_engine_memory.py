@@ -159,8 +159,8 @@ def test_step_invariants_and_kv_contents(dec):
     assert moved_paths  # some accepted tree paths really needed moving (then checked contiguous above)
 
 
-def test_prefix_cache_reuses_prompt_blocks_and_stays_exact(dec):
-    eng = full_speculation(Engine(dec, max_batch=4, kv_cache_mb=1, block_size=4, calibrate=False))
+def _spy_prefills(eng: Engine) -> dict[str, int]:
+    """Tokens each request fed its first forward (its prefill), filled in as ``eng`` steps."""
     fed: dict[str, int] = {}
     forward = eng.target.forward
 
@@ -171,6 +171,12 @@ def test_prefix_cache_reuses_prompt_blocks_and_stays_exact(dec):
         return forward(items, need_hidden)
 
     eng.target.forward = spy
+    return fed
+
+
+def test_prefix_cache_reuses_prompt_blocks_and_stays_exact(dec):
+    eng = full_speculation(Engine(dec, max_batch=4, kv_cache_mb=1, block_size=4, calibrate=False))
+    fed = _spy_prefills(eng)
     prompt = [(7 * i) % 96 for i in range(30)]
     requests = {"a": prompt, "b": prompt + [5, 6], "c": prompt, "d": prompt[:9] + [1, 2, 3]}
     methods = {"a": "ar", "b": "ngram", "c": "medusa", "d": "draft"}
@@ -201,16 +207,7 @@ def test_a_prompt_admitted_with_a_same_prefix_waits_a_step_and_reuses_its_blocks
     has computed yet. Admitted in a's step they would compute them again; put off one step
     (FIFO: "c" and "d" behind it wait too), they find a's blocks published."""
     eng = full_speculation(Engine(dec, max_batch=4, kv_cache_mb=1, block_size=4, calibrate=False))
-    fed: dict[str, int] = {}
-    forward = eng.target.forward
-
-    def spy(items, need_hidden=False):
-        for it in items:
-            seq = next(s for s in eng.seqs.values() if s.target is it.kv)
-            fed.setdefault(seq.request_id, len(it.tokens))  # first feed: the prefill
-        return forward(items, need_hidden)
-
-    eng.target.forward = spy
+    fed = _spy_prefills(eng)
     prompt = [(7 * i) % 96 for i in range(30)]
     requests = {"a": prompt, "b": prompt + [5, 6], "c": [(5 * i + 3) % 96 for i in range(13)], "d": prompt}
     methods = {"a": "ar", "b": "ngram", "c": "draft", "d": "medusa"}
