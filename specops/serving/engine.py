@@ -423,7 +423,8 @@ class Engine:
             kv_blocks_used=self.pool.num_used, kv_blocks_free=self.pool.num_free,
             kv_blocks_total=self.pool.num_blocks, preemptions=self.scheduler.preemptions,
             prefix_cache_hit_blocks=self.pool.cache_hits, prefix_deferrals=self.scheduler.deferrals,
-            plain_steps=self.decode_steps[0], spec_steps=self.decode_steps[1], vetoes=self.vetoes, probes=self.probes, plain_probes=self.plain_probes,
+            plain_steps=self.decode_steps[0], spec_steps=self.decode_steps[1], vetoes=self.vetoes, probes=self.probes,
+            plain_probes=self.plain_probes,
             attention_kernel="cpu-paged" if getattr(getattr(self.target, "model", None), "cpu_kernel", False) else "sdpa")
 
     def _release(self, seq: Sequence) -> None:
