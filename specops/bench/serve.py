@@ -159,6 +159,8 @@ class RequestResult:
     itl_s: list[float] = field(default_factory=list)
     drafted: int = 0
     accepted: int = 0
+    observed: bool = False  # a canary's or a fallback probe's: speculating as set, the planner's veto aside
+    fallen_back: bool = False  # decoded plainly because its class is fallen back
     error: str = ""
 
     @property
@@ -252,6 +254,7 @@ def summarize(mode: str, concurrency: int, results: list[RequestResult], duratio
         "e2e_p50_s": _percentile([r.e2e_s for r in ok], 0.5), "e2e_p99_s": _percentile([r.e2e_s for r in ok], 0.99),
         "goodput_rps": len(good) / duration_s if duration_s > 0 else 0.0,
         "acceptance_rate": sum(r.accepted for r in ok) / drafted if drafted else None,
+        "observed_requests": sum(r.observed for r in ok), "fallen_back_requests": sum(r.fallen_back for r in ok),
         "error_samples": sorted({r.error for r in results if not r.ok})[:3],
     }
     return row
@@ -437,6 +440,8 @@ async def _one(session: Any, url: str, model: str, prompt: str, temperature: flo
                     spec = chunk.get("specops") or {}
                     res.drafted = spec.get("drafted") or 0
                     res.accepted = spec.get("accepted") or 0
+                    res.observed = bool(spec.get("canary") or spec.get("probe"))
+                    res.fallen_back = spec.get("fallback_reason") == "policy_fallback"
         res.e2e_s = time.perf_counter() - start
         res.ok = res.output_tokens > 0
         if not res.ok:
@@ -821,6 +826,7 @@ PLANNER_SERIES = {("specops_serving_decode_steps", "kind"): ("spec", "plain"),
 
 
 CPU_SERIES = "process_cpu_seconds"  # prometheus_client's process collector (specops serve, vLLM, SGLang)
+PREFIX_SERIES = "specops_serving_prefix_cache_hit_blocks"  # since the server started
 
 
 def planner_counts(url: str) -> dict[str, float] | None:
@@ -846,17 +852,22 @@ def planner_counts(url: str) -> dict[str, float] | None:
         for sample in family.samples if family is not None else ():
             if sample.name == CPU_SERIES + "_total":
                 out["cpu_s"] = sample.value
+    family = families.get(PREFIX_SERIES)
+    for sample in family.samples if family is not None else ():
+        out["prefix_hits"] = sample.value
     return out or None
 
 
 def planner_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any]:
     """A cell's share of decode steps that speculated, and the planner's vetoes and probes in it."""
     if before is None or after is None or not {"spec", "plain"} <= (before.keys() & after.keys()):
-        return {"spec_step_share": None, "vetoes": None, "probes": None}
+        return {"spec_step_share": None, "vetoes": None, "probes": None, "decode_steps": None,
+                "prefix_hit_blocks": None}
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     steps = d["spec"] + d["plain"]
     return {"spec_step_share": d["spec"] / steps if steps > 0 else None, "vetoes": int(d.get("veto", 0)),
-            "probes": int(d.get("probe", 0) + d.get("plain_probe", 0))}
+            "probes": int(d.get("probe", 0) + d.get("plain_probe", 0)),
+            "decode_steps": int(steps), "prefix_hit_blocks": int(d["prefix_hits"]) if "prefix_hits" in d else None}
 
 
 def cpu_delta(before: dict[str, float] | None, after: dict[str, float] | None, tokens: int) -> dict[str, Any]:
@@ -927,7 +938,7 @@ def emit_report(report: dict[str, Any], table: str, json_path: Path | None, plot
 def format_table(report: dict[str, Any]) -> str:
     head = (f"{'mode':<9}{'conc':>5}{'req':>5}{'err':>4}{'tok/s':>9}{'req/s':>7}{'TTFT p50':>10}{'p99':>8}"
             f"{'TPOT p50':>10}{'p99':>8}{'ITL p99':>9}{'E2E p99':>9}{'goodput':>9}{'accept':>8}{'spec%':>7}"
-            f"{'veto':>5}{'cpu ms/tok':>11}")
+            f"{'veto':>5}{'obs':>5}{'cpu ms/tok':>11}")
     lines = [head, "  (latencies in ms)"]
     for r in report["results"]:
         lines.append(f"{r['mode']:<9}{r['concurrency']:>5}{r['requests']:>5}{r['errors']:>4}"
@@ -936,10 +947,14 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{_fmt(r['tpot_p50_s'], 1000):>10}{_fmt(r['tpot_p99_s'], 1000):>8}"
                      f"{_fmt(r['itl_p99_s'], 1000):>9}{_fmt(r['e2e_p99_s'], 1000):>9}{r['goodput_rps']:>9.2f}"
                      f"{_fmt(r['acceptance_rate'], 1, 2):>8}{_fmt(r.get('spec_step_share'), 100, 0):>7}"
-                     f"{_fmt(r.get('vetoes'), 1, 0):>5}{_fmt(r.get('server_cpu_ms_per_token'), 1, 3):>11}")
+                     f"{_fmt(r.get('vetoes'), 1, 0):>5}{_fmt(r.get('observed_requests'), 1, 0):>5}"
+                     f"{_fmt(r.get('server_cpu_ms_per_token'), 1, 3):>11}")
     if any(r.get("spec_step_share") is not None for r in report["results"]):
         lines.append("  (spec%: the cell's decode steps where some sequence speculated; veto: times the planner "
                      "stopped speculating at a batch size where it measured it slower)")
+    if any(r.get("observed_requests") for r in report["results"]):
+        lines.append("  (obs: the cell's canary and fallback-probe requests, which speculate as their setting says "
+                     "whatever the planner measures)")
     if any(r.get("server_cpu_ms_per_token") is not None for r in report["results"]):
         lines.append("  (cpu ms/tok: the server process's CPU ms per output token in the cell, from its "
                      "process_cpu_seconds_total; with repeats, the median over them)")

@@ -108,7 +108,7 @@ def build_engine_client(cfg: ServeConfig, serving_client: Any, policy: Any, regi
     from specops.policies.store import PolicyStore
     from specops.serving.async_engine import AsyncEngine, core_rule
     from specops.serving.engine import Engine
-    from specops.serving.live_policy import LivePolicy, RecordBuffer
+    from specops.serving.live_policy import RECORD_FLUSH_S, LivePolicy, RecordBuffer
     from specops.serving.metrics import ServingMetrics
     from specops.serving.policy_runtime import PolicyRuntime
     from specops.telemetry.exporter import PrometheusExporter
@@ -125,7 +125,8 @@ def build_engine_client(cfg: ServeConfig, serving_client: Any, policy: Any, regi
     store = PolicyStore(serving_client, namespace=cfg.namespace)
     pod = cfg.pod or f"{socket.gethostname()}-{os.getpid()}"
     records = RecordBuffer(RedisPublisher(serving_client, pod=pod, namespace=cfg.namespace),
-                           RedisPublisher(serving_client, pod=pod, namespace=canary_namespace(cfg.namespace)))
+                           RedisPublisher(serving_client, pod=pod, namespace=canary_namespace(cfg.namespace)),
+                           min_interval_s=RECORD_FLUSH_S)
     runtime = PolicyRuntime(decoder, policy, live=LivePolicy(store, reconcile_s=cfg.reconcile_s),
                             exporter=PrometheusExporter(registry), records=records)
     return AsyncEngine(engine, runtime, decoder.tokenizer, metrics=ServingMetrics(registry),

@@ -467,6 +467,11 @@ def build_app(sidecar: Sidecar) -> ProxyApp:
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+            if sidecar.records is not None:  # what waited for the next flush (`RecordBuffer.min_interval_s`)
+                try:
+                    await asyncio.to_thread(sidecar.records.flush, True)
+                except Exception:  # Redis down at exit: the records stay counted as buffered, never raised
+                    log.exception("final telemetry flush failed")
             sidecar.upstream.close()
             await sidecar.client.aclose()
 

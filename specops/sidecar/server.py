@@ -102,7 +102,7 @@ def build_sidecar(opts: SidecarOptions, registry: Any = None) -> Any:
     from specops.policies import PolicyError, load_policy
     from specops.policies.loader import read_source
     from specops.policies.store import PolicyStore
-    from specops.serving.live_policy import LivePolicy, RecordBuffer, serving_redis
+    from specops.serving.live_policy import RECORD_FLUSH_S, LivePolicy, RecordBuffer, serving_redis
     from specops.sidecar.proxy import Sidecar, SidecarConfig
     from specops.sidecar.routing import Router
     from specops.telemetry.exporter import PrometheusExporter
@@ -123,7 +123,8 @@ def build_sidecar(opts: SidecarOptions, registry: Any = None) -> Any:
         pod = opts.pod or f"{socket.gethostname()}-{os.getpid()}"
         if writes:
             records = RecordBuffer(RedisPublisher(client, pod=pod, namespace=opts.namespace),
-                                   RedisPublisher(client, pod=pod, namespace=canary_namespace(opts.namespace)))
+                                   RedisPublisher(client, pod=pod, namespace=canary_namespace(opts.namespace)),
+                                   min_interval_s=RECORD_FLUSH_S)
         log.info("per-request records in Redis: written by %s (--records %s)",
                  "the sidecar" if writes else "the specops engine pools", opts.records)
     try:

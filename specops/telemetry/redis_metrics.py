@@ -9,7 +9,8 @@ Layout (``ns`` = ``{namespace}``, a Redis Cluster hash tag: :mod:`specops.teleme
 ``{ns}:tm:pods:{class}``           zset  pod -> last time it published for the class
 
 Every bucket hash expires ``ttl_s`` after its last write. A publish is one MULTI/EXEC
-(HINCRBY/HINCRBYFLOAT on both hashes), so readers never see half a record.
+(HINCRBY/HINCRBYFLOAT on both hashes), so readers never see half a record; a batch of
+records (`RedisPublisher.publish_many`) is one too, its fields summed per class first.
 
 A publish given a sequence number (`RecordBuffer` numbers its records) also sets
 ``{ns}:tm:applied:{pod}:{boot}`` (``boot``: one id per publisher object) to that number
@@ -119,20 +120,40 @@ class RedisPublisher:
     def publish(self, record: DecodeRecord, seq: int | None = None) -> None:
         """Add one record to the current bucket of its class (atomically, with expiry);
         ``seq`` (increasing per publisher) is recorded with it for `applied`."""
+        self.publish_many([record], seq)
+
+    def publish_many(self, records: Iterable[DecodeRecord], seq: int | None = None) -> None:
+        """Add records to the current buckets of their classes in one MULTI/EXEC: each class's
+        fields are summed here first, so the transaction has one HINCRBY per field and class
+        whatever the number of records (what a reader sees is the same as one publish per
+        record). ``seq``: the last record's sequence number, for `applied`."""
         now = self.clock()
         bucket = int(now // self.bucket_s)
-        ints, floats = _record_fields(record)
+        sums: dict[str, tuple[dict[str, int], dict[str, float]]] = {}
+        for record in records:
+            ints, floats = _record_fields(record)
+            if record.request_class not in sums:
+                sums[record.request_class] = (ints, floats)
+                continue
+            total_i, total_f = sums[record.request_class]
+            for name, value in ints.items():
+                total_i[name] = total_i.get(name, 0) + value
+            for name, value in floats.items():
+                total_f[name] += value
+        if not sums:
+            return
         ttl_ms = int(self.ttl_s * 1000)
         pipe = self.redis.pipeline(transaction=True)
-        for key in (self._keys.pod(record.request_class, self.pod, bucket), self._keys.agg(record.request_class, bucket)):
-            for name, value in ints.items():
-                pipe.hincrby(key, name, value)
-            for name, value in floats.items():
-                pipe.hincrbyfloat(key, name, value)
-            pipe.pexpire(key, ttl_ms)
-        for index, member in ((self._keys.classes, record.request_class), (self._keys.pods(record.request_class), self.pod)):
-            pipe.zadd(index, {member: now})
-            pipe.zremrangebyscore(index, "-inf", now - self.ttl_s)  # forget long-silent classes / pods
+        for request_class, (ints, floats) in sums.items():
+            for key in (self._keys.pod(request_class, self.pod, bucket), self._keys.agg(request_class, bucket)):
+                for name, value in ints.items():
+                    pipe.hincrby(key, name, value)
+                for name, value in floats.items():
+                    pipe.hincrbyfloat(key, name, value)
+                pipe.pexpire(key, ttl_ms)
+            for index, member in ((self._keys.classes, request_class), (self._keys.pods(request_class), self.pod)):
+                pipe.zadd(index, {member: now})
+                pipe.zremrangebyscore(index, "-inf", now - self.ttl_s)  # forget long-silent classes / pods
         if seq is not None:
             pipe.set(self._applied_key, seq, px=ttl_ms)
         pipe.execute()

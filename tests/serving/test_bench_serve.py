@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -61,6 +62,11 @@ def test_summary_figures_and_goodput():
     assert row["tpot_p50_s"] == pytest.approx(0.04) and row["tpot_p99_s"] == pytest.approx(0.0988, rel=1e-3)
     assert row["ttft_p50_s"] == pytest.approx(0.1) and row["acceptance_rate"] == pytest.approx(0.5)
     assert row["error_samples"] == ["HTTP 429"]
+    assert (row["observed_requests"], row["fallen_back_requests"]) == (0, 0)
+    probe = RequestResult(ok=True, ttft_s=0.1, e2e_s=0.5, output_tokens=10, observed=True)
+    plain = RequestResult(ok=True, ttft_s=0.1, e2e_s=0.5, output_tokens=10, fallen_back=True)
+    row = summarize("adaptive", 4, [probe, plain, plain, RequestResult(ok=False, observed=True)], 2.0, cfg)
+    assert (row["observed_requests"], row["fallen_back_requests"]) == (1, 2)  # of the requests that finished
     for key in ("mode", "concurrency", "requests", "errors", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
                 "tpot_p50_s", "tpot_p99_s", "itl_p99_s", "goodput_rps"):
         assert key in row
@@ -430,8 +436,12 @@ def test_the_planner_delta_of_a_cell():
 
     before = {"spec": 10.0, "plain": 30.0, "veto": 1.0, "probe": 2.0, "plain_probe": 0.0}
     after = {"spec": 40.0, "plain": 40.0, "veto": 3.0, "probe": 2.0, "plain_probe": 1.0}
-    assert planner_delta(before, after) == {"spec_step_share": 0.75, "vetoes": 2, "probes": 1}
-    assert planner_delta(None, after) == {"spec_step_share": None, "vetoes": None, "probes": None}
+    assert planner_delta(before, after) == {"spec_step_share": 0.75, "vetoes": 2, "probes": 1, "decode_steps": 40,
+                                            "prefix_hit_blocks": None}
+    assert planner_delta(None, after) == {"spec_step_share": None, "vetoes": None, "probes": None,
+                                          "decode_steps": None, "prefix_hit_blocks": None}
+    # the prefix cache's reused blocks in the cell, where the server exports them
+    assert planner_delta(dict(before, prefix_hits=100.0), dict(after, prefix_hits=164.0))["prefix_hit_blocks"] == 64
     assert planner_delta(after, after)["spec_step_share"] is None  # no decode step in the cell
 
 
@@ -444,7 +454,9 @@ def test_the_cpu_per_token_of_a_cell_from_the_servers_process_counter(monkeypatc
     from specops.bench import serve
 
     planner = ('specops_serving_decode_steps{kind="spec"} 6.0\n'
-               'specops_serving_decode_steps{kind="plain"} 2.0\n')
+               'specops_serving_decode_steps{kind="plain"} 2.0\n'
+               '# TYPE specops_serving_prefix_cache_hit_blocks gauge\n'
+               'specops_serving_prefix_cache_hit_blocks 17.0\n')
     texts = {"http://ours": "# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total 12.5\n"
                             "# TYPE specops_serving_decode_steps gauge\n" + planner,
              "http://peer": "process_cpu_seconds_total 3.25\n",  # untyped
@@ -456,7 +468,7 @@ def test_the_cpu_per_token_of_a_cell_from_the_servers_process_counter(monkeypatc
 
     monkeypatch.setattr(httpx, "get", get)
     ours, peer = serve.planner_counts("http://ours"), serve.planner_counts("http://peer")
-    assert ours == {"spec": 6.0, "plain": 2.0, "cpu_s": 12.5} and peer == {"cpu_s": 3.25}
+    assert ours == {"spec": 6.0, "plain": 2.0, "cpu_s": 12.5, "prefix_hits": 17.0} and peer == {"cpu_s": 3.25}
     assert serve.planner_counts("http://bare") is None
     assert serve.planner_delta(peer, dict(peer, cpu_s=4.0))["spec_step_share"] is None  # no planner there
     assert serve.cpu_delta(peer, dict(peer, cpu_s=4.0), 500) == {"server_cpu_s": 0.75,
@@ -572,3 +584,50 @@ def test_the_plot_draws_each_modes_line_and_with_repeats_every_run(tmp_path):
         report = {"results": [row(m, c, [x * c for x in runs]) for m in ("off", "adaptive") for c in (1, 4, 16)]}
         path = plot_report(report, tmp_path / name / "serve.png")
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_a_streamed_requests_canary_probe_and_fallback_flags_come_from_its_usage_chunk():
+    """`_one` reads the final chunk's ``specops`` object: a canary's or a fallback probe's request
+    counts as observed (it speculates as set, whatever the planner measures), a request decoded
+    plainly because its class is fallen back as fallen back."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from specops.bench import serve
+
+    finals = iter([{"canary": False, "probe": True, "fallback_reason": None, "drafted": 4, "accepted": 3},
+                   {"canary": True, "probe": False, "fallback_reason": None},
+                   {"canary": False, "probe": False, "fallback_reason": "policy_fallback"},
+                   {"canary": False, "probe": False, "fallback_reason": "deadline"}])
+
+    async def completions(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for text in ("a", "b"):
+            await resp.write(b"data: " + json.dumps({"choices": [{"text": text}]}).encode() + b"\n\n")
+        usage = {"choices": [], "usage": {"completion_tokens": 2}, "specops": next(finals)}
+        await resp.write(b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n")
+        return resp
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            async with aiohttp.ClientSession() as session:
+                return [await serve._one(session, f"http://127.0.0.1:{port}", "m", "p", 0.0, ServeBenchConfig(), {})
+                        for _ in range(4)]
+        finally:
+            await runner.cleanup()
+
+    results = asyncio.run(asyncio.wait_for(main(), 30))
+    assert all(r.ok and r.output_tokens == 2 for r in results)
+    assert [(r.observed, r.fallen_back) for r in results] == [(True, False), (True, False), (False, True),
+                                                              (False, False)]
+    assert (results[0].drafted, results[0].accepted) == (4, 3)

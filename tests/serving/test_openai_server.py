@@ -290,6 +290,9 @@ def test_bench_serve_modes_against_the_live_server(server, redis_box):
         assert r["output_tokens_per_s"] * r["duration_s"] == pytest.approx(3 * 24)  # ignore_eos: all 24 tokens
         assert r["ttft_p50_s"] > 0 and r["tpot_p99_s"] > 0
     assert all(r["acceptance_rate"] is None for r in rows if r["mode"] == "off")  # nothing drafted
+    # no canary and no fallen-back class here: nothing observed, nothing decoded plainly for a fallback
+    assert all((r["observed_requests"], r["fallen_back_requests"]) == (0, 0) for r in rows)
+    assert all(r["decode_steps"] > 0 and r["prefix_hit_blocks"] >= 0 for r in rows)
     # what the planner did, from the server's /metrics: off never speculates, fixed (draft on the docstrings'
     # class, `general`, where the bundled draft is accepted most) does
     assert all(r["spec_step_share"] == 0.0 and r["vetoes"] == 0 for r in rows if r["mode"] == "off")

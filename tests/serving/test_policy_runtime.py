@@ -273,6 +273,91 @@ def test_record_buffer_keeps_records_through_an_outage(own_redis, tmp_path):
         restarted.stop()
 
 
+
+def test_record_buffer_flushes_in_batches_one_transaction_each(redis_client):
+    """A backlog goes out `FLUSH_BATCH` records per MULTI/EXEC, canary records through their own
+    publisher, in queue order; a window counts every record once."""
+    from specops.serving.live_policy import FLUSH_BATCH, RecordBuffer
+    from specops.telemetry.records import DecodeRecord
+    from specops.telemetry.redis_metrics import RedisPublisher, RedisWindowReader
+
+    executed = []
+
+    class Counting:
+        """The real client, counting transactions."""
+
+        def __init__(self, client):
+            self.client = client
+
+        def __getattr__(self, name):
+            return getattr(self.client, name)
+
+        def pipeline(self, transaction=True):
+            pipe = self.client.pipeline(transaction=transaction)
+
+            class Pipe:
+                def __getattr__(self, name):
+                    return getattr(pipe, name)
+
+                def execute(self):
+                    executed.append(len(pipe.command_stack))
+                    return pipe.execute()
+
+            return Pipe()
+
+    def rec(n: int) -> DecodeRecord:
+        return DecodeRecord(request_class="code", method="draft", new_tokens=n, drafted=4, accepted=2,
+                            accepted_per_pos=[1, 1], target_forwards=2, draft_s=0.01, verify_s=0.05, wall_s=0.1,
+                            plain_s_estimate=0.2, token_latencies_s=[], head_predictions=[], head_correct=[],
+                            gamma=4, heads=0)
+
+    client = Counting(redis_client)
+    buf = RecordBuffer(RedisPublisher(client, pod="p", namespace="bat"),
+                       RedisPublisher(client, pod="p", namespace="bat-canary"))
+    n = FLUSH_BATCH + 6
+    for i in range(n):
+        buf.add(rec(1))
+    buf.add(rec(100), canary=True)
+    buf.add(rec(1))
+    assert buf.flush() == n + 2 and len(buf) == 0
+    # FLUSH_BATCH, then the 6 left before the canary record, the canary record, the last one
+    assert len(executed) == 4
+    assert executed[0] == executed[1] == executed[3]  # one command per field, whatever the records
+    stable = RedisWindowReader(redis_client, namespace="bat").window("code", 60)
+    canary = RedisWindowReader(redis_client, namespace="bat-canary").window("code", 60)
+    assert (stable.requests, stable.new_tokens, stable.drafted) == (n + 1, n + 1, 4 * (n + 1))
+    assert (canary.requests, canary.new_tokens) == (1, 100)
+
+
+
+def test_record_buffer_waits_its_interval_unless_a_batch_waits_or_forced(redis_client):
+    """``min_interval_s``: records finished in quick succession go out together; a full batch,
+    or a forced flush (a server stopping), does not wait."""
+    from specops.serving.live_policy import FLUSH_BATCH, RecordBuffer
+    from specops.telemetry.records import DecodeRecord
+    from specops.telemetry.redis_metrics import RedisPublisher
+
+    rec = DecodeRecord(request_class="code", method="ar", new_tokens=3, drafted=0, accepted=0, accepted_per_pos=[],
+                       target_forwards=3, draft_s=0.0, verify_s=0.05, wall_s=0.1, plain_s_estimate=0.1,
+                       token_latencies_s=[], head_predictions=[], head_correct=[], gamma=0, heads=0)
+    clock = FakeClock()
+    buf = RecordBuffer(RedisPublisher(redis_client, pod="p", namespace="iv"), clock=clock, min_interval_s=1.0)
+    buf.add(rec)
+    assert buf.flush() == 1  # the first flush does not wait
+    buf.add(rec)
+    clock.now += 0.5
+    assert buf.flush() == 0 and len(buf) == 1
+    clock.now += 0.5
+    assert buf.flush() == 1
+    for _ in range(FLUSH_BATCH):
+        buf.add(rec)
+    assert buf.flush() == FLUSH_BATCH  # a full batch goes at once
+    buf.add(rec)
+    assert buf.flush() == 0 and buf.flush(force=True) == 1
+    with pytest.raises(ValueError, match="min_interval_s"):
+        RecordBuffer(min_interval_s=-1.0)
+
+
 def test_record_buffer_does_not_count_twice_a_publish_applied_but_unanswered(redis_client):
     """Redis applies the transaction, then the reply is lost (Redis SIGKILLed before answering):
     the retry must see the record is there and not count it again (found by `specops chaos`)."""

@@ -1,4 +1,5 @@
 import time
+from dataclasses import asdict
 
 import pytest
 
@@ -38,6 +39,34 @@ def test_round_trip_sums_pods_and_buckets(redis_client):
     assert reader.pods("code") == ["pod-a", "pod-b"]
     both = reader.windows(["code", "chat", "none"], 20)
     assert both["code"].accepted == 15 and both["chat"].requests == 1 and both["none"].requests == 0
+
+
+
+def test_a_batch_publishes_what_its_records_would_one_by_one(redis_client):
+    """`publish_many` sums each class's fields before its one transaction: a reader sees the
+    same hashes as after one publish per record (per pod, per class, positions and reasons)."""
+    clock = FakeClock()
+    records = [make_record("code"),
+               make_record("code", gamma=2, drafted=8, accepted=3, accepted_per_pos=[2, 1], fallback_reason="deadline"),
+               make_record("chat", method="medusa", gamma=0, heads=2, head_predictions=[5, 5], head_correct=[4, 1]),
+               make_record("code", new_tokens=7, drafted=5, accepted=5, accepted_per_pos=[3, 1, 1, 0, 0, 0, 0, 0])]
+    one = RedisPublisher(redis_client, "pod-a", namespace="one", bucket_s=10, ttl_s=60, clock=clock)
+    many = RedisPublisher(redis_client, "pod-a", namespace="many", bucket_s=10, ttl_s=60, clock=clock)
+    for r in records:
+        one.publish(r)
+    many.publish_many(records, seq=4)
+    assert many.applied(4) and not many.applied(5)
+    for cls in ("code", "chat"):
+        by_one = RedisWindowReader(redis_client, namespace="one", bucket_s=10, clock=clock, ttl_s=60).window(cls, 10)
+        by_many = RedisWindowReader(redis_client, namespace="many", bucket_s=10, clock=clock, ttl_s=60).window(cls, 10)
+        assert by_many.requests == (3 if cls == "code" else 1)
+        for name, value in asdict(by_one).items():  # summed here first: floats may differ in the last bit
+            assert getattr(by_many, name) == (pytest.approx(value) if isinstance(value, float) else value), name
+    pods = [RedisWindowReader(redis_client, namespace=ns, bucket_s=10, clock=clock, ttl_s=60).pods("code")
+            for ns in ("one", "many")]
+    assert pods == [["pod-a"], ["pod-a"]]
+    many.publish_many([])  # nothing to send: no transaction, nothing written
+    assert not many.applied(5)
 
 
 def test_old_buckets_leave_the_window_and_expire(redis_client):
