@@ -56,7 +56,7 @@ def _webhook(source: str, version: str) -> dict[str, Any]:
             "401": _json("missing or wrong bearer token", _ERROR),
             "408": _json("the body stopped arriving (each read has a time limit)", _ERROR),
             "413": _json(f"body over {MAX_BODY_BYTES} bytes", _ERROR),
-            "422": _json("an alert names an unknown class or rule", _ANSWER),
+            "422": _json("an alert names an unknown class, rule or action", _ANSWER),
             "503": _json("not now (not the leader, Redis down): retry", _ERROR, retry),
         }}}
 

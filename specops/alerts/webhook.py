@@ -16,9 +16,10 @@ Rules enforced here:
   entry, so a later re-fire acts again);
 - an alert is acted on once per fingerprint: Alertmanager re-sends firing alerts every
   ``repeat_interval`` and Grafana on every evaluation; the repeats are dropped;
-- alerts with neither a specops ``action`` nor a ``rule`` label are ignored (logged), not errors;
-- an alert the controller cannot apply (unknown class or rule: `AlertRejected`) is a
-  client error (422, logged; the others of the delivery still act); one it cannot
+- alerts with neither an ``action`` nor a ``rule`` label are ignored (logged), not errors;
+- a firing alert whose ``action`` label is not one of `ACTION_KINDS` is refused like one
+  the controller cannot apply (unknown class or rule: `AlertRejected`): a client error
+  (422, logged, naming the label and its value; the others of the delivery still act); one it cannot
   apply *now* (not the leader, Redis down: `AlertDeferred`) is answered 503 with
   ``Retry-After`` and its fingerprint is not remembered, so the resend acts.
 """
@@ -126,8 +127,13 @@ def parse_time(value: object) -> float | None:
     return parsed.timestamp()
 
 
-def parse_payload(source: str, body: bytes) -> list[tuple[str, AlertAction | None]]:
-    """(status, action or None) per alert of a delivery; raises `WebhookError` (400) if malformed."""
+def parse_payload(source: str, body: bytes) -> list[tuple[str, AlertAction | AlertRejected | None]]:
+    """(status, what it asks) per alert of a delivery; raises `WebhookError` (400) if malformed.
+
+    What it asks is an `AlertAction`, None for an alert without specops labels (or a resolved
+    one with an unknown ``action``), or an `AlertRejected` for a firing alert whose ``action``
+    label names no known action.
+    """
     if source not in SOURCES:
         raise WebhookError(404, f"unknown webhook source {source!r}")
     try:
@@ -142,7 +148,7 @@ def parse_payload(source: str, body: bytes) -> list[tuple[str, AlertAction | Non
     alerts = payload.get("alerts")
     if not isinstance(alerts, list):
         raise WebhookError(400, "payload.alerts must be a list")
-    parsed: list[tuple[str, AlertAction | None]] = []
+    parsed: list[tuple[str, AlertAction | AlertRejected | None]] = []
     for i, alert in enumerate(alerts):
         if not isinstance(alert, dict):
             raise WebhookError(400, f"payload.alerts[{i}] must be an object")
@@ -152,10 +158,17 @@ def parse_payload(source: str, body: bytes) -> list[tuple[str, AlertAction | Non
             raise WebhookError(400, f"payload.alerts[{i}].status must be 'firing' or 'resolved', got {status!r}")
         if not isinstance(labels, dict) or not all(isinstance(v, str) for v in labels.values()):
             raise WebhookError(400, f"payload.alerts[{i}].labels must be an object of strings")
-        kind = labels.get("action")
+        kind = labels.get("action") or None  # an empty label is an absent one (as in Prometheus)
         rule = labels.get("rule") or labels.get("alertname")
+        if kind is not None and kind not in ACTION_KINDS:
+            if status == "firing":
+                parsed.append((status, AlertRejected(
+                    f"{rule or _fingerprint(alert)}: label action={kind!r} is not one of {', '.join(ACTION_KINDS)}")))
+            else:
+                parsed.append((status, None))  # a resolved alert acts on nothing
+            continue
         from_policy = kind is None and bool(labels.get("rule"))  # no action label: the policy's rule says
-        if not from_policy and (kind not in ACTION_KINDS or not rule):
+        if not from_policy and (kind is None or not rule):
             log.info("ignoring %s alert %r without specops action/rule labels", source, labels.get("alertname"))
             parsed.append((status, None))
             continue
@@ -213,6 +226,10 @@ class WebhookReceiver:
         for status, action in parse_payload(source, body):
             if action is None:
                 result.ignored += 1
+                continue
+            if isinstance(action, AlertRejected):
+                log.warning("%s alert refused: %s", source, action)
+                result.rejected.append(str(action))
                 continue
             with self._lock:
                 now = self.clock()

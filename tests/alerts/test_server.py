@@ -94,6 +94,15 @@ def test_webhooks_over_http(served):
     assert len(received) == 1
 
 
+def test_unknown_action_label_answers_422_naming_it(served):
+    server, received, _ = served
+    status, body = _request(server.url + "/webhook/alertmanager",
+                            alertmanager(alert(action="explode", fingerprint="1"), alert(cls="code", fingerprint="2")))
+    answer = json.loads(body)
+    assert status == 422 and "action='explode'" in answer["error"] and len(answer["rejected"]) == 1
+    assert answer["actions"] == 1 and [a.fingerprint for a in received] == ["2"]
+
+
 def test_callback_error_answers_500_so_the_sender_retries():
     def broken(action):
         raise RuntimeError("boom")

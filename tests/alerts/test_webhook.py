@@ -93,8 +93,32 @@ def test_callback_failure_is_retried_not_deduped(received):
 
 
 def test_foreign_alerts_are_ignored(receiver, received):
-    result = receiver.handle("alertmanager", AUTH, alertmanager(alert(action=None, rule=None), alert(action="reboot")))
-    assert received == [] and result.ignored == 2
+    result = receiver.handle("alertmanager", AUTH, alertmanager(alert(action=None, rule=None, fingerprint="a"),
+                                                                alert(action="", rule=None, fingerprint="b")))
+    assert received == [] and result.ignored == 2 and result.rejected == []
+
+
+@pytest.mark.parametrize("labels", [{"rule": "speedup-below-1"}, {"rule": None}])
+def test_unknown_action_label_is_rejected_naming_label_and_value(labels, receiver, received):
+    result = receiver.handle("alertmanager", AUTH, alertmanager(alert(action="explode", fingerprint="x", **labels),
+                                                                alert(cls="code", fingerprint="y")))
+    assert [a.fingerprint for a in received] == ["y"] and result.ignored == 0
+    assert len(result.rejected) == 1
+    assert "label action='explode' is not one of fallback, rollback, notify" in result.rejected[0]
+    # never remembered: every resend is refused again
+    again = receiver.handle("grafana", AUTH, grafana(alert(action="explode", fingerprint="x", **labels)))
+    assert len(again.rejected) == 1 and again.duplicates == 0 and len(received) == 1
+
+
+def test_resolved_alert_with_unknown_action_is_ignored(receiver, received):
+    result = receiver.handle("alertmanager", AUTH, alertmanager(alert(status="resolved", action="explode"),
+                                                                status="resolved"))
+    assert result.rejected == [] and result.ignored == 1 and received == []
+
+
+def test_empty_action_label_takes_the_policys_action(receiver, received):
+    receiver.handle("grafana", AUTH, grafana(alert(action="", rule="slower", fingerprint="g")))
+    assert [(a.kind, a.rule) for a in received] == [(None, "slower")]
 
 
 def test_rule_label_without_action_takes_the_policys_action(receiver, received):
