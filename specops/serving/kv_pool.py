@@ -42,7 +42,7 @@ class BlockPool:
         self._free: dict[int, None] = dict.fromkeys(range(num_blocks))  # insertion order: oldest freed first
         self._ref = [0] * num_blocks
         self._hash: dict[int, int] = {}  # block -> chained hash of its (final) contents
-        self._cached: dict[int, tuple[int, tuple[int, ...]]] = {}  # hash -> (block, its tokens)
+        self._cached: dict[int, tuple[int, int, tuple[int, ...]]] = {}  # hash -> (block, previous hash, its tokens)
         self.peak_used = 0
         self.cache_hits = 0  # blocks reused from the prefix cache
 
@@ -111,18 +111,21 @@ class BlockPool:
 
     def publish(self, table: list[int], tokens: list[int], computed: int, published: int) -> int:
         """Register the full blocks of ``table`` below ``computed`` (their KV is final: later
-        steps only write at or after the pending token); returns the new published count."""
+        steps only write at or after the pending token); returns the new published count.
+
+        Every published block records its chain hash, registered in the cache or not: a block
+        whose contents another block already caches still carries the chain on to the next."""
         if not self.prefix_caching:
             return published
         bs = self.block_size
         full = min(computed // bs, len(table))
-        prev = self._hash.get(table[published - 1], 0) if published else 0
+        prev = self._hash[table[published - 1]] if published else 0  # every published block has one
         for i in range(published, full):
             toks = tuple(tokens[i * bs : (i + 1) * bs])
             h = self._chain(prev, toks)
-            if h not in self._cached and table[i] not in self._hash:
-                self._cached[h] = (table[i], toks)
-                self._hash[table[i]] = h
+            self._hash[table[i]] = h
+            if h not in self._cached:
+                self._cached[h] = (table[i], prev, toks)
             prev = h
         return max(published, full)
 
@@ -137,7 +140,7 @@ class BlockPool:
             toks = tuple(tokens[i * bs : (i + 1) * bs])
             h = self._chain(prev, toks)
             entry = self._cached.get(h)
-            if entry is None or entry[1] != toks:
+            if entry is None or entry[1] != prev or entry[2] != toks:
                 break
             self._take(entry[0])
             table.append(entry[0])
