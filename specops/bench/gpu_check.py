@@ -42,7 +42,7 @@ ONE_B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num
 TOY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, vocab_size=4096, max_position_embeddings=512)
 CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
-CUDA_TESTS = ("tests/kernels", "tests/decoder/test_runner_fast.py", "tests/decoder/test_review_fixes.py")
+CUDA_TESTS = ("tests/kernels", "tests/decoder/test_runner_fast.py", "tests/decoder/test_request_validation.py")
 CUDA_TESTS_TIMEOUT_S = 240
 
 

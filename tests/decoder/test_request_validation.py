@@ -1,4 +1,5 @@
-"""Regression tests for the bugs found in review (issue 8 §4)."""
+"""Bad decoder input raises a named error: hand-built trees, sampling fields, budgets,
+context, Medusa-only options, a shared runner; tree sampling draws on its generator's device."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ def decoder():
 
 def test_tree_spec_built_by_hand_is_validated():
     with pytest.raises(TreeError, match="sorted"):
-        TreeSpec(paths=((0, 0), (0,)))  # unsorted: wrong parents and mask before the fix
+        TreeSpec(paths=((0, 0), (0,)))  # unsorted paths would give wrong parents and mask
     with pytest.raises(TreeError, match="no parent"):
-        TreeSpec(paths=((0, 1),))  # a bare KeyError before the fix
+        TreeSpec(paths=((0, 1),))  # a TreeError naming the orphan, not a bare KeyError
     spec = TreeSpec(paths=((0,), (1,), (0, 0)))
     assert spec == make_spec([(0, 0), (1,), (0,)])
     assert build_buffers(spec, "cpu").attn_mask[3].tolist() == [True, True, False, True]
