@@ -4,15 +4,21 @@ Neither engine can change its speculative settings at runtime or per request, so
 the policy's choices become start-up flags, and a change is a rolling update of the
 pods (the chart's checksum annotation on the rendered config).
 
-vLLM (``--speculative-config`` JSON; dynamic table from vLLM PR #32374)
+vLLM (``--speculative-config`` JSON; ``SpeculativeConfig`` in vllm/config/speculative.py)
     ``method`` (``draft_model`` | ``ngram`` | ``medusa``), ``model`` (draft / heads),
     ``num_speculative_tokens`` = the largest γ any class of that method may use (the
-    engine's buffer size), and ``num_speculative_tokens_per_batch_size``: inclusive
-    ``"lo-hi": K`` ranges. Without measurements there is no table (vLLM: dynamic
-    speculation off) — guessing one is worse than none. With ``--measured`` (the JSON
-    report of ``specops bench serve``, modes ``off`` and ``fixed``/``adaptive``) each
-    measured concurrency keeps K when speculation's goodput (requests/s within the
-    SLO when the bench had one, else output tokens/s) beat plain decoding's, else 0.
+    engine's buffer size), and ``num_speculative_tokens_per_batch_size``: a list of
+    inclusive ``[range_start, range_end, K]`` entries (vLLM declares it
+    ``list[tuple[int, int, int]]``), starting at batch size 1, sorted, not overlapping.
+    Without measurements there is no table (vLLM: dynamic speculation off) — guessing
+    one is worse than none. With ``--measured`` (the JSON report of ``specops bench
+    serve``, modes ``off`` and ``fixed``/``adaptive``) each measured concurrency gets a
+    relative gain of speculation over plain decoding in goodput (requests/s within the
+    SLO when the bench had one, else output tokens/s). The table is monotone: K up to a
+    cut-off batch size, 0 from there on — speculation never switches back on at a
+    larger batch. The cut-off is the one whose speculating prefix has the largest summed
+    gain (ties: the smaller prefix), so one noisy point neither switches speculation off
+    early when larger batches still gain clearly, nor keeps it on past clear losses.
 SGLang (``--speculative-*`` flags)
     ``--speculative-algorithm`` (``STANDALONE`` for a draft model, ``NGRAM``; SGLang has
     no Medusa), ``--speculative-draft-model-path``, ``--speculative-num-steps`` = γ,
@@ -67,37 +73,54 @@ def plan(policy: Policy, method: str | None = None) -> PoolPlan:
                     [c.name for c in chosen])
 
 
-def batch_table(measured: dict[str, Any], k: int) -> dict[str, int]:
-    """``"lo-hi": K`` ranges from a ``specops bench serve`` report (see module docstring)."""
+def _gain(spec: float, plain: float) -> float:
+    """Speculation's relative gain over plain decoding at one concurrency, in [-1, 1]."""
+    scale = max(abs(spec), abs(plain))
+    return 0.0 if scale == 0 else (spec - plain) / scale
+
+
+def batch_table(measured: dict[str, Any], k: int) -> list[list[int]]:
+    """vLLM's ``[[range_start, range_end, K], ...]`` from a ``specops bench serve`` report (see module docstring)."""
     rows = measured.get("results") if isinstance(measured, dict) else None
     if not isinstance(rows, list):
         raise EngineConfigError("measured file has no 'results' list (expected `specops bench serve --json`)")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise EngineConfigError(f"K must be a positive integer, got {k!r}")
     cfg = measured.get("config") if isinstance(measured.get("config"), dict) else {}
     use_goodput = bool(cfg.get("slo_ttft_s") or cfg.get("slo_tpot_s"))
     metric = "goodput_rps" if use_goodput else "output_tokens_per_s"
     plain: dict[int, float] = {}
     spec: dict[int, float] = {}
     for row in rows:
-        if not isinstance(row, dict) or not isinstance(row.get("concurrency"), int):
+        if not isinstance(row, dict):
+            continue
+        concurrency = row.get("concurrency")
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or not 1 <= concurrency <= MAX_BATCH:
             continue
         value = row.get(metric)
-        if not isinstance(value, (int, float)) or row.get("errors"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or row.get("errors"):
             continue
         if row.get("mode") == "off":
-            plain[row["concurrency"]] = float(value)
+            plain[concurrency] = float(value)
         elif row.get("mode") in ("fixed", "adaptive"):
-            spec[row["concurrency"]] = max(spec.get(row["concurrency"], 0.0), float(value))
+            spec[concurrency] = max(spec.get(concurrency, float(value)), float(value))
     points = sorted(set(plain) & set(spec))
     if not points:
         raise EngineConfigError(f"measured file has no concurrency with both an 'off' and a speculative row "
                                 f"(error-free, with {metric})")
-    table: dict[str, int] = {}
-    lo = 1
+    # speculate on the first `cut` measured points (each covering the batch sizes above the
+    # previous point's, the last one up to MAX_BATCH), plain decoding on the rest
+    best_cut, best_sum, running = 0, 0.0, 0.0
     for i, c in enumerate(points):
-        hi = MAX_BATCH if i == len(points) - 1 else c
-        table[f"{lo}-{hi}"] = k if spec[c] > plain[c] else 0
-        lo = hi + 1
-    return table
+        running += _gain(spec[c], plain[c])
+        if running > best_sum + 1e-12:
+            best_cut, best_sum = i + 1, running
+    if best_cut == 0:
+        return [[1, MAX_BATCH, 0]]
+    if best_cut == len(points):
+        return [[1, MAX_BATCH, k]]
+    last = points[best_cut - 1]
+    return [[1, last, k], [last + 1, MAX_BATCH, 0]]
 
 
 def render(engine: str, policy: Policy, *, method: str | None = None, model: str | None = None,
