@@ -59,6 +59,9 @@ def _setup(lib: ctypes.CDLL) -> None:
                      ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int])
     lib.specops_bf16_weights.restype = ctypes.c_int
     lib.specops_bf16_weights.argtypes = []
+    for name in ("specops_pool_workers", "specops_pool_last_threads"):
+        getattr(lib, name).restype = ctypes.c_int
+        getattr(lib, name).argtypes = []
     arg = lib.specops_argmax_rows
     arg.restype = None
     arg.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
@@ -129,6 +132,19 @@ def bf16_weights() -> bool:
     BW/VL build). Drafting models use them: half the bytes per token, and a drafter's
     logits only propose tokens, so the output stays exact."""
     return available() and bool(_kernel.lib.specops_bf16_weights())
+
+
+def pool_workers() -> int:
+    """Worker threads the kernel's pool has started (a job with ``threads`` uses the caller
+    and at most ``threads - 1`` of them; the others stay asleep)."""
+    return int(_kernel.require().specops_pool_workers())
+
+
+def pool_last_threads() -> int:
+    """Threads, the caller included, that ran chunks of the last job split over the pool (0
+    before the first; a job the caller runs alone, below ``MIN_ROWS_PER_THREAD`` rows per
+    thread or with ``threads=1``, is not split and does not change it)."""
+    return int(_kernel.require().specops_pool_last_threads())
 
 
 def pack(weight: Tensor) -> Tensor:

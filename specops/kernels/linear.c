@@ -718,38 +718,53 @@ static void attn_rows(AttnJob *a, int64_t r0, int64_t r1) {
 
 /* -- a persistent pool ------------------------------------------------------------------
  * The output rows are cut into chunks of CHUNK_ROWS; the caller and the workers claim
- * chunks from one atomic ticket (generation | chunks | next), so a worker the OS has not
- * scheduled yet costs nothing: the caller takes its chunks. Workers spin a little after
- * a job (a decoding step calls every few tens of microseconds), then sleep on a
- * condition variable. The caller waits only for chunks already claimed, yielding the
- * CPU while it waits.
+ * chunks from one atomic ticket (job word | chunks | next), so a worker the OS has not
+ * scheduled yet costs nothing: the caller takes its chunks. A job runs on at most the
+ * `threads` it was given: the caller and workers 0 .. threads - 2. The job word carries
+ * that helper count, and a worker whose index is not below it leaves the job alone (and
+ * keeps sleeping, if it sleeps: each worker has its own condition variable, and the
+ * caller signals only the helpers it wants). Workers spin a little after a job they took
+ * part in (a decoding step calls every few tens of microseconds), then sleep. The caller
+ * waits only for chunks already claimed, yielding the CPU while it waits.
+ * Fixed-width types throughout: the ticket is a 64-bit word on every platform.
  */
 #define CHUNK_ROWS 64
+#define HELPER_BITS 8 /* low bits of a job word: how many workers may help (< MAX_THREADS) */
+#define HELPER_MASK ((1u << HELPER_BITS) - 1u)
+_Static_assert(MAX_THREADS <= (1 << HELPER_BITS), "a job word holds the helper count");
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER; /* one caller at a time */
 static pthread_mutex_t sleep_lock = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
-static atomic_ulong ticket; /* generation << 32 | chunks << 16 | next chunk */
-static atomic_int done, sleepers;
-static atomic_uint generation;
+static _Atomic uint64_t ticket; /* job word << 32 | chunks << 16 | next chunk */
+static atomic_int done;
+static _Atomic uint32_t generation; /* the job word: sequence number << HELPER_BITS | helpers */
+static atomic_int helped; /* workers that ran at least one chunk of the last pooled job */
+static atomic_int last_threads; /* threads (the caller included) that ran the last pooled job */
 static int workers; /* started */
+static struct {
+    pthread_cond_t wake;
+    atomic_int asleep;
+    uint32_t start; /* the job word when it was started: jobs before it are not its own */
+} slot[MAX_THREADS];
 static int job_kind; /* JOB_LINEAR or JOB_ATTENTION */
 static int64_t job_chunk; /* attention rows per chunk */
 static Job job;
 static AttnJob attn_job;
 enum { JOB_LINEAR, JOB_ATTENTION };
 
-static int claim(unsigned gen) { /* the next chunk of job `gen`, or -1 */
-    unsigned long t = atomic_load(&ticket);
+static int claim(uint32_t gen) { /* the next chunk of job `gen`, or -1 */
+    uint64_t t = atomic_load(&ticket);
     for (;;) {
-        unsigned next = (unsigned)(t & 0xffff), chunks = (unsigned)((t >> 16) & 0xffff);
-        if ((unsigned)(t >> 32) != gen || next >= chunks) return -1;
+        const uint32_t next = (uint32_t)(t & 0xffffu), chunks = (uint32_t)((t >> 16) & 0xffffu);
+        if ((uint32_t)(t >> 32) != gen || next >= chunks) return -1;
         if (atomic_compare_exchange_weak(&ticket, &t, t + 1)) return (int)next;
     }
 }
 
-static void work(unsigned gen) {
-    int c;
+static void work(uint32_t gen, int helper) {
+    int c, first = 1;
     while ((c = claim(gen)) >= 0) { /* the job is stable while a chunk of it is claimed and not done */
+        if (helper && first) atomic_fetch_add(&helped, 1); /* before `done`: the caller sees it */
+        first = 0;
         if (job_kind == JOB_LINEAR) {
             int64_t n0 = (int64_t)c * CHUNK_ROWS, n1 = n0 + CHUNK_ROWS;
             run_rows(&job, n0, n1 < job.N ? n1 : job.N);
@@ -762,53 +777,74 @@ static void work(unsigned gen) {
     }
 }
 
+/* Whether job word `gen` is a new job (not `seen`) that worker `me` helps with. */
+static inline int wanted(uint32_t gen, uint32_t seen, int me) {
+    return gen != seen && (uint32_t)me < (gen & HELPER_MASK);
+}
+
 static void *worker(void *arg) {
-    unsigned seen = (unsigned)(uintptr_t)arg; /* the generation when it was started */
+    const int me = (int)(intptr_t)arg;
+    uint32_t seen = slot[me].start;
     for (;;) {
         int spins = 0;
-        while (atomic_load(&generation) == seen) {
+        uint32_t gen;
+        while (!wanted(gen = atomic_load(&generation), seen, me)) {
+            seen = gen; /* a job without this worker: skipped, the spin count goes on */
             if (++spins < SPIN_ROUNDS) {
                 cpu_relax();
                 continue;
             }
-            atomic_fetch_add(&sleepers, 1);
+            atomic_store(&slot[me].asleep, 1); /* before the check below: pool_run sees it or we see the job */
             pthread_mutex_lock(&sleep_lock);
-            while (atomic_load(&generation) == seen) pthread_cond_wait(&wake, &sleep_lock);
+            while (!wanted(gen = atomic_load(&generation), seen, me)) pthread_cond_wait(&slot[me].wake, &sleep_lock);
             pthread_mutex_unlock(&sleep_lock);
-            atomic_fetch_sub(&sleepers, 1);
+            atomic_store(&slot[me].asleep, 0);
+            break;
         }
-        seen = atomic_load(&generation);
-        work(seen);
+        seen = gen;
+        work(gen, 1);
     }
     return NULL;
 }
 
 static void after_fork_child(void) { /* the workers did not survive the fork */
     workers = 0;
-    atomic_store(&sleepers, 0);
     pthread_mutex_init(&pool_lock, NULL);
     pthread_mutex_init(&sleep_lock, NULL);
-    pthread_cond_init(&wake, NULL);
+    for (int i = 0; i < MAX_THREADS; i++) {
+        pthread_cond_init(&slot[i].wake, NULL);
+        atomic_store(&slot[i].asleep, 0);
+    }
 }
 
-static int ensure_workers(int wanted) {
+static int ensure_workers(int wanted_workers) {
     static int registered = 0;
     if (!registered) {
+        for (int i = 0; i < MAX_THREADS; i++) pthread_cond_init(&slot[i].wake, NULL);
         pthread_atfork(NULL, NULL, after_fork_child);
         registered = 1;
     }
-    while (workers < wanted && workers + 1 < MAX_THREADS) {
+    while (workers < wanted_workers && workers + 1 < MAX_THREADS) {
         pthread_t tid;
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        int rc = pthread_create(&tid, &attr, worker, (void *)(uintptr_t)atomic_load(&generation));
+        slot[workers].start = atomic_load(&generation);
+        atomic_store(&slot[workers].asleep, 0);
+        int rc = pthread_create(&tid, &attr, worker, (void *)(intptr_t)workers);
         pthread_attr_destroy(&attr);
         if (rc != 0) break;
         workers++;
     }
     return workers;
 }
+
+/* The pool's workers started so far (they stay for the life of the process). */
+int specops_pool_workers(void) { return workers; }
+
+/* How many threads, the caller included, ran chunks of the last job split over the pool
+ * (at most the job's `threads`; 0 before the first). */
+int specops_pool_last_threads(void) { return atomic_load(&last_threads); }
 
 static void rms_norm_rows(const float *x, const float *g, float eps, int64_t T, int64_t K, float *out) {
     for (int64_t t = 0; t < T; t++) {
@@ -867,24 +903,28 @@ int specops_linear(const float *x, const float *w, const float *bias, const floa
 }
 
 /* Runs the job set in `job` / `attn_job` (kind, chunks) on the caller and threads - 1
- * workers; the caller holds pool_lock. */
+ * workers (0 .. threads - 2; pool_take started them); the caller holds pool_lock. */
 static void pool_run(int64_t chunks, int threads) {
+    const uint32_t helpers = (uint32_t)(threads - 1 < workers ? threads - 1 : workers);
     atomic_store(&done, 0);
-    unsigned gen = atomic_load(&generation) + 1;
-    atomic_store(&ticket, ((unsigned long)gen << 32) | ((unsigned long)chunks << 16));
+    atomic_store(&helped, 0);
+    const uint32_t gen = ((atomic_load(&generation) >> HELPER_BITS) + 1u) << HELPER_BITS | helpers;
+    atomic_store(&ticket, (uint64_t)gen << 32 | (uint64_t)chunks << 16);
     atomic_store(&generation, gen);
-    if (atomic_load(&sleepers) > 0) {
+    for (uint32_t i = 0; i < helpers; i++) {
+        if (!atomic_load(&slot[i].asleep)) continue; /* spinning: it sees the new word */
         pthread_mutex_lock(&sleep_lock);
-        pthread_cond_broadcast(&wake);
+        pthread_cond_signal(&slot[i].wake);
         pthread_mutex_unlock(&sleep_lock);
     }
-    work(gen);
+    work(gen, 0);
     for (int spins = 0; atomic_load(&done) < chunks; spins++) {
         if (spins < 1000)
             cpu_relax();
         else
             sched_yield(); /* a worker holds a chunk but has no CPU: give it ours */
     }
+    atomic_store(&last_threads, 1 + atomic_load(&helped));
     pthread_mutex_unlock(&pool_lock);
 }
 

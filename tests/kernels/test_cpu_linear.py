@@ -3,6 +3,7 @@ number of rows or threads (what keeps speculation's verify forwards equal to pla
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -89,6 +90,38 @@ def test_callers_on_several_threads_at_once_get_their_own_results():
     for t in threads:
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads) and not errors, errors
+
+
+POOL_PROBE = """
+import json, torch
+from specops.kernels import cpu_linear
+gen = torch.Generator().manual_seed(3)
+x, w = torch.randn(4, 256, generator=gen), torch.randn(4096, 256, generator=gen)
+want = cpu_linear.linear(x, w, threads=1)
+used = {}
+for threads, rows, calls in ((4, 4096, 100), (2, 4096, 400), (4, 256, 200), (3, 4096, 400)):
+    seen = used.setdefault(f"{threads}/{rows}", [])
+    for _ in range(calls):
+        assert torch.equal(cpu_linear.linear(x, w[:rows], threads=threads), want[:, :rows]), (threads, rows)
+        seen.append(cpu_linear.pool_last_threads())
+    seen[:] = sorted(set(seen))
+print(json.dumps({"workers": cpu_linear.pool_workers(), "used": used}))
+"""
+
+
+def test_a_job_runs_on_no_more_threads_than_it_was_given_once_more_workers_exist():
+    """After a 4-thread job started 3 workers, a 2-thread job runs on the caller and one of
+    them, a 3-thread job on two, and a job of 256 outputs (MIN_ROWS_PER_THREAD 128) on two,
+    whatever the ``threads`` asked: the other workers sit the job out. Same bits throughout.
+    A fresh process: the pool is the process's."""
+    proc = subprocess.run([sys.executable, "-c", POOL_PROBE], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    used = report["used"]
+    assert report["workers"] == 3, report
+    assert max(used["4/4096"]) >= 2, report  # the pool does split a large job
+    assert max(used["2/4096"]) <= 2 and max(used["3/4096"]) <= 3, report
+    assert max(used["4/256"]) <= 2, report
 
 
 def test_a_forked_child_still_runs_the_kernel():
