@@ -42,7 +42,7 @@ from specops.decoder.sampling import SamplingConfig
 from specops.decoder.schedule import ConstantSchedule, GammaSchedule
 from specops.decoder.clock import device_clock
 from specops.decoder.request import prompt_list
-from specops.decoder.speculation import TargetVerifier
+from specops.decoder.speculation import DRAFT_CONTEXT, TargetVerifier, draft_room
 from specops.decoder.stats import DecodeStats
 
 PIPELINES = ("sync", "async")
@@ -125,10 +125,10 @@ def generate_draft_async(
     seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
     draft_gen = torch.Generator(device=target.device).manual_seed(seed)  # the draft thread's own randomness
     v = TargetVerifier(target, prompt, sampling=sampling, generator=generator, max_new_tokens=max_new_tokens,
-                       eos_token_id=eos_token_id, stats=stats, context_limit=draft.max_context, deadline_s=deadline_s)
+                       eos_token_id=eos_token_id, stats=stats, deadline_s=deadline_s)
     v.prefill()
     draft.reset(1)
-    if len(prompt) > 1:
+    if len(prompt) > 1 and draft_room(draft.max_context, len(prompt)):  # else it never drafts (below)
         t0 = device_clock(draft.device)
         prompt_forward(draft, torch.tensor([prompt[:-1]], dtype=torch.long, device=draft.device), logits=False)
         dt = device_clock(draft.device) - t0
@@ -143,8 +143,12 @@ def generate_draft_async(
     try:
         while not v.done:
             stats.gamma = schedule.next_gamma()
-            gamma = min(stats.gamma, v.max_draft())
-            if gamma == 0:  # budget's last token or past the deadline: a plain target step
+            # the block (γ tokens) and the optimistic one after it (γ + 1) must fit the draft's context
+            room = max(0, draft_room(draft.max_context, len(v.tokens)) - 1) // 2
+            if room == 0 and stats.fallback_reason is None:
+                stats.fallback_reason = DRAFT_CONTEXT
+            gamma = min(stats.gamma, v.max_draft(), room)
+            if gamma == 0:  # budget's last token, past the deadline or the draft's context: a plain target step
                 v.verify([], None)
                 block, q = [], None
                 continue

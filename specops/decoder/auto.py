@@ -49,7 +49,7 @@ from specops.decoder.runner import ModelRunner, prompt_forward
 from specops.decoder.sampling import SamplingConfig
 from specops.decoder.schedule import ConstantSchedule, GammaSchedule, expected_tokens
 from specops.decoder.request import prompt_list
-from specops.decoder.speculation import StepResult, TargetVerifier
+from specops.decoder.speculation import StepResult, TargetVerifier, draft_room
 from specops.decoder.stats import DecodeStats
 from specops.decoder.tree_size import VerifyCostCurve, heads_overhead_s, plan_tree, verify_cost_curve
 
@@ -376,7 +376,6 @@ def generate_auto(
         max_new_tokens=max_new_tokens,
         eos_token_id=eos_token_id,
         stats=stats,
-        context_limit=None if draft is None else draft.max_context,
         deadline_s=deadline_s,
         keep_hidden=medusa is not None,
     )
@@ -400,10 +399,11 @@ def generate_auto(
         available = {"plain": 0}  # option -> tokens it would draft
         if proposal:
             available["ngram"] = len(proposal)
-        if draft is not None and gamma:
-            available["draft"] = gamma
+        draft_gamma = 0 if draft is None else min(gamma, draft_room(draft.max_context, len(v.tokens)))
+        if draft_gamma:
+            available["draft"] = draft_gamma
             lag = len(v.tokens) - draft.cache_len - CATCHUP_FREE  # tokens the draft must read first
-            steps_left = max(1.0, v.remaining / expected_tokens(request["draft"].alpha, gamma))
+            steps_left = max(1.0, v.remaining / expected_tokens(request["draft"].alpha, draft_gamma))
             chooser.switch_s["draft"] = max(lag, 0) * catchup.token_s / steps_left
         if medusa is not None and room and v.has_hidden:
             available["medusa"] = min(room, medusa.spec.depth)
@@ -413,7 +413,7 @@ def generate_auto(
         if option == "ngram":
             result = v.verify(proposal, None)
         elif option == "draft":
-            result, caught_up = _draft_step(v, draft, gamma, sampling, generator, catchup)
+            result, caught_up = _draft_step(v, draft, draft_gamma, sampling, generator, catchup)
             t_step += caught_up  # the catch-up is charged through switch_s, not the step's cost scale
         elif option == "medusa" and medusa_c is not None:
             result, catch_up = _medusa_c_step(v, medusa, medusa_c, room, fresh, index)

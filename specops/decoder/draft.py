@@ -25,7 +25,7 @@ from specops.decoder.request import prompt_list
 from specops.decoder.runner import ModelRunner, prompt_forward
 from specops.decoder.sampling import SamplingConfig, probabilities, sample
 from specops.decoder.schedule import ConstantSchedule, GammaSchedule
-from specops.decoder.speculation import TargetVerifier
+from specops.decoder.speculation import DRAFT_CONTEXT, TargetVerifier, draft_room
 from specops.decoder.stats import DecodeStats
 from specops.kernels import cpu_linear
 
@@ -91,7 +91,9 @@ def generate_draft(
 ) -> tuple[list[int], DecodeStats]:
     """Speculative decoding with a draft model; γ per step comes from ``schedule`` (default 4).
 
-    Past ``deadline_s`` seconds the rest is plain decoding (see `speculation`).
+    Past ``deadline_s`` seconds the rest is plain decoding (see `speculation`), and so is the
+    rest once the sequence outgrows the draft's context (`draft_room`; the target's context
+    bounds the request).
     """
     check_vocab(target, draft)
     if max_new_tokens < 1:
@@ -108,12 +110,11 @@ def generate_draft(
         max_new_tokens=max_new_tokens,
         eos_token_id=eos_token_id,
         stats=stats,
-        context_limit=draft.max_context,
         deadline_s=deadline_s,
     )
     v.prefill()
     draft.reset(1)
-    if len(prompt) > 1:
+    if len(prompt) > 1 and draft_room(draft.max_context, len(prompt)):  # else it never drafts (below)
         t0 = device_clock(draft.device)
         prompt_forward(draft, torch.tensor([prompt[:-1]], dtype=torch.long, device=draft.device), logits=False)
         dt = device_clock(draft.device) - t0
@@ -123,8 +124,11 @@ def generate_draft(
 
     while not v.done:
         stats.gamma = schedule.next_gamma()
-        gamma = min(stats.gamma, v.max_draft())
-        if gamma == 0:  # budget's last token or past the deadline: a plain target step
+        room = draft_room(draft.max_context, len(v.tokens))
+        if room == 0 and stats.fallback_reason is None:
+            stats.fallback_reason = DRAFT_CONTEXT
+        gamma = min(stats.gamma, v.max_draft(), room)
+        if gamma == 0:  # budget's last token, past the deadline or the draft's context: a plain target step
             v.verify([], None)
             continue
         t0 = device_clock(draft.device)

@@ -53,6 +53,18 @@ class StepResult:
     raw_accepted: int  # verifier's accepted count before any cut (for γ schedules)
 
 
+DRAFT_CONTEXT = "draft_context"
+"""``fallback_reason`` of a draft-model request whose draft ran out of context: its drafting
+stops there and the rest decodes plainly (the target's context still bounds the request)."""
+
+
+def draft_room(draft_context: int, sequence_len: int) -> int:
+    """Tokens a draft model with ``draft_context`` positions can draft after a sequence of
+    ``sequence_len`` tokens: it holds every token but the pending one, then feeds the pending
+    token and all drafts but the last (0 when the sequence has outgrown it)."""
+    return max(0, draft_context - sequence_len + 1)
+
+
 class TargetVerifier:
     """Holds the sequence and the target runner of one request and verifies drafted blocks."""
 

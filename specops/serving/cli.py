@@ -64,7 +64,8 @@ def quiet_omp_spin(environ: MutableMapping[str, str] | None = None) -> bool:
               help="Requests waiting beyond --max-batch before 429.")
 @click.option("--kv-cache-mb", type=click.FloatRange(min=1.0), default=None,
               help="Memory budget of the paged KV cache (target and draft) [default: --max-batch sequences "
-                   "at the model's full context, twice over; the second half keeps the prefix cache].")
+                   "at the model's full context, twice over (the second half keeps the prefix cache), "
+                   "at most half the memory available at start; the choice is logged].")
 @click.option("--api-key-env", default=None, metavar="VAR",
               help="Require 'Authorization: Bearer <key>' with the key read from this environment variable.")
 @click.option("--served-model-name", default=None, help="Model id in the API (default: 'bundled' or the folder name).")

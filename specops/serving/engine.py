@@ -53,12 +53,14 @@ from specops.decoder.ngram import NgramIndex
 from specops.decoder.request import eos_set
 from specops.decoder.sampling import make_generator, probabilities
 from specops.decoder.stats import DecodeStats
+from specops.decoder.speculation import DRAFT_CONTEXT, draft_room
 from specops.decoder.tree_verify import verify_tree_greedy, verify_tree_sampling
 from specops.decoder.verify import accept_greedy, verify_block_sampled
 from specops.kernels import cpu_linear
 from specops.serving.auto_method import MethodChooser
 from specops.serving.batch_forward import FeedItem, SeqKV, bytes_per_token, make_backend
 from specops.serving.kv_pool import BlockPool
+from specops.serving.kv_budget import auto_kv_cache_mb, available_memory_bytes, choose_kv_budget  # noqa: F401 (auto_kv_cache_mb: re-exported)
 from specops.serving.proposers import CLOCK_IDS, MedusaProposer, draft_blocks
 from specops.serving.scheduler import Scheduler
 from specops.serving.sequence import (
@@ -228,14 +230,6 @@ PLAIN_STEP_WINDOW = 64  # plain steps per batch size behind the speed-up estimat
 
 
 
-def auto_kv_cache_mb(bytes_per_slot: int, max_batch: int, max_context: int) -> float:
-    """The default KV budget of a server: ``max_batch`` sequences at ``max_context`` tokens,
-    twice over. The first half lets a full batch reach the context's end without waiting for
-    blocks; the second keeps finished prompts' blocks for the prefix cache while it does (with
-    only the first, 16 streams on the bundled models evicted most of the prompts they shared,
-    and a prefill took a quarter of each decoding second)."""
-    return 2 * max_batch * max_context * bytes_per_slot / 2**20
-
 class Engine:
     """Continuous batching over a `Decoder`'s target (and draft model / Medusa heads)."""
 
@@ -243,8 +237,8 @@ class Engine:
                  clock: Callable[[], float] = time.monotonic, eos_token_id: Any = "model",
                  max_step_tokens: int = 4096, calibrate: bool = True, prefix_caching: bool = True) -> None:
         """``kv_cache_mb``: the whole KV budget (target and draft caches together), split so both
-        hold the same number of token slots; None: `auto_kv_cache_mb` (``max_batch`` sequences at
-        the target's full context, twice over: the second half keeps the prefix cache's blocks). ``eos_token_id``: "model" takes the target
+        hold the same number of token slots; None: `kv_budget.auto_kv_cache_mb` (``max_batch`` sequences at
+        the target's full context, twice over, within a share of the memory available now; logged). ``eos_token_id``: "model" takes the target
         config's; None never stops early. ``calibrate``: time a few batched forwards now to
         seed the verify-cost model (it keeps learning from real steps either way).
         ``prefix_caching``: reuse the target KV of full prompt blocks seen before (paged path)."""
@@ -253,10 +247,12 @@ class Engine:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         runner, draft = decoder.target, decoder.draft
         per_slot = bytes_per_token(runner) + (bytes_per_token(draft) if draft is not None else 0)
-        if kv_cache_mb is None:
-            kv_cache_mb = auto_kv_cache_mb(per_slot, max_batch, runner.max_context)
-        if isinstance(kv_cache_mb, bool) or not isinstance(kv_cache_mb, (int, float)) or not kv_cache_mb > 0:
+        if kv_cache_mb is not None and (
+                isinstance(kv_cache_mb, bool) or not isinstance(kv_cache_mb, (int, float)) or not kv_cache_mb > 0):
             raise ValueError(f"kv_cache_mb must be > 0, got {kv_cache_mb!r}")
+        self.kv_budget = choose_kv_budget(kv_cache_mb, per_slot, max_batch, runner.max_context,
+                                          None if kv_cache_mb is not None else available_memory_bytes(runner.device))
+        kv_cache_mb = self.kv_budget.mb
         self.decoder = decoder
         self.clock = clock
         self.max_batch = max_batch
@@ -269,6 +265,7 @@ class Engine:
         self.draft_pool = BlockPool(num_blocks, block_size) if draft is not None else None
         self.draft = make_backend(draft, self.draft_pool) if draft is not None else None
         self.kv_bytes = num_blocks * block_size * per_slot
+        log.info("%s", self.kv_budget.describe(num_blocks, block_size))
         self.max_model_len = min(runner.max_context, self.pool.capacity_slots)
         self.vocab_size = runner.vocab_size
         self.device = runner.device
@@ -357,15 +354,12 @@ class Engine:
         if spec.method == "auto":
             spec = replace(spec, method=self._chooser(spec.auto_key, params.temperature > 0).choose(
                 self.speculative_methods))
-        limit = self.max_model_len
         fallback = None
         if spec.method == "draft" and self.draft is None and getattr(self.decoder, "draft_error", None):
             # Decoder(fallback=True) dropped an unusable draft: plain decoding, as Decoder.generate does
             spec, fallback = SpecSettings(method="ar", deadline_s=spec.deadline_s), "draft_unavailable"
-        if spec.method == "draft":
-            if self.draft is None:
-                raise ValueError("method 'draft' needs a draft model and this engine's decoder has none")
-            limit = min(limit, self.draft.max_context)
+        if spec.method == "draft" and self.draft is None:
+            raise ValueError("method 'draft' needs a draft model and this engine's decoder has none")
         heads = 0
         if spec.method == "medusa":
             if self.medusa is None:
@@ -382,7 +376,7 @@ class Engine:
         seq = Sequence(
             request_id=request_id, tokens=ids, prompt_len=len(ids), params=params, spec=spec, sampling=sampling,
             generator=make_generator(params.seed, self.device), arrival=now,
-            budget=min(params.max_tokens, limit - len(ids)), stats=stats,
+            budget=min(params.max_tokens, self.max_model_len - len(ids)), stats=stats,
             deadline_at=None if spec.deadline_s is None else now + spec.deadline_s,
             heads=heads,
         )
@@ -796,7 +790,12 @@ class Engine:
             return Candidate(gains=self.priors.gains(seq.prior_key, method, seq.alpha, len(proposal)),
                              overhead_s=overhead, proposal=proposal)
         if method == "draft":
-            bound = min(bound, self.draft.max_context - len(seq.tokens) + 1)
+            room = draft_room(self.draft.max_context, len(seq.tokens))
+            if room == 0:  # the sequence outgrew the draft: it decodes plainly to the end
+                if seq.stats.fallback_reason is None:
+                    seq.stats.fallback_reason = DRAFT_CONTEXT
+                return None
+            bound = min(bound, room)
             lag = len(seq.tokens) - seq.draft.computed  # the first round feeds what the draft cache lacks
             feed = min(lag, FULL_CATCH_UP)  # charged to this step's first round (`Candidate.first_feed`)
             if lag > feed:  # a long catch-up (the whole prompt for a request that never drafted): paid once

@@ -109,15 +109,14 @@ def test_context_window_filling_up_stops_generation():
     assert tokens == [5, 6, 7] and stats.stop_reason == "context"
 
 
-def test_the_smaller_context_of_draft_and_target_bounds_the_output():
+def test_a_draft_with_a_smaller_context_stops_drafting_and_the_target_decodes_on():
     target = TableRunner(chain_table(V), max_context=64)
     draft = TableRunner(chain_table(V), max_context=8)
     tokens, stats = run_draft(target, draft, [0, 1, 2], gamma=4, max_new=20)
-    assert tokens == [3, 4, 5, 6, 7] and stats.stop_reason == "context"
-    from specops.decoder.errors import ContextLengthError
-
-    with pytest.raises(ContextLengthError, match="8 positions"):
-        run_draft(target, draft, list(range(8)), gamma=4, max_new=2)
+    assert tokens == [t % V for t in range(3, 23)] and stats.stop_reason == "max_new_tokens"
+    assert stats.fallback_reason == "draft_context" and 0 < stats.drafted <= 8 - 3 + 1
+    tokens, stats = run_draft(target, draft, list(range(10)), gamma=4, max_new=2)  # longer than the draft
+    assert tokens == [10, 11] and stats.drafted == 0 and stats.fallback_reason == "draft_context"
 
 
 def test_prefix_is_never_recomputed():
