@@ -15,10 +15,15 @@ Options (query string):
 
 ``wait_replicas=N`` (Sentinel only; default 1)
     Every scripted write (``EVAL``/``EVALSHA``: all state writes, the lease) returns
-    only after ``N`` replicas acknowledged it (Redis ``WAIT``); otherwise it raises
-    :class:`StoreUnavailableError` — the write is then *not* acknowledged, though the
-    primary applied it. So an acknowledged write survives the failover to a replica
-    that had it. ``0`` turns this off (faster; a failover may drop the last writes).
+    only after ``N`` replicas acknowledged it (Redis ``WAIT``), so an acknowledged
+    write survives the failover to a replica that had it. Before the write the
+    primary is asked how many replicas are online (``INFO replication``); with fewer
+    than ``N`` the write is not sent and :class:`StoreUnavailableError` says so
+    (nothing applied; the message names ``wait_replicas=0``). A replica can still drop
+    between that check and the write: then ``WAIT`` times out and the error says the
+    write was applied on the primary but not acknowledged (``WAIT`` alone guards the
+    writes of an ACL user not allowed ``INFO``). ``0`` turns both off (faster; a
+    failover may drop the last writes).
 ``wait_timeout_ms=M`` (default 1000)
     How long a write waits for those acknowledgements.
 ``sentinel_username``, ``sentinel_password``
@@ -133,25 +138,52 @@ def parse(url: str) -> MultiHostURL:
     return MultiHostURL(scheme, hosts, username, password, service, db, options)
 
 
+def online_replicas(info: dict[str, Any]) -> int | None:
+    """Replicas in state ``online`` in a parsed ``INFO replication``; None unless the server is a primary."""
+    if info.get("role") != "master":
+        return None
+    return sum(1 for key, value in info.items()
+               if key.startswith("slave") and key[5:].isdigit() and isinstance(value, dict)
+               and value.get("state") == "online")
+
+
 class ReplicatedWrites(redis.Redis):
     """A client whose scripted writes return only once ``wait_replicas`` replicas have them.
 
-    ``WAIT`` goes on the same connection right after the write (that is what it
-    counts); a write not acknowledged in time raises :class:`StoreUnavailableError`.
+    Before a scripted write, ``INFO replication`` on the same connection counts the
+    primary's online replicas: with fewer than ``wait_replicas`` the write is not sent
+    (:class:`StoreUnavailableError`, nothing applied). After it, ``WAIT`` on the same
+    connection (that is what it counts) covers a replica lost in between: a write not
+    acknowledged in time raises :class:`StoreUnavailableError` saying it was applied on
+    the primary only.
     """
 
     wait_replicas = 1
     wait_timeout_ms = 1000
 
     def _send_command_parse_response(self, conn, command_name, *args, **options):
+        replicated = self.wait_replicas > 0 and str(command_name).upper() in _WRITE_SCRIPTS
+        if replicated:
+            conn.send_command("INFO", "replication")
+            try:
+                online = online_replicas(self.parse_response(conn, "INFO"))
+            except redis.ResponseError:  # an ACL user without INFO (@dangerous): WAIT alone guards the write
+                online = None
+            if online is not None and online < self.wait_replicas:  # not a primary: the write's own error says so
+                raise StoreUnavailableError(
+                    f"write refused, nothing applied: the Redis primary has {online} online replica(s) and "
+                    f"wait_replicas={self.wait_replicas} needs {self.wait_replicas} to acknowledge every write "
+                    "(bring a replica back, or set wait_replicas=0 in the Redis URL to accept writes a "
+                    "failover may lose)", retry_after_s=1.0)
         result = super()._send_command_parse_response(conn, command_name, *args, **options)
-        if self.wait_replicas > 0 and str(command_name).upper() in _WRITE_SCRIPTS:
+        if replicated:
             conn.send_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
             acked = int(self.parse_response(conn, "WAIT"))
             if acked < self.wait_replicas:
                 raise StoreUnavailableError(
-                    f"write reached {acked} of {self.wait_replicas} replica(s) within {self.wait_timeout_ms} ms; "
-                    "not acknowledged (it may survive on the primary only)", retry_after_s=1.0)
+                    f"write applied on the Redis primary but reached {acked} of {self.wait_replicas} replica(s) "
+                    f"within {self.wait_timeout_ms} ms: not acknowledged (it may survive on the primary only, "
+                    "or be lost in a failover)", retry_after_s=1.0)
         return result
 
 

@@ -98,9 +98,15 @@ def test_failover_mid_rollout_loses_nothing_acknowledged_and_fences_the_stale_le
         ids = {e["id"] for e in store_a.read_audit(count=100)}
         assert set(acked_ids) <= ids
 
-        # The new primary has no replica yet: a write is applied there but not acknowledged.
-        with pytest.raises(StoreUnavailableError, match="not acknowledged"):
+        # The new primary has no replica yet: writes are refused before anything is applied,
+        # naming the setting that would allow them ...
+        with pytest.raises(StoreUnavailableError, match="nothing applied.*wait_replicas=0"):
             store_a.append_audit({"kind": "tick", "n": "unreplicated"}, epoch=epoch_a)
+        assert "unreplicated" not in {str(e.get("n")) for e in store_a.read_audit(count=100)}
+        # ... and an operator's command says so in one line (the rollout stays at step 1, checked below)
+        out = _cli("policy", "promote", "--redis", url)
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stdout + out.stderr
+        assert "nothing applied" in out.stderr and "wait_replicas=0" in out.stderr, out.stderr
 
         # The old primary comes back empty (a rescheduled pod) and the sentinels make it a replica.
         group.restart(group.primary)
