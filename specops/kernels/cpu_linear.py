@@ -23,11 +23,11 @@ Beside the linear layer: the attention of a few new positions over a dense cache
 layer stack in one call (`llama_layers`), and a row argmax that leaves torch's OpenMP
 team asleep (`argmax`).
 
-Built like `specops.kernels.cpu_paged` (`specops.kernels.cbuild`: system C compiler,
-``-O3 -march=native``, cached by a hash of source and flags, loaded with ctypes, which
-releases the GIL). No compiler,
-a failed build, or ``SPECOPS_CPU_KERNELS=0``: `available()` is False and callers keep
-MKL / oneDNN.
+Loaded like `specops.kernels.cpu_paged` (`specops.kernels.cbuild`: the prebuilt variant for
+this CPU where an image ships one, else built with the system C compiler, ``-O3
+-march=native``, into a cache keyed by the compiler's target features, sources and flags;
+loaded with ctypes, which releases the GIL; `loaded_from` says which). Neither, a failed
+build, or ``SPECOPS_CPU_KERNELS=0``: `available()` is False and callers keep MKL / oneDNN.
 """
 
 from __future__ import annotations
@@ -122,6 +122,7 @@ _kernel = LazyKernel(SOURCE, "linear", _setup, "CPU linear kernel", "MKL / oneDN
 
 available = _kernel.available  # whether the kernel is built and loaded (builds it on the first call)
 unavailable_reason = _kernel.unavailable_reason  # why not (None when it is)
+loaded_from = _kernel.loaded_from  # "prebuilt <variant>: <path>" or "built: <path>" (None: not loaded)
 
 
 WEIGHTS_BF16 = 8  # mode flag of the C kernel: the weight is bfloat16 (`bf16_weights`)

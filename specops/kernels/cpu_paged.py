@@ -7,11 +7,13 @@ values into a padded tensor (``index_select``) and then runs SDPA over the copy;
 writes, and it was the largest cost of the step after the matmuls. The kernel reads
 each key/value once per kv head (for every query head that shares it).
 
-Built on first use with the system C compiler (``$CC`` or ``cc``; ``-O3 -march=native``, reassociation,
-like torch's own CPU kernels are tuned to the machine) into ``$SPECOPS_CACHE_DIR`` (default
-``~/.cache/specops``), named by a hash of the source and flags, and loaded with ctypes,
-which releases the GIL during the call. No compiler, or a build that fails: `available()`
-is False, the reason is logged once, and callers keep the SDPA path — never an error.
+Loaded on first use (`specops.kernels.cbuild`): the prebuilt variant for this CPU where an
+image ships one, else built with the system C compiler (``$CC`` or ``cc``; ``-O3
+-march=native``, reassociation, like torch's own CPU kernels are tuned to the machine) into
+``$SPECOPS_CACHE_DIR`` (default ``~/.cache/specops``), keyed by the compiler's target
+features, the sources and the flags, and loaded with ctypes, which releases the GIL during
+the call (`loaded_from` says which). Neither, or a build that fails: `available()` is False,
+the reason is logged once, and callers keep the SDPA path — never an error.
 ``SPECOPS_CPU_KERNELS=0`` turns it off.
 
 Supported: fp32 CPU tensors, masks of the form "query t sees the first visible[g, t] keys"
@@ -42,6 +44,7 @@ _kernel = LazyKernel(SOURCE, "paged_attention", _setup, "CPU paged-attention ker
 
 available = _kernel.available  # whether the kernel is built and loaded (builds it on the first call)
 unavailable_reason = _kernel.unavailable_reason  # why not (None when it is)
+loaded_from = _kernel.loaded_from  # "prebuilt <variant>: <path>" or "built: <path>" (None: not loaded)
 
 
 def paged_attention(q: Tensor, k_store: Tensor, v_store: Tensor, q_index: Tensor, visible: Tensor,
