@@ -53,6 +53,19 @@ class StepResult:
     raw_accepted: int  # verifier's accepted count before any cut (for γ schedules)
 
 
+def step_tokens(accepted: list[int], next_token: int, drafted: int, eos: frozenset[int]) -> StepResult:
+    """The one commit rule of a verified step, for `Decoder.generate` and the serving engine
+    alike: the ``accepted`` drafts, then the recovered or bonus ``next_token``, cut after the
+    first EOS. An EOS among the accepted drafts voids the positions after it: the step counts
+    as that many drafted and accepted. ``drafted``: tokens speculated (a block's G, a tree's
+    depth); ``eos``: empty never stops."""
+    n = len(accepted)
+    new = eos_cut([*accepted, next_token], eos)
+    if len(new) <= n:  # EOS was an accepted draft token: the rest of the block is void
+        return StepResult(drafted=len(new), accepted=len(new), emitted=new, raw_accepted=n)
+    return StepResult(drafted=drafted, accepted=n, emitted=new, raw_accepted=n)
+
+
 DRAFT_CONTEXT = "draft_context"
 """``fallback_reason`` of a draft-model request whose draft ran out of context: its drafting
 stops there and the rest decodes plainly (the target's context still bounds the request)."""
@@ -209,14 +222,11 @@ class TargetVerifier:
         bonus ``next_token``, cut after the first EOS; count it in the stats. ``drafted``:
         tokens speculated this step (a block's G, a tree's depth). The caller has already
         put the target's cache in shape (truncate or compact)."""
-        n = len(accepted)
-        new = eos_cut([*accepted, next_token], self.eos)
+        step = step_tokens(accepted, next_token, drafted, self.eos)
+        new = step.emitted
         self.stopped_by_eos = new[-1] in self.eos
-        counted_drafted, counted_accepted = drafted, n
-        if len(new) <= n:  # EOS was an accepted draft token: the rest of the block is void
-            counted_drafted = counted_accepted = len(new)
         self.tokens.extend(new)
         self.output.extend(new)
-        self.stats.record_step(counted_drafted, counted_accepted, gamma=drafted)
+        self.stats.record_step(step.drafted, step.accepted, gamma=drafted)
         self.stats.record_emitted(len(new))
-        return StepResult(drafted=counted_drafted, accepted=counted_accepted, emitted=new, raw_accepted=n)
+        return step

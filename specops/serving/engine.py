@@ -53,7 +53,7 @@ from specops.decoder.ngram import NgramIndex
 from specops.decoder.request import eos_set
 from specops.decoder.sampling import make_generator, probabilities
 from specops.decoder.stats import DecodeStats
-from specops.decoder.speculation import DRAFT_CONTEXT, draft_room
+from specops.decoder.speculation import DRAFT_CONTEXT, draft_room, step_tokens
 from specops.decoder.tree_verify import verify_tree_greedy, verify_tree_sampling
 from specops.decoder.verify import accept_greedy, verify_block_sampled
 from specops.kernels import cpu_linear
@@ -867,15 +867,10 @@ class Engine:
             if seq.spec.method == "medusa":
                 seq.hidden = out.hidden[n]  # [E]: produced the pending token; the heads read it next step
         gamma = drafted
-        reason = None
-        for k, tok in enumerate(new):
-            if tok in self.eos and not seq.params.ignore_eos:
-                new = new[: k + 1]
-                reason = "stop"
-                if k < accepted:  # EOS among the accepted drafts: later positions are void
-                    drafted = accepted = k + 1
-                break
-        new = new[: seq.remaining]
+        step = step_tokens(new[:-1], new[-1], drafted, frozenset() if seq.params.ignore_eos else self.eos)
+        drafted, accepted = step.drafted, step.accepted
+        reason = "stop" if not seq.params.ignore_eos and step.emitted[-1] in self.eos else None
+        new = step.emitted[: seq.remaining]
         seq.tokens.extend(new)
         if seq.ngram is not None:
             seq.ngram.extend(new)

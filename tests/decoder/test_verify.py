@@ -104,3 +104,16 @@ def test_seeded_verification_is_reproducible():
     runs = [verify_sampling(draft, p, q, torch.Generator().manual_seed(11)) for _ in range(2)]
     assert runs[0].accepted.tolist() == runs[1].accepted.tolist()
     assert runs[0].next_tokens.tolist() == runs[1].next_tokens.tolist()
+
+
+def test_one_commit_rule_cuts_after_eos_and_voids_drafts_past_an_accepted_one():
+    from specops.decoder.speculation import step_tokens
+
+    eos = frozenset({9})
+    plain = step_tokens([1, 2], 3, drafted=4, eos=eos)
+    assert (plain.emitted, plain.drafted, plain.accepted, plain.raw_accepted) == ([1, 2, 3], 4, 2, 2)
+    inside = step_tokens([1, 9, 2], 3, drafted=4, eos=eos)  # EOS is the second accepted draft
+    assert (inside.emitted, inside.drafted, inside.accepted, inside.raw_accepted) == ([1, 9], 2, 2, 3)
+    last = step_tokens([1, 2], 9, drafted=2, eos=eos)  # EOS as the bonus token: nothing voided
+    assert (last.emitted, last.drafted, last.accepted) == ([1, 2, 9], 2, 2)
+    assert step_tokens([9], 4, drafted=1, eos=frozenset()).emitted == [9, 4]  # no EOS set: never stops
