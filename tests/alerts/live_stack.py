@@ -11,7 +11,7 @@
   rendered alert rules loaded).
 
 Run as a script it serves traffic for a while and writes the dashboard snapshot used
-in the README::
+in docs/ops.md::
 
     PYTHONPATH=. python -m tests.alerts.live_stack --seconds 240 --out docs/dashboard.png
 """
