@@ -51,3 +51,12 @@ def test_a_failing_step_keeps_the_others_results(tmp_path, monkeypatch, capsys):
     assert steps["decode-bundled"]["detail"]["error"] == "RuntimeError: boom"
     assert steps["decode-1b"]["status"] == "skipped"
     assert "RuntimeError: boom" in capsys.readouterr().out
+
+
+def test_every_cuda_test_path_exists():
+    """The cuda-tests step names test files by path: a renamed file must be renamed there too."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    missing = [p for p in gpu_check.CUDA_TESTS if not (root / p).exists()]
+    assert not missing, missing
