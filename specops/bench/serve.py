@@ -15,7 +15,9 @@ Modes switch the server through its Redis, as an operator would:
               had its ticks and its alert rules their ``for_s``.
 
 With started servers every mode's server gets that same warm-up traffic (the controller
-runs only beside the adaptive one), so all are measured after the same history: a server
+runs only beside the adaptive one, and is paused, SIGSTOP, outside the adaptive cells: it
+neither adapts nor spends the host's CPUs while the other modes are measured), so all are
+measured after the same history: a server
 that had served 45 s more traffic than the one it was compared with read 0.92-0.96x of it
 at c = 16 in two runs of three, with its speculation off in 99% of steps (and 1.02-1.04x
 in two of two with the traffic equal).
@@ -51,6 +53,11 @@ max(off, fixed) >= 0.97, in simulated runs whose cells vary as this run's ``off`
 100%, that goal's verdict at that concurrency is the host's noise, not the modes.
 ``cpu ms/tok``: the server process's CPU time per output token in the cell, from its
 ``process_cpu_seconds_total`` (`cpu_delta`; the median over repeats).
+Prompts are fresh by default: every measured cell and every batch of warm-up or settle
+traffic starts with a tag line of its own (`PromptTags`), so no cell finds the prompts of
+another repeat, mode or settle batch in the server's prefix cache, only repeats of a prompt
+within the cell. ``--warm-prefix`` replays the same texts in every repeat and in the settle
+traffic (warm-prefix-cache figures); the table's first line and the JSON (``prompts``) say which.
 Terms: TTFT = arrival → first token; TPOT = (E2E − TTFT) / (output tokens − 1);
 ITL = gaps between streamed chunks; goodput = requests/s meeting every SLO.
 """
@@ -133,6 +140,7 @@ class ServeBenchConfig:
     twin: bool = False                      # also a second `off` server (TWIN), started servers only
     one_server: bool = False                # started: one server for every mode (see `run_bench_serve`)
     settle_s: float | None = None           # one_server: traffic before each cell (None: the controller's window)
+    warm_prefix: bool = False               # replay the same prompt texts in every repeat and in the settle traffic
     progress: bool = True
 
     @property
@@ -143,6 +151,11 @@ class ServeBenchConfig:
     @property
     def settle_seconds(self) -> float:
         return self.window_s if self.settle_s is None else self.settle_s
+
+    @property
+    def prompts_label(self) -> str:
+        """``warm`` (`warm_prefix`: the cells' prompts replayed, found in the prefix cache) or ``fresh``."""
+        return "warm" if self.warm_prefix else "fresh"
 
     @property
     def all_modes(self) -> list[str]:
@@ -225,6 +238,40 @@ def build_prompts(cfg: ServeBenchConfig, count: int) -> list[tuple[str, float]]:
     return [rng.choice(pools[rng.choices(kinds, weights)[0]]) for _ in range(count)]
 
 
+class PromptTags:
+    """What makes each batch of traffic fresh: unless ``warm`` (``--warm-prefix``), every measured
+    cell and every batch of unmeasured traffic (warm-up, settle) gets its own first line,
+    ``#SERIAL-RUN`` (SERIAL counts the batches, RUN is random per bench run, so a running server's
+    cache holds nothing from an earlier run). A server's prefix cache chains each block's key to
+    the blocks before it, so prompts whose first block differs share no cached block: a cell finds
+    none of its prompts from another repeat, mode or settle batch there, only repeats of a prompt
+    within itself (the mix draws with replacement). The tag is a Python comment line; class rules
+    that look at a prompt's start (``prefix``, ``^`` regexes) see it, the built-in mix's classes
+    are the same with and without it. ``warm``: batches go out as drawn, the same texts each
+    repeat (and settle traffic replays the cell's own prompts), so those figures are of a warm
+    prefix cache."""
+
+    def __init__(self, warm: bool, run: str | None = None) -> None:
+        self.warm = warm
+        self.run = run if run is not None else secrets.token_hex(3)
+        self.serial = 0
+
+    def tag(self, serial: int) -> str:
+        return f"#{serial}-{self.run}\n"
+
+    def fresh(self, prompts: list[tuple[str, float]]) -> list[tuple[str, float]]:
+        """``prompts`` as the next batch sends them: behind a tag no batch had before (as they are when warm)."""
+        if self.warm:
+            return list(prompts)
+        self.serial += 1
+        tag = self.tag(self.serial)
+        return [(tag + text, temperature) for text, temperature in prompts]
+
+    def example(self, prompts: list[tuple[str, float]]) -> list[tuple[str, float]]:
+        """``prompts`` as a batch would send them, without using up a tag (to classify them)."""
+        return list(prompts) if self.warm else [(self.tag(0) + text, t) for text, t in prompts]
+
+
 def _percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -300,16 +347,19 @@ def _has_twin(report: dict[str, Any]) -> bool:
     return any(r["mode"] == TWIN for r in report["results"])
 
 
-def mix_classes(policy: Any, cfg: ServeBenchConfig, counts: dict[int, int]) -> dict[str, dict[str, int]]:
+def mix_classes(policy: Any, cfg: ServeBenchConfig, counts: dict[int, int],
+                tags: PromptTags | None = None) -> dict[str, dict[str, int]]:
     """How each concurrency's cell of prompts splits into ``policy``'s classes, per class in policy
     order (as `specops policy classify` counts them: the requests carry no labels or turn, and
-    length rules see the prompt's characters / ``CHARS_PER_TOKEN``)."""
+    length rules see the prompt's characters / ``CHARS_PER_TOKEN``), the prompts as ``tags``
+    sends them (default: as drawn)."""
     from specops.policies.cli_classify import Sample, classify
 
+    tags = tags or PromptTags(warm=True)
     out: dict[str, dict[str, int]] = {}
     for c, n in counts.items():
         names = [classify(policy, Sample(text, temperature, {})).request_class
-                 for text, temperature in build_prompts(cfg, n)]
+                 for text, temperature in tags.example(build_prompts(cfg, n))]
         out[str(c)] = {rc.name: names.count(rc.name) for rc in policy.classes}
     return out
 
@@ -582,13 +632,14 @@ def _stop(proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
 
 
 def _start_controller(cfg: ServeBenchConfig, redis_url: str, workdir: Path,
-                      namespace: str | None = None) -> subprocess.Popen:
+                      namespace: str | None = None, paused: bool = False) -> subprocess.Popen:
+    """``specops controller run`` against ``namespace``; ``paused``: it will be stopped (`_pause`) between
+    its mode's cells, for longer than a 15 s lease, so its lease lasts 10 minutes (it is the only
+    controller there: nobody else could take the lead meanwhile)."""
     argv = [sys.executable, "-m", "specops.cli", "controller", "run", "--redis", redis_url, "--namespace",
             namespace or cfg.namespace, "--interval", str(cfg.controller_interval_s), "--window",
             str(cfg.window_s), "--listen", f"127.0.0.1:{_free_port()}",
-            # one server: the controller is paused while other modes are measured (`_pause`), for longer
-            # than a 15 s lease; it is the only controller, so nobody else could take the lead meanwhile
-            "--lease-ttl-ms", str(int(max(600_000 if cfg.one_server else 15_000, 4000 * cfg.controller_interval_s)))]
+            "--lease-ttl-ms", str(int(max(600_000 if paused else 15_000, 4000 * cfg.controller_interval_s)))]
     env = dict(os.environ, SPECOPS_WEBHOOK_TOKEN=secrets.token_hex(16))
     log = open(workdir / "controller.log", "wb")
     return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -660,7 +711,8 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
     A started server (no ``--base-url``): one server process per mode, each on its own Redis
     namespace (``NAMESPACE-MODE``; the controller runs against the adaptive one), all started
     and warmed first; then repeat r runs, for each concurrency, every mode's cell back to back,
-    in `cell_order` (rotated by the repeat and the concurrency, a Williams design). The machine's
+    in `cell_order` (rotated by the repeat and the concurrency, a Williams design); the controller
+    is paused after its server's warm-up and runs only during the adaptive cells. The machine's
     speed drifts over minutes, and modes measured minutes apart compared that drift as often as
     the modes. A running server (``--base-url``) holds one setting at a time, so there the modes
     run one after the other.
@@ -728,6 +780,7 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
         bar = click.progressbar(length=total, label="bench serve", file=sys.stderr) if cfg.progress else None
         on_done = (lambda: bar.update(1)) if bar else None
         runs: dict[tuple[str, int], list[dict[str, Any]]] = {(m, c): [] for m in modes for c in cfg.concurrency}
+        tags = PromptTags(cfg.warm_prefix)
 
         def prepare(t: _Target, traffic: bool) -> subprocess.Popen | None:
             """Set the mode, warm the server; ``traffic``: then `_adaptive_warmup`'s traffic (the
@@ -735,18 +788,20 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
             server is measured after the same history)."""
             expected = _apply_mode(t.store, t.mode)
             _wait_settings(t.url, expected)
-            started = _start_controller(cfg, redis_url, workdir, t.namespace) if t.mode == "adaptive" else None
-            warm = build_prompts(cfg, max(cfg.warmup, 1))
+            started = (_start_controller(cfg, redis_url, workdir, t.namespace, paused=not cfg.base_url)
+                       if t.mode == "adaptive" else None)
+            warm = tags.fresh(build_prompts(cfg, max(cfg.warmup, 1)))
             asyncio.run(run_cell(t.url, model, warm, min(len(warm), max(cfg.concurrency)), cfg))
             if traffic:
-                _adaptive_warmup(t.url, model, cfg)
+                _adaptive_warmup(t.url, model, cfg, tags)
             return started
 
         def measure(t: _Target, c: int) -> None:
             before = planner_counts(t.url)
-            results, duration = asyncio.run(run_cell(t.url, model, build_prompts(cfg, counts[c]), c, cfg,
+            results, duration = asyncio.run(run_cell(t.url, model, tags.fresh(build_prompts(cfg, counts[c])), c, cfg,
                                                      on_done=on_done))
             row = summarize(t.mode, c, results, duration, cfg)
+            row["prompts"] = cfg.prompts_label
             row["settings"] = _settings_text(t.url)  # at the cell's end (adaptive: what the controller chose)
             after = planner_counts(t.url)
             row.update(planner_delta(before, after))
@@ -775,7 +830,7 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
                         t = targets[mode]
                         adaptive = t.mode == "adaptive"
                         _wait_settings(t.url, _restore_adaptive(store, kept) if adaptive else _apply_mode(store, t.mode))
-                        _settle(t.url, model, cfg, c, build_prompts(cfg, counts[c]))
+                        _settle(t.url, model, cfg, c, build_prompts(cfg, counts[c]), tags)
                         if adaptive:
                             _resume(controller)
                         measure(t, c)
@@ -783,17 +838,29 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
                             _pause(controller)
                             kept = store.effective()
         else:
+            # the controller acts on its server's warm-up, then is paused but for the adaptive cells:
+            # it runs on the same host's CPUs as the other servers, and would otherwise keep adapting
+            # (and spending them) while they are measured
             for t in targets.values():
-                controller = prepare(t, traffic=True) or controller
+                started = prepare(t, traffic=True)
+                if started is not None:
+                    controller = started
+                    _pause(controller)
             for r in range(cfg.repeats):
                 for j, c in enumerate(cfg.concurrency):  # the cells compared with each other back to back
                     for mode in cell_order(modes, r, j):
+                        adaptive = mode == "adaptive"
+                        if adaptive:
+                            _resume(controller)
                         measure(targets[mode], c)
+                        if adaptive:
+                            _pause(controller)
         rows = [median_row(runs[(m, c)]) for m in modes for c in cfg.concurrency]
         cfg_out = {k: v for k, v in asdict(cfg).items() if k != "api_key"}
         cfg_out["request_rate"] = None if math.isinf(cfg.request_rate) else cfg.request_rate
         cfg_out["interleaved"] = not cfg.base_url
         cfg_out["settle_s"] = cfg.settle_seconds if cfg.one_server else None
+        cfg_out["prompts"] = cfg.prompts_label
         report = {"config": cfg_out, "model": model, "results": rows}
         try:  # the revision the servers run (every mode: the same file)
             policy = first.store.current_policy()
@@ -802,7 +869,7 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
             report["classes_error"] = str(exc)
         if policy is not None:
             report["policy_version"] = policy.version
-            report["classes"] = mix_classes(policy, cfg, counts)
+            report["classes"] = mix_classes(policy, cfg, counts, tags)
         report["ratios"], report["paired_ratios"] = goal_ratios(report), paired_ratios(report)
         report["paired_ranges"] = {k: list(v) for k, v in paired_ranges(report).items()}
         report["resolution"] = goal_resolution(report)
@@ -885,19 +952,20 @@ def cpu_delta(before: dict[str, float] | None, after: dict[str, float] | None, t
 
 
 def _traffic(url: str, model: str, cfg: ServeBenchConfig, seconds: float, concurrencies: list[int],
-             pool: list[tuple[str, float]]) -> None:
-    """Unmeasured traffic from ``pool`` (cycled), at each of ``concurrencies`` in turn, for ``seconds``."""
+             pool: list[tuple[str, float]], tags: PromptTags) -> None:
+    """Unmeasured traffic from ``pool`` (cycled), at each of ``concurrencies`` in turn, for ``seconds``;
+    each batch as ``tags`` sends it (fresh: behind its own tag)."""
     deadline = time.monotonic() + seconds
     k = at = 0
     while time.monotonic() < deadline:
         c = concurrencies[k % len(concurrencies)]
         n = max(2 * c, 4)
-        prompts = [pool[(at + i) % len(pool)] for i in range(n)]
+        prompts = tags.fresh([pool[(at + i) % len(pool)] for i in range(n)])
         asyncio.run(run_cell(url, model, prompts, c, cfg))
         k, at = k + 1, at + n
 
 
-def _adaptive_warmup(url: str, model: str, cfg: ServeBenchConfig) -> None:
+def _adaptive_warmup(url: str, model: str, cfg: ServeBenchConfig, tags: PromptTags) -> None:
     """Traffic of the same mix (other draws), cycling through the measured concurrencies,
     for ``adaptive_warmup_s``: the controller decides from telemetry windows and its alert
     rules wait ``for_s`` (30-60 s in the default policy), so an idle pause would measure
@@ -905,17 +973,18 @@ def _adaptive_warmup(url: str, model: str, cfg: ServeBenchConfig) -> None:
     from dataclasses import replace
 
     pool = build_prompts(replace(cfg, seed=cfg.seed + 1000), 512)  # other draws than the measured cells
-    _traffic(url, model, cfg, cfg.adaptive_warmup_s, cfg.concurrency, pool)
+    _traffic(url, model, cfg, cfg.adaptive_warmup_s, cfg.concurrency, pool, tags)
 
 
-def _settle(url: str, model: str, cfg: ServeBenchConfig, concurrency: int, prompts: list[tuple[str, float]]) -> None:
-    """One server: ``settle_seconds`` of the cell's own prompts at its concurrency under the mode
-    just set, before the cell; for the adaptive mode with its controller still paused, so that
-    its first window after resuming holds only requests served under its own settings. The
-    cell's own prompts, as with a server per mode, where each repeat found the previous one's
-    prompts in the prefix cache: settled with other draws, the cache had lost them, and TTFT
-    at c16 doubled (p50 27 -> 59 ms) in every mode alike."""
-    _traffic(url, model, cfg, cfg.settle_seconds, [concurrency], prompts)
+def _settle(url: str, model: str, cfg: ServeBenchConfig, concurrency: int, prompts: list[tuple[str, float]],
+           tags: PromptTags) -> None:
+    """One server: ``settle_seconds`` of the cell's prompts at its concurrency under the mode just
+    set, before the cell; for the adaptive mode with its controller still paused, so that its
+    first window after resuming holds only requests served under its own settings. Fresh
+    (`PromptTags`), each settle batch has its own tag, so the cell that follows finds none of its
+    prompts in the prefix cache; warm, they are the cell's own texts and it finds them all
+    (TTFT at c16 p50 27 ms warm against 59 ms once the cache had lost them, in every mode alike)."""
+    _traffic(url, model, cfg, cfg.settle_seconds, [concurrency], prompts, tags)
 
 
 def _fmt(value: Any, scale: float = 1.0, digits: int = 1) -> str:
@@ -940,6 +1009,13 @@ def format_table(report: dict[str, Any]) -> str:
             f"{'TPOT p50':>10}{'p99':>8}{'ITL p99':>9}{'E2E p99':>9}{'goodput':>9}{'accept':>8}{'spec%':>7}"
             f"{'veto':>5}{'obs':>5}{'cpu ms/tok':>11}")
     lines = [head, "  (latencies in ms)"]
+    prompts = report.get("config", {}).get("prompts")
+    if prompts == "fresh":
+        lines.insert(0, "prompts: fresh (each cell and each batch of warm-up / settle traffic behind its own tag: no "
+                        "cell finds another's prompts in the prefix cache)")
+    elif prompts == "warm":
+        lines.insert(0, "prompts: warm (--warm-prefix: every repeat and the settle traffic replay the cell's "
+                        "prompts, so TTFT and tok/s are of a warm prefix cache)")
     for r in report["results"]:
         lines.append(f"{r['mode']:<9}{r['concurrency']:>5}{r['requests']:>5}{r['errors']:>4}"
                      f"{r['output_tokens_per_s']:>9.1f}{r['requests_per_s']:>7.2f}"
@@ -1070,10 +1146,14 @@ def plot_report(report: dict[str, Any], path: str | Path) -> Path:
 @click.option("--settle-s", type=click.FloatRange(min=0), default=None,
               help="With --one-server: seconds of traffic in a cell's mode before measuring it (default: the "
                    "controller's window, 5 x its 2 s interval).")
+@click.option("--warm-prefix", is_flag=True,
+              help="Replay the same prompt texts in every repeat and in the settle traffic, so cells find them in "
+                   "the server's prefix cache (default: fresh, each cell's prompts behind a tag line of its own; "
+                   "the table and JSON say which).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def bench_serve_command(base_url, redis_url, namespace, modes, concurrency, num_prompts, request_rate, max_tokens, mix,
                         prompts_file, slo, api_key_env, json_path, plot_path, seed, adaptive_warmup_s, server_args,
-                        repeats, twin, one_server, settle_s, quiet) -> None:
+                        repeats, twin, one_server, settle_s, warm_prefix, quiet) -> None:
     """Benchmark a specops server over HTTP: off / fixed / adaptive at several concurrencies."""
     try:
         mode_list = [m.strip() for m in modes.split(",") if m.strip()]
@@ -1095,7 +1175,7 @@ def bench_serve_command(base_url, redis_url, namespace, modes, concurrency, num_
                            mix=mix_weights, prompts_file=prompts_file, slo_ttft_s=ttft, slo_tpot_s=tpot,
                            api_key=api_key, seed=seed, server_args=list(server_args), progress=not quiet,
                            adaptive_warmup_s=adaptive_warmup_s, repeats=repeats, twin=twin, one_server=one_server,
-                           settle_s=settle_s)
+                           settle_s=settle_s, warm_prefix=warm_prefix)
     try:
         report = run_bench_serve(cfg)
     except BenchServeError as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from pathlib import Path
@@ -16,7 +17,7 @@ DEFAULT_POLICY = Path(__file__).resolve().parents[2] / "examples" / "policies" /
 class FakeProc:
     """A started server or controller as the orchestration sees it: never exits."""
 
-    pid = 0
+    pid = None  # never a signal target: os.kill(None, ...) raises where 0 would hit this process group
 
     def __init__(self, name: str = "") -> None:
         self.name = name
@@ -105,7 +106,7 @@ def test_adaptive_warmup_sends_the_mix_at_every_concurrency_until_its_time_is_up
 
     monkeypatch.setattr(serve, "run_cell", fake_cell)
     cfg = serve.ServeBenchConfig(concurrency=[1, 4], adaptive_warmup_s=0.2)
-    serve._adaptive_warmup("http://x", "bundled", cfg)
+    serve._adaptive_warmup("http://x", "bundled", cfg, serve.PromptTags(warm=False))
     assert calls[-1][3] - calls[0][3] < 0.2 + 0.05  # no cell starts after the time is up
     assert len(calls) >= 4
     assert [c[0] for c in calls[:4]] == [1, 4, 1, 4]
@@ -174,13 +175,16 @@ def test_a_started_bench_runs_one_server_per_mode_and_interleaves_the_modes_per_
         return [serve.RequestResult(ok=True, ttft_s=0.01, e2e_s=0.1, output_tokens=8)], 0.1
 
     monkeypatch.setattr(serve, "_start_server", recording_starter(started))
-    monkeypatch.setattr(serve, "_start_controller", lambda cfg, r, w, ns=None: controllers.append(ns) or FakeProc("c"))
+    monkeypatch.setattr(serve, "_start_controller",
+                        lambda cfg, r, w, ns=None, paused=False: controllers.append(ns) or FakeProc("c"))
+    monkeypatch.setattr(serve, "_pause", lambda proc: None)
+    monkeypatch.setattr(serve, "_resume", lambda proc: None)
     monkeypatch.setattr(serve, "_stop", lambda proc, timeout_s=20.0: None)
     monkeypatch.setattr(serve, "_wait_ready", lambda url, timeout_s, proc=None: {"model": "m", "policy": {}})
     monkeypatch.setattr(serve, "_apply_mode", lambda store, mode: {})
     monkeypatch.setattr(serve, "_wait_settings", lambda url, expected, timeout_s=30.0: None)
     warmed = []
-    monkeypatch.setattr(serve, "_adaptive_warmup", lambda url, model, cfg: warmed.append(url.split("//")[1]))
+    monkeypatch.setattr(serve, "_adaptive_warmup", lambda url, model, cfg, tags: warmed.append(url.split("//")[1]))
     monkeypatch.setattr(serve, "run_cell", cell)
     scrapes = {}
 
@@ -248,12 +252,14 @@ def test_twin_adds_a_second_off_server_and_its_ratio_to_off(monkeypatch):
         return [serve.RequestResult(ok=True, ttft_s=0.01, e2e_s=0.1, output_tokens=8)] * len(prompts), n / speed[ns]
 
     monkeypatch.setattr(serve, "_start_server", recording_starter(started))
-    monkeypatch.setattr(serve, "_start_controller", lambda cfg, r, w, ns=None: FakeProc())
+    monkeypatch.setattr(serve, "_start_controller", lambda cfg, r, w, ns=None, paused=False: FakeProc())
+    monkeypatch.setattr(serve, "_pause", lambda proc: None)
+    monkeypatch.setattr(serve, "_resume", lambda proc: None)
     monkeypatch.setattr(serve, "_stop", lambda proc, timeout_s=20.0: None)
     monkeypatch.setattr(serve, "_wait_ready", lambda url, timeout_s, proc=None: {"model": "m", "policy": {}})
     monkeypatch.setattr(serve, "_apply_mode", lambda store, mode: applied.append(mode) or {})
     monkeypatch.setattr(serve, "_wait_settings", lambda url, expected, timeout_s=30.0: None)
-    monkeypatch.setattr(serve, "_adaptive_warmup", lambda url, model, cfg: None)
+    monkeypatch.setattr(serve, "_adaptive_warmup", lambda url, model, cfg, tags: None)
     monkeypatch.setattr(serve, "run_cell", cell)
     monkeypatch.setattr(serve, "planner_counts", lambda url: None)
     cfg = serve.ServeBenchConfig(redis_url="redis://127.0.0.1:9/0", concurrency=[16], repeats=2, num_prompts=2,
@@ -324,7 +330,7 @@ def test_one_server_serves_every_mode_switching_settings_settling_and_pausing_th
     monkeypatch.setattr("specops.policies.store.PolicyStore", lambda client, namespace: store)
     monkeypatch.setattr(serve, "_start_server", recording_starter(started, "http://one"))
     monkeypatch.setattr(serve, "_start_controller",
-                        lambda cfg, r, w, ns=None: events.append(("controller", ns)) or FakeProc())
+                        lambda cfg, r, w, ns=None, paused=False: events.append(("controller", ns, paused)) or FakeProc())
     monkeypatch.setattr(serve, "_stop", lambda proc, timeout_s=20.0: None)
     monkeypatch.setattr(serve, "_pause", lambda proc: events.append("pause"))
     monkeypatch.setattr(serve, "_resume", lambda proc: events.append("resume"))
@@ -333,8 +339,8 @@ def test_one_server_serves_every_mode_switching_settings_settling_and_pausing_th
     monkeypatch.setattr(serve, "_restore_adaptive",
                         lambda st, kept: events.append(("restore", kept["code"])) or {"code": kept["code"]})
     monkeypatch.setattr(serve, "_wait_settings", lambda url, expected, timeout_s=30.0: events.append(("wait", expected)))
-    monkeypatch.setattr(serve, "_adaptive_warmup", lambda url, model, cfg: events.append("warmup"))
-    monkeypatch.setattr(serve, "_settle", lambda url, model, cfg, c, prompts: events.append(("settle", c)))
+    monkeypatch.setattr(serve, "_adaptive_warmup", lambda url, model, cfg, tags: events.append("warmup"))
+    monkeypatch.setattr(serve, "_settle", lambda url, model, cfg, c, prompts, tags: events.append(("settle", c)))
     monkeypatch.setattr(serve, "planner_counts", lambda url: None)
 
     async def cell(url, model, prompts, c, cfg, on_done=None):
@@ -349,7 +355,7 @@ def test_one_server_serves_every_mode_switching_settings_settling_and_pausing_th
                                  one_server=True, settle_s=2.5)
     report = serve.run_bench_serve(cfg)
     assert started == ["specops"]
-    assert events[:5] == [("apply", "adaptive"), ("wait", {"code": "adaptive"}), ("controller", "specops"),
+    assert events[:5] == [("apply", "adaptive"), ("wait", {"code": "adaptive"}), ("controller", "specops", True),
                           "warmup", "pause"]
     assert events[5:] == [
         ("kept", 6),
@@ -631,3 +637,184 @@ def test_a_streamed_requests_canary_probe_and_fallback_flags_come_from_its_usage
     assert [(r.observed, r.fallen_back) for r in results] == [(True, False), (True, False), (False, True),
                                                               (False, False)]
     assert (results[0].drafted, results[0].accepted) == (4, 3)
+
+
+# -- fresh prompts and the controller outside its cells ------------------------------------------
+BLOCK = 16  # the serving engine's default KV block (tokens): its prefix cache reuses whole blocks
+
+
+def test_the_block_size_is_the_engines_default():
+    import inspect
+
+    from specops.serving.engine import Engine
+
+    assert inspect.signature(Engine.__init__).parameters["block_size"].default == BLOCK
+
+
+def _prefix_blocks(tokenizer, prompts) -> set[tuple[int, ...]]:
+    """Every block-aligned token prefix of ``prompts``: what a prefix cache keys a block by (its
+    tokens and every block before it)."""
+    out = set()
+    for text, _ in prompts:
+        ids = tuple(tokenizer.encode(text))
+        out.update(ids[:k * BLOCK] for k in range(1, len(ids) // BLOCK + 1))
+    return out
+
+
+@pytest.fixture(scope="module")
+def bundled_tokenizer():
+    from transformers import AutoTokenizer
+
+    import specops.assets
+
+    return AutoTokenizer.from_pretrained(str(Path(specops.assets.__file__).parent))
+
+
+def _record_batches(monkeypatch, serve, *, one_server: bool):
+    """Run the orchestration with fakes; returns [(server, measured, prompts)] of every batch sent."""
+    batches = []
+
+    class Store:
+        def effective(self):
+            return {"code": 6}
+
+        def current_policy(self):
+            from specops.policies.loader import load_policy
+
+            return load_policy(DEFAULT_POLICY)
+
+    async def cell(url, model, prompts, c, cfg, on_done=None):
+        batches.append((url, on_done is not None, list(prompts)))  # measured cells report progress
+        await asyncio.sleep(0.01)  # a few batches of warm-up / settle traffic in their 0.05 s, not hundreds
+        return [serve.RequestResult(ok=True, ttft_s=0.01, e2e_s=0.1, output_tokens=8)], 0.1
+
+    monkeypatch.setattr("specops.policies.store.PolicyStore", lambda client, namespace: Store())
+    monkeypatch.setattr(serve, "_start_server", recording_starter([], "http://one" if one_server else None))
+    monkeypatch.setattr(serve, "_start_controller", lambda cfg, r, w, ns=None, paused=False: FakeProc())
+    for name in ("_stop", "_pause", "_resume"):
+        monkeypatch.setattr(serve, name, lambda proc, timeout_s=20.0: None)
+    monkeypatch.setattr(serve, "_wait_ready", lambda url, timeout_s, proc=None: {"model": "m", "policy": {}})
+    monkeypatch.setattr(serve, "_apply_mode", lambda store, mode: {})
+    monkeypatch.setattr(serve, "_restore_adaptive", lambda store, kept: {})
+    monkeypatch.setattr(serve, "_wait_settings", lambda url, expected, timeout_s=30.0: None)
+    monkeypatch.setattr(serve, "planner_counts", lambda url: None)
+    monkeypatch.setattr(serve, "run_cell", cell)
+    return batches
+
+
+@pytest.mark.parametrize("one_server", [False, True])
+def test_fresh_cells_share_no_prefix_block_with_any_other_traffic_and_warm_ones_replay_theirs(
+        monkeypatch, bundled_tokenizer, one_server):
+    """Fresh (the default): a measured cell's prompts share no block-aligned prefix with anything
+    its server was sent before (the other repeats' cells, the other modes' on one server, warm-up
+    and settle batches), so it finds nothing of them in the prefix cache; the warm replay does."""
+    from specops.bench import serve
+
+    reports = {}
+    for warm in (False, True):
+        batches = _record_batches(monkeypatch, serve, one_server=one_server)
+        cfg = serve.ServeBenchConfig(redis_url="redis://127.0.0.1:9/0", concurrency=[4], repeats=2, num_prompts=6,
+                                     adaptive_warmup_s=0.05, one_server=one_server,
+                                     settle_s=0.05 if one_server else None, warm_prefix=warm, progress=True)
+        reports[warm] = serve.run_bench_serve(cfg)
+        assert sum(measured for _, measured, _ in batches) == 2 * 3  # 2 repeats x 3 modes
+        assert len(batches) > 2 * 3 + 3  # and unmeasured traffic: warm-ups (and settles) in between
+        shared, seen = [], {}
+        for url, measured, prompts in batches:
+            mine = _prefix_blocks(bundled_tokenizer, prompts)
+            if measured:
+                assert mine  # the prompts are longer than a block
+                shared.append(len(mine & seen.get(url, set())))
+            seen.setdefault(url, set()).update(mine)
+        if warm:
+            assert all(shared[3:]) and all(shared)  # repeat 1 (and already repeat 0 after its warm-up) replays
+        else:
+            assert shared == [0] * 6
+    assert reports[False]["config"]["prompts"] == "fresh" and reports[True]["config"]["prompts"] == "warm"
+    assert all(r["prompts"] == "fresh" for r in reports[False]["results"])
+    assert all(r["prompts"] == "warm" for r in reports[True]["results"])
+    assert serve.format_table(reports[False]).startswith("prompts: fresh (")
+    assert serve.format_table(reports[True]).startswith("prompts: warm (--warm-prefix")
+
+
+def test_fresh_tags_keep_the_mixs_classes_and_the_report_classifies_what_is_sent():
+    from specops.bench import serve
+    from specops.policies.loader import load_policy
+
+    policy = load_policy(DEFAULT_POLICY)
+    cfg = serve.ServeBenchConfig()
+    tags = serve.PromptTags(warm=False, run="abc123")
+    assert serve.mix_classes(policy, cfg, {16: 128}, tags) == serve.mix_classes(policy, cfg, {16: 128})
+    drawn = serve.build_prompts(cfg, 4)
+    first, second = tags.fresh(drawn), tags.fresh(drawn)
+    assert [t for _, t in first] == [t for _, t in drawn]  # temperatures untouched
+    assert first[0][0] == "#1-abc123\n" + drawn[0][0] and second[0][0] == "#2-abc123\n" + drawn[0][0]
+    assert tags.example(drawn)[0][0].startswith("#0-abc123\n") and tags.serial == 2  # no tag used up
+    assert serve.PromptTags(warm=True).fresh(drawn) == drawn
+    assert serve.PromptTags(warm=False).run != serve.PromptTags(warm=False).run  # a new run, new tags
+
+
+def test_the_cli_sends_fresh_prompts_unless_told_warm_prefix(monkeypatch):
+    from click.testing import CliRunner
+
+    from specops.bench import serve
+    from specops.cli import main
+
+    seen = []
+    monkeypatch.setattr(serve, "run_bench_serve",
+                        lambda cfg: seen.append(cfg.warm_prefix) or {"config": {"prompts": cfg.prompts_label},
+                                                                     "results": []})
+    for args, warm in (([], False), (["--warm-prefix"], True)):
+        result = CliRunner().invoke(main, ["bench", "serve", "--redis", "redis://127.0.0.1:9/0", *args])
+        assert result.exit_code == 0, result.output
+        assert seen[-1] is warm and result.output.startswith(f"prompts: {'warm' if warm else 'fresh'} (")
+
+
+def test_with_a_server_per_mode_the_controller_runs_only_in_the_adaptive_cells(monkeypatch):
+    """It adapts from its server's warm-up, then is paused: not during the later servers' warm-up
+    nor the other modes' cells, where it would keep adapting and spend the host's CPUs."""
+    from specops.bench import serve
+
+    running = {"controller": False}
+    seen, leases = [], []
+
+    def start_controller(cfg, r, w, ns=None, paused=False):
+        leases.append(paused)
+        running["controller"] = True
+        return FakeProc("controller")
+
+    def pause(proc):
+        assert proc.name == "controller"
+        running["controller"] = False
+
+    def resume(proc):
+        assert proc.name == "controller"
+        running["controller"] = True
+
+    async def cell(url, model, prompts, c, cfg, on_done=None):
+        if on_done is not None:
+            seen.append(("measure", url.split("-", 1)[1], running["controller"]))
+        return [serve.RequestResult(ok=True, ttft_s=0.01, e2e_s=0.1, output_tokens=8)], 0.1
+
+    monkeypatch.setattr(serve, "_start_server", recording_starter([]))
+    monkeypatch.setattr(serve, "_start_controller", start_controller)
+    monkeypatch.setattr(serve, "_pause", pause)
+    monkeypatch.setattr(serve, "_resume", resume)
+    monkeypatch.setattr(serve, "_stop", lambda proc, timeout_s=20.0: None)
+    monkeypatch.setattr(serve, "_wait_ready", lambda url, timeout_s, proc=None: {"model": "m", "policy": {}})
+    monkeypatch.setattr(serve, "_apply_mode", lambda store, mode: {})
+    monkeypatch.setattr(serve, "_wait_settings", lambda url, expected, timeout_s=30.0: None)
+    monkeypatch.setattr(serve, "_adaptive_warmup",
+                        lambda url, model, cfg, tags: seen.append(("warmup", url.split("-", 1)[1],
+                                                                   running["controller"])))
+    monkeypatch.setattr(serve, "planner_counts", lambda url: None)
+    monkeypatch.setattr(serve, "run_cell", cell)
+    cfg = serve.ServeBenchConfig(redis_url="redis://127.0.0.1:9/0", concurrency=[1, 4], repeats=2, num_prompts=1,
+                                 twin=True, progress=True)  # (measured cells report progress; warm-ups do not)
+    serve.run_bench_serve(cfg)
+    assert leases == [True]  # paused for longer than a 15 s lease: it holds a long one
+    assert [s for s in seen if s[0] == "warmup"] == [("warmup", "off", False), ("warmup", "fixed", False),
+                                                     ("warmup", "adaptive", True), ("warmup", "off-twin", False)]
+    measured = [s for s in seen if s[0] == "measure"]
+    assert len(measured) == 2 * 2 * 4
+    assert all(on == (mode == "adaptive") for _, mode, on in measured), measured
