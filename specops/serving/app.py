@@ -2,12 +2,28 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or SSE with
 ``stream: true``: ``data: {chunk}`` events, an optional usage chunk, ``data: [DONE]``),
-``GET /v1/models``, ``GET /metrics``, ``GET /healthz``, ``GET /readyz``.
+``GET /v1/models``, ``GET /metrics``, ``GET /healthz`` (and ``GET /health``, the name
+vLLM, SGLang and llama-server answer and load generators probe), ``GET /readyz``.
 
-The app state holds one thing, the engine client (`AsyncEngine`), set once the
-``load`` callable has built it in a worker thread; until then ``/readyz`` and the
-generation routes answer 503. A client mistake is a 4xx naming the parameter —
-never a 5xx or a traceback. A client that disconnects cancels its request.
+The app state holds the engine client (`AsyncEngine`), set once the ``load`` callable
+has built it in a worker thread (until then ``/readyz`` and the generation routes
+answer 503), and the thread pool that tokenizes. A client mistake is a 4xx naming the
+parameter — never a 5xx or a traceback. A client that disconnects cancels its
+request, wherever it is (see `RequestStream.close`).
+
+Prompts are checked for size before they are tokenized: a text prompt of ``n``
+characters has at least ``n / max_chars_per_token`` tokens
+(`specops.serving.async_engine.chars_per_token_bound`), and one that cannot fit the
+context is refused with the same 400 (``context_length_exceeded``) as the token count
+check, without tokenizing it. Chat templating, tokenizing and decoding a prompt of
+token ids run in a small thread pool, never on the event loop, so one large prompt
+does not stall the streams of others.
+
+When the engine thread fails, the requests in flight get a 500 in OpenAI's error
+shape (``server_error``, code ``engine_error``), a stream an error event of that shape
+and then its end (no ``[DONE]``), ``/readyz`` answers 503 with the reason, and
+``on_engine_failure`` is called (``specops serve`` then exits; see
+`specops.serving.async_engine`).
 """
 
 from __future__ import annotations
@@ -16,7 +32,9 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -28,7 +46,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specops.policies.turns import turn_from_messages
 from specops.serving import protocol as p
-from specops.serving.async_engine import AsyncEngine, EngineUnavailableError, GenerationRequest, QueueFullError
+from specops.serving.async_engine import (AsyncEngine, EngineFailedError, EngineUnavailableError, GenerationRequest,
+                                          QueueFullError, RequestStream)
 from specops.serving.chat_template import render_chat
 from specops.webstack import metrics_response
 
@@ -38,6 +57,7 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 LABEL_HEADER = "x-specops-label-"
 ROUTING_HEADER = "x-specops-routing-key"
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+TOKENIZE_THREADS = min(4, os.cpu_count() or 1)  # threads that template, tokenize and decode prompts
 
 
 def _error(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -105,6 +125,26 @@ class _Guard:
         return None
 
 
+class _ClosingStream(StreamingResponse):
+    """An SSE response that ends its request however the response ends: finished, failed, or
+    cancelled because the client left (also before the body iterator ever started, where the
+    iterator's own ``finally`` would never run): the request is aborted unless it finished,
+    and its slot is given back (`RequestStream.close`)."""
+
+    def __init__(self, stream: RequestStream, content: AsyncIterator[bytes], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.stream = stream
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self.body_iterator.aclose()  # its ``finally`` now, not when it is collected
+            finally:
+                self.stream.close()
+
+
 class _Server:
     """What the routes need besides the engine client: fixed at build time."""
 
@@ -115,20 +155,23 @@ class _Server:
 
 
 def build_app(load: Callable[[], AsyncEngine], *, model_name: str, model_root: str = "",
-              api_key: str | None = None, on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
-    """The FastAPI app; ``load()`` runs in a thread at startup and returns the engine client."""
+              api_key: str | None = None, on_load_error: Callable[[BaseException], None] | None = None,
+              on_engine_failure: Callable[[str], None] | None = None) -> FastAPI:
+    """The FastAPI app; ``load()`` runs in a thread at startup and returns the engine client.
+    ``on_engine_failure(reason)`` runs on the event loop if the engine thread fails."""
     server = _Server(model_name, model_root or model_name, api_key)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.client = None
         app.state.load_error = None
+        app.state.tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="specops-tokenize")
         loop = asyncio.get_running_loop()
 
         async def load_in_thread() -> None:
             try:
                 client = await asyncio.to_thread(load)
-                client.start(loop)
+                client.start(loop, on_failure=on_engine_failure)
                 app.state.client = client
                 log.info("engine ready: %s", model_name)
             except BaseException as exc:  # report, and let the owner decide (the CLI exits)
@@ -150,6 +193,7 @@ def build_app(load: Callable[[], AsyncEngine], *, model_name: str, model_root: s
             client = app.state.client
             if client is not None:
                 await asyncio.to_thread(client.stop)
+            app.state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="specops", version="1", lifespan=lifespan,
                   description="OpenAI-compatible serving with adaptive speculative decoding.")
@@ -182,14 +226,22 @@ def build_app(load: Callable[[], AsyncEngine], *, model_name: str, model_root: s
         return _error(500, "internal server error", "server_error")
 
     # -- plumbing routes -----------------------------------------------------------------
+    def not_ready_reason(request: Request) -> str:
+        client = request.app.state.client
+        if client is None:
+            return request.app.state.load_error or "models are loading"
+        if client.engine_error is not None:
+            return f"the engine failed: {client.engine_error}"
+        return "the engine stopped"
+
     def client_or_503(request: Request) -> AsyncEngine:
         client = request.app.state.client
         if client is None or not client.running:
-            reason = request.app.state.load_error or "models are loading"
-            raise p.ProtocolError(f"not ready: {reason}", status=503, type_="server_error",
+            raise p.ProtocolError(f"not ready: {not_ready_reason(request)}", status=503, type_="server_error",
                                   code="not_ready", headers={"Retry-After": "2"})
         return client
 
+    @app.get("/health")
     @app.get("/healthz")
     async def healthz() -> PlainTextResponse:
         return PlainTextResponse("ok\n")
@@ -198,11 +250,13 @@ def build_app(load: Callable[[], AsyncEngine], *, model_name: str, model_root: s
     async def readyz(request: Request) -> JSONResponse:
         client = request.app.state.client
         if client is None:
-            return JSONResponse({"ready": False, "reason": request.app.state.load_error or "models are loading"},
-                                status_code=503)
+            return JSONResponse({"ready": False, "reason": not_ready_reason(request)}, status_code=503)
         details = await asyncio.to_thread(client.status)
         ready = client.running
-        return JSONResponse({"ready": ready, "model": server.model_name, **details}, status_code=200 if ready else 503)
+        body = {"ready": ready, "model": server.model_name, **details}
+        if not ready:
+            body["reason"] = not_ready_reason(request)
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -232,16 +286,28 @@ def build_app(load: Callable[[], AsyncEngine], *, model_name: str, model_root: s
             raise p.ProtocolError(f"the model {body.model!r} does not exist; this server serves "
                                   f"{server.model_name!r}", "model", status=404, code="model_not_found")
 
+    def too_long(client: AsyncEngine, prompt: str, param: str) -> p.ProtocolError:
+        return p.ProtocolError(f"the prompt has {prompt}; this model's context is {client.max_model_len} tokens, "
+                               "with at least one for the output", param, code="context_length_exceeded")
+
+    def check_prompt_chars(client: AsyncEngine, chars: int, param: str) -> None:
+        """Refuse a text that cannot fit the context whatever it tokenizes to, without tokenizing it."""
+        at_least = -(-chars // client.max_chars_per_token)
+        if at_least >= client.max_model_len:
+            raise too_long(client, f"{chars} characters, so at least {at_least} tokens", param)
+
+    async def off_loop(request: Request, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` in the tokenizer threads (templating, tokenizing: not on the event loop)."""
+        return await asyncio.get_running_loop().run_in_executor(request.app.state.tokenize_pool, fn, *args)
+
     def sampling(client: AsyncEngine, body: p._Common, prompt_len: int, limit: int | None, default: int | None,
                  limit_param: str):
         from specops.serving.sequence import SamplingParams
 
         room = client.max_model_len - prompt_len
         if room < 1:
-            raise p.ProtocolError(f"the prompt has {prompt_len} tokens; this model's context is "
-                                  f"{client.max_model_len} tokens, with at least one for the output",
-                                  "messages" if isinstance(body, p.ChatCompletionRequest) else "prompt",
-                                  code="context_length_exceeded")
+            raise too_long(client, f"{prompt_len} tokens",
+                           "messages" if isinstance(body, p.ChatCompletionRequest) else "prompt")
         max_tokens = limit if limit is not None else min(default or room, room)
         if max_tokens > room:
             raise p.ProtocolError(f"{limit_param}={max_tokens} plus the prompt's {prompt_len} tokens is over the "
@@ -264,6 +330,8 @@ def build_app(load: Callable[[], AsyncEngine], *, model_name: str, model_root: s
         except EngineUnavailableError as exc:
             raise p.ProtocolError(str(exc), status=503, type_="server_error", code="not_ready",
                                   headers={"Retry-After": "2"}) from None
+        except EngineFailedError as exc:
+            raise engine_failed(exc) from None
         except ValueError as exc:  # PromptTooLongError and the engine's own parameter checks
             raise p.ProtocolError(str(exc), code="invalid_request") from None
 
@@ -277,13 +345,16 @@ def build_app(load: Callable[[], AsyncEngine], *, model_name: str, model_root: s
         if isinstance(prompt, str):
             if not prompt:
                 raise p.ProtocolError("prompt is empty", "prompt")
-            ids, text = tok.encode(prompt), prompt
+            check_prompt_chars(client, len(prompt), "prompt")
+            ids, text = await off_loop(request, tok.encode, prompt), prompt
         else:
+            if len(prompt) >= client.max_model_len:
+                raise too_long(client, f"{len(prompt)} tokens", "prompt")
             bad = [t for t in prompt if not 0 <= t < client.vocab_size]
             if bad:
                 raise p.ProtocolError(f"prompt token id {bad[0]} is outside the vocabulary [0, {client.vocab_size})",
                                       "prompt")
-            ids, text = prompt, tok.decode(prompt)
+            ids, text = prompt, await off_loop(request, tok.decode, prompt)
         if not ids:
             raise p.ProtocolError("prompt has no tokens", "prompt")
         params = sampling(client, body, len(ids), body.max_tokens, DEFAULT_COMPLETION_TOKENS, "max_tokens")
@@ -297,8 +368,13 @@ def build_app(load: Callable[[], AsyncEngine], *, model_name: str, model_root: s
         body.check()
         check_model(body)
         messages = [(m.role, m.text()) for m in body.messages]
-        rendered = render_chat(messages, client.tokenizer)
-        ids = client.tokenizer.encode(rendered)
+
+        def prompt_ids() -> tuple[str, list[int]]:  # in the tokenizer threads
+            rendered = render_chat(messages, client.tokenizer)
+            check_prompt_chars(client, len(rendered), "messages")
+            return rendered, client.tokenizer.encode(rendered)
+
+        rendered, ids = await off_loop(request, prompt_ids)
         user_text = next((t for r, t in reversed(messages) if r == "user"), rendered)
         limit_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         params = sampling(client, body, len(ids), body.token_limit, None, limit_param)
@@ -307,15 +383,18 @@ def build_app(load: Callable[[], AsyncEngine], *, model_name: str, model_root: s
         req = GenerationRequest(ids, user_text, params, body.stop_list(), labels, key, turn=turn)
         return await respond(request, client, req, body, chat=True)
 
+    def engine_failed(exc: EngineFailedError) -> p.ProtocolError:
+        return p.ProtocolError(str(exc), status=500, type_="server_error", code="engine_error")
+
     async def respond(request: Request, client: AsyncEngine, req: GenerationRequest, body: p._Common, chat: bool):
         stream = await submit(client, req)
         rid = p.new_id("chatcmpl" if chat else "cmpl")
         created = p.now_s()
         model = server.model_name
-        if body.stream:
-            return StreamingResponse(sse(stream, rid, created, model, chat, body.include_usage),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        if body.stream:  # no await from here to the response: it closes the stream however it ends
+            return _ClosingStream(stream, sse(stream, rid, created, model, chat, body.include_usage),
+                                  media_type="text/event-stream",
+                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
         async def collect() -> tuple[str, str | None]:
             parts, reason = [], None
@@ -328,7 +407,12 @@ def build_app(load: Callable[[], AsyncEngine], *, model_name: str, model_root: s
                 await it.aclose()
             return "".join(parts), reason
 
-        result = await _unless_disconnected(request, collect())
+        try:
+            result = await _unless_disconnected(request, collect())
+        except EngineFailedError as exc:
+            raise engine_failed(exc) from None
+        finally:
+            stream.close()
         if result is None:  # client gone; the stream aborted its request
             return Response(status_code=499)
         text, reason = result
@@ -362,12 +446,15 @@ def build_app(load: Callable[[], AsyncEngine], *, model_name: str, model_root: s
             if include_usage:
                 yield event(p.usage_chunk(rid, model, created, "chat.completion.chunk" if chat else "text_completion",
                                           stream.prompt_tokens, stream.completion_tokens, stream.specops()))
-        except (RuntimeError, ValueError) as exc:  # the engine failed mid-stream: say so in the stream
-            log.warning("stream %s failed: %s", rid, exc)
+            yield b"data: [DONE]\n\n"
+        except EngineFailedError as exc:  # logged by the engine thread; the stream ends with the error
             yield event(p.error_body(str(exc), "server_error", code="engine_error"))
+        except Exception:  # a bug here: the status line is sent, so the stream says so and ends
+            log.exception("stream %s failed", rid)
+            yield event(p.error_body("internal server error", "server_error", code="internal_error"))
         finally:
             await it.aclose()
-        yield b"data: [DONE]\n\n"
+            stream.close()
 
     if api_key is not None:
         app.openapi = lambda: _with_bearer(app)

@@ -16,7 +16,24 @@ thread fans step outputs out with ``loop.call_soon_threadsafe``. Admission is
 bounded (``max_batch + max_queue`` requests in flight, then `QueueFullError`), so
 overload never means unbounded memory. A stream that is closed before it finishes
 (client gone, stop string matched) aborts its request; the engine frees its blocks
-at the next step.
+at the next step. `RequestStream.close` is what gives a request's slot back: the
+stream's iterator calls it when it ends, and the HTTP layer calls it once the
+response is over, whether or not the iterator ever started, so a request cancelled
+at any point (the client gone before the first chunk was written included) is
+aborted and its slot freed.
+
+Engine failure. Any exception escaping the engine thread (``engine.step``, an
+``engine.add`` that fails with something other than the ValueError of a refused
+request, ``engine.abort``) is fatal: the traceback is logged, every request in
+flight or waiting to be added gets an `EngineFailedError` (the HTTP layer answers
+500 in OpenAI's error shape, or ends a stream with an error event), `running` turns
+False with `engine_error` saying why (``/readyz``: 503 with the reason), later
+requests are refused with `EngineUnavailableError`, and the ``on_failure`` callback
+given to `start` is called on the event loop. The loop is not restarted: after a
+failed step the engine's scheduler and KV pool may be half-updated, and serving on
+from them could return wrong tokens or leak blocks, so ``specops serve`` exits
+non-zero instead (`specops.serving.server`) and its supervisor (Kubernetes, systemd)
+starts a fresh process.
 """
 
 from __future__ import annotations
@@ -26,7 +43,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +77,25 @@ def core_rule(engine: Any) -> int | None:
     return None if getattr(model, "c_layers", False) else HTTP_CORE_FROM
 
 
+FALLBACK_CHARS_PER_TOKEN = 64
+"""`chars_per_token_bound` of a tokenizer that does not list its vocabulary."""
+
+
+def chars_per_token_bound(tokenizer: Any) -> int:
+    """At most how many characters of text one token stands for: the longest entry of the
+    tokenizer's vocabulary (added and special tokens included). In the vocabularies of byte-level
+    BPE, SentencePiece and WordPiece tokenizers an entry has at least one character per character
+    of text it encodes, so a text of ``n`` characters has at least ``n / bound`` tokens. A
+    tokenizer whose normalizer deletes characters (one that collapses runs of whitespace) can
+    beat the bound; the HTTP layer's size check would then refuse such a prompt as too long.
+    `FALLBACK_CHARS_PER_TOKEN` when the tokenizer has no ``get_vocab``."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        return FALLBACK_CHARS_PER_TOKEN
+    longest = max((len(token) for token in get_vocab()), default=0)
+    return longest if longest > 0 else FALLBACK_CHARS_PER_TOKEN
+
+
 class QueueFullError(RuntimeError):
     """Too many requests in flight; retry after ``retry_after_s``."""
 
@@ -70,6 +106,10 @@ class QueueFullError(RuntimeError):
 
 class EngineUnavailableError(RuntimeError):
     """The models are still loading, or the engine stopped."""
+
+
+class EngineFailedError(RuntimeError):
+    """The engine thread failed while this request was in flight (see the module docstring)."""
 
 
 @dataclass
@@ -172,6 +212,7 @@ class RequestStream:
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._detok = _Detokenizer(client.tokenizer, req.stop)
         self._done = False
+        self._released = False
 
     def push(self, item: Any) -> None:  # on the event loop (via call_soon_threadsafe)
         self._queue.put_nowait(item)
@@ -196,6 +237,17 @@ class RequestStream:
     def __aiter__(self) -> AsyncIterator[Delta]:
         return self._iterate()
 
+    def close(self) -> None:
+        """Abort the request unless it finished, and give its slot back (once). Safe to call
+        more than once, and on a stream whose iterator never started."""
+        if not self._done:
+            self._done = True
+            self.client.abort(self.request_id)
+            self.client.metrics.requests.labels("aborted").inc()
+        if not self._released:
+            self._released = True
+            self.client._release()
+
     async def _iterate(self) -> AsyncIterator[Delta]:
         metrics = self.client.metrics
         cls = self.resolution.request_class
@@ -203,7 +255,9 @@ class RequestStream:
         try:
             while not self._done:
                 item = await self._next_item()
-                if isinstance(item, BaseException):
+                if isinstance(item, BaseException):  # the engine failed: nothing left to abort
+                    self._done = True
+                    metrics.requests.labels("error").inc()
                     raise item
                 now = time.monotonic()
                 n = len(item.new_token_ids)
@@ -238,11 +292,7 @@ class RequestStream:
             if self.last_at is not None:
                 metrics.e2e.labels(cls).observe(self.last_at - self.arrived)
         finally:
-            if not self._done:
-                self._done = True
-                self.client.abort(self.request_id)
-                metrics.requests.labels("aborted").inc()
-            self.client._release()
+            self.close()
 
 
 def _push_all(pairs: list[tuple[RequestStream, Any]]) -> None:  # on the event loop
@@ -266,6 +316,7 @@ class AsyncEngine:
         self.max_queue = max_queue
         self.max_inflight = max_batch + max_queue
         self.vocab_size = int(vocab_size if vocab_size is not None else len(tokenizer))
+        self.max_chars_per_token = chars_per_token_bound(tokenizer)
         self.poll_s = poll_s
         self.inflight = 0
         self._ids = itertools.count()
@@ -274,7 +325,10 @@ class AsyncEngine:
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._threads: list[threading.Thread] = []
-        self.engine_error: str | None = None
+        self.engine_error: str | None = None     # why the engine thread failed (None: it has not)
+        self._on_failure: Callable[[str], None] | None = None
+        self._active: dict[str, RequestStream] = {}          # engine thread only
+        self._taken: list[tuple[str, Any]] = []               # engine thread only: commands being run
         self._stats: Any = None
         # intra-op threads of the engine's steps: all of them, less one (kept for the event
         # loop that streams the tokens) while at least ``http_core_from`` sequences run
@@ -290,8 +344,11 @@ class AsyncEngine:
         return int(self.engine.max_model_len)
 
     # -- lifecycle ---------------------------------------------------------------------
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop, on_failure: Callable[[str], None] | None = None) -> None:
+        """Start the engine and policy threads; ``on_failure(reason)`` runs on ``loop`` if the
+        engine thread fails (see the module docstring)."""
         self._loop = loop
+        self._on_failure = on_failure
         self._stats = self.engine.stats()  # later snapshots come from the engine thread only
         for name, target in (("specops-engine", self._engine_loop), ("specops-policy", self._policy_loop)):
             t = threading.Thread(target=target, name=name, daemon=True)
@@ -309,7 +366,8 @@ class AsyncEngine:
 
     @property
     def running(self) -> bool:
-        return bool(self._threads) and all(t.is_alive() for t in self._threads) and not self._stopping
+        return (bool(self._threads) and all(t.is_alive() for t in self._threads) and not self._stopping
+                and self.engine_error is None)
 
     # -- requests ----------------------------------------------------------------------
     async def submit(self, req: GenerationRequest) -> RequestStream:
@@ -360,6 +418,10 @@ class AsyncEngine:
 
     def _command(self, kind: str, payload: Any) -> None:
         with self._cond:
+            if self.engine_error is not None:  # nobody will run it: an add hears so at once
+                if kind == "add":
+                    self._deliver(payload[4], EngineFailedError(f"the engine failed: {self.engine_error}"))
+                return
             self._commands.append((kind, payload))
             self._cond.notify()
 
@@ -378,38 +440,38 @@ class AsyncEngine:
             pass
 
     def _engine_loop(self) -> None:
-        active: dict[str, RequestStream] = {}
+        try:
+            self._run_engine()
+        except BaseException as exc:  # whatever it is, the requests must hear of it (module docstring)
+            self._fail(exc)
+
+    def _run_engine(self) -> None:
+        active = self._active
         while True:
             with self._cond:
                 while not self._commands and not self.engine.has_unfinished() and not self._stopping:
                     self._cond.wait(0.5)
                 if self._stopping:
                     break
-                commands, self._commands = self._commands, []
-            for kind, payload in commands:
+                self._taken, self._commands = self._commands, []
+            taken = self._taken
+            while taken:
+                kind, payload = taken.pop(0)
                 if kind == "add":
                     request_id, ids, params, spec, stream = payload
+                    active[request_id] = stream  # failed with the others if ``add`` breaks the engine
                     try:
                         self.engine.add(request_id, ids, params, spec)
-                    except ValueError as exc:
+                    except ValueError as exc:  # the engine refuses this request: the request's 4xx
+                        del active[request_id]
                         self._deliver(stream, exc)
                         continue
-                    active[request_id] = stream
                     self._deliver(stream, _ADDED)
                 else:
                     self.engine.abort(payload)
             if self.engine.has_unfinished():
                 self._pick_threads()
-                try:
-                    outputs = self.engine.step()
-                except Exception as exc:  # an engine bug: fail every request, keep the process up
-                    log.exception("engine step failed; failing %d requests", len(active))
-                    self.engine_error = f"{type(exc).__name__}: {exc}"
-                    for rid, stream in active.items():
-                        self.engine.abort(rid)
-                        self._deliver(stream, RuntimeError(f"engine step failed: {self.engine_error}"))
-                    active.clear()
-                    continue
+                outputs = self.engine.step()
                 ready: list[tuple[RequestStream, Any]] = []
                 for out in outputs:
                     stream = active.get(out.request_id)
@@ -429,6 +491,25 @@ class AsyncEngine:
                 self.metrics.engine(self._stats)
             except Exception:  # pragma: no cover - stats are plain counters
                 log.exception("engine stats failed")
+
+    def _fail(self, exc: BaseException) -> None:
+        """The engine thread's last act: say why, fail every request it holds or was handed."""
+        reason = f"{type(exc).__name__}: {exc}"
+        with self._cond:
+            self.engine_error = reason
+            leftover, self._commands = self._taken + self._commands, []
+            self._taken = []
+        streams = list(self._active.values()) + [payload[4] for kind, payload in leftover if kind == "add"]
+        self._active.clear()
+        log.error("the engine thread failed; failing %d requests and refusing new ones: %s", len(streams), reason,
+                  exc_info=exc)
+        message = f"the engine failed: {reason}"
+        self._deliver_all([(stream, EngineFailedError(message)) for stream in streams])
+        if self._on_failure is not None and self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._on_failure, reason)
+            except RuntimeError:  # the loop closed (shutdown)
+                pass
 
     def _pick_threads(self) -> None:
         """One core for the event loop while many sequences stream (see `HTTP_CORE_FROM`)."""

@@ -7,6 +7,11 @@ the serving one (`serving_redis`: short timeouts, no retries) that the fail-stat
 bundled models, ``examples/policies/default.yaml`` and an embedded Redis in
 ``.specops/`` — the same one a ``specops controller run`` started in the same
 directory shares.
+
+When the engine thread fails (see `specops.serving.async_engine`), the requests in
+flight are answered with errors, ``/readyz`` turns 503, and the server shuts down:
+`run_server` raises `ServeError` and ``specops serve`` exits non-zero, for a
+supervisor to start a fresh process (the failed engine's state is not trusted).
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ class ServeConfig:
     port: int = 8000
     max_batch: int = 16
     max_queue: int = 256
-    kv_cache_mb: float | None = None  # None: `engine.auto_kv_cache_mb`
+    kv_cache_mb: float | None = None  # None: `kv_budget.choose_kv_budget` (model, batch and free memory)
     api_key: str | None = None
     served_model_name: str | None = None
     reconcile_s: float = 5.0
@@ -153,6 +158,7 @@ def run_server(cfg: ServeConfig) -> None:
         raise ServeError(f"{policy_path}: {exc}") from None
     admin, serving_client = _open_redis(cfg)
     failure: list[BaseException] = []
+    engine_failure: list[str] = []
     server: uvicorn.Server | None = None
     try:
         if admin is not None:
@@ -168,8 +174,14 @@ def run_server(cfg: ServeConfig) -> None:
             if server is not None:
                 server.should_exit = True
 
+        def on_engine_failure(reason: str) -> None:  # the requests in flight are failed; shut down
+            engine_failure.append(reason)
+            if server is not None:
+                server.should_exit = True
+
         app = build_app(lambda: build_engine_client(cfg, serving_client, policy, registry), model_name=name,
-                        model_root=cfg.model, api_key=cfg.api_key, on_load_error=on_load_error)
+                        model_root=cfg.model, api_key=cfg.api_key, on_load_error=on_load_error,
+                        on_engine_failure=on_engine_failure)
         server = uvicorn.Server(server_config(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level))
         serve_until_signal(server)  # returns on SIGTERM too: the cleanup below stops the embedded Redis
     finally:
@@ -183,3 +195,5 @@ def run_server(cfg: ServeConfig) -> None:
     if failure:
         exc = failure[0]
         raise ServeError(f"cannot load the models: {type(exc).__name__}: {exc}")
+    if engine_failure:
+        raise ServeError(f"the engine failed: {engine_failure[0]}; exiting for a supervisor to restart the server")

@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or SSE passed
 through byte for byte as the engine sends it), ``GET /v1/models`` (from the first
-pool that answers), ``GET /metrics``, ``GET /healthz``, ``GET /readyz``.
+pool that answers), ``GET /metrics``, ``GET /healthz`` (also as ``GET /health``),
+``GET /readyz``.
 
 Per request: classify and pick a pool (`Router`: dict lookups over the last good
 policy state, never Redis), forward the body unchanged, time the stream (TTFT, chunk
@@ -495,6 +496,7 @@ def build_app(sidecar: Sidecar) -> ProxyApp:
     async def metrics() -> Response:
         return metrics_response(sidecar.registry)
 
+    @app.get("/health")  # the name vLLM, SGLang and llama-server answer, and load generators probe
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
         return {"ok": True}

@@ -223,3 +223,24 @@ def test_serve_says_when_its_policy_file_is_not_the_stored_one(tmp_path, caplog)
         assert store.get_revision(store.current_revision()).policy.version == load_policy(default).version
     finally:
         close(client)
+
+
+def test_health_answers_like_healthz_without_the_api_key():
+    """``GET /health`` (what vLLM, SGLang and llama-server answer, and load generators probe) is
+    ``/healthz`` under another name; like it, it needs no API key and no loaded engine."""
+    import asyncio
+
+    import httpx
+
+    from specops.serving.app import build_app
+
+    app = build_app(lambda: None, model_name="m", api_key="sk-test")
+
+    async def get(path: str) -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://serve") as http:
+            return await http.get(path)
+
+    health, healthz = asyncio.run(get("/health")), asyncio.run(get("/healthz"))
+    assert health.status_code == healthz.status_code == 200
+    assert health.content == healthz.content == b"ok\n"
+    assert health.headers["content-type"] == healthz.headers["content-type"]
