@@ -260,7 +260,7 @@ def sdpa_candidates(q, k, v, full_mask) -> dict[str, Callable[[], object]]:
                 with warnings.catch_warnings():  # each refusing backend warns why before raising
                     warnings.simplefilter("ignore")
                     call()
-            except RuntimeError as exc:
+            except (RuntimeError, NotImplementedError, ValueError) as exc:
                 log.debug("sdpa %s/%s not available here: %s", backend, form, exc)
                 continue
             out[f"{backend}/{form}"] = call
@@ -280,8 +280,9 @@ def flex_call(q, k, v, tree_mask, prefix: int, compile: bool) -> tuple[str, Call
 
     nodes = q.shape[2]
 
-    def visible(b, h, q_idx, kv_idx):
-        return (kv_idx < prefix) | tree_mask[q_idx, (kv_idx - prefix).clamp(min=0)]
+    def visible(b, h, q_idx, kv_idx):  # indices clamped: a kernel may evaluate it on a block's padding too
+        node = (kv_idx - prefix).clamp(0, nodes - 1)
+        return (kv_idx < prefix) | tree_mask[q_idx.clamp(0, nodes - 1), node]
 
     block_mask = create_block_mask(visible, None, None, nodes, prefix + nodes, device=q.device)
     if compile and not _FLEX_COMPILE_FAILED:
