@@ -31,6 +31,22 @@ ARG EXTRAS=runtime
 RUN /opt/specops/bin/pip install --no-cache-dir ${TORCH} \
  && /opt/specops/bin/pip install --no-cache-dir ".[${EXTRAS}]"
 
+FROM build AS build-kernels
+# The CPU kernels (specops/kernels/*.c: the fast path of CPU decoding), compiled here because
+# the images carry no C compiler. One library per instruction-set level, x86-64-v4 (AVX-512),
+# x86-64-v3 (AVX2 + FMA) and the portable x86-64 (on other architectures one build for the
+# compiler's default target), with a manifest of their SHA-256s and of the sources they were
+# built from, into the venv's share/specops/kernels. At first use the runtime picks the best
+# level the CPU it runs on supports (its /proc/cpuinfo flags then, never this build host's),
+# checks the file against the manifest and loads it; `specops.kernels.cpu_linear.loaded_from()`
+# says which. cbuild.py runs as a plain script: it needs only the standard library.
+# gcc and libc6-dev are the base release's own, used in this stage only and not shipped.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y -q --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/* \
+ && /opt/specops/bin/python specops/kernels/cbuild.py prebuild /opt/specops/share/specops/kernels
+
 # ---- the images: the venv on a slim base, a non-root user, `specops` as entrypoint ----
 FROM ${BASE} AS runtime
 LABEL org.opencontainers.image.title="specops-runtime" \
@@ -38,6 +54,8 @@ LABEL org.opencontainers.image.title="specops-runtime" \
       org.opencontainers.image.source="https://github.com/specops/specops" \
       org.opencontainers.image.licenses="Apache-2.0"
 COPY --from=build-runtime /opt/specops /opt/specops
+# the prebuilt CPU kernels (build-kernels), where the runtime looks for them by default
+COPY --from=build-kernels /opt/specops/share/specops/kernels /opt/specops/share/specops/kernels
 # uid 10001 is the chart's securityContext.runAsUser; /var/lib/specops its state dir.
 RUN useradd --system --uid 10001 --user-group --home-dir /var/lib/specops --create-home --shell /usr/sbin/nologin specops
 ENV PATH=/opt/specops/bin:$PATH \

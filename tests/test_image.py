@@ -88,6 +88,25 @@ def test_targets_are_non_root_with_specops_entrypoint():
     assert any("${TORCH}" in ln and ln.startswith("RUN ") for ln in runtime_build)
 
 
+def test_the_runtime_image_ships_prebuilt_kernels_where_the_runtime_looks_and_no_compiler(monkeypatch):
+    """build-kernels compiles every variant with cbuild.py; the runtime copies them to the
+    venv's share/specops/kernels, which is where `cbuild.prebuilt_dir` looks by default."""
+    from specops.kernels import cbuild
+
+    stages = _stages()
+    venv = next(ln.split()[-1] for ln in stages["build"] if "-m venv" in ln)
+    prebuild = [ln for ln in stages["build-kernels"] if "cbuild.py prebuild" in ln]
+    assert len(prebuild) == 1 and "gcc" in prebuild[0], stages["build-kernels"]
+    target = prebuild[0].split("cbuild.py prebuild", 1)[1].split()[0]
+    copies = [ln.split()[1:] for ln in stages["runtime"] if ln.startswith("COPY --from=build-kernels ")]
+    assert copies == [["--from=build-kernels", target, target]], stages["runtime"]
+    monkeypatch.setattr(sys, "prefix", venv)
+    monkeypatch.delenv(cbuild.PREBUILT_ENV, raising=False)
+    assert str(cbuild.prebuilt_dir()) == target
+    for name in ("runtime", "controller"):
+        assert not any(w in ln for ln in stages[name] for w in ("gcc", "apt-get", "build-essential")), name
+
+
 def _controller_distributions() -> set[str]:
     """Distributions `pip install specops` (no extras) installs: pyproject's dependencies, transitively."""
     base = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
