@@ -117,7 +117,7 @@ def run_ops_demo(decoder: Any, *, state_dir: str | Path, policy_path: str | Path
     from specops.controller.leader import LeaderLease
     from specops.controller.rollout_driver import canary_namespace
     from specops.controller.sources import RedisWindowSource
-    from specops.serving.live_policy import LivePolicy
+    from specops.policies.live import LivePolicy
     from specops.serving.policy_runtime import PolicyRuntime
     from specops.policies import load_policy
     from specops.policies import rollout as machine

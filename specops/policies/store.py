@@ -323,6 +323,27 @@ class PolicyStore:
         raw = self._call(self.redis.hgetall, self.names.bandits)
         return {_str(k): json.loads(v) for k, v in raw.items()}
 
+    # ----------------------------------------------------------------- runtimes' view
+    def live_view(self) -> tuple[int | None, RolloutState | None, dict[str, EffectiveSettings]]:
+        """(current revision, rollout state, per-class settings), read in one transaction: what a
+        runtime's `specops.policies.live.LivePolicy` refreshes. Raises what the client raises (the
+        runtime's own backoff handles it, without this store's retries)."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.get(self.names.current)
+        pipe.get(self.names.rollout)
+        pipe.get(self.names.rollout_gen)
+        pipe.hgetall(self.names.effective)
+        current, rollout_raw, gen, eff_raw = pipe.execute()
+        stable = int(current) if current is not None else None
+        rollout = RolloutState.from_json(rollout_raw, generation=int(gen or 0)) if rollout_raw is not None else None
+        return stable, rollout, {_str(k): EffectiveSettings.from_json(v) for k, v in eff_raw.items()}
+
+    def subscribe(self) -> Any:
+        """A pubsub connection subscribed to this store's change notifications."""
+        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        pubsub.subscribe(self.channel)
+        return pubsub
+
     # ----------------------------------------------------------------- rollout state
     def rollout_state(self) -> RolloutState | None:
         pipe = self.redis.pipeline(transaction=True)

@@ -23,7 +23,7 @@ path (`PolicyRuntime.serve`, used by tests and the library):
     by whoever polls (`flush()`), so a Redis outage never blocks decoding.
 
 Resolve never touches Redis: it reads `LivePolicy`'s last good state
-(fail-static; see `specops.serving.live_policy`). Torch is used only through the
+(fail-static; see `specops.policies.live`). Torch is used only through the
 decoder in `serve`.
 """
 
@@ -39,7 +39,8 @@ from typing import Any
 from specops.policies.rollout import effective_for, pick_revision
 from specops.policies.schema import Policy, RequestClass
 from specops.policies.state import EffectiveSettings
-from specops.serving.live_policy import LivePolicy, RecordBuffer
+from specops.policies.live import LivePolicy
+from specops.telemetry.record_buffer import RecordBuffer
 from specops.policies.turns import resolve_turn, turn_bucket
 
 log = logging.getLogger(__name__)

@@ -59,7 +59,7 @@ def _open_redis(cfg: ServeConfig) -> tuple[Any, Any]:
     """(admin client or None, serving client)."""
     from specops.policies.errors import StoreUnavailableError
     from specops.policies.redis_backend import connect
-    from specops.serving.live_policy import serving_redis
+    from specops.policies.live import serving_redis
 
     if cfg.redis_url:
         try:
@@ -113,7 +113,8 @@ def build_engine_client(cfg: ServeConfig, serving_client: Any, policy: Any, regi
     from specops.policies.store import PolicyStore
     from specops.serving.async_engine import AsyncEngine, core_rule
     from specops.serving.engine import Engine
-    from specops.serving.live_policy import RECORD_FLUSH_S, LivePolicy, RecordBuffer
+    from specops.policies.live import LivePolicy
+    from specops.telemetry.record_buffer import RECORD_FLUSH_S, RecordBuffer
     from specops.serving.metrics import ServingMetrics
     from specops.serving.policy_runtime import PolicyRuntime
     from specops.telemetry.exporter import PrometheusExporter

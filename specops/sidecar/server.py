@@ -1,7 +1,7 @@
 """Wiring of ``specops sidecar``: policy file, Redis (fail-static), telemetry sinks, router, uvicorn.
 
 Torch-free by contract (import-linter "Ops layer stays light"): it imports the
-policy, telemetry and `specops.serving.live_policy` modules, never the engine.
+policy, telemetry and `specops.policies.live` modules, never the engine.
 
 Who writes a request's `DecodeRecord` to Redis (``--records``) — exactly one writer
 per request, so the controller's windows count each request once:
@@ -102,7 +102,8 @@ def build_sidecar(opts: SidecarOptions, registry: Any = None) -> Any:
     from specops.policies import PolicyError, load_policy
     from specops.policies.loader import read_source
     from specops.policies.store import PolicyStore
-    from specops.serving.live_policy import RECORD_FLUSH_S, LivePolicy, RecordBuffer, serving_redis
+    from specops.policies.live import LivePolicy, serving_redis
+    from specops.telemetry.record_buffer import RECORD_FLUSH_S, RecordBuffer
     from specops.sidecar.proxy import Sidecar, SidecarConfig
     from specops.sidecar.routing import Router
     from specops.telemetry.exporter import PrometheusExporter

@@ -200,7 +200,7 @@ def test_controller_process_continues_the_rollout_on_the_promoted_replica(group,
 def test_serving_client_follows_the_sentinels_primary(group):
     """`specops serve` / `sidecar` read the policy through `serving_redis`: a sentinel URL gives
     the current primary's state (the fail-static cache loads it), not a connection error."""
-    from specops.serving.live_policy import LivePolicy, serving_redis
+    from specops.policies.live import LivePolicy, serving_redis
 
     admin = connect(group.url())
     try:

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from specops.decoder import Decoder
-from specops.serving.live_policy import LivePolicy
+from specops.policies.live import LivePolicy
 from specops.serving.policy_runtime import REASON_FALLBACK, REASON_OFF, REASON_TEMPERATURE, PolicyRuntime
 from specops.policies import load_policy
 from specops.policies import rollout as machine
@@ -192,7 +192,7 @@ def test_live_policy_is_fail_static_with_backoff(own_redis, tmp_path):
 
     import redis
 
-    from specops.serving.live_policy import STALE_EMPTY, STALE_UNREACHABLE, serving_redis
+    from specops.policies.live import STALE_EMPTY, STALE_UNREACHABLE, serving_redis
 
     admin = PolicyStore(redis.Redis(port=own_redis.port), namespace="fs")
     machine.start_rollout(admin, load_policy(POLICY), POLICY)
@@ -244,7 +244,8 @@ def test_live_policy_is_fail_static_with_backoff(own_redis, tmp_path):
 
 
 def test_record_buffer_keeps_records_through_an_outage(own_redis, tmp_path):
-    from specops.serving.live_policy import RecordBuffer, serving_redis
+    from specops.policies.live import serving_redis
+    from specops.telemetry.record_buffer import RecordBuffer
     from specops.telemetry import DecodeRecord
 
     def rec(n: int) -> DecodeRecord:
@@ -277,7 +278,7 @@ def test_record_buffer_keeps_records_through_an_outage(own_redis, tmp_path):
 def test_record_buffer_flushes_in_batches_one_transaction_each(redis_client):
     """A backlog goes out `FLUSH_BATCH` records per MULTI/EXEC, canary records through their own
     publisher, in queue order; a window counts every record once."""
-    from specops.serving.live_policy import FLUSH_BATCH, RecordBuffer
+    from specops.telemetry.record_buffer import FLUSH_BATCH, RecordBuffer
     from specops.telemetry.records import DecodeRecord
     from specops.telemetry.redis_metrics import RedisPublisher, RedisWindowReader
 
@@ -333,7 +334,7 @@ def test_record_buffer_flushes_in_batches_one_transaction_each(redis_client):
 def test_record_buffer_waits_its_interval_unless_a_batch_waits_or_forced(redis_client):
     """``min_interval_s``: records finished in quick succession go out together; a full batch,
     or a forced flush (a server stopping), does not wait."""
-    from specops.serving.live_policy import FLUSH_BATCH, RecordBuffer
+    from specops.telemetry.record_buffer import FLUSH_BATCH, RecordBuffer
     from specops.telemetry.records import DecodeRecord
     from specops.telemetry.redis_metrics import RedisPublisher
 
@@ -363,7 +364,7 @@ def test_record_buffer_does_not_count_twice_a_publish_applied_but_unanswered(red
     the retry must see the record is there and not count it again (found by `specops chaos`)."""
     import redis as redis_mod
 
-    from specops.serving.live_policy import RecordBuffer
+    from specops.telemetry.record_buffer import RecordBuffer
     from specops.telemetry.records import DecodeRecord
     from specops.telemetry.redis_metrics import RedisPublisher, RedisWindowReader
 

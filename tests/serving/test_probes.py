@@ -26,7 +26,7 @@ from specops.decoder.runner import load_runner
 from specops.policies import load_policy
 from specops.policies import rollout as machine
 from specops.policies.store import PolicyStore
-from specops.serving.live_policy import LivePolicy
+from specops.policies.live import LivePolicy
 from specops.serving.policy_runtime import REASON_FALLBACK, PolicyRuntime
 from specops.telemetry.redis_metrics import RedisPublisher, RedisWindowReader
 from tests.controller.helpers import FakeClock as WallClock
