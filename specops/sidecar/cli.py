@@ -52,15 +52,17 @@ def _listen(value: str) -> tuple[str, int]:
               help="Scrape the engines' /metrics this often.")
 @click.option("--records", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
               help="Who writes per-request records to Redis: auto = the engine for --engine specops (it records "
-                   "itself), the sidecar for vllm/sglang; on = the sidecar (specops pools in namespaces of their own).")
+                   "itself), the sidecar for vllm/sglang/llamacpp; on = the sidecar (specops pools in namespaces of "
+                   "their own).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 def sidecar_command(engine, upstreams, policy_file, redis_url, namespace, pod, listen, reconcile_s,
                     connect_timeout_s, read_timeout_s, request_timeout_s, scrape_s, records, log_level) -> None:
-    """Class-aware OpenAI proxy in front of vLLM / SGLang / specops pools (routing, telemetry, fail-open).
+    """Class-aware OpenAI proxy in front of vLLM / SGLang / llama.cpp / specops pools (routing, telemetry,
+    fail-open).
 
     Each request is recorded in Redis once: ``--records auto`` leaves it to a ``specops serve``
-    engine (which records what it ran) and writes it itself for vLLM / SGLang.
+    engine (which records what it ran) and writes it itself for vLLM / SGLang / llama.cpp.
     """
     from specops.sidecar.server import SidecarError, SidecarOptions, run_sidecar
 
@@ -80,17 +82,24 @@ def sidecar_command(engine, upstreams, policy_file, redis_url, namespace, pod, l
 
 
 @click.command("engine-config")
-@click.option("--engine", type=click.Choice(["vllm", "sglang"]), required=True)
+@click.option("--engine", type=click.Choice(["vllm", "sglang", "llamacpp"]), required=True)
 @click.option("--policy", "policy_file", type=click.Path(exists=True, dir_okay=False), required=True)
 @click.option("--measured", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="`specops bench serve --json` report: derive vLLM's per-batch-size K table from it.")
+              help="`specops bench serve --json` report: vLLM's per-batch-size K table from it; llama.cpp: "
+                   "the K at --parallel requests.")
 @click.option("--method", type=click.Choice(["draft", "ngram", "medusa"]), default=None,
               help="The pool's method when the policy's classes use several.")
-@click.option("--model", default=None, help="Draft model / Medusa heads path or id for the engine.")
+@click.option("--model", default=None, help="Draft model / Medusa heads path or id for the engine "
+              "(llama.cpp: the draft model's GGUF file).")
+@click.option("--pool", type=click.Choice(["spec", "plain"]), default="spec", show_default=True,
+              help="llama.cpp: which pool's arguments (the plain pool: --spec-type none).")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="llama.cpp: --threads of the pool.")
+@click.option("--parallel", type=click.IntRange(min=1), default=None,
+              help="llama.cpp: --parallel slots (requests decoded at once).")
 @click.option("--format", "fmt", type=click.Choice(["shell", "json"]), default="shell", show_default=True,
               help="shell: one quoted line; json: the argv list.")
-def engine_config_command(engine, policy_file, measured, method, model, fmt) -> None:
-    """Print the launch arguments of a speculative vLLM / SGLang pool, rendered from the policy."""
+def engine_config_command(engine, policy_file, measured, method, model, pool, threads, parallel, fmt) -> None:
+    """Print the launch arguments of a vLLM / SGLang / llama.cpp pool, rendered from the policy."""
     import json
     import shlex
 
@@ -109,7 +118,8 @@ def engine_config_command(engine, policy_file, measured, method, model, fmt) -> 
         except (OSError, ValueError) as exc:
             raise click.BadParameter(f"{measured}: {exc}", param_hint="--measured") from None
     try:
-        args = render(engine, policy, method=method, model=model, measured=report)
+        args = render(engine, policy, method=method, model=model, measured=report, pool=pool, threads=threads,
+                      parallel=parallel)
     except EngineConfigError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(json.dumps(args) if fmt == "json" else " ".join(shlex.quote(a) for a in args))

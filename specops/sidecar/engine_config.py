@@ -1,4 +1,4 @@
-"""Launch arguments for a vLLM / SGLang speculative pool, rendered from the policy.
+"""Launch arguments for a vLLM / SGLang / llama.cpp speculative pool, rendered from the policy.
 
 Neither engine can change its speculative settings at runtime or per request, so
 the policy's choices become start-up flags, and a change is a rolling update of the
@@ -23,6 +23,19 @@ SGLang (``--speculative-*`` flags)
     ``--speculative-algorithm`` (``STANDALONE`` for a draft model, ``NGRAM``; SGLang has
     no Medusa), ``--speculative-draft-model-path``, ``--speculative-num-steps`` = γ,
     ``--speculative-num-draft-tokens`` = γ + 1, ``--speculative-eagle-topk 1``.
+llama.cpp (``llama-server``; option names of the build ``make peers`` makes, the
+``--spec-*`` family in common/arg.cpp, checked against its ``--help`` in the tests)
+    every pool: ``--metrics`` (the counters the sidecar republishes), ``--threads N`` and
+    ``--parallel N`` (slots: the most requests it decodes at once) when given. The
+    speculative pool adds ``--spec-type``: ``draft-simple`` with ``--spec-draft-model``
+    (a GGUF file) and ``--spec-draft-n-max`` = γ, or ``ngram-simple`` (prompt lookup:
+    the last ``--spec-ngram-simple-size-n`` = `NGRAM_LOOKUP` tokens looked up in the
+    context, the ``--spec-ngram-simple-size-m`` = γ tokens that followed proposed);
+    llama.cpp has no Medusa. The plain pool (``pool="plain"``) gets ``--spec-type none``.
+    γ is the largest initial γ of the pool's classes (fixed for the process's life).
+    With ``--measured`` (needs ``parallel``) γ is the K that `batch_table` gives at a
+    batch of ``parallel`` requests, the pool's full load; when that is 0 the measurements
+    say speculation loses there, which is reported as an error rather than rendered.
 """
 
 from __future__ import annotations
@@ -35,6 +48,11 @@ from specops.policies.schema import Policy
 
 VLLM_METHODS = {"draft": "draft_model", "ngram": "ngram", "medusa": "medusa"}
 SGLANG_METHODS = {"draft": "STANDALONE", "ngram": "NGRAM"}
+LLAMACPP_METHODS = {"draft": "draft-simple", "ngram": "ngram-simple"}
+LLAMACPP_OPTIONS = ("--metrics", "--threads", "--parallel", "--spec-type", "--spec-draft-model",
+                    "--spec-draft-n-max", "--spec-ngram-simple-size-n", "--spec-ngram-simple-size-m")
+NGRAM_LOOKUP = 3  # tokens matched by the n-gram lookup (specops' own n-gram drafter's longest match)
+ENGINES = ("vllm", "sglang", "llamacpp")
 MAX_BATCH = 4096
 
 
@@ -123,9 +141,62 @@ def batch_table(measured: dict[str, Any], k: int) -> list[list[int]]:
     return [[1, last, k], [last + 1, MAX_BATCH, 0]]
 
 
+def _k_at(table: list[list[int]], batch: int) -> int:
+    for start, end, k in table:
+        if start <= batch <= end:
+            return k
+    return 0
+
+
+def render_llamacpp(policy: Policy, *, method: str | None = None, model: str | None = None,
+                    measured: dict[str, Any] | None = None, pool: str = "spec", threads: int | None = None,
+                    parallel: int | None = None) -> list[str]:
+    """llama-server's arguments for one pool (see the module docstring)."""
+    if pool not in ("spec", "plain"):
+        raise EngineConfigError(f"pool must be spec or plain, got {pool!r}")
+    for name, value in (("threads", threads), ("parallel", parallel)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise EngineConfigError(f"--{name} must be a positive integer, got {value!r}")
+    args = ["--metrics"]
+    if threads is not None:
+        args += ["--threads", str(threads)]
+    if parallel is not None:
+        args += ["--parallel", str(parallel)]
+    if pool == "plain":
+        if measured is not None or model:
+            raise EngineConfigError("the plain pool takes no --measured or --model (it does not speculate)")
+        return args + ["--spec-type", "none"]
+    p = plan(policy, method)
+    if p.method not in LLAMACPP_METHODS:
+        raise EngineConfigError(f"llama.cpp has no {p.method} speculation (use draft or ngram for this pool)")
+    gamma = p.gamma_initial
+    if measured is not None:
+        if parallel is None:
+            raise EngineConfigError("--measured needs --parallel (the batch size whose K the pool runs)")
+        gamma = _k_at(batch_table(measured, p.gamma_initial), parallel)
+        if gamma == 0:
+            raise EngineConfigError(f"the measurements show speculation losing at {parallel} parallel requests: "
+                                    "run this pool plain (--pool plain) or with fewer --parallel slots")
+    args += ["--spec-type", LLAMACPP_METHODS[p.method]]
+    if p.method == "draft":
+        if not model:
+            raise EngineConfigError("method draft needs --model (the draft model's GGUF file)")
+        return args + ["--spec-draft-model", model, "--spec-draft-n-max", str(gamma)]
+    if model:
+        raise EngineConfigError("method ngram takes no --model (it drafts from the context)")
+    return args + ["--spec-ngram-simple-size-n", str(NGRAM_LOOKUP), "--spec-ngram-simple-size-m", str(gamma)]
+
+
 def render(engine: str, policy: Policy, *, method: str | None = None, model: str | None = None,
-           measured: dict[str, Any] | None = None) -> list[str]:
+           measured: dict[str, Any] | None = None, pool: str = "spec", threads: int | None = None,
+           parallel: int | None = None) -> list[str]:
     """The pool's launch arguments, one argv item per element."""
+    if engine == "llamacpp":
+        return render_llamacpp(policy, method=method, model=model, measured=measured, pool=pool,
+                               threads=threads, parallel=parallel)
+    if pool != "spec" or threads is not None or parallel is not None:
+        raise EngineConfigError(f"--pool, --threads and --parallel are llama.cpp options; {engine} pools take "
+                                "their speculative flags only")
     p = plan(policy, method)
     if engine == "vllm":
         spec: dict[str, Any] = {"method": VLLM_METHODS[p.method], "num_speculative_tokens": p.gamma_max}

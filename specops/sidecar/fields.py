@@ -25,6 +25,18 @@ accepted exactly i drafts, as vLLM's) is ``spec_correct_drafts_histogram``, earl
 − verify forwards, proposed = accepted / ``spec_accept_rate``.
 specops (``specops serve``)
     the ``specops`` object: ``method``, ``drafted``, ``accepted``, ``gamma``.
+llama.cpp (``llama-server``; ``server_slot_stats::to_json`` in tools/server/server-common.cpp,
+attached by tools/server/server-task.cpp to the final response of ``/v1/completions`` and
+``/v1/chat/completions`` and to the last event of a stream)
+    the ``timings`` object: ``prompt_n`` / ``prompt_ms`` (prompt tokens evaluated, cached
+    ones excluded, and their time), ``predicted_n`` / ``predicted_ms`` (generated tokens and
+    the time from the end of the prompt to the last one, drafting and verification
+    included), ``prompt_per_token_ms`` / ``predicted_per_token_ms`` and the ``*_per_second``
+    rates derived from those, and — only when the request drafted at least one token —
+    ``draft_n`` / ``draft_n_accepted``. So a valid ``timings`` without ``draft_n`` is a
+    request that drafted nothing (0 / 0, conclusive); ``draft_n`` without
+    ``draft_n_accepted`` is inconclusive. llama-server reports no verify-step count or
+    per-position split per request (its ``/metrics`` has both, summed over requests).
 
 Anything missing, of the wrong type, negative or inconsistent gives None —
 *inconclusive*: the request still counts (tokens, time), but adds no drafted /
@@ -33,10 +45,10 @@ accepted volume, so it can never trigger an acceptance alert or a fallback.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-ENGINES = ("vllm", "sglang", "specops")
+ENGINES = ("vllm", "sglang", "specops", "llamacpp")
 
 
 @dataclass(frozen=True)
@@ -49,6 +61,11 @@ class SpecCounts:
     verify_forwards: int | None = None   # None: not reported
     gamma: int = 0
     method: str | None = None             # specops only: the method that ran
+    # the engine's own timing of the request (llama.cpp ``timings``); None: not reported
+    prompt_tokens: int | None = None
+    prompt_s: float | None = None
+    predicted_tokens: int | None = None
+    predicted_s: float | None = None
 
 
 def _int(value: Any) -> int | None:
@@ -59,11 +76,18 @@ def _int(value: Any) -> int | None:
     return int(value)
 
 
+def _seconds(ms: Any) -> float | None:
+    """A duration in milliseconds → seconds, or None when it is not a finite number >= 0."""
+    if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not 0 <= ms < float("inf"):
+        return None
+    return ms / 1000.0
+
+
 def _valid(counts: SpecCounts) -> SpecCounts | None:
     if counts.accepted > counts.drafted:
         return None
     if counts.accepted_per_pos and sum(counts.accepted_per_pos) != counts.accepted:
-        counts = SpecCounts(counts.drafted, counts.accepted, [], counts.verify_forwards, counts.gamma, counts.method)
+        counts = replace(counts, accepted_per_pos=[])
     return counts
 
 
@@ -132,7 +156,27 @@ def from_specops(body: dict[str, Any]) -> SpecCounts | None:
     return _valid(SpecCounts(drafted, accepted, [], None, _int(info.get("gamma")) or 0, method))
 
 
-_PARSERS = {"vllm": from_vllm, "sglang": from_sglang, "specops": from_specops}
+def from_llamacpp(body: dict[str, Any]) -> SpecCounts | None:
+    timings = body.get("timings")
+    if not isinstance(timings, dict):
+        return None
+    predicted = _int(timings.get("predicted_n"))
+    if predicted is None:
+        return None
+    if "draft_n" in timings:
+        drafted, accepted = _int(timings.get("draft_n")), _int(timings.get("draft_n_accepted"))
+        if drafted is None or accepted is None:
+            return None
+    else:  # llama-server leaves both out when the request drafted nothing
+        drafted = accepted = 0
+    if accepted > predicted:
+        return None
+    return _valid(SpecCounts(drafted, accepted, prompt_tokens=_int(timings.get("prompt_n")),
+                             prompt_s=_seconds(timings.get("prompt_ms")), predicted_tokens=predicted,
+                             predicted_s=_seconds(timings.get("predicted_ms"))))
+
+
+_PARSERS = {"vllm": from_vllm, "sglang": from_sglang, "specops": from_specops, "llamacpp": from_llamacpp}
 
 
 def extract(engine: str, body: Any) -> SpecCounts | None:

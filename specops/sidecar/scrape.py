@@ -8,6 +8,14 @@ vLLM V1 (docs.vllm.ai "Metrics" design page; vllm/v1/spec_decode/metrics.py)
     ``vllm:spec_decode_num_accepted_tokens_per_pos_total{position}``
 SGLang (python/sglang/srt/metrics/collector.py)
     ``sglang:spec_accept_length``, ``sglang:spec_accept_rate``
+llama.cpp (``llama-server --metrics``; ``server_task_result_metrics::to_metrics`` in
+tools/server/server-task.cpp, table in tools/server/README.md)
+    ``llamacpp:spec_decode_num_draft_tokens_total``, ``llamacpp:spec_decode_num_accepted_tokens_total``,
+    ``llamacpp:spec_decode_num_drafts_total`` (verify steps),
+    ``llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position}``, and the throughput
+    families ``llamacpp:prompt_*``, ``llamacpp:tokens_predicted_*``,
+    ``llamacpp:predicted_tokens_seconds``, ``llamacpp:requests_processing`` /
+    ``llamacpp:requests_deferred``
 specops serve
     ``specops_*`` engine families, renamed ``specops_engine_*`` (the sidecar exports the
     contract's per-class ``specops_*`` families itself; one name cannot hold both)
@@ -35,6 +43,8 @@ PREFIXES = {
     "vllm": ("vllm:spec_decode_",),
     "sglang": ("sglang:spec_accept_",),
     "specops": ("specops_",),
+    "llamacpp": ("llamacpp:spec_decode_", "llamacpp:prompt_", "llamacpp:tokens_predicted",
+                 "llamacpp:predicted_tokens_seconds", "llamacpp:requests_"),
 }
 
 

@@ -8,7 +8,8 @@ the per-chunk cost small it does not JSON-decode every event:
   ``choices[].delta.content``) — a byte search: inside JSON string values quotes are
   escaped, so the pattern cannot match prompt or completion text;
 - of the events that carry a ``"usage"`` object or the engine's speculation object
-  (vLLM ``"speculative_decoding"``, SGLang ``"meta_info"``, specops ``"specops"``; a
+  (vLLM ``"speculative_decoding"``, SGLang ``"meta_info"``, specops ``"specops"``,
+  llama.cpp ``"timings"``; a
   ``null`` value, as in specops' and vLLM's content chunks, does not count) only the
   *last* one of each is kept, and decoded once, when the numbers are read: the engines
   report cumulative totals, so earlier ones carry nothing the last does not (a
@@ -28,7 +29,8 @@ from specops.sidecar import fields
 MAX_EVENT_BYTES = 1024 * 1024  # the parse buffer; the relayed bytes are never held
 
 _CONTENT = re.compile(rb'"(?:text|content)"\s*:\s*"(?!")')
-_SPEC_MARKERS = {"vllm": b'"speculative_decoding"', "sglang": b'"meta_info"', "specops": b'"specops"'}
+_SPEC_MARKERS = {"vllm": b'"speculative_decoding"', "sglang": b'"meta_info"', "specops": b'"specops"',
+                 "llamacpp": b'"timings"'}
 _USAGE = re.compile(rb'"usage"\s*:\s*\{')
 _SPEC_OBJECTS = {engine: re.compile(re.escape(marker) + rb"\s*:\s*\{") for engine, marker in _SPEC_MARKERS.items()}
 

@@ -11,17 +11,25 @@ An engine cannot run the same request both ways, so the plain-decoding time of a
 request served by the speculative pool is estimated from the *plain pool's* measured
 decode speed: ``plain_tps`` is an exponentially weighted mean (weight ``alpha``) of
 ``(tokens − 1) / (last_chunk − first_chunk)`` over requests the plain pool streamed
-(non-streamed ones: ``tokens / wall``), and for a speculative request
+(non-streamed ones: ``tokens / wall``; when the engine times the request itself —
+llama.cpp's ``timings.predicted_n`` / ``predicted_ms`` — its decode speed
+``(predicted_n − 1) / predicted_ms`` instead, streamed or not), and for a speculative request
 
     plain_s_estimate = ttft + (tokens − 1) / plain_tps        wall_s = its measured time
 
-so ``speedup = Σ plain_s_estimate / Σ wall_s`` compares the two pools' decode speed
+(not streamed, with the engine's own decode time ``d``: ``wall_s − d + (tokens − 1) /
+plain_tps``), so ``speedup = Σ plain_s_estimate / Σ wall_s`` compares the two pools' decode speed
 at the same prefill cost. Fallen-back classes feed the plain pool's baseline; their
 probes (and every speculating class) are measured against it. Until the plain pool
 has served ``min_baseline`` requests — or with a single pool, where there is no plain
 baseline — ``plain_s_estimate = wall_s``: a neutral 1.0 that can never push a
 ``speedup < 1`` alert over its threshold. Requests on the plain pool record
 ``plain_s_estimate = wall_s`` (they *are* plain decoding).
+
+``verify_s`` is the engine's own generation time where it reports one (llama.cpp's
+``predicted_ms``: drafting and verification together; ``draft_s`` stays 0), else 0.
+Completion tokens: ``usage`` first, then the engine's own count (llama.cpp's
+``predicted_n``), then one per content chunk.
 
 Engine counts missing or malformed → ``drafted = accepted = 0`` (inconclusive: the
 alert rules' ``min_samples`` on drafted tokens ignore them), never a crash.
@@ -53,7 +61,11 @@ class Observation:
 
     @property
     def tokens(self) -> int:
-        return self.usage_tokens if self.usage_tokens is not None else self.chunks
+        if self.usage_tokens is not None:
+            return self.usage_tokens
+        if self.counts is not None and self.counts.predicted_tokens is not None:
+            return self.counts.predicted_tokens
+        return self.chunks
 
 
 class PoolSpeed:
@@ -70,7 +82,11 @@ class PoolSpeed:
 
     def observe(self, pool: str, obs: Observation) -> None:
         n = obs.tokens
-        if obs.decode_s is not None and obs.decode_s > 0 and n >= 2:
+        engine = obs.counts
+        if engine is not None and engine.predicted_s and engine.predicted_tokens and engine.predicted_tokens >= 2:
+            # the engine's own decode time (llama.cpp: the first token comes with the prompt pass)
+            tps = (engine.predicted_tokens - 1) / engine.predicted_s
+        elif obs.decode_s is not None and obs.decode_s > 0 and n >= 2:
             tps = (n - 1) / obs.decode_s
         elif obs.decode_s is None and obs.wall_s > 0 and n >= 1:
             tps = n / obs.wall_s
@@ -107,6 +123,9 @@ def to_record(route: Route, obs: Observation, plain_tps: float | None) -> Decode
         forwards = counts.verify_forwards if counts.verify_forwards is not None else max(1, n - accepted)
     if method != "ar" and plain_tps and obs.ttft_s is not None and n >= 1:
         plain_s = obs.ttft_s + (n - 1) / plain_tps
+    elif method != "ar" and plain_tps and counts is not None and counts.predicted_s is not None and n >= 1:
+        # not streamed, timed by the engine: the measured time with its decode part at the plain speed
+        plain_s = max(0.0, obs.wall_s - counts.predicted_s) + (n - 1) / plain_tps
     elif method != "ar" and plain_tps and obs.decode_s is None and n >= 1:
         plain_s = n / plain_tps
     else:
@@ -114,8 +133,14 @@ def to_record(route: Route, obs: Observation, plain_tps: float | None) -> Decode
     latencies = ([obs.ttft_s] if obs.ttft_s is not None else []) + list(obs.gaps_s)
     return DecodeRecord(
         request_class=route.request_class, method=method, new_tokens=n, drafted=drafted, accepted=accepted,
-        accepted_per_pos=per_pos, target_forwards=forwards, draft_s=0.0, verify_s=0.0, wall_s=max(0.0, obs.wall_s),
+        accepted_per_pos=per_pos, target_forwards=forwards, draft_s=0.0, verify_s=_verify_s(counts),
+        wall_s=max(0.0, obs.wall_s),
         plain_s_estimate=max(0.0, plain_s), token_latencies_s=latencies, head_predictions=[], head_correct=[],
         gamma=(counts.gamma or route.gamma) if (counts is not None and method in ("draft", "ngram")) else
         (route.gamma if method in ("draft", "ngram") else 0),
         heads=0, fallback_reason=route.fallback_reason)
+
+
+def _verify_s(counts: SpecCounts | None) -> float:
+    """The engine's generation time when it reports one (llama.cpp: drafting included), else 0."""
+    return counts.predicted_s if counts is not None and counts.predicted_s is not None else 0.0
