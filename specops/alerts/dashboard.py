@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from specops.controller import metrics as controller_metrics
+from specops.telemetry import controller_series as controller_metrics
 from specops.telemetry import contract
 
 UID = "specops-overview"
@@ -33,7 +33,7 @@ class Panel:
 
     title: str
     series: str
-    """Key of `contract.PROMQL` (runtime series) or of `specops.controller.metrics.PROMQL` (``controller_*``)."""
+    """Key of `contract.PROMQL` (runtime series) or of `specops.telemetry.controller_series.PROMQL` (``controller_*``)."""
     unit: str
     """Grafana unit id (``percentunit``, ``s``, ``short``...)."""
     legend: str = "{{class}}"

@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import redis
@@ -56,6 +56,7 @@ from specops.controller.adapt import (
 )
 from specops.controller.fallback import FallbackManager, RuleOutcome
 from specops.controller.metrics import ControllerMetrics
+from specops.controller.decision import Decision
 from specops.controller.rollout_driver import RolloutDriver
 from specops.controller.sources import MetricSource, Reading, read_many
 from specops.policies.errors import ConflictError, StaleEpochError, StoreUnavailableError
@@ -66,26 +67,6 @@ log = logging.getLogger(__name__)
 #: Default timing slack of the adaptation guard, as a share of the metrics window: the
 #: cooldown and the settle time count as elapsed up to this much early (tick jitter).
 TIMING_SLACK = 0.01
-
-
-@dataclass(frozen=True)
-class Decision:
-    """One thing the controller decided for a class (or the rollout) in a tick."""
-
-    request_class: str | None
-    kind: str  # adapt | hold | inconclusive | fallback_on | fallback_off | alert | seed | rollout.*
-    reason: str
-    before: dict[str, Any] = field(default_factory=dict)
-    after: dict[str, Any] = field(default_factory=dict)
-    inputs: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def changed(self) -> bool:
-        return self.kind not in ("hold", "inconclusive")
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"class": self.request_class, "kind": self.kind, "reason": self.reason, "before": self.before,
-                "after": self.after, "inputs": self.inputs}
 
 
 def knob_name(method: str) -> str:

@@ -1,28 +1,14 @@
 """The controller's own Prometheus metrics (served on its ``/metrics``).
 
 Registered on an injected ``CollectorRegistry`` so tests (and the simulator) use a
-fresh one instead of the process-global default.
-
-Derived series for the dashboard (`PROMQL`; ``$match`` / ``$window`` as in
-`specops.telemetry.contract.promql`)::
-
-    controller_fallbacks_active  max by (class) (specops_controller_fallbacks_active)     1 = fallen back
-    controller_knob              max by (class, knob) (specops_controller_knob)           γ / heads set
-    controller_decisions         sum by (class, kind) (increase(decisions_total[window]))  holds included
+fresh one instead of the process-global default. Their derived series (`PROMQL`,
+`promql`) are part of the telemetry contract: `specops.telemetry.controller_series`.
 """
 
 from __future__ import annotations
 
-from string import Template
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-#: Derived series of the controller's metrics, keyed like `specops.telemetry.contract.PROMQL`.
-PROMQL: dict[str, str] = {
-    "controller_fallbacks_active": "max by (class) (specops_controller_fallbacks_active{$match})",
-    "controller_knob": "max by (class, knob) (specops_controller_knob{$match})",
-    "controller_decisions": "sum by (class, kind) (increase(specops_controller_decisions_total{$match}[$window]))",
-}
 
 TICK_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -53,10 +39,3 @@ class ControllerMetrics:
             ["class", "knob"], registry=r)
         self.is_leader = Gauge("specops_controller_is_leader", "1 while this controller holds the leader lease.",
                                registry=r)
-
-
-def promql(name: str, window: str = "5m", match: str = "") -> str:
-    """The PromQL of controller series ``name`` (see the module docstring)."""
-    if name not in PROMQL:
-        raise KeyError(f"unknown controller series {name!r}; known: {', '.join(sorted(PROMQL))}")
-    return Template(PROMQL[name]).substitute(window=window, match=match).replace("{}", "")

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from specops.controller.analysis import run_analysis, tally, verdict
+from specops.controller.decision import Decision
 from specops.controller.fallback import rule_applies
 from specops.controller.sources import MetricSource, Reading, read_many
 from specops.policies import rollout as machine
@@ -53,9 +54,7 @@ class RolloutDriver:
         self.clock = clock
         self.metrics = metrics
 
-    def _decision(self, kind: str, reason: str, **inputs: Any):
-        from specops.controller.controller import Decision  # local: controller imports this module
-
+    def _decision(self, kind: str, reason: str, **inputs: Any) -> Decision:
         return Decision(None, kind, reason, inputs=inputs)
 
     def tick(self, stable_policy: Any, epoch: Any, rollback_alerts: list, state: Any = None) -> list:

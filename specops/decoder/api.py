@@ -32,7 +32,8 @@ from specops.decoder.errors import (
     UnknownMethodError,
     VocabMismatchError,
 )
-from specops.decoder.runner import IMPLS, ModelRunner, load_runner
+from specops.decoder.runner import IMPLS, ModelRunner
+from specops.decoder.loading import load_runner
 from specops.decoder.sampling import SamplingConfig, make_generator
 from specops.decoder.schedule import GammaSchedule, make_schedule
 from specops.decoder.stats import DecodeStats
@@ -279,7 +280,7 @@ class Decoder:
         ``fallback=True``: a draft that cannot be used (a vocabulary mismatch, a model no
         runner can run; in `from_pretrained` also one that fails to load) is dropped with a warning and
         ``method="draft"`` then runs plain decoding, with the reason in the stats.
-        ``impl``: "auto" | "fast" | "hf" (see `specops.decoder.runner.load_runner`).
+        ``impl``: "auto" | "fast" | "hf" (see `specops.decoder.loading.load_runner`).
         ``ngram_store``: a `specops.decoder.ngram_store.NgramStore` for the target's tokenizer: the
         n-gram drafter (methods "ngram" and "auto") drafts its corpus chains where the context has
         no match (``generate(..., corpus=False)``: prompt lookup only).

@@ -158,7 +158,7 @@ def rollout_command(file: str, dry_run: bool, window_s: float | None, redis_url:
     policy = load_policy(text, filename=file)
     with _opened(redis_url, state_dir, namespace) as store:
         if dry_run:
-            from specops.policies.dry_run import dry_run as evaluate
+            from specops.controller.dry_run import dry_run as evaluate
 
             click.echo(evaluate(store, policy, window_s or policy.rollout.analysis.window_s))
             return

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import signal
 import time
 import uuid
@@ -31,18 +30,13 @@ import redis
 from redis.exceptions import RedisClusterException
 
 from specops.policies import redis_urls
+from specops.policies.redis_urls import redact
 from specops.policies.errors import StoreUnavailableError
 
 log = logging.getLogger(__name__)
 
 EMBEDDED_DB = "specops.rdb"
 SCHEMES = ("redis", "rediss", "unix") + redis_urls.SENTINEL_SCHEMES + redis_urls.CLUSTER_SCHEMES
-
-
-def redact(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (for messages and logs)."""
-    url = re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://[^:@/?]*):[^@/?]*@", r"\1:***@", url)
-    return re.sub(r"([?&]sentinel_password=)[^&]*", r"\1***", url)
 
 
 def connect(url: str | None, state_dir: str | os.PathLike[str] = ".specops", *, timeout_s: float = 5.0) -> redis.Redis:

@@ -34,6 +34,7 @@ Options (query string):
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, unquote
@@ -71,9 +72,13 @@ class MultiHostURL:
         return self.scheme in SENTINEL_SCHEMES
 
 
-def _bad(url: str, why: str) -> StoreUnavailableError:
-    from specops.policies.redis_backend import redact
+def redact(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (for messages and logs)."""
+    url = re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://[^:@/?]*):[^@/?]*@", r"\1:***@", url)
+    return re.sub(r"([?&]sentinel_password=)[^&]*", r"\1***", url)
 
+
+def _bad(url: str, why: str) -> StoreUnavailableError:
     return StoreUnavailableError(f"bad Redis URL {redact(url)}: {why}")
 
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from specops.telemetry.turn_metrics import TURN_BUCKETS, turn_bucket  # noqa: F401 (telemetry's label values)
+
 TURN_LABEL = "turn"
 """Label / header name that carries the turn of a plain completion request."""
-TURN_BUCKETS = ("1", "2", "3+")
-"""Every value the telemetry ``turn`` label can take."""
 MAX_TURN_LABEL_CHARS = 9
 
 
@@ -57,10 +57,3 @@ def resolve_turn(turn: int | None, labels: Mapping[str, str] | None) -> int | No
     if isinstance(turn, bool) or not isinstance(turn, int) or turn < 1:
         raise ValueError(f"turn must be an integer >= 1, got {turn!r}")
     return turn
-
-
-def turn_bucket(turn: int | None) -> str | None:
-    """The bounded telemetry label for ``turn``: ``1``, ``2`` or ``3+`` (None stays None)."""
-    if turn is None:
-        return None
-    return TURN_BUCKETS[min(turn, 3) - 1]

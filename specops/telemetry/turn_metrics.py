@@ -2,7 +2,7 @@
 
 The contract's metric families (``contract.py``) keep their ``class`` / ``method``
 labels unchanged; these extra counters add a ``turn`` label whose values are bounded
-to ``1`` / ``2`` / ``3+`` (`specops.policies.turns.turn_bucket`), so per-turn
+to ``1`` / ``2`` / ``3+`` (`turn_bucket`), so per-turn
 acceptance is visible without unbounded cardinality::
 
     sum by (class, turn) (rate(specops_turn_accepted_tokens_total[5m]))
@@ -16,10 +16,18 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter
 
-from specops.policies.turns import turn_bucket
 from specops.telemetry.records import DecodeRecord
 
 TURN_LABELS = ("class", "method", "turn")
+TURN_BUCKETS = ("1", "2", "3+")
+"""Every value the telemetry ``turn`` label can take."""
+
+
+def turn_bucket(turn: int | None) -> str | None:
+    """The bounded telemetry label for ``turn``: ``1``, ``2`` or ``3+`` (None stays None)."""
+    if turn is None:
+        return None
+    return TURN_BUCKETS[min(turn, 3) - 1]
 
 
 class TurnExporter:

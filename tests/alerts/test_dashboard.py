@@ -2,7 +2,7 @@ import json
 from pathlib import Path
 
 from specops.alerts import dashboard
-from specops.controller import metrics as controller_metrics
+from specops.telemetry import controller_series as controller_metrics
 from specops.telemetry import contract
 
 COMMITTED = Path(__file__).resolve().parents[2] / "charts" / "specops" / "dashboards" / "specops.json"

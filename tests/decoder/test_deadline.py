@@ -17,7 +17,7 @@ import pytest
 from specops.decoder import Decoder
 from specops.decoder.medusa_heads import MedusaHeads
 from specops.decoder.ngram import NgramIndex
-from specops.decoder.runner import load_runner
+from specops.decoder.loading import load_runner
 from tests.decoder.clocked import ClockedRunner, FakeClock, Forward
 from tests.decoder.tiny_models import VOCAB, hf_greedy, perturbed, tiny_llama
 

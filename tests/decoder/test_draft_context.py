@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specops.decoder import Decoder
-from specops.decoder.runner import load_runner
+from specops.decoder.loading import load_runner
 from specops.decoder.speculation import DRAFT_CONTEXT, draft_room
 from specops.serving.engine import Engine
 from specops.serving.sequence import SamplingParams, SpecSettings

@@ -166,7 +166,7 @@ def test_per_step_stats_are_consistent_on_real_models(schedule, temperature):
     from tests.decoder.tiny_models import perturbed, tiny_llama
 
     target_model = tiny_llama(seed=21)
-    from specops.decoder.runner import load_runner
+    from specops.decoder.loading import load_runner
 
     target = load_runner(target_model, impl="fast")
     draft = load_runner(perturbed(target_model, noise=0.3, seed=22), impl="fast")

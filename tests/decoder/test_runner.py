@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from specops.decoder.hf_runner import HFRunner
 from specops.decoder.kv_cache import KVCache
-from specops.decoder.runner import ModelRunner, RunnerOutput, UnsupportedModelError, load_runner
+from specops.decoder.runner import ModelRunner, RunnerOutput, UnsupportedModelError
+from specops.decoder.loading import load_runner
 
 VOCAB = 64
 ATOL = 1e-4

@@ -176,7 +176,7 @@ def test_fast_runner_without_precomputed_head_tables_matches_transformers(monkey
 @pytest.mark.parametrize("impl", ["fast", "hf"])
 def test_runners_on_cuda_match_transformers(impl):
     """On a GPU the fast path's tree forwards go through the Triton tree-attention kernel."""
-    from specops.decoder.runner import load_runner
+    from specops.decoder.loading import load_runner
 
     model_type, overrides = CONFIGS["qwen2-gqa-bias"]
     model = build(model_type, seed=59, **overrides).cuda()

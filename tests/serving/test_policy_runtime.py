@@ -131,7 +131,7 @@ def test_class_deadline_ends_the_request_in_plain_decoding(monkeypatch, redis_cl
     target forward, 0.25 s per draft forward) a 24-token request outlives the code class's
     4.6 s, so it ends in plain steps with the same tokens and publishes the fallback; the
     class without a deadline speculates to the end."""
-    from specops.decoder.runner import load_runner
+    from specops.decoder.loading import load_runner
     from tests.decoder.clocked import ClockedRunner, FakeClock
     from tests.decoder.test_deadline import check_tail_is_plain
 
