@@ -6,8 +6,9 @@ vLLM V1 (docs.vllm.ai "Metrics" design page; vllm/v1/spec_decode/metrics.py)
     ``vllm:spec_decode_num_drafts_total``, ``vllm:spec_decode_num_draft_tokens_total``,
     ``vllm:spec_decode_num_accepted_tokens_total``,
     ``vllm:spec_decode_num_accepted_tokens_per_pos_total{position}``
-SGLang (python/sglang/srt/metrics/collector.py)
-    ``sglang:spec_accept_length``, ``sglang:spec_accept_rate``
+SGLang (python/sglang/srt/metrics/collector.py, SchedulerMetricsCollector's "Speculative decoding" gauges)
+    ``sglang:spec_accept_length``, ``sglang:spec_accept_rate``, and where the build has them the
+    active tier of adaptive speculation, ``sglang:spec_num_steps``, ``sglang:spec_num_draft_tokens``
 llama.cpp (``llama-server --metrics``; ``server_task_result_metrics::to_metrics`` in
 tools/server/server-task.cpp, table in tools/server/README.md)
     ``llamacpp:spec_decode_num_draft_tokens_total``, ``llamacpp:spec_decode_num_accepted_tokens_total``,
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 
 PREFIXES = {
     "vllm": ("vllm:spec_decode_",),
-    "sglang": ("sglang:spec_accept_",),
+    "sglang": ("sglang:spec_accept_", "sglang:spec_num_steps", "sglang:spec_num_draft_tokens"),
     "specops": ("specops_",),
     "llamacpp": ("llamacpp:spec_decode_", "llamacpp:prompt_", "llamacpp:tokens_predicted",
                  "llamacpp:predicted_tokens_seconds", "llamacpp:requests_"),

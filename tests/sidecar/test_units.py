@@ -164,8 +164,8 @@ def test_policy_upstreams_schema_errors_name_file_and_line(tmp_path):
     ("vllm", "vllm_metrics.txt", {"vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                                   "vllm:spec_decode_num_accepted_tokens",
                                   "vllm:spec_decode_num_accepted_tokens_per_pos"}, "vllm:num_requests_running"),
-    ("sglang", "sglang_metrics.txt", {"sglang:spec_accept_length", "sglang:spec_accept_rate"},
-     "sglang:num_running_reqs"),
+    ("sglang", "sglang_metrics.txt", {"sglang:spec_accept_length", "sglang:spec_accept_rate", "sglang:spec_num_steps",
+                                      "sglang:spec_num_draft_tokens"}, "sglang:num_running_reqs"),
 ])
 def test_engine_metrics_republished_with_pool_label(engine, fixture, kept, dropped):
     registry = CollectorRegistry()
