@@ -57,13 +57,22 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
 {{/* The runtime sidecar container, to place beside an inference server container. */}}
+{{/* The sidecar's --engine: llamacpp in the inference example's llama-server pod, else sidecar.engine. */}}
+{{- define "specops.sidecarEngine" -}}
+{{- if and .Values.inferenceExample.enabled (eq .Values.inferenceExample.engine "llamacpp") -}}
+llamacpp
+{{- else -}}
+{{ .Values.sidecar.engine }}
+{{- end -}}
+{{- end -}}
+
 {{- define "specops.sidecarContainer" -}}
 - name: specops-sidecar
   image: {{ include "specops.image" . }}
   imagePullPolicy: {{ .Values.image.pullPolicy }}
   command: ["specops", "sidecar"]
   args:
-    - --engine={{ .Values.sidecar.engine }}
+    - --engine={{ include "specops.sidecarEngine" . }}
     {{- range .Values.sidecar.upstreams }}
     - --upstream={{ .name }}={{ .url }}
     {{- end }}
