@@ -57,11 +57,16 @@ from specops.decoder.speculation import DRAFT_CONTEXT, draft_room, step_tokens
 from specops.decoder.tree_verify import verify_tree_greedy, verify_tree_sampling
 from specops.decoder.verify import accept_greedy, verify_block_sampled
 from specops.kernels import cpu_linear
+from specops.serving.acceptance import ALPHA_PRIOR, ALPHA_RECOVERY, SEQ_DECAY, SEQ_PRIOR_TRIALS, AcceptancePriors
+from specops.serving.calibration import calibrate as calibrate_costs, cost_clock
+from specops.serving.plan_limits import (FULL_CATCH_UP, GUARD_MIN_BATCH, PLAIN_PROBE_EVERY, PLAN_PREFILL_LIMIT,
+                                         PROBE_BACKOFF_MAX, PROBE_EVERY, PROBE_STALE, QUIET_AFTER_DECLINE, QUIET_MAX,
+                                         VETO_STEPS)
 from specops.serving.auto_method import MethodChooser
-from specops.serving.batch_forward import FeedItem, SeqKV, bytes_per_token, make_backend
+from specops.serving.batch_forward import FeedItem, bytes_per_token, make_backend
 from specops.serving.kv_pool import BlockPool
-from specops.serving.kv_budget import auto_kv_cache_mb, available_memory_bytes, choose_kv_budget  # noqa: F401 (auto_kv_cache_mb: re-exported)
-from specops.serving.proposers import CLOCK_IDS, MedusaProposer, draft_blocks
+from specops.serving.kv_budget import available_memory_bytes, choose_kv_budget
+from specops.serving.proposers import MedusaProposer, draft_blocks
 from specops.serving.scheduler import Scheduler
 from specops.serving.sequence import (
     DEFAULT_TREE_SIZE,
@@ -83,149 +88,6 @@ from specops.serving.spec_planner import (
 
 log = logging.getLogger(__name__)
 
-ALPHA_PRIOR = {"draft": 0.7, "ngram": 0.6, "medusa": 0.7}
-ALPHA_RECOVERY = 0.05  # per plain step, toward the prior (a switched-off sequence probes again)
-PRIOR_WEIGHT = 0.05  # weight of one speculative step in its kind's Medusa scale prior (`AcceptancePriors`)
-# Per-token acceptance α of linear drafts is estimated as accepted / trials, where a round's
-# trials are its accepted tokens plus the rejection that ended it early (positions after a
-# rejection are never tried). accepted / drafted, the estimate before, reads a round of 6
-# at α = 0.8 (2.95 accepted on average) as 0.49: the deeper the engine drafted, the lower
-# its estimate fell and the more often it then skipped speculating, so a higher γ cap bought
-# nothing (bench: the same tokens per forward, 10% more time per token).
-SEQ_DECAY = 0.8  # per speculative round, on a request's own counts
-SEQ_PRIOR_TRIALS = 2.0  # its kind's prior counts as this many trials
-KIND_DECAY = 0.97  # per speculative round, on a kind's counts (`AcceptancePriors`)
-KIND_PRIOR_TRIALS = 4.0  # `ALPHA_PRIOR` counts as this many trials of a kind
-CALIBRATION_PREFIX = 32
-CALIBRATION_FORWARDS = 6
-"""Timed forwards per (B, t) shape at startup; the cost model drops each shape's first (its one-time
-costs), the median of the other five seeds the point. With three (a median of two) the startup
-curves of a server on this 2-core host read backwards at one batch size in two (at batch 1: 4.2,
-2.3 and 2.1 ms for 1, 3 and 5 tokens)."""
-
-
-class AcceptancePriors:
-    """What earlier requests of the same kind achieved: the starting point of a new request's
-    acceptance estimates (and where a sequence that stopped speculating drifts back to).
-
-    A kind is (request class — `SpecSettings.auto_key` —, method, sampled or greedy). Without
-    it every request started at `ALPHA_PRIOR` (Medusa: the heads' greedy accuracy table at
-    face value), so each temperature-1.0 request paid several steps of wide, mostly rejected
-    speculation before its own estimate fell (Medusa at temperature 1.0 ran at 0.67x plain
-    decoding on the bench's hot prompts). A kind's α is its decayed accepted tokens over
-    decayed trials (KIND_DECAY per round) with `ALPHA_PRIOR` worth KIND_PRIOR_TRIALS trials;
-    its Medusa scale moves by `PRIOR_WEIGHT` per step toward what was measured; a kind never
-    seen keeps the fixed prior."""
-
-    def __init__(self) -> None:
-        self._counts: dict[tuple, tuple[float, float]] = {}  # linear drafts: decayed (accepted, trials)
-        self._positions: dict[tuple, list[list[float]]] = {}  # linear drafts: per position [hits, trials], decayed
-        self._scale: dict[tuple, float] = {}  # Medusa: accepted / the accuracy table's expectation
-
-    def alpha(self, key: tuple, method: str) -> float:
-        """Per-token acceptance of the kind's linear drafts (draft, ngram)."""
-        prior = ALPHA_PRIOR.get(method, 0.0)
-        hits, trials = self._counts.get(key, (0.0, 0.0))
-        return (hits + KIND_PRIOR_TRIALS * prior) / (trials + KIND_PRIOR_TRIALS)
-
-    def scale(self, key: tuple) -> float:
-        return self._scale.get(key, 1.0)
-
-    def observe_alpha(self, key: tuple, accepted: int, trials: int) -> None:
-        """One linear round of the kind: ``accepted`` tokens in ``trials`` (see SEQ_DECAY)."""
-        hits, total = self._counts.get(key, (0.0, 0.0))
-        self._counts[key] = (KIND_DECAY * hits + accepted, KIND_DECAY * total + trials)
-        cells = self._positions.setdefault(key, [])
-        cells.extend([0.0, 0.0] for _ in range(trials - len(cells)))
-        for i, cell in enumerate(cells):  # positions 0..trials-1 were tried, the first `accepted` accepted
-            cell[0] = KIND_DECAY * cell[0] + (i < accepted)
-            cell[1] = KIND_DECAY * cell[1] + (i < trials)
-
-    def gains(self, key: tuple, method: str, alpha: float, bound: int) -> list[float]:
-        """Expected acceptance of a linear draft's 1st..bound-th token for a sequence whose own
-        per-token acceptance is ``alpha``: the kind's acceptance at each position, given the ones
-        before were accepted (shrunk toward the kind's α, KIND_PRIOR_TRIALS trials' worth; a
-        position never reached reads as the deepest one that was), relative to the kind's α.
-
-        A constant α^k is wrong at depth. Measured on the bench mix (in-process, batch 4), the
-        conditional acceptance by position was 0.80, 0.67, 0.63, 0.60, 0.55, 0.50 for greedy
-        general prompts and 0.79, 0.57, 0.41, 0.35, 0.31, 0.16 at temperature 1.0: α^k
-        overstated the deep tokens, so a raised γ cap bought drafts that were rejected."""
-        kind = self.alpha(key, method)
-        if kind <= 0.0:
-            return [0.0] * bound
-        cells = self._positions.get(key, [])
-        out, p, q = [], 1.0, kind
-        for i in range(bound):
-            if i < len(cells):
-                hits, trials = cells[i]
-                q = (hits + KIND_PRIOR_TRIALS * q) / (trials + KIND_PRIOR_TRIALS)  # toward the one before
-            p *= min(alpha * q / kind, 0.99)
-            out.append(p)
-        return out
-
-    def observe_scale(self, key: tuple, value: float) -> None:
-        a = self.scale(key)
-        self._scale[key] = a + PRIOR_WEIGHT * (value - a)
-
-
-def cost_clock(device: torch.device) -> Callable[[], float]:
-    """The clock the planner's costs are measured with. On CPU: CPU seconds, not wall time; on a
-    shared, oversubscribed machine a wall-clock interval of a few ms usually includes another
-    process's time slice, which is noise to the choice between plans (both would pay it alike).
-    The engine's own thread when torch runs single-threaded, else the whole process."""
-    if device.type != "cpu":
-        return time.perf_counter
-    return time.thread_time if torch.get_num_threads() == 1 else time.process_time
-
-
-PROBE_EVERY = 32
-"""Declined-speculation steps between two probe steps (see `Engine.probe_every`). Each probe pays
-for speculating where the plan said no, a draft model's catch-up included, and a plan-chosen
-speculative step resets the back-off, so at a batch size where speculation hovers around break-even
-probes came often: at batch 4 in-process (the serving mix, the controller's caps γ 10 / 5), 63-103
-probes in ~6,000 steps at 16, 33-38 at 32 with `QUIET_AFTER_DECLINE` 7, and that engine ran 1.002 /
-0.960 / 0.932x an `ar` engine against 0.864 / 0.934 / 0.895x (three processes, 8 alternations
-each; the host was noisy, single repeats spread 0.61-1.52x)."""
-PLAN_PREFILL_LIMIT = 32
-"""Prompt tokens in a step beyond which its sequences do not speculate (see `Engine._plan`)."""
-FULL_CATCH_UP = 16
-"""Draft-cache catch-up tokens charged in full to the step that feeds them (see `Engine._candidate`).
-Every first drafting round used to be priced at one token per sequence: it feeds two after a fully
-accepted block and more after skipped steps, and in-process at batch 4 the draft rounds cost twice
-what the plan predicted, nearly all of it in first rounds."""
-PLAIN_PROBE_EVERY = 24
-"""Speculating steps in a row at one batch size after which one step there decodes plainly
-(see `Engine.plain_probe_every`)."""
-VETO_STEPS = 256
-"""Plain steps at a batch size where speculating was measured to make decoding slower (`Engine.veto_steps`).
-The veto spares requests whose speculation is being measured (`SpecSettings.observed`: a canary's, a
-fallback probe's). When it stopped every request, the acceptance telemetry the canary analysis reads
-went blind: `make demo`'s analysis came out inconclusive three times instead of failing the bad n-gram
-canary."""
-GUARD_MIN_BATCH = 2
-"""The smallest batch size the veto applies to. At batch 1 every step is one request's own plan, which
-its acceptance estimate already steers; a batch-wide veto there would stop a code request for what a
-temperature-1.0 request before it measured."""
-PROBE_BACKOFF_MAX = 8
-"""The longest probe period, in units of `PROBE_EVERY` (see `Engine._after_probe`)."""
-PROBE_STALE = 0.67
-"""A probe whose verify forward cost under this share of the prediction found the cost model stale."""
-QUIET_AFTER_DECLINE = 7
-"""Steps at the same batch size that skip planning after the planner declined speculation. A plan
-(each sequence's candidate, the goodput search) costs ~170 us at batch 4 on the bundled models;
-at 3 a declining batch-4 engine still spent 43 us a step planning against an `ar` engine's 5
-(in-process, see `PROBE_EVERY` for the measured effect of 7 with it). Another batch size, a probe
-step or an observed request plans at once."""
-QUIET_MAX = 31
-"""The longest quiet stretch. A quiet stretch skips planning at the declining plan's batch size and
-every larger one (a larger batch only makes a verify dearer); after each further declining plan in a
-row at such a size the stretch doubles (7, 15, 31 steps). At a steady batch 16 the planner declined in
-nearly every plan and planning every 8th step still took 1.0-1.2% of the engine's time (in-process, the
-serving mix; a plan there costs ~0.5 ms against a ~4 ms step); in a server at 16 streams, whose batch
-moves between 12 and 16 as requests end and join, it planned in 16% of its steps (2.1% of their time).
-A plan that speculates, a probe that found the cost model stale, or a smaller batch than the stretch's
-starts over at `QUIET_AFTER_DECLINE`."""
 PLAIN_STEP_WINDOW = 64  # plain steps per batch size behind the speed-up estimate of batched requests
 
 
@@ -301,12 +163,9 @@ class Engine:
         self._quiet_size = 0  # the smallest batch size of the declines in a row behind it (0: none)
         self.probes = 0  # probe steps run (planner diagnostics)
         # the mirror image: while every step at a batch size speculates, nothing re-measures what a plain
-        # step there costs, and the planner compares each plan with a plain-step cost that can be minutes
-        # old (the calibration's, or from another load on the machine); the plans also tend to speculate
-        # exactly when that estimate is noisily high. Measured in-process at batch 4: at the steps that
-        # speculated, the plain step they were compared with was predicted at 5.7 ms of CPU, while the
-        # plain steps of the same run took 4.8 ms. Every PLAIN_PROBE_EVERY-th step at a batch size that
-        # has only speculated decodes plainly. 0: never.
+        # step there costs, and the planner would compare each plan with a plain-step cost that can be
+        # minutes old (and plans tend to speculate exactly when that estimate is noisily high). Every
+        # PLAIN_PROBE_EVERY-th step at a batch size that has only speculated decodes plainly. 0: never.
         self.plain_probe_every = PLAIN_PROBE_EVERY
         self._spec_run: dict[int, int] = {}  # batch size -> speculating steps in a row there
         self.plain_probes = 0
@@ -331,7 +190,7 @@ class Engine:
         self.priors = AcceptancePriors()
         self._last_batch = 0
         if calibrate:
-            self._calibrate()
+            calibrate_costs(self)
 
     # -- requests ------------------------------------------------------------------
     def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, spec: SpecSettings) -> None:
@@ -566,13 +425,10 @@ class Engine:
     def _verify_greedy_batch(self, batch: list[Sequence], plans: dict[str, dict], outs) -> dict[str, tuple[int, int]]:
         """(accepted, next token) of every greedy linear sequence, from ONE argmax over all their
         logit rows: drafts are accepted while they equal the target's argmax, then its argmax
-        follows (`verify_greedy`'s rule). The comparison runs on the few ints in Python; the
-        tensor form (index and draft tensors, a gather of [B, W+1, V], cumprod) cost ~10
-        tensor ops per step, several times the argmax. When every output is rows of the step's
-        one logits tensor (the paged backend) the argmax runs over that tensor as it is: the
-        torch.cat of every sequence's rows it replaces held ~9% of the engine thread's
-        samples at 16 streams in a server (py-spy), the argmax of rows it need not read ~1 us
-        each."""
+        follows (`verify_greedy`'s rule). The comparison runs on the few ints in Python (a tensor
+        form would cost several tensor ops per step, more than the argmax). When every output is
+        rows of the step's one logits tensor (the paged backend) the argmax runs over that tensor
+        as it is, rather than over a concatenation of every sequence's rows."""
         seqs, rows = [], []
         for seq, out in zip(batch, outs):
             p = plans.get(seq.request_id)
@@ -930,47 +786,3 @@ class Engine:
             stats.plain_token_s = (stats.verify_s - stats.prefill_s) / stats.steps
         return StepOutput(request_id=seq.request_id, new_token_ids=new or [], finished=True,
                           finish_reason=reason, record=stats)
-
-    # -- cost calibration --------------------------------------------------------------
-    def _calibrate(self) -> None:
-        """Time batched forwards of B sequences x t new tokens (on scratch blocks) to seed the
-        cost models: the target's verify cost (t = 1, 3, 5) and the draft model's round (t = 1, 2)."""
-        sizes = sorted({b for b in (1, 2, 4, 8, 16, 32) if b <= self.max_batch} | {self.max_batch})
-        self._calibrate_one(self.target, self.pool, self.cost, sizes, (1, 3, 5), self.cost_clock)
-        if self.draft is not None:
-            self._calibrate_one(self.draft, self.draft_pool, self.draft_cost, sizes, (1, 2), self.cost_clock,
-                                drafting=True)
-
-    @staticmethod
-    def _calibrate_one(backend, pool: BlockPool, cost: CostModel, sizes: list[int], lengths: tuple[int, ...],
-                       clock: Callable[[], float], drafting: bool = False) -> None:
-        """``drafting``: time the draft model's rounds as `draft_blocks` runs them where it can, one
-        round of the backend's C chain (each sequence's last row through the LM head, over the draft
-        vocabulary when the runner has one), not a forward with logits for every row: at batch 2 the
-        bundled draft's forward read 2.9 ms of CPU against 0.27 for the chain's round it stands for."""
-        if not getattr(backend, "paged", False):
-            return  # the generic path learns its cost from real steps only
-        chain, clock_id = (getattr(backend, "draft_chain", None), CLOCK_IDS.get(clock)) if drafting else (None, None)
-        # untimed first: the largest shape, then the smallest (the process's first forwards start the
-        # kernels' threads and fault in the pool's pages: ~1.5x a warm forward for several calls)
-        shapes = [(sizes[-1], lengths[-1], False)] * 2 + [(sizes[0], lengths[0], False)] * 2
-        shapes += [(b, t, True) for b in sizes for t in lengths for _ in range(CALIBRATION_FORWARDS)]
-        for b, t, timed in shapes:
-            kvs = [SeqKV(computed=CALIBRATION_PREFIX) for _ in range(b)]
-            if not all(pool.grow(kv.blocks, CALIBRATION_PREFIX + t) for kv in kvs):
-                for kv in kvs:
-                    pool.release(kv.blocks)
-                return
-            done = None
-            if chain is not None and clock_id is not None:
-                done = chain([FeedItem(kv=kv, tokens=[0] * t, rows=[t - 1]) for kv in kvs], [1] * b, clock_id)
-                if done is not None and timed:
-                    cost.observe(b, b * t, done[1][0])
-            if done is None:
-                items = [FeedItem(kv=kv, tokens=[0] * t, rows=list(range(t))) for kv in kvs]
-                t0 = clock()
-                backend.forward(items)
-                if timed:
-                    cost.observe(b, b * t, clock() - t0)
-            for kv in kvs:
-                backend.release(kv)

@@ -388,7 +388,7 @@ def test_new_requests_start_from_what_their_kind_achieved(qwen2):
     of one class accepted little, a new request of that kind starts with estimates below the
     fixed priors (the planner then does not open with wide, rejected speculation); a request
     of another class, or greedy, still starts from the fixed priors."""
-    from specops.serving.engine import ALPHA_PRIOR
+    from specops.serving.acceptance import ALPHA_PRIOR
 
     eng = full_speculation(Engine(qwen2, max_batch=4, kv_cache_mb=4, calibrate=False))
     prompts = _random_prompts(4, seed=31)
@@ -417,7 +417,7 @@ def test_acceptance_is_estimated_per_trial_not_per_drafted_token():
     believing it, skipped speculating the more, the deeper it drafted)."""
     import random
 
-    from specops.serving.engine import ALPHA_PRIOR, AcceptancePriors
+    from specops.serving.acceptance import ALPHA_PRIOR, AcceptancePriors
 
     rng = random.Random(0)
     priors, key, seen = AcceptancePriors(), ("code", "draft", False), []
@@ -451,7 +451,7 @@ def test_draft_gains_follow_the_measured_acceptance_by_position():
     a kind never seen keeps α^k; a sequence accepting more than its kind gets more."""
     import random
 
-    from specops.serving.engine import ALPHA_PRIOR, AcceptancePriors
+    from specops.serving.acceptance import ALPHA_PRIOR, AcceptancePriors
 
     rng = random.Random(1)
     priors, key = AcceptancePriors(), ("general", "draft", True)

@@ -231,7 +231,7 @@ def test_a_prompt_admitted_with_a_same_prefix_waits_a_step_and_reuses_its_blocks
 
 def test_the_default_budget_holds_a_full_batch_at_full_context_twice(dec):
     from specops.serving.batch_forward import bytes_per_token
-    from specops.serving.engine import auto_kv_cache_mb
+    from specops.serving.kv_budget import auto_kv_cache_mb
 
     per_slot = bytes_per_token(dec.target) + bytes_per_token(dec.draft)
     assert auto_kv_cache_mb(per_slot, 4, 128) == 2 * 4 * 128 * per_slot / 2**20

@@ -170,7 +170,7 @@ def test_a_long_draft_cache_catch_up_is_not_counted_as_speculations_recurring_co
     is left out of what the calibration and the veto read. Shorter feeds leave nothing out."""
     from types import SimpleNamespace
 
-    from specops.serving.engine import FULL_CATCH_UP
+    from specops.serving.plan_limits import FULL_CATCH_UP
 
     eng = Engine(qwen2, max_batch=2, kv_cache_mb=1, calibrate=False)
     eng.draft_cost = LineCost(1e-3, 0.1e-3)
@@ -337,7 +337,7 @@ def test_probes_back_off_while_they_confirm_the_decline():
     """A probe whose verify cost came out as predicted doubles the wait for the next (up to
     PROBE_BACKOFF_MAX periods); one that found the cost model stale, or a plan that
     speculates by itself, brings the short period back."""
-    from specops.serving.engine import PROBE_BACKOFF_MAX
+    from specops.serving.plan_limits import PROBE_BACKOFF_MAX
 
     eng = Engine(Decoder.from_pretrained("bundled"), max_batch=2, kv_cache_mb=1, calibrate=False)
     eng.cost = LineCost(10e-3, 1e-3)
