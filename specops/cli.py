@@ -49,6 +49,10 @@ COMMANDS: dict[tuple[str, ...], dict[str, str]] = {
         "decisions": "specops.policies.cli_decisions:decisions_command",
         "classify": "specops.policies.cli_classify:classify_command",
     },
+    ("models",): {
+        "list": "specops.models.cli:list_command",
+        "pull": "specops.models.cli:pull_command",
+    },
     ("controller",): {
         "run": "specops.controller.cli:run_command",
     },
@@ -64,6 +68,7 @@ COMMANDS: dict[tuple[str, ...], dict[str, str]] = {
 GROUP_HELP = {
     ("train",): "Train the bundled models, distil drafts, train Medusa heads, count n-gram stores.",
     ("bench",): "Benchmarks: decoding methods vs peers, kernels, serving, chat turns, the sidecar's overhead.",
+    ("models",): "Real pretrained models: list the registered ones, pull one into the cache (--model NAME).",
     ("policy",): "Validate and roll out YAML speculation policies.",
     ("controller",): "The adaptive control loop (fleet controller; the per-pod proxy is `specops sidecar`).",
     ("alerts",): "Render alert rules for Prometheus and Grafana.",

@@ -11,16 +11,33 @@ speed per turn.
 
 A template is a Python format string with ``{role}`` and ``{content}`` per message;
 the generation prompt is the template with ``role=assistant`` cut before ``{content}``.
+
+**Chat-model suites** (`chat_model_suite`): for an instruction-tuned model the suites
+come from prompt sets written for the project (`specops.bench.chat_prompts`) instead:
+``chat`` (multi-turn, kinds ``turn1`` / ``turn2`` / ``turn3+``), ``code``, ``qa``
+(factual questions) and ``creative`` (temperature `CREATIVE_TEMPERATURE`); ``mixed``
+interleaves all four, one prompt of each class in turn, so ``--limit`` keeps the mix.
+Each prompt is the messages rendered with the model's own chat template
+(``tokenizer.apply_chat_template(..., add_generation_prompt=True)``, as `specops serve`
+renders a chat request), or, for a tokenizer without one, with ``template`` when given,
+else the server's plain transcript format (`specops.serving.chat_template.render_plain`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from specops.policies.turns import turn_bucket
 
 DEFAULT_CHAT_TEMPLATE = "<|{role}|>\n{content}\n"
 TURN_KINDS = ("turn1", "turn2", "turn3+")
+
+CHAT_MODEL_SUITES = ("chat", "code", "qa", "creative", "mixed")
+"""Suites from the shipped prompt sets for instruction-tuned models (`specops.bench.chat_prompts`)."""
+CHAT_MODEL_CLASSES = ("chat", "code", "qa", "creative")
+CREATIVE_TEMPERATURE = 0.8
+"""The creative class is sampled (exactness is checked on the greedy classes only)."""
 
 
 class ChatTemplateError(ValueError):
@@ -91,3 +108,61 @@ def format_turn_table(report: dict) -> str:
             acc = "-" if row["acceptance_rate"] is None else f"{row['acceptance_rate']:.3f}"
             lines.append(f"{r['method']:<12} {kind:<7} {row['tokens_per_s']:>8.1f} {acc:>7} {row['mean_accepted_len']:>8.2f}")
     return "\n".join(lines)
+
+
+def prompt_class(kind: str) -> str:
+    """The class of a chat-model suite prompt's kind (``turn1`` / ``turn2`` / ``turn3+`` are ``chat``)."""
+    return "chat" if kind in TURN_KINDS else kind
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_messages(messages: list[tuple[str, str]], tokenizer: Any = None, template: str | None = None) -> str:
+    """``messages`` then the assistant generation prompt: the tokenizer's chat template when it has
+    one, else ``template`` (a `ChatTemplate` string), else the server's plain transcript."""
+    if has_chat_template(tokenizer):
+        return tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in messages], tokenize=False,
+                                             add_generation_prompt=True)
+    if template is not None:
+        return ChatTemplate(template).render(messages)
+    from specops.serving.chat_template import render_plain
+
+    return render_plain(messages, getattr(tokenizer, "eos_token", None))
+
+
+def chat_model_class(name: str, tokenizer: Any = None, template: str | None = None) -> list:
+    """One class of the chat-model suites as `BenchPrompt`s (see the module docstring)."""
+    from specops.bench import chat_prompts
+    from specops.bench.suites import BenchPrompt
+
+    if name == "chat":
+        prompts = []
+        for texts in chat_prompts.CONVERSATIONS:
+            conversation = [("user" if i % 2 == 0 else "assistant", text) for i, text in enumerate(texts)]
+            for i, (role, _) in enumerate(conversation):
+                if role == "user":
+                    turn = 1 + i // 2
+                    prompts.append(BenchPrompt(render_messages(conversation[: i + 1], tokenizer, template),
+                                               turn_kind(turn)))
+        return prompts
+    sets = {"code": (chat_prompts.CODE, 0.0), "qa": (chat_prompts.QA, 0.0),
+            "creative": (chat_prompts.CREATIVE, CREATIVE_TEMPERATURE)}
+    if name not in sets:
+        raise ValueError(f"unknown chat-model class {name!r}; choose one of {', '.join(CHAT_MODEL_CLASSES)}")
+    texts, temperature = sets[name]
+    return [BenchPrompt(render_messages([("user", t)], tokenizer, template), name, temperature) for t in texts]
+
+
+def chat_model_suite(name: str, tokenizer: Any = None, template: str | None = None) -> list:
+    """The chat-model suite ``name`` (one of `CHAT_MODEL_SUITES`); ``mixed`` interleaves the classes."""
+    if name not in CHAT_MODEL_SUITES:
+        raise ValueError(f"unknown chat-model suite {name!r}; choose one of {', '.join(CHAT_MODEL_SUITES)}")
+    if name != "mixed":
+        return chat_model_class(name, tokenizer, template)
+    classes = [chat_model_class(c, tokenizer, template) for c in CHAT_MODEL_CLASSES]
+    mixed = []
+    for i in range(max(len(c) for c in classes)):
+        mixed += [c[i] for c in classes if i < len(c)]
+    return mixed

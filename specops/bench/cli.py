@@ -14,8 +14,21 @@ METHOD_HELP = ("hf-greedy,hf-assisted,hf-lookup,ar,ar-chain,draft,ngram,ngram-pr
                "extra: pip install -e \".[peers]\")")
 
 
+def _model_ref(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A model folder that exists, or a registered model's name."""
+    from specops.models import REGISTRY
+
+    if value is None or value in REGISTRY or Path(value).is_dir():
+        return value
+    raise click.BadParameter(f"{value!r} is neither a folder nor a registered model "
+                             f"({', '.join(sorted(REGISTRY))})")
+
+
 @click.command("decode")
-@click.option("--suite", type=click.Choice(["code", "prose", "mixed", "chat"]), default="code", show_default=True)
+@click.option("--suite", type=click.Choice(["code", "prose", "mixed", "chat", "qa", "creative"]), default="code",
+              show_default=True,
+              help="With a chat model (its tokenizer has a chat template): chat, code, qa, creative (T=0.8) and "
+                   "mixed (all four) are the shipped chat-model suites, rendered with its template.")
 @click.option("--methods", default="hf-greedy,hf-assisted,hf-lookup,ar,ar-chain,draft,ngram,medusa,auto",
               show_default=True,
               help=f"Comma-separated: {METHOD_HELP}.")
@@ -27,10 +40,11 @@ METHOD_HELP = ("hf-greedy,hf-assisted,hf-lookup,ar,ar-chain,draft,ngram,ngram-pr
               help="Write a PNG (tokens/s per method, acceptance by draft position).")
 @click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="JSONL with a 'prompt' field, or one prompt per line; replaces --suite.")
-@click.option("--model", type=click.Path(exists=True, file_okay=False), default=None,
-              help="Target model folder (default: bundled).")
-@click.option("--draft", type=click.Path(exists=True, file_okay=False), default=None,
-              help="Draft model folder (default: bundled draft with the bundled target).")
+@click.option("--model", callback=_model_ref, default=None,
+              help="Target model folder, or a registered model's name, pulled on first use (`specops models list`; "
+                   "default: bundled).")
+@click.option("--draft", callback=_model_ref, default=None,
+              help="Draft model folder or registered name (default: bundled draft with the bundled target).")
 @click.option("--medusa", type=click.Path(exists=True), default=None, help="Medusa heads (method medusa).")
 @click.option("--gamma", type=int, default=4, show_default=True, help="Draft length (initial, for schedules).")
 @click.option("--schedule", type=click.Choice(["constant", "heuristic", "goodput"]), default="constant",
@@ -58,9 +72,9 @@ def bench_decode_command(suite, methods, max_new_tokens, repeats, json_path, plo
     except (BenchError, SuiteError) as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(format_table(report))
-    if suite == "chat" and not prompts_file:
-        from specops.bench.chat_suite import format_turn_table
+    from specops.bench.chat_suite import TURN_KINDS, format_turn_table
 
+    if set(TURN_KINDS) & set(report.get("prompt_kinds", [])):
         click.echo(format_turn_table(report))
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)

@@ -65,8 +65,8 @@ class BenchConfig:
     methods: list[str] = field(default_factory=lambda: ["hf-greedy", "hf-assisted", "hf-lookup", "ar", "draft", "ngram"])
     max_new_tokens: int = 128
     repeats: int = 3
-    model: str | None = None          # target folder; None = bundled
-    draft: str | None = None          # draft folder; None = bundled draft (with the bundled target)
+    model: str | None = None          # target folder or registered name (specops models list); None = bundled
+    draft: str | None = None          # draft folder or registered name; None = bundled draft (with the bundled target)
     medusa: str | None = None         # Medusa heads folder; None = bundled heads when present
     prompts_file: str | None = None   # replaces the suite
     gamma: int = 4
@@ -150,10 +150,16 @@ def load_models(cfg: BenchConfig) -> Models:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specops.assets import DRAFT_DIR, MEDUSA_DIR, TARGET_DIR, TOKENIZER_DIR
+    from specops.models import ModelsError, resolve_model
 
     dtype = DTYPES[cfg.dtype]
-    target_path = Path(cfg.model) if cfg.model else TARGET_DIR
-    draft_path = Path(cfg.draft) if cfg.draft else (DRAFT_DIR if cfg.model is None else None)
+    try:  # a registered model's name: its cached folder, pulled on first use
+        model = resolve_model(cfg.model, dtype=cfg.dtype, progress=cfg.progress)
+        draft_ref = resolve_model(cfg.draft, dtype=cfg.dtype, progress=cfg.progress)
+    except ModelsError as exc:
+        raise BenchError(str(exc)) from None
+    target_path = Path(model) if model else TARGET_DIR
+    draft_path = Path(draft_ref) if draft_ref else (DRAFT_DIR if cfg.model is None else None)
     tokenizer_path = target_path if cfg.model else TOKENIZER_DIR
     if not (target_path / "config.json").is_file():
         raise BenchError(f"no model at {target_path} (config.json missing)" +
@@ -249,7 +255,10 @@ def run_benchmark(cfg: BenchConfig, *, models: Models | None = None,
     torch.set_num_threads(cfg.threads)
     models = models or load_models(cfg)
     if prompts is None:
-        prompts = load_prompts_file(cfg.prompts_file) if cfg.prompts_file else builtin_suite(cfg.suite, seed=cfg.seed)
+        if cfg.prompts_file:
+            prompts = load_prompts_file(cfg.prompts_file)
+        else:  # a chat model's tokenizer picks the chat-model suites (specops.bench.suites)
+            prompts = builtin_suite(cfg.suite, seed=cfg.seed, tokenizer=models.tokenizer)
     prompts = list(prompts)[: cfg.limit] if cfg.limit else list(prompts)
     prompt_ids = encode_prompts(prompts, models.tokenizer, max_context=models.max_context,
                                 max_new_tokens=cfg.max_new_tokens)

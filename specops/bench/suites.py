@@ -8,6 +8,14 @@ training), chosen deterministically from a seed:
 * ``mixed`` — code + prose at temperature 0, plus a high-temperature (1.0) set;
 * ``chat``  — multi-turn conversations (first reply vs follow-ups), see `specops.bench.chat_suite`.
 
+For a model whose tokenizer has a chat template (an instruction-tuned model, e.g.
+``--model smollm2-135m-instruct``), ``chat``, ``code`` and ``mixed`` are instead the
+shipped chat-model suites, rendered with that template: multi-turn chat, code requests,
+factual ``qa`` and ``creative`` writing (temperature 0.8); ``mixed`` interleaves the four
+classes (`specops.bench.chat_suite.chat_model_suite`). ``qa`` and ``creative`` are always
+those sets (rendered with the server's plain transcript format for a model without a
+template).
+
 ``--prompts FILE`` replaces them: JSONL with a ``prompt`` field (optional
 ``temperature`` and ``kind``) or plain text with one prompt per line.
 """
@@ -19,9 +27,9 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
-SUITES = ("code", "prose", "mixed", "chat")
+SUITES = ("code", "prose", "mixed", "chat", "qa", "creative")
 HOT_TEMPERATURE = 1.0
 
 
@@ -81,10 +89,17 @@ def docstring_prompts(files: Sequence[Path], *, count: int = 10, min_chars: int 
 
 def builtin_suite(name: str, *, seed: int = 0, code_count: int = 20, prose_count: int = 10,
                   hot_count: int = 6, chat_conversations: int = 6, chat_turns: int = 3,
-                  chat_template: str | None = None) -> list[BenchPrompt]:
-    """The built-in suite ``name`` (one of `SUITES`)."""
+                  chat_template: str | None = None, tokenizer: Any = None) -> list[BenchPrompt]:
+    """The built-in suite ``name`` (one of `SUITES`); ``tokenizer``: the model's, which picks the
+    chat-model suites when it has a chat template (module docstring) and renders them."""
+    from specops.bench.chat_suite import CHAT_MODEL_SUITES, chat_model_suite, has_chat_template
     from specops.train.data import DataError
 
+    if name in ("qa", "creative") or (name in CHAT_MODEL_SUITES and has_chat_template(tokenizer)):
+        try:
+            return chat_model_suite(name, tokenizer, chat_template)
+        except ValueError as exc:  # a bad chat_template string
+            raise SuiteError(str(exc)) from None
     try:
         return _builtin_suite(name, seed=seed, code_count=code_count, prose_count=prose_count, hot_count=hot_count,
                               chat_conversations=chat_conversations, chat_turns=chat_turns, chat_template=chat_template)

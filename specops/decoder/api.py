@@ -370,7 +370,16 @@ class Decoder:
         ranks (``draft_vocab`` of `Decoder`; the bundled draft ships the 1024 most frequent).
         A target folder may hold ``ngram_store.npz`` (`specops.decoder.ngram_store`; the
         bundled target ships one): the n-gram drafter's corpus table.
+        A registered model's name (``specops models list``) loads its cached folder, pulled
+        on first use (`specops.models.resolve_model`; bfloat16 loads its ``bf16/`` copy).
         """
+        from specops.models import ModelsError, resolve_model
+
+        try:
+            path = resolve_model(path, dtype=dtype)
+            draft = resolve_model(draft, dtype=dtype)
+        except ModelsError as exc:
+            raise ModelLoadError(str(exc)) from None
         tokenizer_path: str | Path = path
         auto_medusa = False
         if str(path) == BUNDLED:
