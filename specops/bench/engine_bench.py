@@ -129,8 +129,8 @@ def planner_line(eng: Engine) -> str:
     """What the planner did over every run of an engine (warm-up included): the share of
     decode steps where some sequence speculated, vetoes, probes and plain probes."""
     plain, spec = eng.decode_steps[False], eng.decode_steps[True]
-    return (f"spec steps {100 * spec / max(plain + spec, 1):.1f}% of {plain + spec}, vetoes {eng.vetoes}, "
-            f"probes {eng.probes}, plain probes {eng.plain_probes}")
+    return (f"spec steps {100 * spec / max(plain + spec, 1):.1f}% of {plain + spec}, vetoes {eng.schedule.vetoes}, "
+            f"probes {eng.schedule.probes}, plain probes {eng.schedule.plain_probes}")
 
 
 def _budget(text: str) -> str:

@@ -9,7 +9,8 @@ while eng.has_unfinished():
 ```
 
 One `step`: schedule (`scheduler`: running first, admit waiting, preempt the newest
-when blocks run out) → plan (`spec_planner`: each sequence's γ or tree size, 0 when it
+when blocks run out) → plan (`plan_schedule` says whether this step plans at all — veto,
+plain probe, quiet stretch, probe; `spec_planner`: each sequence's γ or tree size, 0 when it
 does not pay, from its acceptance estimate and the measured costs: verify forwards per
 (B, T), draft-model rounds per batch width, each method's per-sequence proposal and
 verification overhead, the step's fixed host time) → grant lookahead blocks → propose
@@ -59,9 +60,8 @@ from specops.decoder.verify import accept_greedy, verify_block_sampled
 from specops.kernels import cpu_linear
 from specops.serving.acceptance import ALPHA_PRIOR, ALPHA_RECOVERY, SEQ_DECAY, SEQ_PRIOR_TRIALS, AcceptancePriors
 from specops.serving.calibration import calibrate as calibrate_costs, cost_clock
-from specops.serving.plan_limits import (FULL_CATCH_UP, GUARD_MIN_BATCH, PLAIN_PROBE_EVERY, PLAN_PREFILL_LIMIT,
-                                         PROBE_BACKOFF_MAX, PROBE_EVERY, PROBE_STALE, QUIET_AFTER_DECLINE, QUIET_MAX,
-                                         VETO_STEPS)
+from specops.serving.plan_limits import FULL_CATCH_UP, PLAN_PREFILL_LIMIT
+from specops.serving.plan_schedule import PlanSchedule
 from specops.serving.auto_method import MethodChooser
 from specops.serving.batch_forward import FeedItem, bytes_per_token, make_backend
 from specops.serving.kv_pool import BlockPool
@@ -148,36 +148,10 @@ class Engine:
         # mean, not a median: the estimate stands in for a sum of such steps, skew included)
         self.plain_step: dict[int, deque[float]] = {}
         self.margin = DEFAULT_MARGIN
-        # a step that declined speculation does not measure what speculating costs now: every
-        # PROBE_EVERY-th such step one sequence runs its best speculative plan anyway, so a cost measured
-        # in a load spike (or acceptance that has recovered) cannot switch it off for good.
-        # 0: never probe.
-        self.probe_every = PROBE_EVERY
-        self._declined = 0  # declined steps since the last probe
-        self._probe_backoff = 1  # the probe period in units of probe_every (`_after_probe`)
-        self._probing = False  # this step is a probe
-        self._quiet = (0, 0)  # (steps left, batch size): planning skipped there and above after a declined plan
-        self.quiet_after_decline = QUIET_AFTER_DECLINE
-        self.quiet_max = QUIET_MAX  # (see QUIET_MAX; equal to quiet_after_decline: no back-off)
-        self._quiet_next = 0  # the last quiet stretch granted
-        self._quiet_size = 0  # the smallest batch size of the declines in a row behind it (0: none)
-        self.probes = 0  # probe steps run (planner diagnostics)
-        # the mirror image: while every step at a batch size speculates, nothing re-measures what a plain
-        # step there costs, and the planner would compare each plan with a plain-step cost that can be
-        # minutes old (and plans tend to speculate exactly when that estimate is noisily high). Every
-        # PLAIN_PROBE_EVERY-th step at a batch size that has only speculated decodes plainly. 0: never.
-        self.plain_probe_every = PLAIN_PROBE_EVERY
-        self._spec_run: dict[int, int] = {}  # batch size -> speculating steps in a row there
-        self.plain_probes = 0
+        self.schedule = PlanSchedule()  # veto, plain probes, quiet stretches, probes (`plan_schedule`)
         # the plan's misses, per batch size, from the steps' record; None: plans as the models predict, no
         # veto (tests that give the engine a synthetic cost model, which real step times cannot calibrate)
         self.calibration: SpecCalibration | None = SpecCalibration()
-        # the backstop: where the last speculative steps at a batch size (>= GUARD_MIN_BATCH) emitted fewer
-        # tokens per second than its plain steps, its requests decode plainly for veto_steps steps, then it
-        # judges afresh; requests marked `SpecSettings.observed` are spared (they speculate as set). 0: never.
-        self.veto_steps = VETO_STEPS
-        self._veto: dict[int, int] = {}  # batch size -> plain steps left
-        self.vetoes = 0
         self.decode_steps = [0, 0]  # steps that emitted tokens: [all plain, some sequence speculated]
         self._step_pred: tuple[float, float] | None = None  # this step's plan: (predicted s, plain predicted s)
         self._propose_s = 0.0  # this step's proposal seconds (n-gram lookups, draft rounds, Medusa trees)
@@ -276,8 +250,8 @@ class Engine:
             kv_blocks_used=self.pool.num_used, kv_blocks_free=self.pool.num_free,
             kv_blocks_total=self.pool.num_blocks, preemptions=self.scheduler.preemptions,
             prefix_cache_hit_blocks=self.pool.cache_hits, prefix_deferrals=self.scheduler.deferrals,
-            plain_steps=self.decode_steps[0], spec_steps=self.decode_steps[1], vetoes=self.vetoes, probes=self.probes,
-            plain_probes=self.plain_probes,
+            plain_steps=self.decode_steps[0], spec_steps=self.decode_steps[1], vetoes=self.schedule.vetoes, probes=self.schedule.probes,
+            plain_probes=self.schedule.plain_probes,
             attention_kernel="cpu-paged" if getattr(getattr(self.target, "model", None), "cpu_kernel", False) else "sdpa")
 
     def _release(self, seq: Sequence) -> None:
@@ -313,8 +287,8 @@ class Engine:
         forward_cost = self.cost_clock() - c0
         total = sum(len(it.tokens) for it in items)
         prefilling = [seq.target.computed - len(it.tokens) < len(seq.tokens) - 1 for seq, it in zip(batch, items)]
-        if self._probing:
-            self._after_probe(len(items), total, forward_cost)
+        if self.schedule.probing:
+            self.schedule.after_probe(self.cost.predict(len(items), total), forward_cost)
         plain_pred = (self._fixed_s(len(items)) + self.cost.predict(len(items), total)  # before this step counts
                       if self.calibration is not None and self._step_pred is None else 0.0)
         if not any(prefilling):
@@ -341,17 +315,15 @@ class Engine:
                 outputs.append(result)
         if self.calibration is not None and not any(prefilling):
             # the veto's realized rates, only kept while it is on
-            tokens, wall = (sum(n for _, n in emitted), time.perf_counter() - w_step) if self.veto_steps else (0, 0.0)
+            tokens, wall = ((sum(n for _, n in emitted), time.perf_counter() - w_step) if self.schedule.veto_steps
+                            else (0, 0.0))
             if spec_commit and self._step_pred is not None:
                 # both judge speculation's recurring cost: a long draft-cache catch-up is paid once per
                 # request (the plan charges it spread over its steps: `_candidate`), see `_note_catch_up`
                 catch_cost, catch_wall = self._catch_up
                 self.calibration.observe_spec(len(batch), t1 - t_step - catch_cost, *self._step_pred, tokens=tokens,
                                               wall_s=max(wall - catch_wall, 0.0) if wall else 0.0)
-                if (len(batch) >= GUARD_MIN_BATCH and self.veto_steps and not self._veto.get(len(batch))
-                        and self.calibration.losing(len(batch))):
-                    self._veto[len(batch)] = self.veto_steps
-                    self.vetoes += 1
+                self.schedule.judge(len(batch), self.calibration.losing)
             elif not spec_commit:
                 self.calibration.observe_plain(len(batch), t1 - t_step, plain_pred, tokens=tokens, wall_s=wall)
         self._measure_overheads(len(batch), t1 - t_step - forward_cost, plain_commit, spec_commit)
@@ -463,25 +435,10 @@ class Engine:
             return {}
         b = len(batch)
         observed = any(seq.spec.observed for seq in batch)
-        vetoed = self._veto.get(b, 0) > 0
-        if vetoed:  # speculating here made decoding slower (see ``veto_steps``)
-            self._veto[b] -= 1
-            if not self._veto[b] and self.calibration is not None:
-                self.calibration.forget_spec(b)
-            if not observed:
-                return {}
-        if self.plain_probe_every and self._spec_run.get(b, 0) >= self.plain_probe_every:
-            self._spec_run[b] = 0  # a plain probe (see ``plain_probe_every``)
-            self.plain_probes += 1
+        vetoed = self.schedule.vetoed(b, self.calibration)
+        if vetoed and not observed:  # speculating here made decoding slower (`PlanSchedule`)
             return {}
-        left, size = self._quiet
-        if left > 0 and len(batch) >= size and not observed and not self._probe_due(self._declined + 1):
-            # the plan at this batch size (or a smaller one) just declined speculation: nothing it reads has
-            # moved but the plain steps' drift, and a larger batch only makes a verify dearer, so the next
-            # few steps skip it (its proposals and predictions cost ~5% of a step at batch 16); a probe step,
-            # or a smaller batch, plans again
-            self._quiet = (left - 1, size)
-            self._declined += 1
+        if self.schedule.skip(b, observed):  # a plain probe, or a quiet stretch after a decline
             return {}
         now = self.clock()
         for seq in batch:
@@ -507,40 +464,19 @@ class Engine:
                       fixed_s=self._fixed_s(len(batch)), margin=self.margin, spec_scale=scale, out=predicted)
         # quiet only after the planner weighed real proposals and said no (an n-gram index with no
         # match now may have one next step)
-        offered = any(c.gains for c in cands)
-        if offered and not any(chosen):
-            # declined again at the last stretch's batch size or a larger one: the next is twice as long
-            shortest = self.quiet_after_decline
-            again = 0 < self._quiet_size <= len(batch) and shortest > 0
-            self._quiet_next = min(2 * self._quiet_next + 1, max(self.quiet_max, shortest)) if again else shortest
-            self._quiet_size = min(self._quiet_size, len(batch)) if again else len(batch)
-            self._quiet = (self._quiet_next, self._quiet_size)
-        else:
-            # plan again next step; a plan that speculates also ends the declines in a row (one with
-            # nothing to weigh, no n-gram match now, leaves them as they are)
-            self._quiet = (0, 0)
-            if any(chosen):
-                self._quiet_size = 0
-        self._spec_run[b] = self._spec_run.get(b, 0) + 1 if any(chosen) else 0
-        if any(chosen):
-            self._probe_backoff = 1
-        if not any(chosen) and self.probe_every:
-            self._declined += 1
-            if self._probe_due(self._declined):
-                # one sequence runs its best plan, predicted loss or not: the step measures speculating at
-                # this batch size at the cost of one sequence's draft. The cheapest probe (least overhead:
-                # not a draft cache a whole prompt behind), then the likeliest to gain
-                i = max(range(len(cands)),
-                        key=lambda j: (bool(cands[j].gains), -round(cands[j].overhead_s, 4),
-                                       cands[j].gains[0] if cands[j].gains else -1.0))
-                probe = [0] * len(cands)
-                probe[i] = plan([cands[i]], self.cost, batch=len(batch), base_tokens=base, draft_cost=self.draft_cost,
-                                fixed_s=self._fixed_s(len(batch)), margin=-1.0, spec_scale=scale, out=predicted)[0]
-                chosen = probe
-                self.probes += 1
-                self._declined = 0
-                self._probing = bool(chosen[i])
-        if any(chosen) and "step_s" in predicted and not self._probing:  # a probe's catch-up is its own cost
+        if self.schedule.planned(b, offered=any(c.gains for c in cands), speculates=any(chosen)):
+            # one sequence runs its best plan, predicted loss or not: the step measures speculating at
+            # this batch size at the cost of one sequence's draft. The cheapest probe (least overhead:
+            # not a draft cache a whole prompt behind), then the likeliest to gain
+            i = max(range(len(cands)),
+                    key=lambda j: (bool(cands[j].gains), -round(cands[j].overhead_s, 4),
+                                   cands[j].gains[0] if cands[j].gains else -1.0))
+            probe = [0] * len(cands)
+            probe[i] = plan([cands[i]], self.cost, batch=len(batch), base_tokens=base, draft_cost=self.draft_cost,
+                            fixed_s=self._fixed_s(len(batch)), margin=-1.0, spec_scale=scale, out=predicted)[0]
+            chosen = probe
+            self.schedule.probed(bool(chosen[i]))
+        if any(chosen) and "step_s" in predicted and not self.schedule.probing:  # a probe's catch-up is its own cost
             self._step_pred = (predicted["step_s"], predicted["plain_s"])
         plans: dict[str, dict] = {}
         drafting, gammas = [], []
@@ -612,25 +548,6 @@ class Engine:
             forwards.append(seconds)
             self.draft_cost.observe(b, t, seconds)
         return observe
-
-    def _probe_due(self, declined: int) -> bool:
-        """Whether a step after ``declined`` declined ones since the last probe is a probe step
-        (`probe_every`, stretched by the back-off: see `_after_probe`)."""
-        return bool(self.probe_every) and declined >= self.probe_every * self._probe_backoff
-
-    def _after_probe(self, b: int, tokens: int, forward_s: float) -> None:
-        """A probe that found the verify cost where the model put it confirms the decline: the next
-        one waits twice as long (up to PROBE_BACKOFF_MAX times `probe_every`). Under steady high load
-        every probe is a loss, and a draft-model probe also pays its draft cache's catch-up (the prompt
-        and every token since): at batch 4 probes every 16 declined steps cost 8% of the throughput.
-        A probe that found the model stale (a cost measured in a load spike) keeps the short period,
-        and any step that speculates by the plan's own choice resets it."""
-        self._probing = False
-        predicted = self.cost.predict(b, tokens)
-        stale = forward_s < PROBE_STALE * predicted
-        self._probe_backoff = 1 if stale else min(self._probe_backoff * 2, PROBE_BACKOFF_MAX)
-        if stale:  # the declines were read off a stale model: plan from the next step on, often
-            self._quiet, self._quiet_size = (0, 0), 0
 
     def _candidate(self, seq: Sequence, bound: int) -> Candidate | None:
         method = seq.spec.method

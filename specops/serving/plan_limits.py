@@ -2,20 +2,20 @@
 
 Planning every step costs host time; never re-measuring what it declined would let one
 stale cost reading switch speculation off (or on) for good. These constants set that
-balance; `specops.serving.engine.Engine` reads them into per-engine attributes that tests
-and benchmarks may override.
+balance; `specops.serving.plan_schedule.PlanSchedule` (one per engine) copies them into
+attributes that tests and benchmarks may override.
 """
 
 from __future__ import annotations
 
 PROBE_EVERY = 32
 """Declined-speculation steps between two probe steps, where one sequence runs its best
-speculative plan anyway (`Engine.probe_every`; 0: never). A probe pays for speculating where
+speculative plan anyway (`PlanSchedule.probe_every`; 0: never). A probe pays for speculating where
 the plan said no, a draft model's catch-up included, so probes must be rare enough to cost
 little at a batch size where speculation hovers around break-even."""
 PROBE_BACKOFF_MAX = 8
 """The longest probe period, in units of `PROBE_EVERY`: each probe that confirms the cost model
-doubles the period up to this (`Engine._after_probe`)."""
+doubles the period up to this (`PlanSchedule.after_probe`)."""
 PROBE_STALE = 0.67
 """A probe whose verify forward cost under this share of the prediction found the cost model
 stale: planning resumes at once."""
@@ -27,11 +27,11 @@ a longer catch-up (a request's first drafting round after a long prompt or a pau
 spread over the steps the request has left, since it is paid once for all of them."""
 PLAIN_PROBE_EVERY = 24
 """Speculating steps in a row at one batch size after which one step there decodes plainly
-(`Engine.plain_probe_every`; 0: never), so the plain-step cost each plan is compared with
+(`PlanSchedule.plain_probe_every`; 0: never), so the plain-step cost each plan is compared with
 stays measured."""
 VETO_STEPS = 256
 """Plain steps at a batch size where speculating was measured to make decoding slower
-(`Engine.veto_steps`; 0: never). The veto spares requests whose speculation is being measured
+(`PlanSchedule.veto_steps`; 0: never). The veto spares requests whose speculation is being measured
 (`SpecSettings.observed`: a canary's, a fallback probe's), so the acceptance telemetry the
 canary analysis and the fallback read never goes blind."""
 GUARD_MIN_BATCH = 2

@@ -82,7 +82,7 @@ class SpecSettings:
     """This request's speculation is being measured (a canary revision's request, or a fallen-back
     class's probe): it speculates as set (``gamma`` drafted tokens, or a tree of ``tree_size``
     nodes, whenever its proposal has them), neither shrunk by the load-aware plan nor stopped by the
-    batch-wide veto (`Engine.veto_steps`), so the canary analysis and the fallback read the setting
+    batch-wide veto (`PlanSchedule.veto_steps`), so the canary analysis and the fallback read the setting
     under test. Planned by the engine instead, a bad setting was mostly declined: the analysis saw too
     few drafted tokens and came out inconclusive (`make demo` on a slow host, every run), and a
     fallen-back class's probes could not show it had recovered."""
@@ -145,11 +145,11 @@ class EngineStats:
     spec_steps: int = 0
     """Decode steps since start in which some sequence speculated."""
     vetoes: int = 0
-    """Times the planner's veto stopped speculating at a batch size since start (`Engine.veto_steps`)."""
+    """Times the planner's veto stopped speculating at a batch size since start (`PlanSchedule.veto_steps`)."""
     probes: int = 0
-    """Cost probes since start: steps where one sequence speculated against the plan (`Engine.probe_every`)."""
+    """Cost probes since start: steps where one sequence speculated against the plan (`PlanSchedule.probe_every`)."""
     plain_probes: int = 0
-    """Plain probes since start: plain steps at a batch size that always speculated (`Engine.plain_probe_every`)."""
+    """Plain probes since start: plain steps at a batch size that always speculated (`PlanSchedule.plain_probe_every`)."""
 
 
 class SeqStatus(enum.Enum):

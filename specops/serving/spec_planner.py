@@ -40,7 +40,7 @@ proposals dear, the best prefix is short or empty: speculation shrinks or switch
 by itself (per sequence or for the whole batch), and comes back when it pays again:
 a step that declines speculation measures nothing about it, so every `PROBE_EVERY`-th
 declined step one sequence (the likeliest to gain) runs its best speculative plan anyway
-(`Engine.probe_every`), keeping the costs and acceptance current.
+(`PlanSchedule.probe_every`), keeping the costs and acceptance current.
 
 How this differs from vLLM's static table (``num_speculative_tokens`` with a per
 batch-size cutoff, ``speculative_disable_by_batch_size``): that table is written by hand
@@ -100,7 +100,7 @@ class SpecCalibration:
     (clamped to [``lo``, ``hi``]); `plan` multiplies every speculative plan's predicted extra
     seconds by it. Before this, in-process at batch 4, speculative steps predicted at 12.3 ms
     of CPU took 15.1 ms (the tokens they emitted were predicted within 1%): plans predicted
-    ~9% faster than plain decoding ran ~7% slower than an `ar` engine's plain steps. Plain probes (`Engine.plain_probe_every`)
+    ~9% faster than plain decoding ran ~7% slower than an `ar` engine's plain steps. Plain probes (`PlanSchedule.plain_probe_every`)
     keep plain samples coming at a batch size that always speculates, and cost probes
     speculative samples at one that never does.
     """

@@ -46,7 +46,7 @@ def full_speculation(eng: Engine) -> Engine:
     eng.cost = FlatCost()
     eng.overhead = {method: NoOverhead() for method in eng.overhead}  # no measured time steers the plan
     eng.calibration = None  # a synthetic cost model: real step times would "calibrate" it
-    eng.quiet_after_decline = 0  # plan every step
+    eng.schedule.quiet_after_decline = 0  # plan every step
     return eng
 
 
@@ -259,7 +259,7 @@ def test_speculation_shrinks_and_switches_off_by_itself_at_high_load(qwen2):
         eng = Engine(qwen2, max_batch=8, kv_cache_mb=1, calibrate=False)
         eng.cost = SteepCost()
         eng.calibration = None
-        eng.probe_every = 0  # the planner's own choice, without cost probes
+        eng.schedule.probe_every = 0  # the planner's own choice, without cost probes
         for i in range(n):
             eng.add(f"r{i}", [3, 4, 5] * 5, SamplingParams(max_tokens=20), SpecSettings(method="ngram", gamma=4))
         records = []
@@ -283,7 +283,7 @@ def test_planning_backs_off_while_a_steady_batch_keeps_declining(qwen2, monkeypa
     eng = Engine(qwen2, max_batch=8, kv_cache_mb=1, calibrate=False)
     eng.cost = SteepCost()  # batch 8: every drafted token costs a whole forward, so every plan declines
     eng.calibration = None
-    eng.probe_every = 0
+    eng.schedule.probe_every = 0
     weighed = [False]
     real_plan = engine_mod.plan
 
@@ -302,29 +302,29 @@ def test_planning_backs_off_while_a_steady_batch_keeps_declining(qwen2, monkeypa
         steps += 1
         plans += weighed[0]
         if weighed[0]:
-            stretches.append(eng._quiet[0])
+            stretches.append(eng.schedule.quiet[0])
     assert stretches[:5] == [7, 15, 31, 31, 31], stretches
     assert plans <= 8  # against 140 / 8 with a fixed stretch of 7
     assert eng.decode_steps[1] == 0  # all declined
 
     # the stretch covers its batch size and larger ones; a smaller batch plans
     weighed[0] = False
-    eng._quiet = (3, 6)  # declined at 6: this batch of 8 skips planning
+    eng.schedule.quiet = (3, 6)  # declined at 6: this batch of 8 skips planning
     eng.step()
-    assert not weighed[0] and eng._quiet == (2, 6)
-    eng._quiet = (3, 9)  # declined at 9: a batch of 8 plans again
+    assert not weighed[0] and eng.schedule.quiet == (2, 6)
+    eng.schedule.quiet = (3, 9)  # declined at 9: a batch of 8 plans again
     eng.step()
     assert weighed[0]
 
     # a plan that speculates resets the stretch: the next decline quiets for 7 steps again
-    eng._quiet = (0, 8)  # the stretch is over: the next step plans
+    eng.schedule.quiet = (0, 8)  # the stretch is over: the next step plans
     chosen = [True]
     monkeypatch.setattr(engine_mod, "plan", lambda cands, *a, **k: [1 if chosen[0] else 0] + [0] * (len(cands) - 1))
     eng.step()
-    assert eng._quiet == (0, 0)
+    assert eng.schedule.quiet == (0, 0)
     chosen[0] = False
     eng.step()
-    assert eng._quiet == (eng.quiet_after_decline, 8)
+    assert eng.schedule.quiet == (eng.schedule.quiet_after_decline, 8)
 
 
 def test_a_cost_spike_does_not_switch_speculation_off_for_good(qwen2):
@@ -340,7 +340,7 @@ def test_a_cost_spike_does_not_switch_speculation_off_for_good(qwen2):
     # times a one-token step), so the tail depends on the probes and acceptance, not on this machine's load
     observe = eng.cost.observe
     eng.cost.observe = lambda b, t, seconds: observe(b, t, 0.004 * (1 + 0.05 * (t - 1)))
-    eng.probe_every = 4
+    eng.schedule.probe_every = 4
     eng.calibration = None  # the synthetic costs above are what the plans should read
     eng.add("r", [3, 4, 5] * 6, SamplingParams(max_tokens=120), SpecSettings(method="ngram", gamma=4))
     trace = []
@@ -348,7 +348,7 @@ def test_a_cost_spike_does_not_switch_speculation_off_for_good(qwen2):
         for o in eng.step():
             if o.finished:
                 trace = o.record.gamma_trace
-    assert eng.probes >= 1
+    assert eng.schedule.probes >= 1
     # the spike is gone from the medians the plans use (T <= 1 + gamma)
     assert max(v for (b, t), v in eng.cost.points.items() if 1 < t <= 5) < 1.0
     assert sum(g > 0 for g in trace[-20:]) >= 10  # and speculation is back for most of the tail

@@ -190,7 +190,7 @@ def test_a_long_draft_cache_catch_up_is_not_counted_as_speculations_recurring_co
     # this line charges any round of up to FULL_CATCH_UP tokens (the tiny model's real forward
     # of 36 tokens took less than the 0.1 ms it charged before, on the panel kernel)
     eng.cost, eng.draft_cost = LineCost(10e-3, 0.1e-3), LineCost(1e-6, 0.0)
-    eng.probe_every = 0
+    eng.schedule.probe_every = 0
     eng.add("r", [3, 4, 5] * 12, SamplingParams(max_tokens=8), SpecSettings(method="draft", gamma=3))
     seen = []
     note = eng._note_catch_up
@@ -212,7 +212,7 @@ def _run(dec: Decoder, method: str, verify: CostModel, draft: CostModel, n: int 
     eng = Engine(dec, max_batch=4, kv_cache_mb=1, calibrate=False)
     eng.cost, eng.draft_cost = verify, draft
     eng.calibration = None  # synthetic costs: real step times would "calibrate" them
-    eng.probe_every = 0  # the planner's own choice, without cost probes
+    eng.schedule.probe_every = 0  # the planner's own choice, without cost probes
     prompt = [3, 4, 5] * 5
     for i in range(n):
         eng.add(f"r{i}", prompt, SamplingParams(max_tokens=16), SpecSettings(method=method, gamma=4))
@@ -320,15 +320,15 @@ def test_plain_probes_remeasure_the_plain_step_while_everything_speculates(qwen2
     # of 36 tokens took less than the 0.1 ms it charged before, on the panel kernel)
     eng.cost, eng.draft_cost = LineCost(10e-3, 0.1e-3), LineCost(1e-6, 0.0)
     eng.calibration = None
-    eng.plain_probe_every = 5
+    eng.schedule.plain_probe_every = 5
     eng.margin = -1.0  # every candidate speculates, whatever the random draft's acceptance (a declined step ends a run)
     seen = []
     observe = eng.cost.observe
     eng.cost.observe = lambda b, t, s: (seen.append((b, t)), observe(b, t, s))
     eng.add("r", [3, 4, 5] * 6, SamplingParams(max_tokens=60), SpecSettings(method="draft", gamma=4))
     trace = _drain(eng)["r"].gamma_trace
-    assert eng.plain_probes >= 2
-    assert seen.count((1, 1)) >= eng.plain_probes  # each probe measured a plain step
+    assert eng.schedule.plain_probes >= 2
+    assert seen.count((1, 1)) >= eng.schedule.plain_probes  # each probe measured a plain step
     runs = "".join("s" if g else "p" for g in trace).split("p")
     assert max(len(r) for r in runs) == 5  # speculating, but never more than plain_probe_every steps in a row
 
@@ -341,14 +341,15 @@ def test_probes_back_off_while_they_confirm_the_decline():
 
     eng = Engine(Decoder.from_pretrained("bundled"), max_batch=2, kv_cache_mb=1, calibrate=False)
     eng.cost = LineCost(10e-3, 1e-3)
-    eng.probe_every = 4
-    assert eng._probe_due(4) and not eng._probe_due(3)
+    eng.schedule.probe_every = 4
+    assert eng.schedule.probe_due(4) and not eng.schedule.probe_due(3)
     for want in (2, 4, 8, 8):
-        eng._after_probe(1, 3, forward_s=0.95 * eng.cost.predict(1, 3))  # as predicted: the decline stands
-        assert eng._probe_backoff == min(want, PROBE_BACKOFF_MAX)
-    assert not eng._probe_due(4 * 8 - 1) and eng._probe_due(4 * 8)
-    eng._after_probe(1, 3, forward_s=0.2 * eng.cost.predict(1, 3))  # far cheaper: the model was stale
-    assert eng._probe_backoff == 1 and eng._probe_due(4)
+        predicted = eng.cost.predict(1, 3)
+        eng.schedule.after_probe(predicted, forward_s=0.95 * predicted)  # as predicted: the decline stands
+        assert eng.schedule.probe_backoff == min(want, PROBE_BACKOFF_MAX)
+    assert not eng.schedule.probe_due(4 * 8 - 1) and eng.schedule.probe_due(4 * 8)
+    eng.schedule.after_probe(eng.cost.predict(1, 3), forward_s=0.2 * eng.cost.predict(1, 3))  # far cheaper: stale
+    assert eng.schedule.probe_backoff == 1 and eng.schedule.probe_due(4)
 
 
 def test_a_draft_rounds_measured_cost_includes_its_host_work(qwen2, monkeypatch):
@@ -419,8 +420,8 @@ def test_the_engine_records_each_decode_step_for_the_calibration(qwen2):
     # this line charges any round of up to FULL_CATCH_UP tokens (the tiny model's real forward
     # of 36 tokens took less than the 0.1 ms it charged before, on the panel kernel)
     eng.cost, eng.draft_cost = LineCost(10e-3, 0.1e-3), LineCost(1e-6, 0.0)
-    eng.plain_probe_every = 3
-    eng.probe_every = 0  # a cost probe's step is left out of the calibration (its catch-up is its own)
+    eng.schedule.plain_probe_every = 3
+    eng.schedule.probe_every = 0  # a cost probe's step is left out of the calibration (its catch-up is its own)
     # every candidate speculates, whatever the random draft's acceptance (as it falls, the plan declined
     # more steps, each ending a speculative run: the probes, every 3rd step of a run, came 1 or 2)
     eng.margin = -1.0
@@ -428,7 +429,7 @@ def test_the_engine_records_each_decode_step_for_the_calibration(qwen2):
     record = _drain(eng)["r"]
     spec, plain = eng.calibration.spec[1], eng.calibration.plain[1]
     assert len(spec) == sum(g > 0 for g in record.gamma_trace)  # every speculative decode step ...
-    assert len(plain) >= eng.plain_probes >= 2  # ... and the plain ones (probes; the prompt's step is a prefill)
+    assert len(plain) >= eng.schedule.plain_probes >= 2  # ... and the plain ones (probes; the prompt's step is a prefill)
     assert all(real > 0 and predicted > plain_predicted for real, predicted, plain_predicted in spec)
 
 
@@ -457,19 +458,19 @@ def test_the_engine_decodes_plainly_where_speculating_was_slower(qwen2):
     eng = Engine(qwen2, max_batch=2, kv_cache_mb=1, calibrate=False)
     eng.cost, eng.draft_cost = LineCost(10e-3, 0.1e-3), LineCost(0.1e-3, 0.0)  # the plan: speculation pays
     eng.calibration.losing = lambda b: True  # the record: it did not
-    eng.veto_steps = 6
+    eng.schedule.veto_steps = 6
     for i in range(2):
         eng.add(f"r{i}", [3, 4, 5] * 6, SamplingParams(max_tokens=40), SpecSettings(method="draft", gamma=4))
     records = _drain(eng)
-    assert eng.vetoes >= 2
+    assert eng.schedule.vetoes >= 2
     for r in records.values():
         runs = "".join("s" if g else "p" for g in r.gamma_trace).split("s")
         assert max(len(run) for run in runs) >= 6  # a veto's plain steps in a row
         assert sum(g > 0 for g in r.gamma_trace) >= 2  # and speculation tried again after it
     eng.add("alone", [3, 4, 5] * 6, SamplingParams(max_tokens=20), SpecSettings(method="draft", gamma=4))
-    vetoes = eng.vetoes
+    vetoes = eng.schedule.vetoes
     _drain(eng)
-    assert eng.vetoes == vetoes and not eng._veto.get(1)  # batch 1: never vetoed, each request's plan decides
+    assert eng.schedule.vetoes == vetoes and not eng.schedule.veto.get(1)  # batch 1: never vetoed, each request's plan decides
 
 
 def test_the_veto_spares_requests_whose_speculation_is_measured(qwen2):
@@ -481,14 +482,14 @@ def test_the_veto_spares_requests_whose_speculation_is_measured(qwen2):
     eng = Engine(qwen2, max_batch=2, kv_cache_mb=1, calibrate=False, prefix_caching=False)
     eng.cost, eng.draft_cost = LineCost(10e-3, 0.1e-3), LineCost(0.1e-3, 0.0)  # the plan: speculation pays
     eng.calibration.losing = lambda b: True  # the record: it did not
-    eng.veto_steps = 1000  # longer than the requests: once vetoed, batch 2 stays vetoed
-    eng.plain_probe_every = 0
+    eng.schedule.veto_steps = 1000  # longer than the requests: once vetoed, batch 2 stays vetoed
+    eng.schedule.plain_probe_every = 0
     eng.margin = -1.0  # every candidate speculates, whatever the random draft's acceptance
     eng.add("stable", [3, 4, 5] * 6, SamplingParams(max_tokens=40), SpecSettings(method="draft", gamma=4))
     eng.add("canary", [3, 4, 5] * 6, SamplingParams(max_tokens=40),
             SpecSettings(method="draft", gamma=4, observed=True))
     records = _drain(eng)
-    assert eng.vetoes == 1
+    assert eng.schedule.vetoes == 1
     stable, canary = records["stable"].gamma_trace, records["canary"].gamma_trace
     first = next(i for i, g in enumerate(stable) if g) + 1  # the step whose record started the veto
     assert not any(stable[first:]) and all(canary[first:-1])  # (its last step has one token left to emit)
@@ -522,8 +523,8 @@ def test_an_observed_request_speculates_as_set_where_the_plan_declines(qwen2):
         eng = Engine(qwen2, max_batch=2, kv_cache_mb=1, calibrate=False)
         eng.cost, eng.draft_cost = LineCost(1.0, 1e-3), LineCost(2.0, 0.0)
         eng.calibration = None
-        eng.probe_every = 0
-        eng.plain_probe_every = 0
+        eng.schedule.probe_every = 0
+        eng.schedule.plain_probe_every = 0
         for method in ("draft", "ngram"):
             eng.add(f"{method}-{observed}", [3, 4, 5] * 6, SamplingParams(max_tokens=24),
                     SpecSettings(method=method, gamma=3, observed=observed))
