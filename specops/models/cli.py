@@ -11,6 +11,31 @@ import click
 from specops.models.registry import REGISTRY, ModelsError, is_current, lookup, model_dir, read_manifest
 
 
+class ModelFolder(click.ParamType):
+    """A ``--model`` value: an existing folder, or a registered model's name (its cached folder,
+    pulled on first use); converts to a `Path`."""
+
+    name = "model"
+
+    def convert(self, value, param, ctx) -> Path:
+        from specops.models.resolve import is_registered, resolve_model
+
+        if isinstance(value, Path):
+            return value
+        if is_registered(value):
+            try:
+                return Path(resolve_model(value))
+            except ModelsError as exc:
+                self.fail(str(exc), param, ctx)
+        if not Path(value).is_dir():
+            self.fail(f"{value!r} is neither a folder nor a registered model ({', '.join(sorted(REGISTRY))})",
+                      param, ctx)
+        return Path(value)
+
+
+MODEL_FOLDER = ModelFolder()
+
+
 def _mb(n: int | None) -> str:
     return "-" if n is None else f"{n / 1e6:.0f} MB"
 

@@ -44,7 +44,9 @@ def quiet_omp_spin(environ: MutableMapping[str, str] | None = None) -> bool:
 
 
 @click.command("serve")
-@click.option("--model", default="bundled", show_default=True, help="'bundled' or a model folder.")
+@click.option("--model", default="bundled", show_default=True,
+              help="'bundled', a model folder, or a registered model's name (`specops models list`; "
+                   "pulled on first use).")
 @click.option("--draft", type=click.Path(exists=True, file_okay=False), default=None,
               help="Draft model folder (default: the bundled draft with the bundled target).")
 @click.option("--medusa", type=click.Path(exists=True), default=None, help="Medusa heads (default: bundled heads).")

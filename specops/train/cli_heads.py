@@ -8,10 +8,13 @@ from pathlib import Path
 
 import click
 
+from specops.models.cli import MODEL_FOLDER
+
 
 @click.command("heads")
-@click.option("--model", "model_path", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="Base model folder (any transformers causal LM); it stays frozen.")
+@click.option("--model", "model_path", required=True, type=MODEL_FOLDER,
+              help="Base model folder (any transformers causal LM) or a registered model's name "
+                   "(`specops models list`); it stays frozen.")
 @click.option("--heads", "num_heads", type=click.IntRange(1, 16), default=3, show_default=True,
               help="K: heads to train (head k predicts k tokens beyond the next).")
 @click.option("--data", "data_files", multiple=True,

@@ -9,11 +9,12 @@ from pathlib import Path
 import click
 
 from specops.decoder.ngram_store import DEFAULT_MIN_COUNT, DEFAULT_MIN_PROB, STORE_FILE
+from specops.models.cli import MODEL_FOLDER
 
 
 @click.command("ngram-store")
-@click.option("--model", "model_path", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="Model folder the store is for (its tokenizer, or its parent's).")
+@click.option("--model", "model_path", required=True, type=MODEL_FOLDER,
+              help="Model folder the store is for (its tokenizer, or its parent's), or a registered model's name.")
 @click.option("--data", "data_files", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Text files to count (repeat the option, or pass a shell glob).")
 @click.option("--stdlib", is_flag=True,

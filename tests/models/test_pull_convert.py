@@ -264,3 +264,14 @@ def test_registry_pins_the_smollm2_wheel():
     with pytest.raises(ModelsError, match="registered: .*smollm2-135m-instruct"):
         registry.lookup("gpt-5")
 
+
+
+def test_train_commands_take_a_registered_model_name_or_a_folder(registered, tmp_path):
+    from specops.models.cli import MODEL_FOLDER
+
+    assert MODEL_FOLDER.convert(registered.name, None, None) == model_dir(registered.name)
+    assert MODEL_FOLDER.convert(str(tmp_path), None, None) == tmp_path
+    runner = CliRunner()
+    for command in (["train", "ngram-store"], ["train", "heads"]):
+        bad = runner.invoke(main, command + ["--model", "no-such-model", "--out", str(tmp_path / "o")])
+        assert bad.exit_code == 2 and "neither a folder nor a registered model" in bad.output, bad.output
