@@ -104,7 +104,7 @@ def test_adaptive_warmup_sends_the_mix_at_every_concurrency_until_its_time_is_up
         time.sleep(0.02)
         return [], 0.02
 
-    monkeypatch.setattr(serve, "run_cell", fake_cell)
+    monkeypatch.setattr(serve.load, "run_cell", fake_cell)
     cfg = serve.ServeBenchConfig(concurrency=[1, 4], adaptive_warmup_s=0.2)
     serve._adaptive_warmup("http://x", "bundled", cfg, serve.PromptTags(warm=False))
     assert calls[-1][3] - calls[0][3] < 0.2 + 0.05  # no cell starts after the time is up
@@ -174,25 +174,25 @@ def test_a_started_bench_runs_one_server_per_mode_and_interleaves_the_modes_per_
             measured.append((url.split("//")[1], c))
         return [serve.RequestResult(ok=True, ttft_s=0.01, e2e_s=0.1, output_tokens=8)], 0.1
 
-    monkeypatch.setattr(serve, "_start_server", recording_starter(started))
-    monkeypatch.setattr(serve, "_start_controller",
+    monkeypatch.setattr(serve.procs, "_start_server", recording_starter(started))
+    monkeypatch.setattr(serve.procs, "_start_controller",
                         lambda cfg, r, w, ns=None, paused=False: controllers.append(ns) or FakeProc("c"))
-    monkeypatch.setattr(serve, "_pause", lambda proc: None)
-    monkeypatch.setattr(serve, "_resume", lambda proc: None)
-    monkeypatch.setattr(serve, "_stop", lambda proc, timeout_s=20.0: None)
-    monkeypatch.setattr(serve, "_wait_ready", lambda url, timeout_s, proc=None: {"model": "m", "policy": {}})
-    monkeypatch.setattr(serve, "_apply_mode", lambda store, mode: {})
-    monkeypatch.setattr(serve, "_wait_settings", lambda url, expected, timeout_s=30.0: None)
+    monkeypatch.setattr(serve.procs, "_pause", lambda proc: None)
+    monkeypatch.setattr(serve.procs, "_resume", lambda proc: None)
+    monkeypatch.setattr(serve.procs, "_stop", lambda proc, timeout_s=20.0: None)
+    monkeypatch.setattr(serve.procs, "_wait_ready", lambda url, timeout_s, proc=None: {"model": "m", "policy": {}})
+    monkeypatch.setattr(serve.settings, "_apply_mode", lambda store, mode: {})
+    monkeypatch.setattr(serve.settings, "_wait_settings", lambda url, expected, timeout_s=30.0: None)
     warmed = []
-    monkeypatch.setattr(serve, "_adaptive_warmup", lambda url, model, cfg, tags: warmed.append(url.split("//")[1]))
-    monkeypatch.setattr(serve, "run_cell", cell)
+    monkeypatch.setattr(serve.load, "_adaptive_warmup", lambda url, model, cfg, tags: warmed.append(url.split("//")[1]))
+    monkeypatch.setattr(serve.load, "run_cell", cell)
     scrapes = {}
 
     def planner_counts(url):  # each scrape of a server: 3 more speculative steps, 1 more plain step
         n = scrapes[url] = scrapes.get(url, 0) + 1
         return {"spec": 3.0 * n, "plain": 1.0 * n, "veto": 0.0, "probe": 0.0, "plain_probe": float(n), "cpu_s": 0.5 * n}
 
-    monkeypatch.setattr(serve, "planner_counts", planner_counts)
+    monkeypatch.setattr(serve.scrape, "planner_counts", planner_counts)
     cfg = serve.ServeBenchConfig(redis_url="redis://127.0.0.1:9/0", concurrency=[1, 4], repeats=3, num_prompts=1,
                                  progress=True)
     report = serve.run_bench_serve(cfg)
@@ -251,17 +251,17 @@ def test_twin_adds_a_second_off_server_and_its_ratio_to_off(monkeypatch):
         n = 8 * len(prompts)
         return [serve.RequestResult(ok=True, ttft_s=0.01, e2e_s=0.1, output_tokens=8)] * len(prompts), n / speed[ns]
 
-    monkeypatch.setattr(serve, "_start_server", recording_starter(started))
-    monkeypatch.setattr(serve, "_start_controller", lambda cfg, r, w, ns=None, paused=False: FakeProc())
-    monkeypatch.setattr(serve, "_pause", lambda proc: None)
-    monkeypatch.setattr(serve, "_resume", lambda proc: None)
-    monkeypatch.setattr(serve, "_stop", lambda proc, timeout_s=20.0: None)
-    monkeypatch.setattr(serve, "_wait_ready", lambda url, timeout_s, proc=None: {"model": "m", "policy": {}})
-    monkeypatch.setattr(serve, "_apply_mode", lambda store, mode: applied.append(mode) or {})
-    monkeypatch.setattr(serve, "_wait_settings", lambda url, expected, timeout_s=30.0: None)
-    monkeypatch.setattr(serve, "_adaptive_warmup", lambda url, model, cfg, tags: None)
-    monkeypatch.setattr(serve, "run_cell", cell)
-    monkeypatch.setattr(serve, "planner_counts", lambda url: None)
+    monkeypatch.setattr(serve.procs, "_start_server", recording_starter(started))
+    monkeypatch.setattr(serve.procs, "_start_controller", lambda cfg, r, w, ns=None, paused=False: FakeProc())
+    monkeypatch.setattr(serve.procs, "_pause", lambda proc: None)
+    monkeypatch.setattr(serve.procs, "_resume", lambda proc: None)
+    monkeypatch.setattr(serve.procs, "_stop", lambda proc, timeout_s=20.0: None)
+    monkeypatch.setattr(serve.procs, "_wait_ready", lambda url, timeout_s, proc=None: {"model": "m", "policy": {}})
+    monkeypatch.setattr(serve.settings, "_apply_mode", lambda store, mode: applied.append(mode) or {})
+    monkeypatch.setattr(serve.settings, "_wait_settings", lambda url, expected, timeout_s=30.0: None)
+    monkeypatch.setattr(serve.load, "_adaptive_warmup", lambda url, model, cfg, tags: None)
+    monkeypatch.setattr(serve.load, "run_cell", cell)
+    monkeypatch.setattr(serve.scrape, "planner_counts", lambda url: None)
     cfg = serve.ServeBenchConfig(redis_url="redis://127.0.0.1:9/0", concurrency=[16], repeats=2, num_prompts=2,
                                  progress=True, twin=True)  # (measured cells report progress; warm-ups do not)
     report = serve.run_bench_serve(cfg)
@@ -328,20 +328,22 @@ def test_one_server_serves_every_mode_switching_settings_settling_and_pausing_th
 
     store = Store()
     monkeypatch.setattr("specops.policies.store.PolicyStore", lambda client, namespace: store)
-    monkeypatch.setattr(serve, "_start_server", recording_starter(started, "http://one"))
-    monkeypatch.setattr(serve, "_start_controller",
+    monkeypatch.setattr(serve.procs, "_start_server", recording_starter(started, "http://one"))
+    monkeypatch.setattr(serve.procs, "_start_controller",
                         lambda cfg, r, w, ns=None, paused=False: events.append(("controller", ns, paused)) or FakeProc())
-    monkeypatch.setattr(serve, "_stop", lambda proc, timeout_s=20.0: None)
-    monkeypatch.setattr(serve, "_pause", lambda proc: events.append("pause"))
-    monkeypatch.setattr(serve, "_resume", lambda proc: events.append("resume"))
-    monkeypatch.setattr(serve, "_wait_ready", lambda url, timeout_s, proc=None: {"model": "m", "policy": {}})
-    monkeypatch.setattr(serve, "_apply_mode", lambda st, mode: events.append(("apply", mode)) or {"code": mode})
-    monkeypatch.setattr(serve, "_restore_adaptive",
+    monkeypatch.setattr(serve.procs, "_stop", lambda proc, timeout_s=20.0: None)
+    monkeypatch.setattr(serve.procs, "_pause", lambda proc: events.append("pause"))
+    monkeypatch.setattr(serve.procs, "_resume", lambda proc: events.append("resume"))
+    monkeypatch.setattr(serve.procs, "_wait_ready", lambda url, timeout_s, proc=None: {"model": "m", "policy": {}})
+    monkeypatch.setattr(serve.settings, "_apply_mode",
+                        lambda st, mode: events.append(("apply", mode)) or {"code": mode})
+    monkeypatch.setattr(serve.settings, "_restore_adaptive",
                         lambda st, kept: events.append(("restore", kept["code"])) or {"code": kept["code"]})
-    monkeypatch.setattr(serve, "_wait_settings", lambda url, expected, timeout_s=30.0: events.append(("wait", expected)))
-    monkeypatch.setattr(serve, "_adaptive_warmup", lambda url, model, cfg, tags: events.append("warmup"))
-    monkeypatch.setattr(serve, "_settle", lambda url, model, cfg, c, prompts, tags: events.append(("settle", c)))
-    monkeypatch.setattr(serve, "planner_counts", lambda url: None)
+    monkeypatch.setattr(serve.settings, "_wait_settings",
+                        lambda url, expected, timeout_s=30.0: events.append(("wait", expected)))
+    monkeypatch.setattr(serve.load, "_adaptive_warmup", lambda url, model, cfg, tags: events.append("warmup"))
+    monkeypatch.setattr(serve.load, "_settle", lambda url, model, cfg, c, prompts, tags: events.append(("settle", c)))
+    monkeypatch.setattr(serve.scrape, "planner_counts", lambda url: None)
 
     async def cell(url, model, prompts, c, cfg, on_done=None):
         if on_done is not None:  # a measured cell
@@ -350,7 +352,7 @@ def test_one_server_serves_every_mode_switching_settings_settling_and_pausing_th
                 store.gamma += 1
         return [serve.RequestResult(ok=True, ttft_s=0.01, e2e_s=0.1, output_tokens=8)], 0.1
 
-    monkeypatch.setattr(serve, "run_cell", cell)
+    monkeypatch.setattr(serve.load, "run_cell", cell)
     cfg = serve.ServeBenchConfig(redis_url="redis://127.0.0.1:9/0", concurrency=[1, 4], repeats=1, num_prompts=1,
                                  one_server=True, settle_s=2.5)
     report = serve.run_bench_serve(cfg)
@@ -399,8 +401,8 @@ def test_wait_settings_waits_for_every_knob_not_only_the_method(monkeypatch):
         polls.append(1)
         return {"policy": {"classes": old if len(polls) <= 2 else new}}
 
-    monkeypatch.setattr(serve, "_wait_ready", ready)
-    monkeypatch.setattr(serve.time, "sleep", lambda s: None)
+    monkeypatch.setattr(serve.procs, "_wait_ready", ready)
+    monkeypatch.setattr(serve.settings.time, "sleep", lambda s: None)
     serve._wait_settings("http://x", {"code": {"method": "draft", "gamma": 6, "medusa_heads": 3, "fallback": False}})
     assert len(polls) == 3
     serve._wait_settings("http://x", {"code": "draft"})  # a method alone still works
@@ -689,16 +691,16 @@ def _record_batches(monkeypatch, serve, *, one_server: bool):
         return [serve.RequestResult(ok=True, ttft_s=0.01, e2e_s=0.1, output_tokens=8)], 0.1
 
     monkeypatch.setattr("specops.policies.store.PolicyStore", lambda client, namespace: Store())
-    monkeypatch.setattr(serve, "_start_server", recording_starter([], "http://one" if one_server else None))
-    monkeypatch.setattr(serve, "_start_controller", lambda cfg, r, w, ns=None, paused=False: FakeProc())
+    monkeypatch.setattr(serve.procs, "_start_server", recording_starter([], "http://one" if one_server else None))
+    monkeypatch.setattr(serve.procs, "_start_controller", lambda cfg, r, w, ns=None, paused=False: FakeProc())
     for name in ("_stop", "_pause", "_resume"):
-        monkeypatch.setattr(serve, name, lambda proc, timeout_s=20.0: None)
-    monkeypatch.setattr(serve, "_wait_ready", lambda url, timeout_s, proc=None: {"model": "m", "policy": {}})
-    monkeypatch.setattr(serve, "_apply_mode", lambda store, mode: {})
-    monkeypatch.setattr(serve, "_restore_adaptive", lambda store, kept: {})
-    monkeypatch.setattr(serve, "_wait_settings", lambda url, expected, timeout_s=30.0: None)
-    monkeypatch.setattr(serve, "planner_counts", lambda url: None)
-    monkeypatch.setattr(serve, "run_cell", cell)
+        monkeypatch.setattr(serve.procs, name, lambda proc, timeout_s=20.0: None)
+    monkeypatch.setattr(serve.procs, "_wait_ready", lambda url, timeout_s, proc=None: {"model": "m", "policy": {}})
+    monkeypatch.setattr(serve.settings, "_apply_mode", lambda store, mode: {})
+    monkeypatch.setattr(serve.settings, "_restore_adaptive", lambda store, kept: {})
+    monkeypatch.setattr(serve.settings, "_wait_settings", lambda url, expected, timeout_s=30.0: None)
+    monkeypatch.setattr(serve.scrape, "planner_counts", lambda url: None)
+    monkeypatch.setattr(serve.load, "run_cell", cell)
     return batches
 
 
@@ -761,7 +763,7 @@ def test_the_cli_sends_fresh_prompts_unless_told_warm_prefix(monkeypatch):
     from specops.cli import main
 
     seen = []
-    monkeypatch.setattr(serve, "run_bench_serve",
+    monkeypatch.setattr(serve.orchestrate, "run_bench_serve",
                         lambda cfg: seen.append(cfg.warm_prefix) or {"config": {"prompts": cfg.prompts_label},
                                                                      "results": []})
     for args, warm in (([], False), (["--warm-prefix"], True)):
@@ -796,19 +798,19 @@ def test_with_a_server_per_mode_the_controller_runs_only_in_the_adaptive_cells(m
             seen.append(("measure", url.split("-", 1)[1], running["controller"]))
         return [serve.RequestResult(ok=True, ttft_s=0.01, e2e_s=0.1, output_tokens=8)], 0.1
 
-    monkeypatch.setattr(serve, "_start_server", recording_starter([]))
-    monkeypatch.setattr(serve, "_start_controller", start_controller)
-    monkeypatch.setattr(serve, "_pause", pause)
-    monkeypatch.setattr(serve, "_resume", resume)
-    monkeypatch.setattr(serve, "_stop", lambda proc, timeout_s=20.0: None)
-    monkeypatch.setattr(serve, "_wait_ready", lambda url, timeout_s, proc=None: {"model": "m", "policy": {}})
-    monkeypatch.setattr(serve, "_apply_mode", lambda store, mode: {})
-    monkeypatch.setattr(serve, "_wait_settings", lambda url, expected, timeout_s=30.0: None)
-    monkeypatch.setattr(serve, "_adaptive_warmup",
+    monkeypatch.setattr(serve.procs, "_start_server", recording_starter([]))
+    monkeypatch.setattr(serve.procs, "_start_controller", start_controller)
+    monkeypatch.setattr(serve.procs, "_pause", pause)
+    monkeypatch.setattr(serve.procs, "_resume", resume)
+    monkeypatch.setattr(serve.procs, "_stop", lambda proc, timeout_s=20.0: None)
+    monkeypatch.setattr(serve.procs, "_wait_ready", lambda url, timeout_s, proc=None: {"model": "m", "policy": {}})
+    monkeypatch.setattr(serve.settings, "_apply_mode", lambda store, mode: {})
+    monkeypatch.setattr(serve.settings, "_wait_settings", lambda url, expected, timeout_s=30.0: None)
+    monkeypatch.setattr(serve.load, "_adaptive_warmup",
                         lambda url, model, cfg, tags: seen.append(("warmup", url.split("-", 1)[1],
                                                                    running["controller"])))
-    monkeypatch.setattr(serve, "planner_counts", lambda url: None)
-    monkeypatch.setattr(serve, "run_cell", cell)
+    monkeypatch.setattr(serve.scrape, "planner_counts", lambda url: None)
+    monkeypatch.setattr(serve.load, "run_cell", cell)
     cfg = serve.ServeBenchConfig(redis_url="redis://127.0.0.1:9/0", concurrency=[1, 4], repeats=2, num_prompts=1,
                                  twin=True, progress=True)  # (measured cells report progress; warm-ups do not)
     serve.run_bench_serve(cfg)
