@@ -95,10 +95,21 @@ def turn_kind(turn: int) -> str:
     return "turn" + (turn_bucket(turn) or "1")
 
 
-def format_turn_table(report: dict) -> str:
-    """Per-method, per-turn acceptance, tokens/s and tokens per target forward (the report's ``by_kind``)."""
-    kinds = [k for k in TURN_KINDS if k in report.get("prompt_kinds", [])]
-    head = f"{'method':<12} {'turn':<7} {'tok/s':>8} {'accept':>7} {'tok/fwd':>8}"
+def format_kind_table(report: dict) -> str:
+    """`format_turn_table` over every kind of the report: chat turns first, then the chat-model
+    classes, then any other kind (a mixed suite's per-class figures)."""
+    present = report.get("prompt_kinds", [])
+    order = [k for k in TURN_KINDS + CHAT_MODEL_CLASSES if k in present]
+    return format_turn_table(report, kinds=order + sorted(k for k in present if k not in order), label="kind")
+
+
+def format_turn_table(report: dict, *, kinds: list[str] | None = None, label: str = "turn") -> str:
+    """Per-method, per-turn acceptance, tokens/s and tokens per target forward (the report's ``by_kind``);
+    ``kinds``: the kinds to list, in order (default: the chat turns present)."""
+    if kinds is None:
+        kinds = [k for k in TURN_KINDS if k in report.get("prompt_kinds", [])]
+    width = max([7] + [len(k) for k in kinds])
+    head = f"{'method':<12} {label:<{width}} {'tok/s':>8} {'accept':>7} {'tok/fwd':>8}"
     lines = [head, "-" * len(head)]
     for r in report["results"]:
         for kind in kinds:
@@ -106,7 +117,8 @@ def format_turn_table(report: dict) -> str:
             if row is None:
                 continue
             acc = "-" if row["acceptance_rate"] is None else f"{row['acceptance_rate']:.3f}"
-            lines.append(f"{r['method']:<12} {kind:<7} {row['tokens_per_s']:>8.1f} {acc:>7} {row['mean_accepted_len']:>8.2f}")
+            lines.append(f"{r['method']:<12} {kind:<{width}} {row['tokens_per_s']:>8.1f} {acc:>7} "
+                         f"{row['mean_accepted_len']:>8.2f}")
     return "\n".join(lines)
 
 

@@ -9,9 +9,10 @@ from pathlib import Path
 import click
 
 METHOD_HELP = ("hf-greedy,hf-assisted,hf-lookup,ar,ar-chain,draft,ngram,ngram-prompt,medusa,auto"
-               "[,llama.cpp,llama.cpp-lookup] (ar-chain: a reference, ar's forwards without its per-token Python; "
-               "ngram-prompt: ngram without the target's corpus n-gram store; llama.cpp needs the peers "
-               "extra: pip install -e \".[peers]\")")
+               "[,llama.cpp,llama.cpp-spec,llama.cpp-q4,llama-cpp-python,llama-cpp-python-lookup] (ar-chain: a "
+               "reference, ar's forwards without its per-token Python; ngram-prompt: ngram without the target's "
+               "corpus n-gram store; llama.cpp*: llama.cpp's own llama-server, built by make peers; "
+               "llama-cpp-python*: its Python binding, the peers extra)")
 
 
 def _model_ref(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -72,10 +73,10 @@ def bench_decode_command(suite, methods, max_new_tokens, repeats, json_path, plo
     except (BenchError, SuiteError) as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(format_table(report))
-    from specops.bench.chat_suite import TURN_KINDS, format_turn_table
+    if len(report.get("prompt_kinds", [])) > 1:  # per kind: chat turns, a mixed suite's classes
+        from specops.bench.chat_suite import format_kind_table
 
-    if set(TURN_KINDS) & set(report.get("prompt_kinds", [])):
-        click.echo(format_turn_table(report))
+        click.echo(format_kind_table(report))
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report, indent=2) + "\n")

@@ -102,3 +102,14 @@ def test_bench_decode_draws_the_suite_from_the_models_tokenizer():
     models.tokenizer.chat_template = TEMPLATE
     report = run_benchmark(cfg, models=models)
     assert set(report["prompt_kinds"]) == {"turn1", "code", "qa", "creative"}
+
+
+def test_kind_table_lists_turns_then_classes_then_other_kinds():
+    from specops.bench.chat_suite import format_kind_table
+
+    row = {"tokens_per_s": 10.0, "acceptance_rate": 0.5, "mean_accepted_len": 1.5}
+    kinds = ["creative", "hot", "qa", "turn2", "code", "turn1"]
+    report = {"prompt_kinds": sorted(kinds), "results": [{"method": "ngram", "by_kind": {k: row for k in kinds}}]}
+    lines = format_kind_table(report).splitlines()
+    assert lines[0].split()[:2] == ["method", "kind"]
+    assert [line.split()[1] for line in lines[2:]] == ["turn1", "turn2", "code", "qa", "creative", "hot"]
