@@ -14,9 +14,12 @@ forwards, so outputs may legitimately diverge from bf16 greedy; `divergences` th
 records where, with the target's top-2 logit gap at that position (a near-tie is the
 expected cause), instead of claiming exactness.
 
-The llama.cpp peers (`specops.bench.llamacpp_peer`) join the same rows when the
-``peers`` extra is installed; otherwise, or when the target cannot be converted to
-GGUF, the report lists them under ``unavailable`` with the reason (never an error).
+The llama.cpp peers join the same rows: llama.cpp's own ``llama-server``
+(`specops.bench.llamacpp_server_peer`, built by ``make peers``) and its Python binding
+(`specops.bench.llamacpp_peer`, the ``peers`` extra). Where one cannot run (not built, or a
+target that cannot be converted to GGUF) the report lists it under ``unavailable`` with the
+reason (never an error). ``llama.cpp-spec`` is tuned on the first prompts before the timed
+rounds (`llamacpp_server_peer.tune_spec`; the trials are in the report).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from tqdm.auto import tqdm
 from specops.bench.peers import (ALL_METHODS, HF_METHODS, LLAMA_CPP_METHODS, BenchMethod, ChainedAR, DecoderMethod,
                                  HFMethod, MethodRun)
 from specops.bench.llamacpp_peer import build_llama_cpp_methods, llama_cpp_version
+from specops.bench.llamacpp_server_peer import LlamaServerMethod, build_server_methods, tune_spec
 from specops.bench.suites import SUITES, BenchPrompt, builtin_suite, load_prompts_file
 from specops.decoder.heap import frozen_heap
 
@@ -45,6 +49,8 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 REFERENCE = "hf-greedy"
 WARMUP_TOKENS = 16
+SERVER_CONTEXT = 4096  # llama-server's context (its KV cache is allocated for all of it)
+TUNE_PROMPTS = 3  # greedy prompts `llama.cpp-spec` is tuned on
 SETTLE_S = 0.01
 """Idle seconds before each timed run (outside its timing), so every method starts on quiet
 cores. Methods are interleaved per prompt, and the transformers baselines run torch's OpenMP
@@ -128,6 +134,7 @@ class MethodResult:
     acceptance_by_pos: list[float]    # index = draft position (our speculative methods)
     by_kind: dict[str, dict]
     prefill_share: float | None = None  # the prompt passes' share of the method's time (None: not exposed)
+    decode_tokens_per_s: float | None = None  # median over rounds of new tokens / (seconds - prompt passes)
 
 
 @dataclass
@@ -199,6 +206,10 @@ def build_methods(cfg: BenchConfig, models: Models) -> tuple[list[BenchMethod], 
     names = [REFERENCE] + [m for m in cfg.methods if m != REFERENCE]
     peers, unavailable = build_llama_cpp_methods(names, models.target_dir, dtype=cfg.dtype, threads=cfg.threads,
                                                  n_ctx=models.max_context, eos_token_id=models.eos_token_id)
+    servers, not_started = build_server_methods(names, models.target_dir, dtype=cfg.dtype, threads=cfg.threads,
+                                                n_ctx=min(models.max_context, SERVER_CONTEXT),
+                                                eos_token_id=models.eos_token_id)
+    peers, unavailable = [*peers, *servers], {**unavailable, **not_started}
     peers_by_name = {m.name: m for m in peers}
     ours = [m for m in names if m not in HF_METHODS and m not in LLAMA_CPP_METHODS]
     decoder = None
@@ -263,8 +274,32 @@ def run_benchmark(cfg: BenchConfig, *, models: Models | None = None,
     prompt_ids = encode_prompts(prompts, models.tokenizer, max_context=models.max_context,
                                 max_new_tokens=cfg.max_new_tokens)
     methods, unavailable = build_methods(cfg, models)
+    try:
+        return _run_methods(cfg, models, prompts, prompt_ids, methods, unavailable)
+    finally:
+        for method in methods:
+            if isinstance(method, LlamaServerMethod):
+                method.close()
+
+
+def _tune_servers(methods: Sequence[BenchMethod], prompts: Sequence[BenchPrompt], prompt_ids: list[list[int]],
+                  max_new_tokens: int) -> dict[str, list[dict]]:
+    """Tune ``llama.cpp-spec`` on the first greedy prompts against plain decoding's output
+    (``ar``'s where it runs, else the reference's)."""
+    spec = next((m for m in methods if m.name == "llama.cpp-spec"), None)
+    greedy = [ids for p, ids in zip(prompts, prompt_ids) if p.temperature == 0][:TUNE_PROMPTS]
+    if spec is None or not greedy:
+        return {}
+    plain = next((m for m in methods if m.name == "ar"), None) or next(m for m in methods if m.name == REFERENCE)
+    reference = [plain.run(ids, max_new_tokens=max_new_tokens, temperature=0.0, seed=0).tokens for ids in greedy]
+    return {spec.name: tune_spec(spec, greedy, reference, max_new_tokens=max_new_tokens)}
+
+
+def _run_methods(cfg: BenchConfig, models: Models, prompts: list[BenchPrompt], prompt_ids: list[list[int]],
+                 methods: list[BenchMethod], unavailable: dict[str, str]) -> dict[str, Any]:
     for name, reason in unavailable.items():
         log.warning("%s unavailable: %s", name, reason)
+    tuning = _tune_servers(methods, prompts, prompt_ids, cfg.max_new_tokens)
 
     for method in methods:  # warm-up: first calls pay for lazy init, allocation, calibration
         method.run(prompt_ids[0], max_new_tokens=min(WARMUP_TOKENS, cfg.max_new_tokens), temperature=0.0,
@@ -292,6 +327,7 @@ def run_benchmark(cfg: BenchConfig, *, models: Models | None = None,
         "machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": cfg.threads,
                     "device": _device_name(cfg.device),
                     "processor": platform.processor() or platform.machine(), "llama_cpp_python": llama_cpp_version(),
+                    "llama_server": _llama_server_version(methods),
                     "load_avg_1_5_15m": [round(x, 2) for x in os.getloadavg()]},
         "prompts": len(prompts),
         "prompt_kinds": sorted({p.kind for p in prompts}),
@@ -299,8 +335,19 @@ def run_benchmark(cfg: BenchConfig, *, models: Models | None = None,
         "unavailable": [{"method": name, "reason": reason} for name, reason in unavailable.items()],
         "divergences": divergences(runs, prompts, prompt_ids, models.target),
         "costs": measure_costs(methods),
+        "peer_configs": {m.name: m.config for m in methods if isinstance(m, LlamaServerMethod)},
+        "peer_tuning": tuning,
     }
     return report
+
+
+def _llama_server_version(methods: Sequence[BenchMethod]) -> str | None:
+    if not any(isinstance(m, LlamaServerMethod) for m in methods):
+        return None
+    from specops.bench.llamacpp_build import binary_version, find_binary
+
+    path = find_binary("llama-server")
+    return binary_version(path) if path else None
 
 
 COST_SIZES = (1, 2, 4, 8)  # verify widths T whose cost c(T)/c(1) the report prints
@@ -431,7 +478,7 @@ def summarize(runs: dict[str, list[list[MethodRun]]], prompts: Sequence[BenchPro
             exact_match=exact_match, exact_prompts=exact_prompts, new_tokens=new_tokens,
             tokens_per_s_runs=[round(t, 2) for t in tps_runs],
             acceptance_by_pos=[round(a / d, 4) if d else 0.0 for a, d in zip(accepted_pos, drafted_pos)],
-            by_kind=by_kind, prefill_share=_prefill_share(flat),
+            by_kind=by_kind, prefill_share=_prefill_share(flat), decode_tokens_per_s=_decode_tps(rounds),
         ))
     ar_tps = next((r.tokens_per_s for r in results if r.method == "ar"), None)
     chain_tps = next((r.tokens_per_s for r in results if r.method == "ar-chain"), None)
@@ -440,6 +487,15 @@ def summarize(runs: dict[str, list[list[MethodRun]]], prompts: Sequence[BenchPro
         r.speedup_vs_ar = round(r.tokens_per_s / ar_tps, 3) if ar_tps else None
         r.speedup_vs_ar_chain = round(r.tokens_per_s / chain_tps, 3) if chain_tps else None
     return results
+
+
+def _decode_tps(rounds: Sequence[Sequence[MethodRun]]) -> float | None:
+    """Median over rounds of new tokens per second after the prompt passes (decode only), where
+    every run exposes its prompt pass."""
+    if any(r.prefill_s is None for rs in rounds for r in rs):
+        return None
+    rates = [sum(len(r.tokens) for r in rs) / max(sum(r.seconds - r.prefill_s for r in rs), 1e-9) for rs in rounds]
+    return round(statistics.median(rates), 2) if rates else None
 
 
 def _prefill_share(runs: Sequence[MethodRun]) -> float | None:
@@ -487,8 +543,8 @@ def divergences(runs: dict[str, list[list[MethodRun]]], prompts: Sequence[BenchP
 def format_table(report: dict) -> str:
     """A fixed-width text table of the report's results."""
     chained = any(r.get("speedup_vs_ar_chain") is not None for r in report["results"])
-    head = (f"{'method':<16} {'tok/s':>8} {'vs hf-greedy':>12} {'vs ar':>7}" + (f" {'vs ar-chain':>11}" if chained else "")
-            + f" {'accept':>7} {'tok/fwd':>8} {'exact':>7}")
+    head = (f"{'method':<24} {'tok/s':>8} {'decode':>8} {'vs hf-greedy':>12} {'vs ar':>7}"
+            + (f" {'vs ar-chain':>11}" if chained else "") + f" {'accept':>7} {'tok/fwd':>8} {'exact':>7}")
     lines = [head, "-" * len(head)]
     for r in report["results"]:
         acc = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.3f}"
@@ -496,10 +552,13 @@ def format_table(report: dict) -> str:
         vs_ar = "-" if r.get("speedup_vs_ar") is None else f"{r['speedup_vs_ar']:.2f}x"
         vs_chain = "-" if r.get("speedup_vs_ar_chain") is None else f"{r['speedup_vs_ar_chain']:.2f}x"
         exact = "-" if r["exact_match"] is None else ("yes" if r["exact_match"] else f"{r['exact_prompts']}")
-        lines.append(f"{r['method']:<16} {r['tokens_per_s']:>8.1f} {spd:>12} {vs_ar:>7}"
+        dec = "-" if r.get("decode_tokens_per_s") is None else f"{r['decode_tokens_per_s']:.1f}"
+        lines.append(f"{r['method']:<24} {r['tokens_per_s']:>8.1f} {dec:>8} {spd:>12} {vs_ar:>7}"
                      + (f" {vs_chain:>11}" if chained else "") + f" {acc:>7} {r['mean_accepted_len']:>8.2f} {exact:>7}")
     for row in report.get("unavailable") or []:
-        lines.append(f"{row['method']:<16} unavailable: {row['reason']}")
+        lines.append(f"{row['method']:<24} unavailable: {row['reason']}")
+    for name, config in (report.get("peer_configs") or {}).items():
+        lines.append(f"{name}: llama-server {config}")
     costs = report.get("costs")
     if costs:
         curve = " ".join(f"c({t})/c(1)={rel:.2f}" for t, rel in costs["verify_relative"].items())

@@ -41,6 +41,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -276,9 +277,42 @@ def source_fingerprint(model_dir: Path, tokenizer_json: Path, out_type: str) -> 
     return h.hexdigest()
 
 
+def source_gguf(model_dir: Path) -> Path | None:
+    """The GGUF a model folder was made from (``specops models pull``'s ``source_gguf``), if any."""
+    try:
+        manifest = json.loads((model_dir / "specops-model.json").read_text())
+    except (OSError, ValueError):
+        return None
+    rel = manifest.get("source_gguf") if isinstance(manifest, dict) else None
+    path = model_dir / rel if isinstance(rel, str) else None
+    return path if path is not None and path.is_file() else None
+
+
+def _copy_tokenizer_fields(writer: Any, source: Path) -> int:
+    """Copy every ``tokenizer.*`` key of the GGUF at ``source`` into ``writer`` (the model's own
+    vocabulary, pre-tokenizer, special tokens and chat template, whatever their form); returns
+    how many keys were copied."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(source))
+    copied = 0
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
+        copied += 1
+    return copied
+
+
 def convert_to_gguf(model_dir: Path | str, out_path: Path | str, *, out_type: str = "float32",
-                    tokenizer_json: Path | str | None = None, fingerprint: str | None = None) -> Path:
-    """Write ``model_dir`` (HF Llama) as a GGUF file at ``out_path`` (atomically); returns the path."""
+                    tokenizer_json: Path | str | None = None, fingerprint: str | None = None,
+                    vocab_from: Path | str | None = None) -> Path:
+    """Write ``model_dir`` (HF Llama) as a GGUF file at ``out_path`` (atomically); returns the path.
+    ``vocab_from``: a GGUF whose ``tokenizer.*`` keys are copied as they are (a model pulled from
+    a GGUF keeps its own tokenizer description, whatever its pre-tokenizer); else the vocabulary
+    is built from ``tokenizer_json`` (GPT-2 byte-level BPE only)."""
     try:
         import gguf
     except ImportError as exc:
@@ -288,7 +322,7 @@ def convert_to_gguf(model_dir: Path | str, out_path: Path | str, *, out_type: st
     model_dir, out_path = Path(model_dir), Path(out_path)
     tokenizer_json = Path(tokenizer_json) if tokenizer_json else model_dir / "tokenizer.json"
     shape = read_llama_config(model_dir)
-    vocab = read_bpe_tokenizer(tokenizer_json, shape.vocab_size)
+    vocab = None if vocab_from is not None else read_bpe_tokenizer(tokenizer_json, shape.vocab_size)
     tensors = llama_tensors(load_state_dict(model_dir), shape)
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -312,17 +346,20 @@ def convert_to_gguf(model_dir: Path | str, out_path: Path | str, *, out_type: st
         w.add_rope_freq_base(shape.rope_theta)
         w.add_layer_norm_rms_eps(shape.rms_norm_eps)
 
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("gpt-2")
-        w.add_token_list(vocab.tokens)
-        w.add_token_types(vocab.token_types)
-        w.add_token_merges(vocab.merges)
-        for token_id, add in ((shape.bos_token_id, w.add_bos_token_id), (shape.eos_token_id, w.add_eos_token_id),
-                              (shape.pad_token_id, w.add_pad_token_id)):
-            if token_id is not None:
-                add(token_id)
-        w.add_add_bos_token(vocab.add_bos)
-        w.add_add_eos_token(False)
+        if vocab is None:
+            _copy_tokenizer_fields(w, Path(vocab_from))
+        else:
+            w.add_tokenizer_model("gpt2")
+            w.add_tokenizer_pre("gpt-2")
+            w.add_token_list(vocab.tokens)
+            w.add_token_types(vocab.token_types)
+            w.add_token_merges(vocab.merges)
+            for token_id, add in ((shape.bos_token_id, w.add_bos_token_id), (shape.eos_token_id, w.add_eos_token_id),
+                                  (shape.pad_token_id, w.add_pad_token_id)):
+                if token_id is not None:
+                    add(token_id)
+            w.add_add_bos_token(vocab.add_bos)
+            w.add_add_eos_token(False)
         if fingerprint:
             w.add_string(FINGERPRINT_KEY, fingerprint)
 
@@ -388,8 +425,13 @@ def ensure_gguf(model_dir: Path | str, *, out_type: str = "float32", cache_dir: 
     tokenizer_json = Path(tokenizer_json) if tokenizer_json else model_dir / "tokenizer.json"
     if not tokenizer_json.is_file():
         raise GGUFConvertError(f"no tokenizer.json at {tokenizer_json} (only fast tokenizers are supported)")
+    vocab_from = source_gguf(model_dir)
     fingerprint = source_fingerprint(model_dir, tokenizer_json, out_type)
+    if vocab_from is not None:  # the vocabulary comes from there: a new source makes a new file
+        st = vocab_from.stat()
+        fingerprint = hashlib.sha256(f"{fingerprint}:{vocab_from.name}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
     path = gguf_cache_path(model_dir, out_type, Path(cache_dir) if cache_dir else None)
     if path.is_file() and _stored_fingerprint(path) == fingerprint:
         return path
-    return convert_to_gguf(model_dir, path, out_type=out_type, tokenizer_json=tokenizer_json, fingerprint=fingerprint)
+    return convert_to_gguf(model_dir, path, out_type=out_type, tokenizer_json=tokenizer_json, fingerprint=fingerprint,
+                           vocab_from=vocab_from)

@@ -1,9 +1,11 @@
-"""llama.cpp as a peer in ``specops bench decode``, through llama-cpp-python (the ``peers`` extra).
+"""llama.cpp's Python binding as a peer in ``specops bench decode`` (llama-cpp-python, the
+``peers`` extra). Its generate loop samples and copies logits in Python every token, so it
+understates llama.cpp; `specops.bench.llamacpp_server_peer` times llama.cpp's own server.
 
 Methods:
 
-* ``llama.cpp``        — plain decoding (greedy sampler at temperature 0);
-* ``llama.cpp-lookup`` — llama-cpp-python's prompt-lookup decoding: a
+* ``llama-cpp-python``        — plain decoding (greedy sampler at temperature 0);
+* ``llama-cpp-python-lookup`` — llama-cpp-python's prompt-lookup decoding: a
   ``LlamaPromptLookupDecoding`` draft model proposes the tokens that followed the last
   matching n-gram of the context, and one batched decode verifies them.
   ``num_pred_tokens=2`` is the value llama-cpp-python documents for CPU-only machines
@@ -27,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from specops.bench.peers import LLAMA_CPP_METHODS, MethodRun
+from specops.bench.peers import LLAMA_CPP_PYTHON_METHODS, MethodRun
 
 LOOKUP_PRED_TOKENS = 2   # llama-cpp-python's documented CPU value
 LOOKUP_MAX_NGRAM = 2     # LlamaPromptLookupDecoding's default
@@ -65,8 +67,8 @@ class LlamaCppMethod:
 
     def __init__(self, name: str, gguf_path: Path | str, *, threads: int, n_ctx: int,
                  eos_token_id: int | None = None):
-        if name not in LLAMA_CPP_METHODS:
-            raise ValueError(f"unknown llama.cpp method {name!r}; choose one of {', '.join(LLAMA_CPP_METHODS)}")
+        if name not in LLAMA_CPP_PYTHON_METHODS:
+            raise ValueError(f"unknown llama-cpp-python method {name!r}; choose one of {', '.join(LLAMA_CPP_PYTHON_METHODS)}")
         try:
             from llama_cpp import Llama
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
@@ -77,7 +79,7 @@ class LlamaCppMethod:
         self.n_ctx = n_ctx
         self.draft = (_CountingDraft(LlamaPromptLookupDecoding(max_ngram_size=LOOKUP_MAX_NGRAM,
                                                                num_pred_tokens=LOOKUP_PRED_TOKENS))
-                      if name == "llama.cpp-lookup" else None)
+                      if name == "llama-cpp-python-lookup" else None)
         try:
             self.llm = Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
                              n_threads=threads, n_threads_batch=threads, draft_model=self.draft, verbose=False)
@@ -121,7 +123,7 @@ def build_llama_cpp_methods(names: Sequence[str], target_dir: Path | None, *, dt
                             n_ctx: int, eos_token_id: int | None,
                             tokenizer_json: Path | None = None) -> tuple[list[LlamaCppMethod], dict[str, str]]:
     """The requested llama.cpp methods, and {name: reason} for those that cannot run here."""
-    names = [n for n in names if n in LLAMA_CPP_METHODS]
+    names = [n for n in names if n in LLAMA_CPP_PYTHON_METHODS]
     if not names:
         return [], {}
     reason = None

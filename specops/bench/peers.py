@@ -23,8 +23,11 @@ Speculation's rounds spend less Python per token than ``ar`` does, so part of a 
 ratio is that Python; "vs ar-chain" is the ratio without it. Sampled prompts run ``ar``
 (the chain here is greedy). Fast fp32 CPU runner only.
 
-llama.cpp (``llama.cpp``, ``llama.cpp-lookup``) is the CPU engine people actually run;
-it lives in `specops.bench.llamacpp_peer` (optional: the ``peers`` extra).
+llama.cpp is the CPU engine people actually run: its own ``llama-server`` binary
+(``llama.cpp``, ``llama.cpp-spec``, ``llama.cpp-q4``: `specops.bench.llamacpp_server_peer`, built
+by ``make peers``) and, for comparison, its Python binding's generate loop
+(``llama-cpp-python``, ``llama-cpp-python-lookup``: `specops.bench.llamacpp_peer`, the
+``peers`` extra), which spends Python and NumPy on every token.
 """
 
 from __future__ import annotations
@@ -42,7 +45,9 @@ OUR_METHODS = ("ar", "draft", "ngram", "ngram-prompt", "medusa", "auto")
 # bench names that run one of the Decoder's methods with options: prompt lookup without the
 # target's corpus n-gram store (`specops.decoder.ngram_store`), as ``ngram`` ran before it had one
 VARIANTS: dict[str, tuple[str, dict]] = {"ngram-prompt": ("ngram", {"corpus": False})}
-LLAMA_CPP_METHODS = ("llama.cpp", "llama.cpp-lookup")  # specops.bench.llamacpp_peer
+LLAMA_CPP_PYTHON_METHODS = ("llama-cpp-python", "llama-cpp-python-lookup")  # specops.bench.llamacpp_peer
+SERVER_METHODS = ("llama.cpp", "llama.cpp-spec", "llama.cpp-q4")  # specops.bench.llamacpp_server_peer
+LLAMA_CPP_METHODS = SERVER_METHODS + LLAMA_CPP_PYTHON_METHODS
 REFERENCE_METHODS = ("ar-chain",)
 ALL_METHODS = HF_METHODS + OUR_METHODS + REFERENCE_METHODS + LLAMA_CPP_METHODS
 CHAIN_TOKENS = 32  # tokens per C call of ``ar-chain`` (an EOS is looked for after each call)

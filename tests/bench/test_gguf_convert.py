@@ -120,3 +120,34 @@ def test_explicit_cache_dir_keeps_the_model_folder_untouched(tmp_path):
     path = ensure_gguf(d, out_type="float16", cache_dir=tmp_path / "cache")
     assert path.is_relative_to(tmp_path / "cache") and path.name == "model-float16.gguf"
     assert sorted(p.name for p in d.iterdir()) == before
+
+
+def test_a_model_pulled_from_a_gguf_keeps_that_files_tokenizer_keys(tmp_path):
+    """A folder that `specops models pull` made from a GGUF (``source_gguf`` in its manifest):
+    the converted file carries the source's ``tokenizer.*`` keys as they are (its own
+    pre-tokenizer, special tokens and chat template), not a vocabulary rebuilt from
+    tokenizer.json."""
+    gguf = require_module("gguf")
+    d = tmp_path / "model"
+    shutil.copytree(TARGET_DIR, d, ignore=shutil.ignore_patterns("*.gguf"))
+    source = d / "gguf" / "source.gguf"
+    source.parent.mkdir()
+    w = gguf.GGUFWriter(str(source), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list([f"t{i}" for i in range(8)])
+    w.add_token_types([1] * 8)
+    w.add_eos_token_id(2)
+    w.add_chat_template("{{ messages }}")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    (d / "specops-model.json").write_text(json.dumps({"source_gguf": "gguf/source.gguf"}))
+    path = ensure_gguf(d, cache_dir=tmp_path / "cache")
+    fields = gguf.GGUFReader(str(path)).fields
+    assert fields["tokenizer.ggml.pre"].contents() == "smollm"
+    assert fields["tokenizer.ggml.tokens"].contents() == [f"t{i}" for i in range(8)]
+    assert fields["tokenizer.chat_template"].contents() == "{{ messages }}"
+    assert fields["tokenizer.ggml.eos_token_id"].contents() == 2
+    assert "tokenizer.ggml.merges" not in fields  # nothing rebuilt from tokenizer.json

@@ -28,27 +28,28 @@ PROMPTS = [BenchPrompt("def add(a, b):\n    return", "code"), BenchPrompt("impor
 
 def test_peers_that_cannot_run_are_reported_not_raised(tiny_models, monkeypatch):
     monkeypatch.setattr(peer, "llama_cpp_version", lambda: None)  # as on a machine without the extra
-    cfg = BenchConfig(methods=["hf-greedy", "ar", "llama.cpp", "llama.cpp-lookup"], max_new_tokens=6, repeats=1,
+    cfg = BenchConfig(methods=["hf-greedy", "ar", "llama-cpp-python", "llama-cpp-python-lookup"], max_new_tokens=6, repeats=1,
                       progress=False)
     report = run_benchmark(cfg, models=tiny_models, prompts=PROMPTS)
     assert [r["method"] for r in report["results"]] == ["hf-greedy", "ar"]
-    assert [u["method"] for u in report["unavailable"]] == ["llama.cpp", "llama.cpp-lookup"]
+    assert [u["method"] for u in report["unavailable"]] == ["llama-cpp-python", "llama-cpp-python-lookup"]
     assert all("pip install" in u["reason"] and "peers" in u["reason"] for u in report["unavailable"])
     table = format_table(report)
-    assert "llama.cpp-lookup unavailable: llama-cpp-python is not installed" in table
+    assert any(line.split()[0] == "llama-cpp-python-lookup" and "unavailable: llama-cpp-python is not installed" in line
+               for line in table.splitlines())
     json.dumps(report)
 
 
 def test_in_memory_target_and_unsupported_architecture_are_reasons(tmp_path, monkeypatch):
     monkeypatch.setattr(peer, "llama_cpp_version", lambda: "0.test")
-    methods, unavailable = peer.build_llama_cpp_methods(["ar", "llama.cpp"], None, dtype="float32", threads=1,
+    methods, unavailable = peer.build_llama_cpp_methods(["ar", "llama-cpp-python"], None, dtype="float32", threads=1,
                                                         n_ctx=64, eos_token_id=None)
-    assert methods == [] and "target model's folder" in unavailable["llama.cpp"]
+    assert methods == [] and "target model's folder" in unavailable["llama-cpp-python"]
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MambaForCausalLM"], "model_type": "mamba"}))
-    methods, unavailable = peer.build_llama_cpp_methods(["llama.cpp-lookup"], tmp_path, dtype="float32", threads=1,
+    methods, unavailable = peer.build_llama_cpp_methods(["llama-cpp-python-lookup"], tmp_path, dtype="float32", threads=1,
                                                         n_ctx=64, eos_token_id=None)
-    assert methods == [] and unavailable["llama.cpp-lookup"].startswith("GGUF conversion failed")
-    assert "MambaForCausalLM" in unavailable["llama.cpp-lookup"]
+    assert methods == [] and unavailable["llama-cpp-python-lookup"].startswith("GGUF conversion failed")
+    assert "MambaForCausalLM" in unavailable["llama-cpp-python-lookup"]
 
 
 def test_converted_bundled_target_is_token_exact_against_transformers(tmp_path):
@@ -73,21 +74,21 @@ def test_converted_bundled_target_is_token_exact_against_transformers(tmp_path):
             got = method.run(prompt_ids, max_new_tokens=NEW_TOKENS, temperature=0.0, seed=0)
             assert got.tokens == want, (name, i)
             assert got.target_forwards <= len(got.tokens)
-    lookup = runs["llama.cpp-lookup"]
+    lookup = runs["llama-cpp-python-lookup"]
     out = lookup.run(ids[0], max_new_tokens=NEW_TOKENS, temperature=0.0, seed=0)
     assert out.drafted > 0 and 0 <= out.accepted <= out.drafted
-    assert runs["llama.cpp"].run(ids[0], max_new_tokens=8, temperature=0.0, seed=0).target_forwards == 8
+    assert runs["llama-cpp-python"].run(ids[0], max_new_tokens=8, temperature=0.0, seed=0).target_forwards == 8
 
 
 def test_bench_rows_for_llama_cpp():
     require_module("llama_cpp")
-    cfg = BenchConfig(methods=["hf-greedy", "ar", "llama.cpp", "llama.cpp-lookup"], max_new_tokens=16, repeats=1,
+    cfg = BenchConfig(methods=["hf-greedy", "ar", "llama-cpp-python", "llama-cpp-python-lookup"], max_new_tokens=16, repeats=1,
                       limit=2, threads=1, progress=False)
     report = run_benchmark(cfg)
     rows = {r["method"]: r for r in report["results"]}
-    assert list(rows) == ["hf-greedy", "ar", "llama.cpp", "llama.cpp-lookup"] and report["unavailable"] == []
-    for name in peer.LLAMA_CPP_METHODS:
+    assert list(rows) == ["hf-greedy", "ar", "llama-cpp-python", "llama-cpp-python-lookup"] and report["unavailable"] == []
+    for name in peer.LLAMA_CPP_PYTHON_METHODS:
         assert rows[name]["tokens_per_s"] > 0 and rows[name]["exact_prompts"] == "2/2"
         assert rows[name]["new_tokens"] == 2 * 16
-    assert rows["llama.cpp"]["acceptance_rate"] is None and rows["llama.cpp"]["mean_accepted_len"] == 1.0
+    assert rows["llama-cpp-python"]["acceptance_rate"] is None and rows["llama-cpp-python"]["mean_accepted_len"] == 1.0
     assert report["machine"]["llama_cpp_python"]
