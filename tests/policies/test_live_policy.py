@@ -13,20 +13,8 @@ from specops.policies import load_policy
 from specops.policies import rollout as machine
 from specops.policies.live import LivePolicy
 from specops.policies.store import PolicyStore
+from tests.serving.test_policy_runtime import POLICY
 
-POLICY = """
-version: "t1"
-description: live policy test
-default_class: general
-classes:
-  - name: code
-    match: [{label: {task: code}}]
-    method: draft
-    gamma: {initial: 3, min: 1, max: 8}
-  - name: general
-    method: "off"
-alerts: []
-"""
 
 
 class Clock:
