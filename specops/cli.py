@@ -35,6 +35,7 @@ COMMANDS: dict[tuple[str, ...], dict[str, str]] = {
         "serve": "specops.bench.serve:bench_serve_command",
         "turns": "specops.bench.serve_turns:bench_turns_command",
         "sidecar": "specops.bench.sidecar_overhead:bench_sidecar_command",
+        "speedup-truth": "specops.bench.speedup_truth:bench_speedup_truth_command",
     },
     ("policy",): {
         "validate": "specops.policies.cli:validate_command",

@@ -75,6 +75,48 @@ MAIN_PANELS: tuple[str, ...] = (
 )
 
 
+@dataclass(frozen=True)
+class Annotation:
+    """Where the controller acted, marked on every panel: each change of a controller series's value."""
+
+    name: str
+    series: str
+    """Key of `specops.controller.metrics.PROMQL` whose changes mark the event."""
+    color: str
+    text: str
+    """Grafana's ``textFormat`` (the series's labels in ``{{ }}``)."""
+
+
+#: Grafana annotations (and `specops dashboard snapshot`'s markers): a class falling back to plain
+#: decoding or returning to speculation, and the controller moving a class's knob (γ, Medusa heads).
+ANNOTATIONS: tuple[Annotation, ...] = (
+    Annotation("Controller: fallback on / off", "controller_fallbacks_active", "red",
+               "{{class}} fallen back (1) / speculating again (0)"),
+    Annotation("Controller: knob changed", "controller_knob", "blue", "{{class}} {{knob}} set"),
+)
+
+
+def annotation_expr(annotation: Annotation, window: str = "$__interval", match: str = MATCH) -> str:
+    """The annotation's PromQL: the series where its value changed within ``window`` (Grafana marks each
+    returned point; the snapshot reads the series's values itself: `specops.alerts.snapshot.controller_events`)."""
+    return f"changes(({controller_metrics.promql(annotation.series, window, match)})[{window}:]) > 0"
+
+
+def _annotation(annotation: Annotation) -> dict:
+    return {
+        "name": annotation.name,
+        "datasource": DATASOURCE,
+        "enable": True,
+        "iconColor": annotation.color,
+        "expr": annotation_expr(annotation),
+        "step": "$__interval",
+        "titleFormat": annotation.name,
+        "textFormat": annotation.text,
+        "tagKeys": "class",
+        "useValueForTime": False,
+    }
+
+
 def panel_expr(panel: Panel, window: str = WINDOW, match: str = MATCH) -> str:
     """The panel's PromQL (a runtime contract series, or a controller one)."""
     if panel.series in controller_metrics.PROMQL:
@@ -128,7 +170,7 @@ def dashboard() -> dict:
              "definition": f"label_values({contract.REQUESTS.name}, {contract.CLASS_LABEL})",
              "refresh": 2, "multi": True, "includeAll": True, "allValue": ".*", "current": {}, "hide": 0, "sort": 1},
         ]},
-        "annotations": {"list": []},
+        "annotations": {"list": [_annotation(a) for a in ANNOTATIONS]},
         "panels": [_panel(i, p) for i, p in enumerate(PANELS)],
     }
 

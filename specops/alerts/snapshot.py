@@ -7,8 +7,11 @@ a bug in the dashboard or in the exporter, found without a Grafana server.
 
 `snapshot` renders the main panels (`dashboard.MAIN_PANELS`) with matplotlib from
 the same expressions over a time range (``query_range``), so users without Grafana
-(and the README) can see what the dashboard shows. matplotlib is optional: it is
-imported only here, and a missing install is one clear error.
+(and the README) can see what the dashboard shows. Where the controller acted (the
+dashboard's `dashboard.ANNOTATIONS`: a class falling back, returning to speculation,
+its knob moved) every panel gets a vertical marker, labelled above the top panels
+(`controller_events`). matplotlib is optional: it is imported only here, and a missing
+install is one clear error.
 """
 
 from __future__ import annotations
@@ -95,6 +98,50 @@ def check_queries(client: PrometheusClient, *, rate_window: str, policy: Any = N
     return report
 
 
+@dataclass(frozen=True)
+class ControllerEvent:
+    """One controller action seen in its series: ``kind`` is ``fallback``, ``return`` or ``knob``."""
+
+    time: float
+    klass: str
+    kind: str
+    label: str
+
+
+KNOB_NAMES = {"gamma": "γ", "medusa_heads": "heads"}
+EVENT_STYLE = {"fallback": ("red", "-"), "return": ("green", "-"), "knob": ("tab:blue", ":")}
+
+
+def controller_events(fallbacks: list[Series], knobs: list[Series]) -> list[ControllerEvent]:
+    """The controller's actions from its series over a range: each change of a class's
+    ``controller_fallbacks_active`` (0 → 1 a fallback, 1 → 0 a return) and of a class's
+    ``controller_knob``, at the first point showing the new value. A series's first value is
+    where it starts, not an action; NaN points are skipped."""
+    events = []
+
+    def changes(series: Series) -> list[tuple[float, float, float]]:
+        out, last = [], None
+        for t, v in zip(series.times, series.values):
+            if v != v:
+                continue
+            if last is not None and v != last:
+                out.append((t, last, v))
+            last = v
+        return out
+
+    for series in fallbacks:
+        name = series.labels.get("class", "?")
+        for t, _, v in changes(series):
+            kind = "fallback" if v > 0 else "return"
+            events.append(ControllerEvent(t, name, kind, f"{name}: {'fallback' if v > 0 else 'speculating'}"))
+    for series in knobs:
+        name, knob = series.labels.get("class", "?"), series.labels.get("knob", "knob")
+        for t, before, v in changes(series):
+            events.append(ControllerEvent(t, name, "knob",
+                                          f"{name}: {KNOB_NAMES.get(knob, knob)} {before:g}→{v:g}"))
+    return sorted(events, key=lambda e: (e.time, e.klass, e.kind))
+
+
 def _axis_format(ax: Any, unit: str) -> None:
     from matplotlib.ticker import FuncFormatter
 
@@ -129,15 +176,10 @@ def snapshot(client: PrometheusClient, out: Path, *, range_s: float = 900.0, ste
             for t in titles}
     if not any(data.values()):
         raise SnapshotError(f"every panel is empty over the last {range_s:g}s: is Prometheus scraping specops?")
-    cols = 2
-    rows = math.ceil(len(titles) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(12, 3.2 * rows), squeeze=False, sharex=True)
-    for i, title in enumerate(titles):
-        ax = axes[i // cols][i % cols]
-        panel = by_title[title]
-        _draw(ax, panel, data[title], mdates)
-    for j in range(len(titles), rows * cols):
-        axes[j // cols][j % cols].set_visible(False)
+    marks = {a.series: client.query_range(fill_variables(dashboard.panel_expr(
+        dashboard.Panel(a.name, a.series, "short")), rate_window), start, end, step) for a in dashboard.ANNOTATIONS}
+    events = controller_events(marks.get("controller_fallbacks_active", []), marks.get("controller_knob", []))
+    fig = figure(titles, data, events, plt, mdates)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(end))
     span = f"{range_s:.0f} s" if range_s < 600 else f"{range_s / 60:.0f} min"
     fig.suptitle(f"{dashboard.dashboard()['title']} — last {span} to {stamp} (rate window {rate_window})",
@@ -147,6 +189,38 @@ def snapshot(client: PrometheusClient, out: Path, *, range_s: float = 900.0, ste
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return {t: len(data[t]) for t in titles}
+
+
+def figure(titles: tuple[str, ...], data: dict[str, list[Series]], events: list[ControllerEvent], plt: Any,
+           mdates: Any) -> Any:
+    """The snapshot's figure: one axes per panel title (two columns), the controller's events marked on each
+    (the markers are lines with ``gid`` ``controller-event:KIND``), their labels above the top row."""
+    by_title = {p.title: p for p in dashboard.PANELS}
+    cols = 2
+    rows = math.ceil(len(titles) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(14, 3.3 * rows + (0.6 if events else 0)), squeeze=False,
+                             sharex=True)
+    for i, title in enumerate(titles):
+        ax = axes[i // cols][i % cols]
+        _draw(ax, by_title[title], data[title], mdates)
+        _mark(ax, events, labelled=i < cols)
+    for j in range(len(titles), rows * cols):
+        axes[j // cols][j % cols].set_visible(False)
+    return fig
+
+
+def _mark(ax: Any, events: list[ControllerEvent], labelled: bool) -> None:
+    """Vertical markers at the controller's events; ``labelled``: their labels above the axes, staggered."""
+    from datetime import datetime, timezone
+
+    for k, e in enumerate(events):
+        color, style = EVENT_STYLE[e.kind]
+        when = datetime.fromtimestamp(e.time, tz=timezone.utc)
+        ax.axvline(when, color=color, linestyle=style, linewidth=1.1, alpha=0.8, gid=f"controller-event:{e.kind}")
+        if labelled:
+            ax.annotate(e.label, xy=(when, 1.0), xycoords=("data", "axes fraction"),
+                        xytext=(2, 2 + 9 * (k % 3)), textcoords="offset points", fontsize=6.5, color=color,
+                        rotation=0, annotation_clip=False)
 
 
 def _draw(ax: Any, panel: dashboard.Panel, series: list[Series], mdates: Any) -> None:
@@ -165,5 +239,5 @@ def _draw(ax: Any, panel: dashboard.Panel, series: list[Series], mdates: Any) ->
     _axis_format(ax, panel.unit)
     ax.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M:%S", tz=timezone.utc))
     ax.grid(True, alpha=0.3)
-    if series or panel.threshold is not None:
-        ax.legend(fontsize=7, loc="upper left", ncol=2)
+    if series or panel.threshold is not None:  # beside the axes: never over a line
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False)

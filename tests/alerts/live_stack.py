@@ -79,10 +79,13 @@ READY_TIMEOUT_S = 120.0
 class LiveStack:
     """Start with `start()`, drive with `serve_for()`, always `stop()` (kills what it started, by PID)."""
 
-    def __init__(self, workdir: Path, *, redis_url: str | None = None, clients: int = 2) -> None:
+    def __init__(self, workdir: Path, *, redis_url: str | None = None, clients: int = 2, policy: str = POLICY,
+                 controller_window_s: float = 10.0) -> None:
         self.workdir = workdir
         self.redis_url = redis_url
         self.clients = clients  # concurrent HTTP clients of the traffic
+        self.policy_text = policy  # the stack's policy (POLICY: the query test's, whose alerts never fire)
+        self.controller_window_s = controller_window_s
         self.services: list = []
         self.server: Service | None = None
         self.prometheus_url = ""
@@ -104,13 +107,13 @@ class LiveStack:
             self.services.append(svc)
             self.redis_url = f"redis://127.0.0.1:{svc.port}/0"
         self.client = redis_lib.Redis.from_url(self.redis_url)
-        policy = load_policy(POLICY)
+        policy = load_policy(self.policy_text)
         self.policy = policy
         self.store = PolicyStore(self.client)
         # stored before either process starts, so neither bootstraps its own default policy
-        machine.start_rollout(self.store, policy, POLICY, actor="live-stack")
+        machine.start_rollout(self.store, policy, self.policy_text, actor="live-stack")
         policy_file = self.workdir / "policy.yaml"
-        policy_file.write_text(POLICY)
+        policy_file.write_text(self.policy_text)
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
         # the inference server, as operators run it: bundled models, this Redis, this policy
@@ -125,7 +128,7 @@ class LiveStack:
         # the controller, as operators run it
         controller_port = free_port()
         argv = [sys.executable, "-m", "specops.cli", "controller", "run", "--redis", self.redis_url, "--interval", "1",
-                "--window", "10", "--listen", f"127.0.0.1:{controller_port}", "--webhook-token", "live"]
+                "--window", f"{self.controller_window_s:g}", "--listen", f"127.0.0.1:{controller_port}", "--webhook-token", "live"]
         self.services.append(_start_env("controller", argv, controller_port, self.workdir / "controller", env))
         self.controller_metrics_url = f"http://127.0.0.1:{controller_port}/metrics"
 

@@ -79,3 +79,42 @@ def test_seed_zero_is_the_reference_world_and_other_seeds_vary_it():
     assert build_scenario(10, 5, 100, 1) == others[0]  # deterministic in the seed
     for o in others:
         assert all(0.05 <= a <= 0.97 for c in o.classes for a in c.alpha)
+
+
+def test_timeline_events_are_fallbacks_returns_and_gamma_changes():
+    from specops.controller.sim_plot import TimelineEvent, timeline_events
+
+    rows = [{"tick": 0, "gamma": {"a": 4, "b": 2}}, {"tick": 1, "gamma": {"a": 0, "b": 2}},
+            {"tick": 2, "gamma": {"a": 0, "b": 3, "c": 1}}, {"tick": 3, "gamma": {"a": 1, "b": 3, "c": 1}}]
+    assert timeline_events(rows) == [TimelineEvent(1, "a", "fallback", 4, 0), TimelineEvent(2, "b", "gamma", 2, 3),
+                                     TimelineEvent(3, "a", "return", 0, 1)]
+
+
+def test_simulate_plot_marks_events_and_keeps_legends_off_the_lines():
+    import pytest
+
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from types import SimpleNamespace
+
+    from specops.controller.sim_plot import timeline_figure
+
+    gammas = [{"a": 4, "b": 2}, {"a": 0, "b": 2}, {"a": 0, "b": 3}, {"a": 2, "b": 3}]
+    rows = [{"tick": k, "adaptive": 100.0 + k, "oracle": 110.0, "gamma": g, "canary_weight": 0}
+            for k, g in enumerate(gammas)]
+    figures = {"best_fixed": "fixed_2", "tokens_per_s": {"fixed_2": 95.0}, "pods": 2, "classes": 2,
+               "adaptive_vs_oracle": 0.93, "adaptive_vs_best_fixed": 1.08}
+    fig = timeline_figure(SimpleNamespace(timeline=rows, figures=figures), plt)
+    try:
+        top, bottom = fig.axes
+        def gids(ax):
+            return sorted(ln.get_gid() for ln in ax.get_lines() if (ln.get_gid() or "").startswith("controller"))
+        assert gids(top) == ["controller-event:fallback", "controller-event:return"]
+        assert gids(bottom) == ["controller-event:fallback", "controller-event:gamma", "controller-event:return"]
+        assert [t.get_text() for t in top.texts] == ["a", "a"]  # the class named at its fallback and return
+        for ax in (top, bottom):
+            legend = ax.get_legend()
+            assert legend.get_bbox_to_anchor().x0 >= ax.get_window_extent().x1 - 1  # beside the axes
+        labels = [t.get_text() for t in top.get_legend().get_texts()]
+        assert "fallback (γ → 0)" in labels and "return to speculation" in labels
+    finally:
+        plt.close(fig)
