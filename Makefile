@@ -20,6 +20,10 @@ BUILD_ARGS ?=
 # source (~8 min on 2 cores). GGML_NATIVE=ON is llama.cpp's own default for a source build
 # (tuned to this CPU, as torch's kernels are); the multimodal library is not needed.
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON -DLLAVA_BUILD=OFF
+# llama.cpp's own llama-server / llama-bench / llama-cli (the sidecar's llama.cpp pools, the CPU
+# peer): built with cmake from the llama-cpp-python sdist's vendor/llama.cpp, cached in
+# ~/.cache/specops/llama.cpp/<version>/bin (a second build is free); specops/bench/llamacpp_build.py.
+LLAMA_JOBS ?= 2
 
 .PHONY: venv install peers demo test bench gpu-check chaos lint clean image image-names
 
@@ -36,6 +40,7 @@ venv install: $(STAMP)
 
 peers: $(STAMP)
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install --quiet -e ".[peers]"
+	$(PY) -m specops.bench.llamacpp_build --jobs $(LLAMA_JOBS)
 
 demo: $(STAMP)
 	$(VENV)/bin/specops demo

@@ -77,7 +77,7 @@ def _documented_options(help_out: str) -> dict[str, str]:
     options: dict[str, str] = {}
     current: list[str] = []
     for line in help_out.splitlines():
-        m = re.match(r"^((?:-{1,2}[\w-]+(?:, )?)+)", line)
+        m = re.match(r"^((?:-{1,2}[\w-]+(?:,\s*)?)+)", line)
         if m:
             current = re.findall(r"-{1,2}[\w-]+", m.group(1))
             for name in current:
