@@ -299,32 +299,67 @@ def _spread(lo: float | None, hi: float | None) -> str:
 
 @click.command("sidecar")
 @click.option("--base-url", default=None, help="A running engine (default: start `specops serve` on the bundled models).")
-@click.option("--engine", type=click.Choice(["specops", "vllm", "sglang"]), default="specops", show_default=True,
-              help="The engine behind --base-url (which response fields the sidecar reads).")
+@click.option("--engine", type=click.Choice(["specops", "vllm", "sglang", "llamacpp"]), default="specops",
+              show_default=True,
+              help="The engine behind --base-url (which response fields the sidecar reads); llamacpp: start two "
+                   "llama-server pools and compare per-class routing with all-spec / all-plain "
+                   "(specops.bench.sidecar_llamacpp).")
 @click.option("--policy", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Policy for the sidecar (and the started server); default: examples/policies/default.yaml.")
-@click.option("--concurrency", default="1,16", show_default=True, help="Comma-separated max concurrencies.")
-@click.option("--num-prompts", type=click.IntRange(min=2), default=None, help="Requests per cell (default 4 x conc, >= 16).")
+@click.option("--concurrency", default=None,
+              help="Comma-separated max concurrencies [default: 1,16; llamacpp: 1,4].")
+@click.option("--num-prompts", type=click.IntRange(min=2), default=None,
+              help="Requests per cell (default 4 x conc, >= 16; llamacpp: >= 8).")
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(min=2), default=32, show_default=True)
 @click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="JSONL with 'prompt' (and 'temperature') or one prompt per line; default: bench serve's mix.")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--server-arg", "server_args", multiple=True, help="Extra argument for the started server (repeatable).")
+@click.option("--server-arg", "server_args", multiple=True,
+              help="Extra argument for the started server (llamacpp: for both pools; repeatable).")
 @click.option("--plain", is_flag=True,
               help="Start the engine with examples/policies/off.yaml (plain decoding: less step-time jitter); "
                    "the sidecar keeps --policy.")
+@click.option("--model", "gguf_model", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="llamacpp: the pools' GGUF model (default: the bundled target, converted once).")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
+              help="llamacpp: --threads of each pool.")
+@click.option("--parallel", type=click.IntRange(min=1), default=4, show_default=True,
+              help="llamacpp: --parallel slots of each pool.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def bench_sidecar_command(base_url, engine, policy, concurrency, num_prompts, repeats, max_tokens, prompts_file, seed,
-                          server_args, plain, json_path, quiet) -> None:
-    """Measure the sidecar's overhead: the same streams direct and through it (TTFT, per chunk)."""
+                          server_args, plain, gguf_model, threads, parallel, json_path, quiet) -> None:
+    """Measure the sidecar's overhead: the same streams direct and through it (TTFT, per chunk).
+
+    With --engine llamacpp: per-class routing over two llama-server pools against all-spec / all-plain.
+    """
+    llamacpp = engine == "llamacpp"
     try:
-        conc = [int(c) for c in concurrency.split(",") if c.strip()]
+        conc = [int(c) for c in (concurrency or ("1,4" if llamacpp else "1,16")).split(",") if c.strip()]
         if not conc or min(conc) < 1:
             raise ValueError("--concurrency wants positive integers")
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--concurrency") from None
+    if llamacpp:
+        given = [name for name, value in (("--base-url", base_url), ("--policy", policy), ("--prompts", prompts_file),
+                                          ("--plain", plain)) if value]
+        if given:
+            raise click.UsageError(f"--engine llamacpp starts its own pools with its two-class policy and mix: "
+                                   f"{', '.join(given)} does not apply")
+        from specops.bench.sidecar_llamacpp import LlamaBenchConfig, format_table as llama_table, run_llamacpp_bench
+
+        lcfg = LlamaBenchConfig(model=gguf_model, concurrency=conc, num_prompts=num_prompts, repeats=repeats,
+                                max_tokens=max_tokens, threads=threads, parallel=parallel, seed=seed,
+                                server_args=list(server_args), progress=not quiet)
+        try:
+            report = run_llamacpp_bench(lcfg)
+        except BenchServeError as exc:
+            raise click.ClickException(str(exc)) from None
+        emit_report(report, llama_table(report), json_path)
+        return
+    if gguf_model:
+        raise click.UsageError("--model is for --engine llamacpp (the pools' GGUF file)")
     cfg = OverheadConfig(base_url=base_url, engine=engine, policy=policy, concurrency=conc, num_prompts=num_prompts,
                          repeats=repeats, max_tokens=max_tokens, prompts_file=prompts_file, seed=seed,
                          server_args=list(server_args), plain=plain, progress=not quiet)
