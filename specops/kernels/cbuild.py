@@ -42,6 +42,7 @@ import json
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -53,8 +54,10 @@ from typing import Callable
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
-HEADER = HERE / "vexp.h"  # included by the C sources
-SOURCES = {"linear": HERE / "linear.c", "paged_attention": HERE / "paged_attention.c"}  # stem -> source
+# stem -> the one source its library is compiled from (linear.c: a unity build that #includes the
+# file of each concern, gemv.c, attention.c, pool.c, ...); `source_files` lists all it reads
+SOURCES = {"linear": HERE / "linear.c", "paged_attention": HERE / "paged_attention.c"}
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
 # Reassociation for vectorized sums; not -ffast-math itself: linking a shared library with it
 # pulls in crtfastmath.o, which turns on flush-to-zero for the whole process when the library
 # loads (subnormal floats become 0 in everyone's arithmetic, torch's and Python's included).
@@ -101,9 +104,34 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def source_files(source: Path) -> list[Path]:
+    """``source`` and every file it includes with ``#include "..."``, directly or through
+    another such file (resolved beside the file that includes it, as the compiler does), each
+    once, breadth first from ``source``. A quoted name with no such file is left to the
+    compiler."""
+    files: list[Path] = []
+    pending = [source.resolve()]
+    while pending:
+        path = pending.pop(0)
+        if path in files:
+            continue
+        files.append(path)
+        for name in _INCLUDE.findall(path.read_text(errors="replace")):
+            found = (path.parent / name).resolve()
+            if found.is_file() and found not in files:
+                pending.append(found)
+    return files
+
+
 def source_hash(source: Path) -> str:
-    """SHA-256 of a kernel's source and the shared header it includes."""
-    return hashlib.sha256(source.read_bytes() + b"\0" + HEADER.read_bytes()).hexdigest()
+    """SHA-256 of everything a kernel's build reads from its sources (`source_files`): each
+    file's name beside ``source`` and its bytes."""
+    digest = hashlib.sha256()
+    root = source.resolve().parent
+    for path in source_files(source):
+        data = path.read_bytes()
+        digest.update(os.path.relpath(path, root).encode() + b"\0" + str(len(data)).encode() + b"\0" + data)
+    return digest.hexdigest()
 
 
 _features: dict[tuple[str, tuple[str, ...]], str] = {}
@@ -128,7 +156,7 @@ def target_features(cc: str, flags: tuple[str, ...] = CFLAGS) -> str:
 
 
 def build_key(source: Path, cc: str, flags: tuple[str, ...] = CFLAGS) -> str:
-    """The kernel cache's key for ``source``: its hash (with the header's), the compiler,
+    """The kernel cache's key for ``source``: its hash (every file it includes too), the compiler,
     the flags and the compiler's target features (`target_features`)."""
     parts = (source_hash(source), cc, "\0".join(flags), target_features(cc, flags))
     return hashlib.sha256("\n\0".join(parts).encode()).hexdigest()

@@ -8,6 +8,7 @@ import ctypes
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -134,6 +135,48 @@ def test_a_library_whose_metadata_does_not_match_is_rebuilt(tmp_path, cache, dam
     assert json.loads(meta.read_text())["key"] == cbuild.build_key(source, cbuild.compiler())
     cbuild.cached_build(source, "seven")
     assert len(cache) == 2  # and the rebuilt one is then reused
+
+
+
+def test_every_kernel_source_file_is_part_of_its_librarys_hash(tmp_path):
+    """Each .c / .h file of the kernels is read by some kernel's build (`source_files`: the
+    unity build linear.c includes the file of each concern), and editing any one of them
+    changes that kernel's hash, so neither the kernel cache nor a prebuilt set serves a
+    library built from other sources. The hash does not depend on where the sources lie (an
+    image's build stage and its runtime install them in different places)."""
+    kernels = ROOT / "specops" / "kernels"
+    read = {path for source in cbuild.SOURCES.values() for path in cbuild.source_files(source)}
+    assert read == {path.resolve() for path in kernels.iterdir() if path.suffix in (".c", ".h")}
+    assert {"gemv.c", "attention.c", "pool.c", "vexp.h"} <= {path.name for path in read}
+    copy = tmp_path / "kernels"
+    copy.mkdir()
+    for path in read:
+        shutil.copy(path, copy / path.name)
+    for source in cbuild.SOURCES.values():
+        moved = copy / source.name
+        before = cbuild.source_hash(moved)
+        assert before == cbuild.source_hash(source)
+        for path in cbuild.source_files(moved):
+            text = path.read_bytes()
+            path.write_bytes(text + b"\n/* edited */\n")
+            assert cbuild.source_hash(moved) != before, path.name
+            path.write_bytes(text)
+        assert cbuild.source_hash(moved) == before
+
+
+def test_a_header_included_through_another_is_part_of_the_cache_key(tmp_path, cache):
+    """A header two includes deep (and included back: each file is read once) rebuilds the
+    cached library when it changes."""
+    (tmp_path / "outer.h").write_text('#pragma once\n#include "inner.h"\n')
+    (tmp_path / "inner.h").write_text('#pragma once\n#include "outer.h"\n#define SEVEN 7\n')
+    source = _source(tmp_path, '#include "outer.h"\nint seven(void) { return SEVEN; }\n')
+    assert [path.name for path in cbuild.source_files(source)] == ["seven.c", "outer.h", "inner.h"]
+    first = cbuild.cached_build(source, "seven")
+    assert ctypes.CDLL(str(first)).seven() == 7
+    (tmp_path / "inner.h").write_text('#pragma once\n#include "outer.h"\n#define SEVEN 8\n')
+    second = cbuild.cached_build(source, "seven")
+    assert second != first and len(cache) == 2
+    assert ctypes.CDLL(str(second)).seven() == 8
 
 
 # -- prebuilt variants -------------------------------------------------------------------------
