@@ -9,8 +9,8 @@ a bug in the dashboard or in the exporter, found without a Grafana server.
 the same expressions over a time range (``query_range``), so users without Grafana
 (and the README) can see what the dashboard shows. Where the controller acted (the
 dashboard's `dashboard.ANNOTATIONS`: a class falling back, returning to speculation,
-its knob moved) every panel gets a vertical marker, labelled above the top panels
-(`controller_events`). matplotlib is optional: it is imported only here, and a missing
+its knob moved) every panel gets a vertical marker, fallbacks and returns named along
+their lines in the top panels (`controller_events`). matplotlib is optional: it is imported only here, and a missing
 install is one clear error.
 """
 
@@ -194,12 +194,11 @@ def snapshot(client: PrometheusClient, out: Path, *, range_s: float = 900.0, ste
 def figure(titles: tuple[str, ...], data: dict[str, list[Series]], events: list[ControllerEvent], plt: Any,
            mdates: Any) -> Any:
     """The snapshot's figure: one axes per panel title (two columns), the controller's events marked on each
-    (the markers are lines with ``gid`` ``controller-event:KIND``), their labels above the top row."""
+    (the markers are lines with ``gid`` ``controller-event:KIND``), fallbacks and returns named in the top row."""
     by_title = {p.title: p for p in dashboard.PANELS}
     cols = 2
     rows = math.ceil(len(titles) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(14, 3.3 * rows + (0.6 if events else 0)), squeeze=False,
-                             sharex=True)
+    fig, axes = plt.subplots(rows, cols, figsize=(14, 3.3 * rows), squeeze=False, sharex=True)
     for i, title in enumerate(titles):
         ax = axes[i // cols][i % cols]
         _draw(ax, by_title[title], data[title], mdates)
@@ -210,17 +209,17 @@ def figure(titles: tuple[str, ...], data: dict[str, list[Series]], events: list[
 
 
 def _mark(ax: Any, events: list[ControllerEvent], labelled: bool) -> None:
-    """Vertical markers at the controller's events; ``labelled``: their labels above the axes, staggered."""
+    """Vertical markers at the controller's events; ``labelled``: a fallback's or a return's label
+    written along its line (knob changes stay unlabelled: the knob panel shows their values)."""
     from datetime import datetime, timezone
 
-    for k, e in enumerate(events):
+    for e in events:
         color, style = EVENT_STYLE[e.kind]
         when = datetime.fromtimestamp(e.time, tz=timezone.utc)
         ax.axvline(when, color=color, linestyle=style, linewidth=1.1, alpha=0.8, gid=f"controller-event:{e.kind}")
-        if labelled:
-            ax.annotate(e.label, xy=(when, 1.0), xycoords=("data", "axes fraction"),
-                        xytext=(2, 2 + 9 * (k % 3)), textcoords="offset points", fontsize=6.5, color=color,
-                        rotation=0, annotation_clip=False)
+        if labelled and e.kind != "knob":
+            ax.annotate(e.label, xy=(when, 0.98), xycoords=("data", "axes fraction"), xytext=(-2, 0),
+                        textcoords="offset points", fontsize=7, color=color, rotation=90, ha="right", va="top")
 
 
 def _draw(ax: Any, panel: dashboard.Panel, series: list[Series], mdates: Any) -> None:

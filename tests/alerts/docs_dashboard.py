@@ -4,17 +4,18 @@ The live stack of `tests.alerts.live_stack` (``specops serve`` on the bundled mo
 controller run``, a real Prometheus) runs ``examples/policies/chat.yaml`` with its own thresholds,
 its durations scaled by ``--time-factor`` as ``specops demo`` does (`fast_policy_text`, so a 60 s
 ``for`` plays out in 6 s). Its ``summarise`` class speculates with n-gram lookups, which pay where
-the reply copies the prompt. The traffic, from three HTTP clients (two ``summarise``, one plain chat
-client on the draft-model ``chat`` class), changes in three phases:
+the reply copies the prompt. The traffic, from three HTTP clients (two ``summarise``, one chat
+client sending prose to the draft-model ``chat`` class), changes in three phases:
 
 1. ``copy``: summarise prompts whose notes repeat (the bundled models continue the repetition: n-gram
    acceptance ~0.7 on them);
 2. ``prose``: summarise prompts of ordinary prose (n-gram acceptance ~0.33): the policy's
    ``low-acceptance`` rule (< 0.5 for its ``for_s``) fires and the controller falls the class back;
    its probes (the class's ``probe_fraction``) keep speculating;
-3. ``copy`` again: the probes pay, the controller turns speculation back on.
+3. ``copy`` again: the class speculates (the probes, at the class's minimum γ, may already pay on
+   prose and turn it back on earlier) and the controller raises γ again.
 
-Run (about five minutes on a 2-core host)::
+Run (about five minutes)::
 
     PYTHONPATH=. python -m tests.alerts.docs_dashboard --out docs/dashboard.png
 """
@@ -33,7 +34,7 @@ from tests.alerts.live_stack import ROOT, LiveStack
 POLICY_FILE = ROOT / "examples" / "policies" / "chat.yaml"
 WORDS = ("the report said that sales rose in the north while costs fell in the south and the board approved "
          "the plan for next year after a long debate").split()
-PHASES = (("copy", 70.0), ("prose", 80.0), ("copy", 110.0))
+PHASES = (("copy", 70.0), ("prose", 80.0), ("copy", 130.0))
 
 
 def copy_prompt(rng: random.Random) -> str:
@@ -54,7 +55,7 @@ def run_phases(stack: LiveStack, phases=PHASES, max_tokens: int = 48) -> list[tu
 
     assert stack.server is not None
     pool = [p.text for p in builtin_suite("prose", seed=0)]
-    chat = [p.text for p in builtin_suite("code", seed=0)]
+    chat = [p.text for p in builtin_suite("prose", seed=1)]
     out = []
     errors: list[str] = []
     for kind, seconds in phases:
