@@ -167,18 +167,21 @@ def build(version: str = LLAMA_CPP_PYTHON_VERSION, jobs: int = 2, force: bool = 
               "--target", *TARGETS], "cmake build")
         staging = out.parent / f".{out.name}.tmp-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
-        (staging / "bin").mkdir(parents=True)
-        for target in TARGETS:
-            built = build_dir / "bin" / target
-            if not built.is_file():
-                raise LlamaBuildError(f"cmake build produced no {built}")
-            shutil.copy2(built, staging / "bin" / target)
-        info = dict(_build_key(version), build_seconds=round(time.monotonic() - started, 1),
-                    built_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    llama_version=binary_version(str(staging / "bin" / "llama-server")))
-        (staging / "build-info.json").write_text(json.dumps(info, indent=2) + "\n")
-        shutil.rmtree(out, ignore_errors=True)
-        staging.rename(out)
+        try:
+            (staging / "bin").mkdir(parents=True)
+            for target in TARGETS:
+                built = build_dir / "bin" / target
+                if not built.is_file():
+                    raise LlamaBuildError(f"cmake build produced no {built}")
+                shutil.copy2(built, staging / "bin" / target)
+            info = dict(_build_key(version), build_seconds=round(time.monotonic() - started, 1),
+                        built_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                        llama_version=binary_version(str(staging / "bin" / "llama-server")))
+            (staging / "build-info.json").write_text(json.dumps(info, indent=2) + "\n")
+            shutil.rmtree(out, ignore_errors=True)
+            staging.rename(out)  # the cache is either the old build or the complete new one
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return out / "bin"
 
 
@@ -210,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"llamacpp_build: {exc}", file=sys.stderr)
         return 1
     info = read_build_info(args.version) or {}
-    print(f"llama.cpp binaries in {bin_dir} ({info.get('llama_version', '?').splitlines()[0] if info.get('llama_version') else '?'}; "
-          f"built in {info.get('build_seconds', '?')} s)")
+    version = (info.get("llama_version") or "?").splitlines()[0]
+    print(f"llama.cpp binaries in {bin_dir} ({version}; built in {info.get('build_seconds', '?')} s)")
     return 0
 
 

@@ -175,10 +175,12 @@ def test_controller_falls_the_sampled_class_back_and_the_sidecar_moves_it(stack)
         wait_until(lambda: _effective(stack)["creative"].fallback_active, "creative fallen back by the controller",
                    timeout_s=60)
         fell_at = time.monotonic()
-        wait_until(lambda: sum(1 for c, p, probe, t in traffic.seen
-                               if c == "creative" and t > fell_at + 1.0 and p == "plain") >= 3
-                   and any(c == "creative" and probe and p == "spec" and t > fell_at for c, p, probe, t in traffic.seen),
-                   "creative on the plain pool, with probes on the spec pool", timeout_s=40)
+        def moved() -> bool:
+            later = [(c, p, probe) for c, p, probe, t in traffic.seen if c == "creative" and t > fell_at + 1.0]
+            return sum(1 for _, p, _ in later if p == "plain") >= 3 and any(
+                probe and p == "spec" for _, p, probe in later)
+
+        wait_until(moved, "creative on the plain pool, with probes on the spec pool", timeout_s=40)
     assert not traffic.errors, traffic.errors[:3]
     eff = _effective(stack)
     assert eff["creative"].fallback_active and not eff["code"].fallback_active
