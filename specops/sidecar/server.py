@@ -10,8 +10,8 @@ per request, so the controller's windows count each request once:
     the *engine* when it is ``specops serve`` (``--engine specops``): it records every
     request itself, under the same contract, with what it actually ran (its method, γ,
     policy revision and canary pick, its own speed-up estimate), into the namespace it
-    was started with; the sidecar writes none. For vLLM / SGLang pools, which record
-    nothing in Redis, the sidecar writes them (from their response fields).
+    was started with; the sidecar writes none. For vLLM / SGLang / llama.cpp pools, which
+    record nothing in Redis, the sidecar writes them (from their response fields).
 ``on``
     the sidecar always writes; for ``specops serve`` pools that are started with
     namespaces of their own (``--namespace <ns>-pool-<name>``, which the controller
