@@ -41,7 +41,6 @@ token for token up to float rounding of the batched matmuls.
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections import deque
 from dataclasses import replace
@@ -77,6 +76,7 @@ from specops.serving.sequence import (
     SpecSettings,
     StepOutput,
 )
+from specops.serving.speedup_estimate import PlainTimeEstimate
 from specops.serving.spec_planner import (
     DEFAULT_MARGIN,
     Candidate,
@@ -144,9 +144,10 @@ class Engine:
         self.overhead = {m: Meter() for m in ALPHA_PRIOR}  # per speculating sequence, outside the forwards
         self.fixed: dict[int, Meter] = {}  # per batch size: the step's host time outside forwards and proposals
         self._plain_commit = Meter()  # verification + commit of a plain decoding step, per sequence
-        # per batch size: wall seconds of the last PLAIN_STEP_WINDOW steps where all decoded plainly (their
-        # mean, not a median: the estimate stands in for a sum of such steps, skew included)
-        self.plain_step: dict[int, deque[float]] = {}
+        # the speed-up estimate (`speedup_estimate`): per batch size, wall seconds of the last
+        # PLAIN_STEP_WINDOW steps where all decoded plainly (their mean: it stands in for a sum of such steps)
+        self.plain_time = PlainTimeEstimate(PLAIN_STEP_WINDOW)
+        self.plain_step: dict[int, deque[float]] = self.plain_time.windows
         self.margin = DEFAULT_MARGIN
         self.schedule = PlanSchedule()  # veto, plain probes, quiet stretches, probes (`plan_schedule`)
         # the plan's misses, per batch size, from the steps' record; None: plans as the models predict, no
@@ -273,7 +274,9 @@ class Engine:
         self._propose_s = 0.0
         self._catch_up = (0.0, 0.0)
         self._step_pred = None
+        w_plan = time.perf_counter()
         plans = self._plan(batch)
+        plan_wall = time.perf_counter() - w_plan  # proposals and draft rounds: speculation's (`speedup_estimate`)
         items, need_hidden = [], False
         for seq in batch:
             item, hidden = self._feed(seq, plans.get(seq.request_id))
@@ -297,6 +300,7 @@ class Engine:
         plain_commit: list[float] = []
         spec_commit: list[tuple[Sequence, float]] = []
         emitted: list[tuple[Sequence, int]] = []  # decoding sequences and the tokens each emitted now
+        verified = 0  # draft / tree tokens the forward verified beyond one per speculating sequence
         t1 = self.cost_clock()  # one reading per commit, each ending the previous interval (on CPU the
         for seq, item, out, pre in zip(batch, items, outs, prefilling):  # clock is a ~5 us syscall on some VMs)
             p = plans.get(seq.request_id)
@@ -307,6 +311,7 @@ class Engine:
             spent, t1 = t2 - t1, t2
             if speculated:
                 spec_commit.append((seq, spent))
+                verified += len(item.tokens) - 1
             elif len(item.tokens) == 1:
                 plain_commit.append(spent)
             if not pre:
@@ -327,49 +332,23 @@ class Engine:
             elif not spec_commit:
                 self.calibration.observe_plain(len(batch), t1 - t_step, plain_pred, tokens=tokens, wall_s=wall)
         self._measure_overheads(len(batch), t1 - t_step - forward_cost, plain_commit, spec_commit)
-        self._count_plain_time(len(batch), time.perf_counter() - w_step, emitted, bool(spec_commit), any(prefilling))
+        self._count_plain_time(len(batch), time.perf_counter() - w_step, emitted, bool(spec_commit), any(prefilling),
+                               spec_s=plan_wall + dt * verified / total)
         if emitted:
             self.decode_steps[bool(spec_commit)] += 1
         return outputs
 
     def _count_plain_time(self, b: int, step_s: float, emitted: list[tuple[Sequence, int]], speculated: bool,
-                          prefilled: bool) -> None:
-        """The speed-up estimate of batched requests: each decoding sequence's step took
-        ``step_s``; plain decoding would have taken one plain step at this batch size per
-        token it emitted. A step where every sequence decoded plainly measures that time.
-        A step that also prefilled another request would have been that slow under plain
-        decoding too: its first token counts the step as it was, the rest plain steps.
-        (A request that finished in this step has its wall time already closed: the rest of
-        the step's commits, well under a millisecond, count on the plain side too.)"""
-        if not speculated and not prefilled:
-            self.plain_step.setdefault(b, deque(maxlen=PLAIN_STEP_WINDOW)).append(step_s)
-        plain = self._plain_step_s(b)
-        for seq, n in emitted:
-            stats = seq.stats
-            stats.decode_step_s += step_s
-            if plain is None:  # nothing measured yet: this step counts as plain (a neutral 1.0)
-                counterfactual = step_s
-            elif prefilled:
-                counterfactual = step_s + max(n - 1, 0) * plain
-            else:
-                counterfactual = n * plain
-            stats.plain_decode_s = (stats.plain_decode_s or 0.0) + counterfactual
+                          prefilled: bool, spec_s: float = 0.0) -> None:
+        """The speed-up estimate of batched requests (`PlainTimeEstimate.count`); ``spec_s``: the
+        step's speculation work in wall seconds. (A request that finished in this step has its wall
+        time already closed: the rest of the step's commits count on the plain side too.)"""
+        self.plain_time.count(b, step_s, emitted, speculated=speculated, prefilled=prefilled, spec_s=spec_s,
+                              cost=self.cost)
 
     def _plain_step_s(self, b: int) -> float | None:
-        """Wall seconds of a plain decoding step of ``b`` sequences: measured at ``b``, else the
-        nearest measured batch size scaled by the cost model's forward ratio; None before any."""
-        if self.plain_step.get(b):
-            return statistics.fmean(self.plain_step[b])
-        measured = [x for x, window in self.plain_step.items() if window]
-        if not measured:
-            return None
-        near = min(measured, key=lambda x: (abs(x - b), x))
-        base = statistics.fmean(self.plain_step[near])
-        if self.cost.measured():
-            there = self.cost.predict(near, near)
-            if there > 0:
-                return base * self.cost.predict(b, b) / there
-        return base
+        """Wall seconds of a plain decoding step of ``b`` sequences (`PlainTimeEstimate.plain_step_s`)."""
+        return self.plain_time.plain_step_s(b, self.cost)
 
     def _measure_overheads(self, b: int, host_s: float, plain_commit: list[float],
                            spec_commit: list[tuple[Sequence, float]]) -> None:
