@@ -109,7 +109,7 @@ def test_dashboard_check_and_snapshot_commands(stack, tmp_path):
     head = out.read_bytes()[:24]
     assert head[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", head[16:24])
-    assert width == 1200 and height > 600
+    assert width == 1400 and height > 600  # 14 in: the legends sit beside the panels
 
 
 def test_commands_fail_cleanly_without_prometheus(tmp_path):
