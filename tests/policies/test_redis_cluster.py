@@ -20,7 +20,7 @@ from specops.policies import StaleEpochError, load_policy
 from specops.policies import rollout as sm
 from specops.policies.redis_backend import close, connect
 from specops.policies.store import PolicyStore
-from specops.policies.watcher import SettingsWatcher
+from specops.policies.live import LivePolicy
 from specops.telemetry.redis_metrics import RedisPublisher, RedisWindowReader
 from tests.services import start_cluster, wait_until
 from tests.telemetry.helpers import make_record
@@ -65,7 +65,7 @@ def test_the_whole_state_machine_runs_on_a_cluster_in_one_slot(cluster):
         store = PolicyStore(client)
         lease = LeaderLease(client, name=store.lease_name, ttl_ms=5000)
         assert lease.try_acquire()
-        watcher = SettingsWatcher(store, reconcile_s=3600)
+        watcher = LivePolicy(store, reconcile_s=3600)
         sm.start_rollout(store, load_policy(V1), V1, epoch=lease.epoch)
         sm.start_rollout(store, load_policy(V2), V2, epoch=lease.epoch)
         done = sm.promote(store, epoch=lease.epoch)
