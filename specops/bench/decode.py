@@ -351,7 +351,7 @@ def _llama_server_version(methods: Sequence[BenchMethod]) -> str | None:
 
 
 COST_SIZES = (1, 2, 4, 8)  # verify widths T whose cost c(T)/c(1) the report prints
-COST_PREFIX = 256  # cached positions under the timed forwards (issue 8's protocol)
+COST_PREFIX = 256  # cached positions under the timed forwards (a mid-request decode step)
 
 
 def measure_costs(methods: Sequence[BenchMethod]) -> dict | None:

@@ -1,6 +1,6 @@
 """``specops bench sidecar``: what the sidecar adds to a stream, against the same engine directly.
 
-Issue 10's budget for the proxy: ≤ 2 ms p50 and ≤ 5 ms p99 added to time to first
+The proxy's budget: ≤ 2 ms p50 and ≤ 5 ms p99 added to time to first
 token, ≤ 0.5 ms p50 per streamed chunk, at concurrency 1 and 16. This starts (or takes,
 ``--base-url``) a ``specops serve`` engine and starts a ``specops sidecar`` in front of
 it (one pool, no Redis: routing from the policy file), then runs the *same* streamed

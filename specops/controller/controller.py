@@ -1,6 +1,6 @@
 """The control loop: one ``tick()`` reads every class's metric window and acts.
 
-Per class and tick (see issue 4 §4):
+Per class and tick:
 
 1. read the class's window from the metric source (one round trip for all classes);
    no data → inconclusive: nothing changes, and nothing counts as pass or failure;

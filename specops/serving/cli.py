@@ -13,8 +13,8 @@ OMP_SPIN_COUNT = "30000"
 """``GOMP_SPINCOUNT`` that `specops serve` sets for torch's OpenMP runtime (libgomp) unless the
 user chose one, or a wait policy (``OMP_WAIT_POLICY``). libgomp's default lets a worker spin for
 300,000 rounds (~3 ms on the project's 2-core host) after every parallel region before it sleeps.
-Whatever runs in torch's OpenMP team (models off the C layer stack; before session 17, every
-prefill over 128 tokens) leaves its workers spinning while the next step runs on the C layer
+Whatever runs in torch's OpenMP team (models off the C layer stack, and prefills handed to
+oneDNN) leaves its workers spinning while the next step runs on the C layer
 stack's own thread pool, whose worker then finds its core taken, so that step ran on one core:
 in-process at 16 staggered requests, the first decode step after a oneDNN prefill took 6.9-7.6 ms
 against 3.7-4.9 ms for the others. 30,000 rounds still catch the next region inside one torch

@@ -1,4 +1,4 @@
-"""The controller under failure (issue 13): each scenario against a real Redis.
+"""The controller under failure: each scenario against a real Redis.
 
 A Redis that loses its data, a rollback requested twice, a write that does not
 land, a webhook that reaches the standby, a paused rollout that is resumed.

@@ -1,4 +1,4 @@
-"""Issue 9 §3: the Medusa tree-size bound is adapted, and bandit statistics survive a failover."""
+"""The Medusa tree-size bound is adapted, and bandit statistics survive a failover."""
 
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ after the deadline verifies one position (``T == 1``), speculation did run befor
 and ``stats.fallback_reason == "deadline"``. A fake clock (`tests.decoder.clocked`)
 makes time pass only when a model runs or a draft is made (1 s per target forward,
 0.25 s per draft forward, 0.5 s per n-gram lookup), so a sweep of deadlines lands in
-every phase of a step, including drafting, which used to end in ``ValueError`` when
-verification re-checked the deadline (issue 8 §4).
+every phase of a step, including drafting (a deadline that passes while drafting must
+not end in ``ValueError`` when verification re-checks it).
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def test_sampled_request_past_its_deadline_keeps_its_seed_reproducible(models, m
 
 
 def test_slow_draft_past_the_deadline_does_not_crash(models):
-    """Issue 8's reproduction in real time: every draft forward sleeps 20 ms and the request
+    """The same in real time: every draft forward sleeps 20 ms and the request
     has 50 ms, so the deadline passes while a block is being drafted."""
     target, draft, _ = models
     clock = FakeClock()  # not installed: real time

@@ -1,4 +1,4 @@
-"""A policy's ``tree_size`` reaches Medusa decoding as an upper bound on the tree's nodes (issue 9 §3)."""
+"""A policy's ``tree_size`` reaches Medusa decoding as an upper bound on the tree's nodes."""
 
 from __future__ import annotations
 

@@ -526,7 +526,7 @@ def test_paired_ratios_take_each_repeats_ratio_then_the_median():
 
 
 def test_the_report_counts_each_cells_requests_per_class_of_the_servers_policy():
-    """Where the mix lands decides what the modes compare: session 26's default policy put 39 of a
+    """Where the mix lands decides what the modes compare: a default policy can put 39 of a
     c1 cell's 48 requests in `general`; this one splits them by temperature and code."""
     from specops.bench import serve
     from specops.policies.loader import load_policy

@@ -161,7 +161,7 @@ def test_class_deadline_ends_the_request_in_plain_decoding(monkeypatch, redis_cl
     assert reader.window("general", 60).fallbacks == {}
 
 
-# -- fail-static (issue 13, bug 6): a real Redis stopped, restarted empty, flushed ------------
+# -- fail-static: a real Redis stopped, restarted empty, flushed ------------
 class FakeClock:
     def __init__(self) -> None:
         self.now = 1000.0

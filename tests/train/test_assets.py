@@ -55,7 +55,7 @@ def test_weights_are_stored_in_fp16(folder):
 def test_the_shipped_draft_is_the_self_distilled_one():
     """The draft's own report (``specops train draft --self-distill``) and a fresh
     measurement of the shipped weights: greedy agreement with the target on 12
-    held-out code prompts is 0.73 (the session-1 draft it continued: 0.58)."""
+    held-out code prompts is 0.73 (the draft it was continued from: 0.58)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specops.train.data import code_prompts, split_stdlib
