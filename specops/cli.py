@@ -26,6 +26,7 @@ COMMANDS: dict[tuple[str, ...], dict[str, str]] = {
         "tiny": "specops.train.cli:train_tiny_command",
         "draft": "specops.train.cli:train_draft_command",
         "heads": "specops.train.cli_heads:train_heads_command",
+        "eagle": "specops.train.cli_eagle:train_eagle_command",
         "ngram-store": "specops.train.cli_store:train_store_command",
     },
     ("bench",): {
@@ -67,7 +68,7 @@ COMMANDS: dict[tuple[str, ...], dict[str, str]] = {
 }
 
 GROUP_HELP = {
-    ("train",): "Train the bundled models, distil drafts, train Medusa heads, count n-gram stores.",
+    ("train",): "Train the bundled models, distil drafts, train Medusa and EAGLE heads, count n-gram stores.",
     ("bench",): "Benchmarks: decoding methods vs peers, kernels, serving, chat turns, the sidecar's overhead.",
     ("models",): "Real pretrained models: list the registered ones, pull one into the cache (--model NAME).",
     ("policy",): "Validate and roll out YAML speculation policies.",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-METHOD_HELP = ("hf-greedy,hf-assisted,hf-lookup,ar,ar-chain,draft,ngram,ngram-prompt,medusa,auto"
+METHOD_HELP = ("hf-greedy,hf-assisted,hf-lookup,ar,ar-chain,draft,ngram,ngram-prompt,medusa,auto,eagle"
                "[,llama.cpp,llama.cpp-spec,llama.cpp-q4,llama-cpp-python,llama-cpp-python-lookup] (ar-chain: a "
                "reference, ar's forwards without its per-token Python; ngram-prompt: ngram without the target's "
                "corpus n-gram store; llama.cpp*: llama.cpp's own llama-server, built by make peers; "
@@ -47,6 +47,8 @@ def _model_ref(ctx: click.Context, param: click.Parameter, value: str | None) ->
 @click.option("--draft", callback=_model_ref, default=None,
               help="Draft model folder or registered name (default: bundled draft with the bundled target).")
 @click.option("--medusa", type=click.Path(exists=True), default=None, help="Medusa heads (method medusa).")
+@click.option("--eagle", type=click.Path(exists=True, file_okay=False), default=None,
+              help="EAGLE drafter folder (method eagle; default: the one `specops train eagle --model NAME` cached).")
 @click.option("--gamma", type=int, default=4, show_default=True, help="Draft length (initial, for schedules).")
 @click.option("--schedule", type=click.Choice(["constant", "heuristic", "goodput"]), default="constant",
               show_default=True)
@@ -58,14 +60,14 @@ def _model_ref(ctx: click.Context, param: click.Parameter, value: str | None) ->
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def bench_decode_command(suite, methods, max_new_tokens, repeats, json_path, plot_path, prompts_file, model, draft,
-                         medusa, gamma, schedule, dtype, device, limit, threads, seed, quiet):
+                         medusa, eagle, gamma, schedule, dtype, device, limit, threads, seed, quiet):
     """Benchmark decoding methods against transformers on the same prompts."""
     from specops.bench.decode import BenchConfig, BenchError, format_table, run_benchmark
     from specops.bench.suites import SuiteError
 
     logging.basicConfig(level=logging.WARNING)
     cfg = BenchConfig(suite=suite, methods=[m.strip() for m in methods.split(",") if m.strip()],
-                      max_new_tokens=max_new_tokens, repeats=repeats, model=model, draft=draft, medusa=medusa,
+                      max_new_tokens=max_new_tokens, repeats=repeats, model=model, draft=draft, medusa=medusa, eagle=eagle,
                       prompts_file=prompts_file, gamma=gamma, schedule=schedule, dtype=dtype, device=device,
                       seed=seed, threads=threads, limit=limit, progress=not quiet)
     try:

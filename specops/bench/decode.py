@@ -74,6 +74,7 @@ class BenchConfig:
     model: str | None = None          # target folder or registered name (specops models list); None = bundled
     draft: str | None = None          # draft folder or registered name; None = bundled draft (with the bundled target)
     medusa: str | None = None         # Medusa heads folder; None = bundled heads when present
+    eagle: str | None = None          # EAGLE drafter folder; None = the one cached for a registered --model
     prompts_file: str | None = None   # replaces the suite
     gamma: int = 4
     schedule: str = "constant"
@@ -150,6 +151,7 @@ class Models:
     target_dir: Path | None = None    # the target's folder (llama.cpp converts it to GGUF); None: in memory
     draft_vocab: list[int] | None = None  # the draft folder's draft_vocab.json, as `Decoder.from_pretrained` reads it
     ngram_store: Any = None  # the target folder's ngram_store.npz, as `Decoder.from_pretrained` reads it
+    eagle: Any = None  # the EAGLE drafter (method eagle)
 
 
 def load_models(cfg: BenchConfig) -> Models:
@@ -189,6 +191,7 @@ def load_models(cfg: BenchConfig) -> Models:
         if not medusa_path.exists():
             raise BenchError(f"method medusa needs heads: none at {medusa_path} (give --medusa PATH)")
         medusa = MedusaHeads.from_pretrained(medusa_path, base=target, device=cfg.device)  # heads pick their fastest dtype
+    eagle = load_eagle(cfg, target) if "eagle" in cfg.methods else None
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
     eos = tokenizer.eos_token_id
     max_context = int(getattr(target.config, "max_position_embeddings", 0) or 0) or 1 << 30
@@ -197,7 +200,28 @@ def load_models(cfg: BenchConfig) -> Models:
 
     return Models(target, draft, medusa, tokenizer, eos, max_context, target_dir=target_path,
                   draft_vocab=draft_vocab_in(draft_path) if draft is not None else None,
-                  ngram_store=store_in(target_path))
+                  ngram_store=store_in(target_path), eagle=eagle)
+
+
+def load_eagle(cfg: BenchConfig, target):
+    """The EAGLE drafter for method eagle: ``cfg.eagle``, else the one `specops train eagle` cached for
+    a registered ``cfg.model``."""
+    from specops.decoder.eagle_io import default_dir, is_drafter_dir, load_drafter
+    from specops.decoder.eagle_model import EagleError
+    from specops.models.resolve import is_registered
+
+    path = cfg.eagle
+    if path is None:
+        cached = default_dir(cfg.model) if cfg.model is not None and is_registered(cfg.model) else None
+        if cached is None or not is_drafter_dir(cached):
+            name = cfg.model if cached is not None else "NAME"
+            raise BenchError(f"method eagle needs a drafter: train one with `specops train eagle --model {name}` "
+                             "or give --eagle PATH")
+        path = cached
+    try:
+        return load_drafter(path, base=target, device=cfg.device)
+    except EagleError as exc:
+        raise BenchError(f"cannot load the EAGLE drafter: {exc}") from None
 
 
 def build_methods(cfg: BenchConfig, models: Models) -> tuple[list[BenchMethod], dict[str, str]]:
@@ -219,7 +243,7 @@ def build_methods(cfg: BenchConfig, models: Models) -> tuple[list[BenchMethod], 
         drafting = {"draft", "auto"} & set(ours)
         decoder = Decoder(models.target, draft=models.draft if drafting else None, medusa=models.medusa,
                           tokenizer=models.tokenizer, draft_vocab=models.draft_vocab if drafting else None,
-                          ngram_store=models.ngram_store)
+                          ngram_store=models.ngram_store, eagle=models.eagle)
     if "ar-chain" in names:
         reason = ChainedAR.unavailable_reason(decoder.target)
         if reason is not None:

@@ -41,7 +41,7 @@ import torch
 from specops.decoder.clock import device_clock
 
 HF_METHODS = ("hf-greedy", "hf-assisted", "hf-lookup")
-OUR_METHODS = ("ar", "draft", "ngram", "ngram-prompt", "medusa", "auto")
+OUR_METHODS = ("ar", "draft", "ngram", "ngram-prompt", "medusa", "auto", "eagle")
 # bench names that run one of the Decoder's methods with options: prompt lookup without the
 # target's corpus n-gram store (`specops.decoder.ngram_store`), as ``ngram`` ran before it had one
 VARIANTS: dict[str, tuple[str, dict]] = {"ngram-prompt": ("ngram", {"corpus": False})}

@@ -10,7 +10,7 @@ out.tokens, out.stats
 `Decoder.generate` validates the request, builds a `SamplingConfig`, a seeded
 `torch.Generator` and a γ schedule, and calls one function per method through the
 `METHODS` table (`autoregressive.generate_ar`, `draft.generate_draft`,
-`ngram.generate_ngram`, `medusa_decode.generate_medusa`).
+`ngram.generate_ngram`, `medusa_decode.generate_medusa`, `eagle.generate_eagle`).
 """
 
 from __future__ import annotations
@@ -185,6 +185,25 @@ def _run_auto(dec: Decoder, req: DecodeRequest) -> tuple[list[int], DecodeStats]
     )
 
 
+EAGLE_TRAIN_COMMAND = "specops train eagle --model NAME"
+
+
+def _run_eagle(dec: Decoder, req: DecodeRequest) -> tuple[list[int], DecodeStats]:
+    from specops.decoder.eagle import generate_eagle
+
+    return generate_eagle(
+        dec.target,
+        dec.eagle,
+        req.prompt_ids,
+        sampling=req.sampling,
+        generator=req.generator,
+        max_new_tokens=req.max_new_tokens,
+        eos_token_id=req.eos_token_id,
+        schedule=req.schedule,
+        deadline_s=req.deadline_s,
+    )
+
+
 # method name -> function(decoder, request) -> (tokens, stats). One entry per method.
 METHODS: dict[str, Callable[[Decoder, DecodeRequest], tuple[list[int], DecodeStats]]] = {
     "ar": _run_ar,
@@ -192,9 +211,10 @@ METHODS: dict[str, Callable[[Decoder, DecodeRequest], tuple[list[int], DecodeSta
     "ngram": _run_ngram,
     "medusa": _run_medusa,
     "auto": _run_auto,
+    "eagle": _run_eagle,
 }
 # methods that need a component, and the component's attribute on the Decoder
-REQUIRES: dict[str, str] = {"draft": "draft", "medusa": "medusa"}
+REQUIRES: dict[str, str] = {"draft": "draft", "medusa": "medusa", "eagle": "eagle"}
 # method-specific keyword options `generate(**options)` may pass through
 OPTIONS: dict[str, frozenset[str]] = {
     "draft": frozenset({"pipeline", "draft_threads"}),  # pipeline "sync" | "async" (specops.decoder.async_draft)
@@ -270,6 +290,7 @@ class Decoder:
         tokenizer: Any = None,
         draft_vocab: Any = None,
         ngram_store: Any = None,
+        eagle: Any = None,
     ) -> None:
         """``target`` / ``draft``: loaded transformers causal LMs (or `ModelRunner`s).
 
@@ -284,6 +305,8 @@ class Decoder:
         ``ngram_store``: a `specops.decoder.ngram_store.NgramStore` for the target's tokenizer: the
         n-gram drafter (methods "ngram" and "auto") drafts its corpus chains where the context has
         no match (``generate(..., corpus=False)``: prompt lookup only).
+        ``eagle``: an `specops.decoder.eagle_model.EagleDrafter` for method "eagle" (bound here
+        to ``target`` when it is a transformers model; one passed with a runner must be bound).
         """
         if impl not in IMPLS:
             raise InvalidRequestError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
@@ -293,6 +316,7 @@ class Decoder:
         self.draft: ModelRunner | None = None
         self.draft_error: str | None = None
         self.medusa = medusa
+        self.eagle = None if eagle is None else _check_eagle(eagle, self.target_model, self.target)
         self.tokenizer = tokenizer
         self.plain_token_s: float | None = None
         from specops.decoder.auto import AutoEstimates
@@ -361,6 +385,7 @@ class Decoder:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         max_context: int | None = None,
+        eagle: str | Path | None = None,
     ) -> Decoder:
         """Load a target (a folder, a hub id in the local cache, or ``"bundled"``) and optional parts.
 
@@ -372,9 +397,18 @@ class Decoder:
         bundled target ships one): the n-gram drafter's corpus table.
         A registered model's name (``specops models list``) loads its cached folder, pulled
         on first use (`specops.models.resolve_model`; bfloat16 loads its ``bf16/`` copy).
+        ``eagle``: an EAGLE drafter folder (`specops.decoder.eagle_io`) for method "eagle"; for
+        a registered model's name, the drafter ``specops train eagle --model NAME`` cached
+        (``$SPECOPS_CACHE_DIR/eagle/NAME``) loads when there is one.
         """
         from specops.models import ModelsError, resolve_model
+        from specops.models.resolve import is_registered
 
+        if eagle is None and is_registered(path):
+            from specops.decoder.eagle_io import default_dir, is_drafter_dir
+
+            cached = default_dir(str(path))
+            eagle = cached if is_drafter_dir(cached) else None
         try:
             path = resolve_model(path, dtype=dtype)
             draft = resolve_model(draft, dtype=dtype)
@@ -409,6 +443,14 @@ class Decoder:
                 if not auto_medusa:
                     raise
                 log.warning("bundled Medusa heads not loaded: %s", exc)
+        drafter = None
+        if eagle is not None:
+            from specops.decoder.eagle_io import load_drafter
+
+            try:
+                drafter = load_drafter(eagle, base=target_model, device=device)
+            except Exception as exc:  # a bad artifact must name itself
+                raise ModelLoadError(f"cannot load the EAGLE drafter from {str(eagle)!r}: {exc}") from exc
         draft_vocab = draft_vocab_in(draft) if draft_model is not None else None
         from specops.decoder.ngram_store import store_in
 
@@ -423,6 +465,7 @@ class Decoder:
             tokenizer=_load_tokenizer(tokenizer_path),
             draft_vocab=draft_vocab,
             ngram_store=ngram_store,
+            eagle=drafter,
         )
         if draft_error is not None:
             dec._drop_draft(draft_error)
@@ -488,7 +531,8 @@ class Decoder:
 
         ``prompt_ids``: list of ints or a 1-D LongTensor (or text, with a tokenizer).
         ``method``: "ar" | "draft" | "ngram" | "medusa" | "auto" (per step, whichever of
-        plain / ngram / draft / medusa the running estimates say pays most; lossless). ``gamma`` and ``schedule``
+        plain / ngram / draft / medusa the running estimates say pays most; lossless) | "eagle"
+        (an EAGLE feature drafter, `specops.decoder.eagle`). ``gamma`` and ``schedule``
         ("constant" | "heuristic" | "goodput", bounded by ``gamma_min``..``gamma_max``)
         set the draft length of speculative methods. ``temperature == 0`` is greedy;
         otherwise top-k / top-p filter target and draft alike. ``seed`` makes sampling
@@ -542,6 +586,11 @@ class Decoder:
                 fallback_reason = "draft_unavailable"
                 log.info("method 'draft' runs plain decoding: %s", self.draft_error)
                 run = _run_ar
+            elif method == "eagle":
+                raise MissingComponentError(
+                    f"method 'eagle' needs an EAGLE drafter: train one with `{EAGLE_TRAIN_COMMAND}` (cached for "
+                    "from_pretrained(NAME)), or pass Decoder(target, eagle=...) / from_pretrained(..., eagle=PATH)"
+                )
             else:
                 raise MissingComponentError(
                     f"method {method!r} needs {component} (Decoder(target, {component}=...) or from_pretrained)"
@@ -574,6 +623,28 @@ class Decoder:
                 max_new_tokens=max(1, min(CALIBRATION_TOKENS, room)),
             )
         self.plain_token_s = stats.plain_token_s
+
+
+def _check_eagle(drafter: Any, model: Any, runner: ModelRunner):
+    """``drafter`` bound to ``model`` (the target's transformers model; None when the target came
+    as a runner, then it must be bound already) and checked against the target's vocabulary."""
+    from specops.decoder.eagle_model import EagleDrafter, EagleError
+
+    if not isinstance(drafter, EagleDrafter):
+        raise InvalidRequestError(f"eagle must be an EagleDrafter (specops.decoder.eagle_io.load_drafter), "
+                                  f"got {type(drafter).__name__}")
+    if drafter.config.vocab_size != runner.vocab_size:
+        raise VocabMismatchError(f"EAGLE drafter vocabulary ({drafter.config.vocab_size} tokens) differs from the "
+                                 f"target's ({runner.vocab_size} tokens)")
+    try:
+        if model is not None:
+            drafter.bind(model)
+        elif not drafter.bound:
+            raise EagleError("with a runner as the target, pass a drafter already bound to its model "
+                             "(EagleDrafter.bind(model))")
+    except EagleError as exc:
+        raise InvalidRequestError(f"cannot use the EAGLE drafter: {exc}") from None
+    return drafter.eval()
 
 
 def _load_medusa(path: str | Path, base, *, device: str | torch.device):

@@ -1,0 +1,375 @@
+"""The EAGLE drafter module: one decoder layer over the target's features (see `specops.decoder.eagle`).
+
+Parameter names follow EAGLE's checkpoints (``fc``, ``layers.0.self_attn.q_proj``, ...), so
+`specops.decoder.eagle_io` maps a published EAGLE-1 state dict onto it one to one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+
+
+class EagleError(ValueError):
+    """A drafter that does not fit its target, or a bad drafter input."""
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    """Sizes of an EAGLE drafter (the target's, for a drafter made by `EagleDrafter.for_target`)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    fc_bias: bool = True
+    """``fc`` has a bias (EAGLE-1's default)."""
+    input_layernorm: bool = False
+    """An RMSNorm on ``fc``'s output before attention (EAGLE-1's first layer has none)."""
+    shortlist_size: int = 0
+    """0: draft over the whole vocabulary; F > 0: over the F token ids of the ``shortlist`` buffer."""
+    base_model: str = ""
+    base_model_hash: str = ""
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "vocab_size", "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise EagleError(f"EagleConfig.{name} must be a positive int, got {value!r}")
+        if self.head_dim % 2:
+            raise EagleError(f"rotary embeddings need an even head_dim, got {self.head_dim}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise EagleError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads {self.num_key_value_heads}")
+        if not isinstance(self.shortlist_size, int) or not 0 <= self.shortlist_size <= self.vocab_size:
+            raise EagleError(f"shortlist_size must be in 0..vocab_size ({self.vocab_size}), got {self.shortlist_size!r}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def rope_theta_of(config: Any) -> float:
+    """A transformers config's RoPE base (``rope_parameters`` in transformers 5, ``rope_theta`` before)."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and isinstance(params.get("rope_theta"), (int, float)):
+        return float(params["rope_theta"])
+    theta = getattr(config, "rope_theta", None)
+    return float(theta) if isinstance(theta, (int, float)) else 10000.0
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:  # [..., E]
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+class _Attention(nn.Module):
+    def __init__(self, c: EagleConfig) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+
+
+class _MLP(nn.Module):
+    def __init__(self, c: EagleConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Layer(nn.Module):
+    def __init__(self, c: EagleConfig) -> None:
+        super().__init__()
+        if c.input_layernorm:
+            self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = _Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = _MLP(c)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # x [B, H, T, D]; cos/sin [T, D]
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class EagleDrafter(nn.Module):
+    """The drafter (see the module docstring): parameters ``fc`` and ``layers.0.*`` as EAGLE names them."""
+
+    def __init__(self, config: EagleConfig) -> None:
+        super().__init__()
+        self.config = config
+        e = config.hidden_size
+        self.fc = nn.Linear(2 * e, e, bias=config.fc_bias)
+        self.layers = nn.ModuleList([_Layer(config)])
+        if config.shortlist_size:
+            self.register_buffer("shortlist", torch.arange(config.shortlist_size, dtype=torch.long))
+        else:
+            self.shortlist = None
+        inv = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim))
+        self.register_buffer("inv_freq", inv.float(), persistent=False)
+        self._embed: Tensor | None = None  # the target's input embedding [V, E] (bound, not ours)
+        self._lm_weight: Tensor | None = None  # the target's LM head [V, E] (or its shortlisted rows [F, E])
+        self._lm_bias: Tensor | None = None
+        self._lm_full: tuple[Tensor, Tensor | None] | None = None  # the whole LM head (training)
+        self._cache = None  # KVCache of one sequence (`reset`)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def for_target(cls, model: nn.Module, *, shortlist: Tensor | list[int] | None = None,
+                   input_layernorm: bool = True, seed: int | None = None) -> EagleDrafter:
+        """A randomly initialised drafter with ``model``'s sizes, bound to it."""
+        from specops.decoder.medusa_heads import model_fingerprint
+
+        cfg = model.config
+        heads = cfg.num_attention_heads
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        tokens = None if shortlist is None else torch.as_tensor(shortlist, dtype=torch.long).flatten()
+        config = EagleConfig(
+            hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_attention_heads=heads,
+            num_key_value_heads=kv, head_dim=head_dim, vocab_size=cfg.vocab_size,
+            rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)), rope_theta=rope_theta_of(cfg),
+            max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 2048) or 2048),
+            input_layernorm=input_layernorm, shortlist_size=0 if tokens is None else tokens.numel(),
+            base_model=str(getattr(cfg, "_name_or_path", "") or type(model).__name__),
+            base_model_hash=model_fingerprint(model),
+        )
+        if seed is not None:
+            torch.manual_seed(seed)
+        drafter = cls(config)
+        std = float(getattr(cfg, "initializer_range", 0.02))
+        with torch.no_grad():
+            for name, p in drafter.named_parameters():
+                if name.endswith("norm.weight"):
+                    continue
+                if name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.normal_(0.0, std)
+        if tokens is not None:
+            drafter.set_shortlist(tokens)
+        return drafter.bind(model)
+
+    def bind(self, model: nn.Module) -> EagleDrafter:
+        """Use ``model``'s input embedding and LM head (frozen; never saved with the drafter)."""
+        embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        c = self.config
+        for name, module in (("input embedding", embed), ("LM head", head)):
+            weight = getattr(module, "weight", None)
+            if not isinstance(weight, Tensor) or tuple(weight.shape) != (c.vocab_size, c.hidden_size):
+                shape = None if not isinstance(weight, Tensor) else tuple(weight.shape)
+                raise EagleError(f"the drafter needs a [{c.vocab_size}, {c.hidden_size}] {name}; "
+                                 f"{type(model).__name__} has {shape}")
+        if c.base_model_hash:
+            from specops.decoder.medusa_heads import model_fingerprint
+
+            if model_fingerprint(model) != c.base_model_hash:
+                log.warning("EAGLE drafter was trained for %r, not this model: output stays exact, "
+                            "acceptance may be poor", c.base_model)
+        self._embed = embed.weight.detach()
+        bias = getattr(head, "bias", None)
+        self._lm_full = (head.weight.detach(), None if bias is None else bias.detach())
+        self._rebind_head()
+        return self
+
+    def _rebind_head(self) -> None:
+        if self._lm_full is None:
+            return
+        weight, bias = self._lm_full
+        if self.shortlist is not None:
+            rows = self.shortlist.to(weight.device)
+            weight, bias = weight[rows].contiguous(), None if bias is None else bias[rows].contiguous()
+        dtype = self.fc.weight.dtype
+        self._lm_weight = weight.to(dtype)
+        self._lm_bias = None if bias is None else bias.to(dtype)
+
+    def set_shortlist(self, tokens: Tensor | list[int] | None) -> None:
+        """Draft only over ``tokens`` (distinct ids); None: the whole vocabulary."""
+        v = self.config.vocab_size
+        self._buffers.pop("shortlist", None)
+        self.__dict__.pop("shortlist", None)
+        if tokens is None:
+            self.shortlist = None
+            self.config = dataclasses.replace(self.config, shortlist_size=0)
+        else:
+            tokens = torch.as_tensor(tokens, dtype=torch.long).flatten()
+            if (tokens.numel() < 1 or int(tokens.min()) < 0 or int(tokens.max()) >= v
+                    or tokens.unique().numel() != tokens.numel()):
+                raise EagleError(f"a shortlist must be distinct token ids in 0..{v - 1}")
+            self.register_buffer("shortlist", tokens.to(self.fc.weight.device))
+            self.config = dataclasses.replace(self.config, shortlist_size=tokens.numel())
+        self._rebind_head()
+
+    @property
+    def bound(self) -> bool:
+        return self._embed is not None
+
+    @property
+    def max_context(self) -> int:
+        return self.config.max_position_embeddings
+
+    def _apply(self, fn, recurse=True):  # .to() / .float(): the bound head follows the drafter's dtype
+        out = super()._apply(fn, recurse)
+        self._cache = None
+        self._rebind_head()
+        return out
+
+    # ------------------------------------------------------------------ compute
+    def embed(self, tokens: Tensor) -> Tensor:  # [...] long -> [..., E]
+        if self._embed is None:
+            raise EagleError("the drafter reads the target's embedding and LM head: bind(target) it first")
+        return F.embedding(tokens.to(self._embed.device), self._embed).to(self.fc.weight.dtype)
+
+    def logits(self, features: Tensor, *, full: bool = False) -> Tensor:
+        """LM-head logits of predicted features [..., E] -> [..., F] over the shortlist (or [..., V]
+        with ``full`` / without a shortlist)."""
+        if self._lm_weight is None:
+            raise EagleError("the drafter reads the target's embedding and LM head: bind(target) it first")
+        if full and self.shortlist is not None:
+            weight, bias = self._lm_full
+            return F.linear(features.to(weight.dtype), weight, bias)
+        return F.linear(features.to(self._lm_weight.dtype), self._lm_weight, self._lm_bias)
+
+    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:  # [T] -> cos, sin [T, D]
+        freqs = positions.to(self.inv_freq.device, torch.float32)[:, None] * self.inv_freq[None]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        dtype = self.fc.weight.dtype
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def _qkv(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """fc output x [B, T, E] -> q [B, H, T, D], k and v [B, Hkv, T, D] (RoPE applied)."""
+        c, layer = self.config, self.layers[0]
+        b, t, _ = x.shape
+        h = layer.input_layernorm(x) if c.input_layernorm else x
+        attn = layer.self_attn
+        q = attn.q_proj(h).view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = attn.k_proj(h).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = attn.v_proj(h).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        cos, sin = self._rope(positions)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+    def _out(self, x: Tensor, attn: Tensor) -> Tensor:
+        """The rest of the layer: x [B, T, E] (fc output), attention output [B, H, T, D] -> [B, T, E]."""
+        layer = self.layers[0]
+        b, _, t, _ = attn.shape
+        x = x + layer.self_attn.o_proj(attn.transpose(1, 2).reshape(b, t, -1))
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def _groups(self) -> int:
+        return self.config.num_attention_heads // self.config.num_key_value_heads
+
+    def forward(self, tokens: Tensor, features: Tensor, steps: int = 1) -> list[Tensor]:
+        """Training forward over whole sequences, no cache: tokens [B, T] (entry i's token x_{i+1}),
+        features [B, T, E] (f_i) -> one [B, T, E] prediction of f_{i+1} per unrolled step.
+
+        Step 0 reads the real features. Step s >= 1 reads at entry i the prediction of step
+        s - 1 at entry i - 1, and attends to the real entries j <= i - s and to the chain of
+        entries that led to it (step r at entry i - s + r): exactly what entry i sees when
+        it is the s-th drafted token of a chain (training-time test, as EAGLE-3 trains).
+        Rows i < s of step s have no such chain; their values are not meaningful."""
+        b, t = tokens.shape
+        groups, scale = self._groups(), self.config.head_dim ** -0.5
+        positions = torch.arange(t, device=tokens.device)
+        emb = self.embed(tokens)  # [B, T, E]
+        outs: list[Tensor] = []
+        keys: list[Tensor] = []
+        values: list[Tensor] = []
+        feats = features.to(emb.dtype)
+        causal = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()
+        for s in range(steps):
+            if s:
+                feats = torch.cat([outs[-1][:, :1], outs[-1][:, :-1]], dim=1)  # entry i reads step s-1's entry i-1
+            x = self.fc(torch.cat([emb, feats], dim=-1))
+            q, k, v = self._qkv(x, positions)
+            keys.append(k.repeat_interleave(groups, 1))
+            values.append(v.repeat_interleave(groups, 1))
+            scores = (q @ keys[0].transpose(-1, -2)) * scale  # [B, H, T, T] against the real entries
+            allowed = causal if s == 0 else torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril(-s)
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            chain = []  # step r's key at entry i - s + r, r = 1..s
+            for r in range(1, s + 1):
+                shifted = _shift(keys[r], s - r)
+                chain.append((q * shifted).sum(-1, keepdim=True) * scale)  # [B, H, T, 1]
+            weights = torch.softmax(torch.cat([scores, *chain], dim=-1).float(), dim=-1).to(q.dtype)
+            attn = weights[..., :t] @ values[0]
+            for r in range(1, s + 1):
+                attn = attn + weights[..., t + r - 1 : t + r] * _shift(values[r], s - r)
+            outs.append(self._out(x, attn))
+        return outs
+
+    # ------------------------------------------------------------------ inference cache
+    def reset(self) -> None:
+        """Empty the drafter's KV cache (one sequence)."""
+        from specops.decoder.kv_cache import KVCache
+
+        c = self.config
+        if self._cache is None:
+            self._cache = KVCache(layers=1, kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                                  max_len=c.max_position_embeddings, dtype=self.fc.weight.dtype,
+                                  device=self.fc.weight.device)
+        self._cache.reset(1)
+
+    @property
+    def cache_len(self) -> int:
+        return 0 if self._cache is None else self._cache.length
+
+    def truncate(self, length: int) -> None:
+        self._cache.truncate(length)
+
+    def step(self, tokens: Tensor, features: Tensor) -> Tensor:
+        """Append entries to the cache: tokens [T] long, features [T, E] -> predicted next features [T, E]."""
+        cache = self._cache
+        start, t = cache.length, tokens.shape[0]
+        if start + t > cache.max_len:
+            raise EagleError(f"drafter context of {cache.max_len} positions exceeded ({start} + {t})")
+        x = self.fc(torch.cat([self.embed(tokens), features.to(self.fc.weight.dtype)], dim=-1))[None]  # [1, T, E]
+        q, k, v = self._qkv(x, torch.arange(start, start + t, device=x.device))
+        keys, vals = cache.write(0, torch.stack([k, v]))  # [1, Hkv, L + T, D] each
+        cache.advance(t)
+        groups = self._groups()
+        if groups > 1:
+            keys, vals = keys.repeat_interleave(groups, 1), vals.repeat_interleave(groups, 1)
+        mask = None
+        if t > 1:
+            mask = torch.ones(t, start + t, dtype=torch.bool, device=x.device).tril(start)
+        attn = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
+        return self._out(x, attn)[0]
+
+
+def _shift(x: Tensor, by: int) -> Tensor:
+    """x [B, H, T, D] moved ``by`` entries later along T (the first ``by`` rows repeat row 0)."""
+    if by == 0:
+        return x
+    return torch.cat([x[:, :, :1].expand(-1, -1, by, -1), x[:, :, :-by]], dim=2)
+
+
