@@ -395,7 +395,7 @@ def generate_auto(
         stats.gamma = schedule.next_gamma()
         room = v.max_draft()
         gamma = min(stats.gamma, room)
-        proposal = index.propose(gamma) if gamma else []
+        proposal = index.step_drafts(gamma, room)
         available = {"plain": 0}  # option -> tokens it would draft
         if proposal:
             available["ngram"] = len(proposal)

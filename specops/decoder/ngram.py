@@ -120,6 +120,15 @@ class NgramIndex:
             want = gamma
         return self.continuation(start, want)
 
+    def step_drafts(self, gamma: int, room: int, *, by_match: bool = True) -> list[int]:
+        """What one speculative step drafts with this index: `propose` for the schedule's
+        ``gamma`` within ``room`` speculative slots (the context's or the budget's), by the
+        match's length unless ``by_match`` is False. The library's loops and the serving
+        engine draft through this, so an n-gram step proposes the same tokens in both."""
+        if room <= 0 or gamma <= 0:
+            return []
+        return self.propose(min(gamma, room), by_match=by_match)[:room]
+
     def continuation(self, start: int, count: int) -> list[int]:
         """The ``count`` tokens from index ``start`` on (a `match`'s end), continued periodically
         where they run into the context's end."""
@@ -215,9 +224,8 @@ def generate_ngram(
     v.prefill()
     while not v.done:
         stats.gamma = schedule.next_gamma()
-        gamma = min(stats.gamma, v.max_draft())
         t0 = time.perf_counter()
-        drafted = index.propose(gamma, by_match=by_match)
+        drafted = index.step_drafts(stats.gamma, v.max_draft(), by_match=by_match)
         draft_s = time.perf_counter() - t0
         stats.draft_s += draft_s
         # the budget bounds a long match's draft past γ; past the deadline (max_draft 0, the deadline

@@ -65,6 +65,7 @@ from specops.serving.auto_method import MethodChooser
 from specops.serving.batch_forward import FeedItem, bytes_per_token, make_backend
 from specops.serving.kv_pool import BlockPool
 from specops.serving.kv_budget import available_memory_bytes, choose_kv_budget
+from specops.serving.eagle_proposer import EagleProposer
 from specops.serving.proposers import MedusaProposer, draft_blocks
 from specops.serving.scheduler import Scheduler
 from specops.serving.sequence import (
@@ -132,6 +133,8 @@ class Engine:
         self.vocab_size = runner.vocab_size
         self.device = runner.device
         self.medusa = MedusaProposer(decoder.medusa, runner.device) if decoder.medusa is not None else None
+        eagle = getattr(decoder, "eagle", None)
+        self.eagle = EagleProposer(eagle, runner.device) if eagle is not None else None
         self.ngram_store = getattr(decoder, "ngram_store", None)  # the n-gram drafter's corpus fallback
         if eos_token_id == "model":
             eos_token_id = getattr(getattr(getattr(runner, "model", None), "config", None), "eos_token_id", None)
@@ -194,6 +197,9 @@ class Engine:
             spec, fallback = SpecSettings(method="ar", deadline_s=spec.deadline_s), "draft_unavailable"
         if spec.method == "draft" and self.draft is None:
             raise ValueError("method 'draft' needs a draft model and this engine's decoder has none")
+        if spec.method == "eagle" and self.eagle is None:
+            raise ValueError("method 'eagle' needs an EAGLE drafter and this engine's decoder has none "
+                             "(`specops serve --eagle PATH`, Decoder(target, eagle=...))")
         heads = 0
         if spec.method == "medusa":
             if self.medusa is None:
@@ -204,7 +210,7 @@ class Engine:
                 raise ValueError(f"medusa_heads must be in 1..{total} (the heads loaded), got {heads}")
         # γ / tree size are bounds the planner works under each step (`DecodeRecord.planned`)
         stats = DecodeStats(method=spec.method, heads=heads, fallback_reason=fallback,
-                            planned=spec.method in ("draft", "ngram", "medusa"))
+                            planned=spec.method in ("draft", "ngram", "medusa", "eagle"))
         stats.start()
         now = self.clock()
         seq = Sequence(
@@ -221,13 +227,16 @@ class Engine:
             seq.ngram = NgramIndex(store=self.ngram_store if params.temperature == 0 else None)  # greedy only:
             # see `specops.decoder.api._corpus`
             seq.ngram.extend(ids)
+        if spec.method == "eagle":
+            seq.eagle = self.eagle.start(seq)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
     @property
     def speculative_methods(self) -> tuple[str, ...]:
-        """The speculative methods this engine can run (n-gram always; draft / Medusa when loaded)."""
-        return ("ngram",) + (("draft",) if self.draft is not None else ()) + (("medusa",) if self.medusa is not None else ())
+        """The speculative methods this engine can run (n-gram always; draft / Medusa / EAGLE when loaded)."""
+        return (("ngram",) + (("draft",) if self.draft is not None else ()) + (("medusa",) if self.medusa is not None else ())
+                + (("eagle",) if self.eagle is not None else ()))
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its blocks are freed and a final "abort" output comes at the next step."""
@@ -259,6 +268,8 @@ class Engine:
         self.target.release(seq.target)
         if self.draft is not None:
             self.draft.release(seq.draft)
+        if self.eagle is not None:
+            self.eagle.release(seq)
 
     # -- one step ------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -287,6 +298,10 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
+        if self.eagle is not None:  # keep eagle sequences' hidden rows; verification reads its own rows
+            outs = [out if seq.eagle is None else
+                    self.eagle.observe(seq, it, out, len(plans.get(seq.request_id, {}).get("drafts", ())))
+                    for seq, it, out in zip(batch, items, outs)]
         forward_cost = self.cost_clock() - c0
         total = sum(len(it.tokens) for it in items)
         prefilling = [seq.target.computed - len(it.tokens) < len(seq.tokens) - 1 for seq, it in zip(batch, items)]
@@ -459,6 +474,7 @@ class Engine:
             self._step_pred = (predicted["step_s"], predicted["plain_s"])
         plans: dict[str, dict] = {}
         drafting, gammas = [], []
+        featuring, feature_gammas = [], []  # eagle
         for seq, c, extra in zip(owners, cands, chosen):
             method = seq.spec.method
             seq.stats.gamma = extra
@@ -470,6 +486,9 @@ class Engine:
             elif method == "draft":
                 drafting.append(seq)
                 gammas.append(extra)
+            elif method == "eagle":
+                featuring.append(seq)
+                feature_gammas.append(extra)
             else:
                 plans[seq.request_id] = {"tree": self.medusa.spec(seq.heads, c.max_nodes, extra + 1),
                                          "expected": sum(c.gains[:extra]) / max(seq.accept_scale, 1e-3)}
@@ -490,6 +509,17 @@ class Engine:
                 seq.stats.draft_s += dt * (seq.draft.computed - b) / max(fed, 1)
                 seq.stats.draft_forwards += len(drafted)
                 self._propose_share[seq.request_id] = host
+        if featuring:
+            for seq, gamma in zip(featuring, feature_gammas):  # timed one by one: each runs its own chain
+                t0, c0 = time.perf_counter(), self.cost_clock()
+                drafted, q = self.eagle.propose(seq, gamma)
+                dt = time.perf_counter() - t0
+                spent = self.cost_clock() - c0
+                self._propose_s += spent
+                plans[seq.request_id] = {"drafts": drafted, "q": q}
+                seq.stats.draft_s += dt
+                seq.stats.draft_forwards += gamma  # the feed of the real entries, then γ - 1 chain steps
+                self._propose_share[seq.request_id] = spent
         trees = [s for s in owners if "tree" in plans.get(s.request_id, {})]
         if trees:
             t0, c0 = time.perf_counter(), self.cost_clock()
@@ -535,7 +565,7 @@ class Engine:
             # a lookup takes ~10 us: timed with the cheap wall clock (cost_clock can be a ~5 us syscall,
             # which would be a third of what it measures); the median over steps drops a preempted one
             t0 = time.perf_counter()
-            proposal = seq.ngram.propose(min(seq.spec.gamma, bound))
+            proposal = seq.ngram.step_drafts(seq.spec.gamma, bound)
             spent = time.perf_counter() - t0
             self._ngram_s[seq.request_id] = spent
             self._propose_s += spent
@@ -562,6 +592,16 @@ class Engine:
             return Candidate(gains=self.priors.gains(seq.prior_key, method, seq.alpha, max(0, min(seq.spec.gamma, bound))),
                              draft_rounds=True,
                              overhead_s=overhead, first_feed=max(feed, 1))
+        if method == "eagle":
+            room = draft_room(self.eagle.max_context, len(seq.tokens))
+            if room == 0:  # the sequence outgrew the drafter: it decodes plainly to the end
+                if seq.stats.fallback_reason is None:
+                    seq.stats.fallback_reason = DRAFT_CONTEXT
+                return None
+            if not self.eagle.ready(seq):
+                return None
+            gamma = max(0, min(seq.spec.gamma, bound, room))
+            return Candidate(gains=self.priors.gains(seq.prior_key, method, seq.alpha, gamma), overhead_s=overhead)
         if seq.hidden is None:
             return None
         max_nodes = seq.spec.tree_size or DEFAULT_TREE_SIZE
@@ -582,6 +622,9 @@ class Engine:
             return item, True
         drafts = [] if p is None else p["drafts"]
         last = len(new) - 1
+        if seq.eagle is not None and seq.eagle.active:  # the drafter reads the hidden state of every position
+            first = 0 if self.eagle.full_rows(seq) else last
+            return FeedItem(kv=seq.target, tokens=new + drafts, rows=list(range(first, last + len(drafts) + 1))), True
         return FeedItem(kv=seq.target, tokens=new + drafts, rows=list(range(last, last + len(drafts) + 1))), medusa
 
     def _commit(self, seq: Sequence, item: FeedItem, out, p: dict | None, verify_s: float,
@@ -626,6 +669,8 @@ class Engine:
         seq.tokens.extend(new)
         if seq.ngram is not None:
             seq.ngram.extend(new)
+        if seq.eagle is not None:
+            self.eagle.commit(seq, deadline_passed=stats.fallback_reason == "deadline")
         if reason is None and seq.remaining <= 0:
             reason = "length"
         if seq.target.computed > len(seq.tokens) - 1:

@@ -67,7 +67,7 @@ def test_converted_bundled_target_is_token_exact_against_transformers(tmp_path):
 
     hf = HFMethod("hf-greedy", models.target, eos_token_id=models.eos_token_id)
     runs = {name: peer.LlamaCppMethod(name, path, threads=1, n_ctx=models.max_context,
-                                      eos_token_id=models.eos_token_id) for name in peer.LLAMA_CPP_METHODS}
+                                      eos_token_id=models.eos_token_id) for name in peer.LLAMA_CPP_PYTHON_METHODS}
     for i, prompt_ids in enumerate(ids):
         want = hf.run(prompt_ids, max_new_tokens=NEW_TOKENS, temperature=0.0, seed=0).tokens
         for name, method in runs.items():

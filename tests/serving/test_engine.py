@@ -188,7 +188,7 @@ def test_bad_requests_raise_value_errors_naming_the_problem(qwen2):
         ({"params": SamplingParams(max_tokens=0)}, "max_tokens"),
         ({"params": SamplingParams(max_tokens=4, temperature=-1.0)}, "temperature"),
         ({"params": SamplingParams(max_tokens=4, top_p=1.5)}, "top_p"),
-        ({"spec": SpecSettings(method="eagle")}, "method"),
+        ({"spec": SpecSettings(method="lookahead")}, "method"),
         ({"spec": SpecSettings(method="draft", gamma=-1)}, "gamma"),
         ({"spec": SpecSettings(method="medusa", medusa_heads=9)}, "medusa_heads"),
         ({"spec": SpecSettings(deadline_s=0)}, "deadline_s"),
@@ -349,9 +349,10 @@ def test_a_cost_spike_does_not_switch_speculation_off_for_good(qwen2):
             if o.finished:
                 trace = o.record.gamma_trace
     assert eng.schedule.probes >= 1
-    # the spike is gone from the medians the plans use (T <= 1 + gamma)
-    assert max(v for (b, t), v in eng.cost.points.items() if 1 < t <= 5) < 1.0
-    assert sum(g > 0 for g in trace[-20:]) >= 10  # and speculation is back for most of the tail
+    assert sum(g > 0 for g in trace[-20:]) >= 10  # speculation is back for most of the tail
+    # and the spike is gone from the medians of the verify sizes the tail's plans ran at
+    used = {g + 1 for g in trace[-20:] if g > 0}
+    assert used and all(eng.cost.points[(1, t)] < 1.0 for t in used), (used, eng.cost.points)
 
 
 def test_batched_greedy_verification_is_verify_greedy():
