@@ -1,4 +1,4 @@
-"""Startup calibration of the serving engine's cost models, and the clock they are read with.
+"""Startup calibration of the serving engine's cost models.
 
 `calibrate` times batched forwards of the target (verify: t = 1, 3, 5 new tokens) and of the
 draft model (one drafting round: t = 1, 2) at the batch sizes the engine can run, on scratch
@@ -7,7 +7,6 @@ blocks, so the planner starts from measured costs; it keeps learning from real s
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,16 +23,6 @@ CALIBRATION_FORWARDS = 6
 """Timed forwards per (B, t) shape; the cost model drops each shape's first (its one-time
 costs) and the median of the rest seeds the point (fewer let one noisy reading bend the
 startup curve)."""
-
-
-def cost_clock(device: torch.device) -> Callable[[], float]:
-    """The clock the planner's costs are measured with. On CPU: CPU seconds, not wall time (on a
-    shared machine a wall-clock interval of a few ms often includes another process's time
-    slice, which is noise to the choice between plans); the engine's own thread when torch runs
-    single-threaded, else the whole process. On an accelerator: wall time."""
-    if device.type != "cpu":
-        return time.perf_counter
-    return time.thread_time if torch.get_num_threads() == 1 else time.process_time
 
 
 def calibrate(engine: Any) -> None:

@@ -48,6 +48,7 @@ from typing import Any, Callable
 
 import torch
 
+from specops.decoder.clock import cost_clock
 from specops.decoder.medusa_decode import head_accuracy
 from specops.decoder.ngram import NgramIndex
 from specops.decoder.request import eos_set
@@ -58,7 +59,7 @@ from specops.decoder.tree_verify import verify_tree_greedy, verify_tree_sampling
 from specops.decoder.verify import accept_greedy, verify_block_sampled
 from specops.kernels import cpu_linear
 from specops.serving.acceptance import ALPHA_PRIOR, ALPHA_RECOVERY, SEQ_DECAY, SEQ_PRIOR_TRIALS, AcceptancePriors
-from specops.serving.calibration import calibrate as calibrate_costs, cost_clock
+from specops.serving.calibration import calibrate as calibrate_costs
 from specops.serving.plan_limits import FULL_CATCH_UP, PLAN_PREFILL_LIMIT
 from specops.serving.plan_schedule import PlanSchedule
 from specops.serving.auto_method import MethodChooser
