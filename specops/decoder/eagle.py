@@ -94,9 +94,12 @@ class FeatureVerifier(TargetVerifier):
 
 
 def _draft_chain(drafter: EagleDrafter, last: Tensor, gamma: int, sampling: SamplingConfig,
-                 generator: torch.Generator, vocab: int, device: torch.device) -> tuple[list[int], Tensor | None]:
+                 generator: torch.Generator, vocab: int, device: torch.device,
+                 cache=None) -> tuple[list[int], Tensor | None]:
     """γ tokens from the predicted feature ``last`` [E]: each token from the LM head at the current
-    feature, the next feature from one drafter step on (token, feature). q: [1, G, V] when sampling."""
+    feature, the next feature from one drafter step on (token, feature). q: [1, G, V] when sampling.
+    ``cache``: the sequence's drafter cache (`EagleDrafter.new_cache`; None: the drafter's own),
+    which gains γ - 1 entries on predicted features."""
     shortlist = drafter.shortlist
     drafted: list[int] = []
     q_rows: list[Tensor] = []
@@ -114,7 +117,7 @@ def _draft_chain(drafter: EagleDrafter, last: Tensor, gamma: int, sampling: Samp
         tok = index if shortlist is None else int(shortlist[index])
         drafted.append(tok)
         if k + 1 < gamma:
-            feature = drafter.step(torch.tensor([tok], device=feature.device), feature[None])[0]
+            feature = drafter.step(torch.tensor([tok], device=feature.device), feature[None], cache)[0]
     return drafted, (torch.stack(q_rows)[None] if q_rows else None)
 
 

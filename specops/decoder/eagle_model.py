@@ -328,15 +328,21 @@ class EagleDrafter(nn.Module):
         return outs
 
     # ------------------------------------------------------------------ inference cache
-    def reset(self) -> None:
-        """Empty the drafter's KV cache (one sequence)."""
+    def new_cache(self, max_len: int | None = None):
+        """An empty KV cache of one sequence for ``step(..., cache=)``, of ``max_len`` entries
+        (default and most: `max_context`). The drafter keeps one of its own (`reset`); the
+        serving engine keeps one per sequence (`specops.serving.eagle_proposer`)."""
         from specops.decoder.kv_cache import KVCache
 
         c = self.config
+        size = c.max_position_embeddings if max_len is None else min(max_len, c.max_position_embeddings)
+        return KVCache(layers=1, kv_heads=c.num_key_value_heads, head_dim=c.head_dim, max_len=max(size, 1),
+                       dtype=self.fc.weight.dtype, device=self.fc.weight.device)
+
+    def reset(self) -> None:
+        """Empty the drafter's own KV cache (one sequence)."""
         if self._cache is None:
-            self._cache = KVCache(layers=1, kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                                  max_len=c.max_position_embeddings, dtype=self.fc.weight.dtype,
-                                  device=self.fc.weight.device)
+            self._cache = self.new_cache()
         self._cache.reset(1)
 
     @property
@@ -346,9 +352,11 @@ class EagleDrafter(nn.Module):
     def truncate(self, length: int) -> None:
         self._cache.truncate(length)
 
-    def step(self, tokens: Tensor, features: Tensor) -> Tensor:
-        """Append entries to the cache: tokens [T] long, features [T, E] -> predicted next features [T, E]."""
-        cache = self._cache
+    def step(self, tokens: Tensor, features: Tensor, cache=None) -> Tensor:
+        """Append entries to the cache: tokens [T] long, features [T, E] -> predicted next features [T, E].
+
+        ``cache``: a `new_cache` to append to instead of the drafter's own."""
+        cache = self._cache if cache is None else cache
         start, t = cache.length, tokens.shape[0]
         if start + t > cache.max_len:
             raise EagleError(f"drafter context of {cache.max_len} positions exceeded ({start} + {t})")

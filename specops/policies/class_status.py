@@ -23,6 +23,7 @@ from specops.policies.audit_log import change_text, expand, read_entries, when
 from specops.policies.rollout import effective_for
 from specops.policies.state import EffectiveSettings, RolloutState
 from specops.policies.store import PolicyStore
+from specops.telemetry.records import GAMMA_METHODS
 from specops.telemetry.redis_metrics import RedisWindowReader
 
 #: decision kinds that say something about one class (holds are never written)
@@ -134,7 +135,7 @@ def class_statuses(store: PolicyStore, *, window_s: float = 60.0, audit_scan: in
 def _knob(c: ClassStatus) -> str:
     if c.method == "medusa":
         return f"heads {c.medusa_heads} tree {c.tree_size}"
-    if c.method in ("draft", "ngram"):
+    if c.method in GAMMA_METHODS:
         return f"γ {c.gamma}"
     return "-"
 

@@ -22,7 +22,7 @@ from specops.policies.turns import resolve_turn
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
 
-Method = Literal["draft", "medusa", "ngram", "auto", "off"]
+Method = Literal["draft", "medusa", "ngram", "eagle", "auto", "off"]
 AdaptationMode = Literal["fixed", "goodput", "bandit"]
 AlertMetric = Literal["acceptance_rate", "speedup", "head_accuracy", "tokens_per_s", "p99_token_latency_s"]
 AlertOp = Literal["<", "<=", ">", ">="]
@@ -210,10 +210,12 @@ class RequestClass(_Model):
     """Rules that put a request in this class (checked in class order; first match wins).
     Empty: only requests that fall through to the default class."""
     method: Method = "draft"
-    """Speculation method: ``draft`` model, ``medusa`` heads, ``ngram`` prompt lookup, ``auto``
-    (per request and step, whichever of those pays; lossless), or ``off``."""
+    """Speculation method: ``draft`` model, ``medusa`` heads, ``ngram`` prompt lookup, ``eagle``
+    feature drafter (`specops serve --eagle`), ``auto`` (per request and step, whichever of those
+    pays; lossless), or ``off``. A method whose model part the server has not loaded (draft model,
+    Medusa heads, EAGLE drafter) decodes plainly (fallback reason ``model_part_missing``)."""
     gamma: IntRange = IntRange(initial=4, min=1, max=8)
-    """Speculation length γ (draft and n-gram methods); min must be at least 1. The controller
+    """Speculation length γ (draft, n-gram and eagle methods); min must be at least 1. The controller
     keeps the class's live γ within [min, max]. `specops serve`'s engine reads the live γ as a
     cap: its planner drafts fewer tokens each step, down to none, where more would not pay at
     that step's load (so ``min`` bounds the controller, not a step)."""

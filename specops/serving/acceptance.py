@@ -1,6 +1,6 @@
 """Acceptance estimates of the serving engine's speculating sequences.
 
-Per-token acceptance α of linear drafts (draft, n-gram) is accepted / trials, where a round's
+Per-token acceptance α of linear drafts (draft, n-gram, EAGLE) is accepted / trials, where a round's
 trials are its accepted tokens plus the rejection that ended it early (positions after a
 rejection are never tried, so accepted / drafted would read deep rounds as worse than they
 are). A request's own counts decay by `SEQ_DECAY` per round and are shrunk toward its kind's
@@ -11,7 +11,7 @@ probed again later.
 
 from __future__ import annotations
 
-ALPHA_PRIOR = {"draft": 0.7, "ngram": 0.6, "medusa": 0.7}
+ALPHA_PRIOR = {"draft": 0.7, "ngram": 0.6, "medusa": 0.7, "eagle": 0.7}
 """Per-token acceptance assumed for a kind never seen."""
 ALPHA_RECOVERY = 0.05
 """Per plain step, the share of the way back to its kind's estimate a sequence's α moves."""
@@ -45,7 +45,7 @@ class AcceptancePriors:
         self._scale: dict[tuple, float] = {}  # Medusa: accepted / the accuracy table's expectation
 
     def alpha(self, key: tuple, method: str) -> float:
-        """Per-token acceptance of the kind's linear drafts (draft, ngram)."""
+        """Per-token acceptance of the kind's linear drafts (draft, ngram, eagle)."""
         prior = ALPHA_PRIOR.get(method, 0.0)
         hits, trials = self._counts.get(key, (0.0, 0.0))
         return (hits + KIND_PRIOR_TRIALS * prior) / (trials + KIND_PRIOR_TRIALS)

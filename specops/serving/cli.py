@@ -50,6 +50,9 @@ def quiet_omp_spin(environ: MutableMapping[str, str] | None = None) -> bool:
 @click.option("--draft", type=click.Path(exists=True, file_okay=False), default=None,
               help="Draft model folder (default: the bundled draft with the bundled target).")
 @click.option("--medusa", type=click.Path(exists=True), default=None, help="Medusa heads (default: bundled heads).")
+@click.option("--eagle", type=click.Path(exists=True, file_okay=False), default=None,
+              help="EAGLE drafter folder (`specops train eagle`) for method eagle [default: for a registered "
+                   "model, the drafter `specops train eagle --model NAME` cached, when there is one].")
 @click.option("--policy", "policy_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Bootstrap policy (default: examples/policies/default.yaml); stored when Redis has none "
                    "(when it holds another, a warning: roll it out with `specops policy rollout`).")
@@ -79,7 +82,7 @@ def quiet_omp_spin(environ: MutableMapping[str, str] | None = None) -> bool:
                    "from 4 running sequences on.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
-def serve_command(model, draft, medusa, policy_file, redis_url, state_dir, namespace, pod, host, port, max_batch,
+def serve_command(model, draft, medusa, eagle, policy_file, redis_url, state_dir, namespace, pod, host, port, max_batch,
                   max_queue, kv_cache_mb, api_key_env, served_model_name, reconcile_s, threads, log_level) -> None:
     """Serve the OpenAI-compatible API with continuous batching and the live speculation policy."""
     quiet_omp_spin()  # before the import below loads torch
@@ -94,7 +97,7 @@ def serve_command(model, draft, medusa, policy_file, redis_url, state_dir, names
                                      param_hint="--api-key-env")
     logging.basicConfig(level=getattr(logging, log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = ServeConfig(model=model, draft=draft, medusa=medusa, policy_file=policy_file, redis_url=redis_url,
+    cfg = ServeConfig(model=model, draft=draft, medusa=medusa, eagle=eagle, policy_file=policy_file, redis_url=redis_url,
                       state_dir=state_dir, namespace=namespace, pod=pod, host=host, port=port, max_batch=max_batch,
                       max_queue=max_queue, kv_cache_mb=kv_cache_mb, api_key=api_key,
                       served_model_name=served_model_name, reconcile_s=reconcile_s, threads=threads,

@@ -14,9 +14,10 @@ plain probe, quiet stretch, probe; `spec_planner`: each sequence's γ or tree si
 does not pay, from its acceptance estimate and the measured costs: verify forwards per
 (B, T), draft-model rounds per batch width, each method's per-sequence proposal and
 verification overhead, the step's fixed host time) → grant lookahead blocks → propose
-(n-gram lookup, one batched draft-model pass, or Medusa heads on the batch's hidden
-states) → ONE target forward over every sequence's new tokens (prefills, plain
-steps, linear drafts and trees side by side; `batch_forward`) → verify each sequence
+(n-gram lookup, one batched draft-model pass, an EAGLE drafter chain per sequence
+(`eagle_proposer`), or Medusa heads on the batch's hidden states) → ONE target forward
+over every sequence's new tokens (prefills, plain steps, linear drafts and trees side by
+side; `batch_forward`) → verify each sequence
 with `specops.decoder.verify` / `tree_verify` (greedy, or lossless rejection sampling
 with the request's own seeded generator) → commit, roll both caches back to the
 accepted prefix (or compact the accepted tree path) and give surplus blocks back.
@@ -30,8 +31,8 @@ step (`specops.serving.async_engine` runs it on its own thread). `step` returns 
 that ran, drafted, accepted, fallback_reason, per-head Medusa accuracy, timings;
 ``record.to_record(request_class)`` is the telemetry `DecodeRecord`).
 `SpecSettings.gamma` / ``tree_size`` are upper bounds: the planner picks 0..bound per
-step. A missing component (no draft model / no Medusa heads) makes `add` raise
-ValueError, except a draft that `Decoder(fallback=True)` dropped, which runs plain
+step. A missing component (no draft model / no Medusa heads / no EAGLE drafter) makes
+`add` raise ValueError, except a draft that `Decoder(fallback=True)` dropped, which runs plain
 decoding with ``fallback_reason == "draft_unavailable"``. Llama / Mistral / Qwen2 targets and drafts run batched on the paged cache; other
 transformers models (GPT-2, ...) run through the generic path, one forward per
 sequence (slower, same results). Greedy output equals ``Decoder.generate(method="ar")``
@@ -95,7 +96,7 @@ PLAIN_STEP_WINDOW = 64  # plain steps per batch size behind the speed-up estimat
 
 
 class Engine:
-    """Continuous batching over a `Decoder`'s target (and draft model / Medusa heads)."""
+    """Continuous batching over a `Decoder`'s target (and draft model / Medusa heads / EAGLE drafter)."""
 
     def __init__(self, decoder: Any, *, max_batch: int = 16, kv_cache_mb: float | None = 64.0, block_size: int = 16,
                  clock: Callable[[], float] = time.monotonic, eos_token_id: Any = "model",

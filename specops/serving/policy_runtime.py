@@ -41,6 +41,7 @@ from specops.policies.schema import Policy, RequestClass
 from specops.policies.state import EffectiveSettings
 from specops.policies.live import LivePolicy
 from specops.telemetry.record_buffer import RecordBuffer
+from specops.telemetry.records import GAMMA_METHODS
 from specops.policies.turns import resolve_turn, turn_bucket
 
 log = logging.getLogger(__name__)
@@ -57,8 +58,8 @@ class Resolution:
     """How one request is decoded, and why (the ``specops`` object of a response)."""
 
     request_class: str
-    method: str                 # what runs: ar | draft | ngram | medusa
-    gamma: int                  # live γ (draft / ngram)
+    method: str                 # what runs: ar | draft | ngram | medusa | eagle | auto
+    gamma: int                  # live γ (draft / ngram / eagle)
     gamma_min: int
     gamma_max: int
     heads: int                  # live Medusa heads (medusa), capped by the loaded heads
@@ -76,7 +77,7 @@ class Resolution:
     def as_dict(self) -> dict[str, Any]:
         return {"request_class": self.request_class, "method": self.method, "revision": self.revision,
                 "canary": self.canary, "probe": self.probe, "fallback_reason": self.fallback_reason,
-                "gamma": self.gamma if self.method in ("draft", "ngram") else None,
+                "gamma": self.gamma if self.method in GAMMA_METHODS else None,
                 "medusa_heads": self.heads if self.method == "medusa" else None, "turn": self.turn}
 
 
@@ -104,7 +105,7 @@ class PolicyRuntime:
     `LivePolicy` over it (made here with ``reconcile_s`` when not given);
     ``publisher`` / ``canary_publisher``: `RedisPublisher`s for the stable and canary
     telemetry namespaces (through a `RecordBuffer`); ``exporter``: a `PrometheusExporter`.
-    ``decoder``: provides the model parts (``draft``, ``medusa``) and runs `serve`.
+    ``decoder``: provides the model parts (``draft``, ``medusa``, ``eagle``) and runs `serve`.
     """
 
     def __init__(self, decoder: Any, policy: Policy | None = None, *, store: Any = None, live: LivePolicy | None = None,
@@ -129,6 +130,10 @@ class PolicyRuntime:
     @property
     def has_draft(self) -> bool:
         return getattr(self.decoder, "draft", None) is not None
+
+    @property
+    def has_eagle(self) -> bool:
+        return getattr(self.decoder, "eagle", None) is not None
 
     @property
     def medusa_heads_loaded(self) -> int:
@@ -170,6 +175,8 @@ class PolicyRuntime:
         if s.method == "draft" and not self.has_draft:
             return "ar", False, REASON_MISSING
         if s.method == "medusa" and self.medusa_heads_loaded == 0:
+            return "ar", False, REASON_MISSING
+        if s.method == "eagle" and not self.has_eagle:
             return "ar", False, REASON_MISSING
         if s.fallback_active:
             if self.rng.random() < s.probe_fraction:
@@ -248,7 +255,7 @@ class PolicyRuntime:
         res = self.resolve(text, len(ids), labels=labels, routing_key=routing_key, temperature=temperature,
                            turn=turn)
         kwargs: dict[str, Any] = {}
-        if res.method in ("draft", "ngram"):
+        if res.method in GAMMA_METHODS:
             kwargs["gamma"] = res.gamma
         elif res.method == "medusa":
             kwargs["heads"] = res.heads

@@ -12,7 +12,9 @@ Per step (`Scheduler.schedule`):
    their tokens plus one spare block per running sequence (so the next decode steps do
    not immediately preempt what was just admitted). A request whose prompt shares full
    blocks with one admitted in the same step, not yet in the prefix cache, waits a step
-   and then reuses them rather than computing them twice (`_shares_uncached`).
+   and then reuses them rather than computing them twice (`_shares_uncached`). An EAGLE sequence
+   that still drafts reuses no cached blocks (`Sequence.needs_all_hidden`: its drafter reads
+   the target's hidden state of every token, computed by its own prefill).
 3. later, once the planner has chosen each sequence's speculation, `grant` allocates the
    *lookahead* slots of its drafts (target, and the draft model's own cache) before the
    forward: all of them or, if that fails, fewer drafts — never a partial allocation.
@@ -83,7 +85,8 @@ class Scheduler:
             seq = self.waiting[0]
             kv = seq.target
             need = len(seq.tokens)
-            if not kv.blocks:  # reuse cached prompt blocks, never the one holding the last token
+            if not kv.blocks and not seq.needs_all_hidden:  # reuse cached prompt blocks, never the one
+                # holding the last token (nor any for an EAGLE sequence, which needs every token's hidden state)
                 kv.computed = kv.published = self.pool.match(kv.blocks, seq.tokens, (need - 1) // self.pool.block_size)
                 kv.computed *= self.pool.block_size
             if batch and tokens + need - kv.computed > self.max_step_tokens:
@@ -116,7 +119,7 @@ class Scheduler:
         step later, from a shorter prefill. In-process, 128 of `bench serve`'s prompts from a
         cold cache at 16 streams recomputed 53 of 708 cacheable prompt blocks without this, none
         with it. Never twice for one cause: the other request is running by the next step."""
-        if not self.pool.prefix_caching or not admitted:
+        if not self.pool.prefix_caching or not admitted or seq.needs_all_hidden:
             return False
         bs = self.pool.block_size
         reusable = (len(seq.tokens) - 1) // bs * bs  # never the block holding the last token

@@ -24,7 +24,7 @@ from typing import Any
 from specops.decoder.sampling import SamplingConfig
 from specops.decoder.stats import DecodeStats
 
-METHODS = ("ar", "draft", "ngram", "medusa", "auto")
+METHODS = ("ar", "draft", "ngram", "medusa", "eagle", "auto")
 FINISH_REASONS = ("stop", "length", "abort")
 DEFAULT_TREE_SIZE = 16
 
@@ -65,10 +65,10 @@ class SpecSettings:
     """Which speculation a request may use; the engine picks the amount per step within it."""
 
     method: str = "ar"
-    """"ar" | "draft" | "ngram" | "medusa" | "auto" (the engine picks one of the loaded
+    """"ar" | "draft" | "ngram" | "medusa" | "eagle" | "auto" (the engine picks one of the loaded
     speculative methods at admission from live results: `specops.serving.auto_method`)."""
     gamma: int = 4
-    """Upper bound on drafted tokens per step (draft, ngram); 0 = plain decoding."""
+    """Upper bound on drafted tokens per step (draft, ngram, eagle); 0 = plain decoding."""
     medusa_heads: int | None = None
     """Medusa heads to use (None: all loaded)."""
     tree_size: int | None = None
@@ -213,6 +213,14 @@ class Sequence:
     """Medusa: heads in use."""
     head_guesses: list = field(default_factory=list)
     """Medusa: (output index, head, top-1 token) of every proposal, for per-head accuracy."""
+    eagle: Any = None
+    """Eagle: the request's drafter state (`specops.serving.eagle_proposer.EagleState`)."""
+
+    @property
+    def needs_all_hidden(self) -> bool:
+        """Whether the target's hidden state of every token is kept (an EAGLE drafter that still
+        drafts): a (re)admission then computes the whole sequence instead of reusing cached prompt blocks."""
+        return self.eagle is not None and self.eagle.active
 
     @property
     def num_output(self) -> int:

@@ -38,6 +38,7 @@ class ServeConfig:
     model: str = "bundled"
     draft: str | None = None
     medusa: str | None = None
+    eagle: str | None = None  # EAGLE drafter folder (method eagle)
     policy_file: str | None = None
     redis_url: str | None = None
     state_dir: str = ".specops"
@@ -122,7 +123,7 @@ def build_engine_client(cfg: ServeConfig, serving_client: Any, policy: Any, regi
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    decoder = Decoder.from_pretrained(cfg.model, draft=cfg.draft, medusa=cfg.medusa, fallback=True)
+    decoder = Decoder.from_pretrained(cfg.model, draft=cfg.draft, medusa=cfg.medusa, fallback=True, eagle=cfg.eagle)
     if decoder.tokenizer is None:
         raise ServeError(f"no tokenizer found with the model {cfg.model!r}")
     engine = Engine(decoder, max_batch=cfg.max_batch, kv_cache_mb=cfg.kv_cache_mb, block_size=BLOCK_SIZE)

@@ -199,6 +199,8 @@ def render(engine: str, policy: Policy, *, method: str | None = None, model: str
                                 "their speculative flags only")
     p = plan(policy, method)
     if engine == "vllm":
+        if p.method not in VLLM_METHODS:
+            raise EngineConfigError(f"no vLLM rendering of method {p.method} (use draft, ngram or medusa for this pool)")
         spec: dict[str, Any] = {"method": VLLM_METHODS[p.method], "num_speculative_tokens": p.gamma_max}
         if p.method in ("draft", "medusa"):
             if not model:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from specops.policies.rollout import effective_for, pick_revision
 from specops.policies.schema import CHARS_PER_TOKEN, Policy, Upstreams  # the proxy has no tokenizer
 from specops.policies.state import EffectiveSettings
+from specops.telemetry.records import GAMMA_METHODS
 
 REASON_FALLBACK = "policy_fallback"
 REASON_OFF = "method_off"
@@ -125,7 +126,7 @@ class Router:
         pool = self.pool_name(wanted)
         enforced = not (reason and self.single)
         method = "ar" if (reason and enforced) else (s.method if s.method != "off" else "ar")
-        gamma = s.gamma if method in ("draft", "ngram") else 0
+        gamma = s.gamma if method in GAMMA_METHODS else 0
         spec_pool = method != "ar" and (pool == self.pool_name(u.spec) or self.single)
         return Route(rc.name, pool, method, gamma, revision, canary, probe, reason, enforced, spec_pool)
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 from specops.sidecar.fields import SpecCounts
 from specops.sidecar.routing import Route
-from specops.telemetry.records import METHODS, DecodeRecord
+from specops.telemetry.records import GAMMA_METHODS, METHODS, DecodeRecord
 
 
 @dataclass
@@ -136,8 +136,8 @@ def to_record(route: Route, obs: Observation, plain_tps: float | None) -> Decode
         accepted_per_pos=per_pos, target_forwards=forwards, draft_s=0.0, verify_s=_verify_s(counts),
         wall_s=max(0.0, obs.wall_s),
         plain_s_estimate=max(0.0, plain_s), token_latencies_s=latencies, head_predictions=[], head_correct=[],
-        gamma=(counts.gamma or route.gamma) if (counts is not None and method in ("draft", "ngram")) else
-        (route.gamma if method in ("draft", "ngram") else 0),
+        gamma=(counts.gamma or route.gamma) if (counts is not None and method in GAMMA_METHODS) else
+        (route.gamma if method in GAMMA_METHODS else 0),
         heads=0, fallback_reason=route.fallback_reason)
 
 

@@ -7,7 +7,7 @@ the ONE place the derived series are defined.
 
 Naming follows the Prometheus rules: prefix ``specops_``, base units (seconds), counters
 end in ``_total``, ratios are 0–1. Every series carries the labels ``class`` (request
-class from the policy) and ``method`` (``ar`` | ``draft`` | ``medusa`` | ``ngram``).
+class from the policy) and ``method`` (``ar`` | ``draft`` | ``medusa`` | ``ngram`` | ``eagle``).
 
 Counters (``rate()``/``increase()`` them):
 

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-METHODS = ("ar", "draft", "medusa", "ngram")
+METHODS = ("ar", "draft", "medusa", "ngram", "eagle")
+GAMMA_METHODS = ("draft", "ngram", "eagle")
+"""The methods whose knob is γ, the tokens drafted per step (Medusa's is its heads)."""
 
 
 def _add_lists(a: list[int], b: list[int]) -> list[int]:
@@ -47,7 +49,7 @@ class DecodeRecord:
     request_class: str
     """Request class name from the policy (Prometheus label ``class``)."""
     method: str
-    """Decoding method used: ``ar`` | ``draft`` | ``medusa`` | ``ngram`` (label ``method``)."""
+    """Decoding method used: ``ar`` | ``draft`` | ``medusa`` | ``ngram`` | ``eagle`` (label ``method``)."""
     new_tokens: int
     """Tokens generated (new tokens only, prompt excluded)."""
     drafted: int

@@ -37,14 +37,15 @@ rollout:
 """
 
 
-def record_from(cls, stats):
-    return DecodeRecord(cls, "draft", stats.new_tokens, stats.drafted, stats.accepted, list(stats.accepted_per_pos),
+def record_from(cls, stats, method="draft"):
+    return DecodeRecord(cls, method, stats.new_tokens, stats.drafted, stats.accepted, list(stats.accepted_per_pos),
                         stats.target_forwards, stats.draft_s, stats.verify_s, stats.wall_s, stats.plain_s_estimate,
                         [], [], [], int(stats.gamma), 0)
 
 
 class Rig:
-    def __init__(self, redis_client, policy=POLICY):
+    def __init__(self, redis_client, policy=POLICY, method="draft"):
+        self.method = method  # of the published records
         self.clock = FakeClock()
         self.redis = redis_client
         self.store = PolicyStore(redis_client, clock=self.clock)
@@ -62,7 +63,8 @@ class Rig:
         self.clock.now = (self.clock.now // 10 + 1) * 10 + 1
         eff = self.store.effective()
         for cls, (alpha, factor) in per_class.items():
-            self.pub.publish(record_from(cls, window(alpha, eff[cls].gamma, rounds=2000, draft_factor=factor)))
+            self.pub.publish(record_from(cls, window(alpha, eff[cls].gamma, rounds=2000, draft_factor=factor),
+                                         self.method))
         for cls, (alpha, factor, gamma) in (canary or {}).items():
             self.canary_pub.publish(record_from(cls, window(alpha, gamma, rounds=2000, draft_factor=factor)))
         self.clock.now += 8.9
@@ -90,6 +92,18 @@ def test_goodput_adaptation_moves_gamma_within_max_step_and_audits(redis_client)
     assert "accepted_per_pos" in adapt_events[-1]["inputs"]["code"]  # the decision's inputs are recorded
     assert rig.registry.get_sample_value("specops_controller_decisions_total",
                                          {"class": "code", "kind": "adapt"}) == 1
+
+
+def test_an_eagle_class_adapts_its_gamma_like_a_draft_class(redis_client):
+    """γ is the knob of method eagle (the EAGLE feature drafter), as it is of draft and ngram."""
+    rig = Rig(redis_client, POLICY.replace("  - name: code\n", "  - name: code\n    method: eagle\n", 1), method="eagle")
+    assert rig.store.effective()["code"].method == "eagle"
+    gammas = []
+    for _ in range(4):
+        rig.step({"code": (0.9, 1.0), "chat": (0.9, 1.0)})
+        gammas.append(rig.store.effective()["code"].gamma)
+    assert gammas[0] == 4 and gammas[-1] > 2  # raised from 2 by the goodput model, max_step 2 at a time
+    assert rig.registry.get_sample_value("specops_controller_knob", {"class": "code", "knob": "gamma"}) == gammas[-1]
 
 
 @pytest.mark.parametrize("planned", [False, True])

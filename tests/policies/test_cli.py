@@ -40,7 +40,7 @@ def test_validate_ok_and_every_error(tmp_path, run):
     res = run("validate", str(bad))
     assert res.exit_code == 1
     lines = res.output.strip().splitlines()
-    assert f"{bad}:5: classes[0].method: input should be 'draft', 'medusa', 'ngram', 'auto' or 'off' (got 'warp')" in lines
+    assert f"{bad}:5: classes[0].method: input should be 'draft', 'medusa', 'ngram', 'eagle', 'auto' or 'off' (got 'warp')" in lines
     assert f"{bad}:6: classes[0].gamma: initial (9) must lie within min..max (1..4)" in lines
     assert "Traceback" not in res.output
 

@@ -103,7 +103,7 @@ CASES = [
     ("        min_prompt_tokens: 1", "        min_prompt_tokens: -1", "classes[0].match[0].min_prompt_tokens", "greater than or equal to 0"),
     ("        max_prompt_tokens: 100", "        max_prompt_tokens: x", "classes[0].match[0].max_prompt_tokens", "valid integer"),
     ("        max_prompt_tokens: 100", "        max_prompt_tokens: 0", "classes[0].match[0]", "min_prompt_tokens (1) must be <= max_prompt_tokens (0)"),
-    ("    method: draft", "    method: drafty", "classes[0].method", "'draft', 'medusa', 'ngram', 'auto' or 'off'"),
+    ("    method: draft", "    method: drafty", "classes[0].method", "'draft', 'medusa', 'ngram', 'eagle', 'auto' or 'off'"),
     ("      initial: 4", "      initial: 9", "classes[0].gamma", "initial (9) must lie within min..max (1..8)"),
     ("      initial: 4", "      initial: 4.5", "classes[0].gamma.initial", "valid integer"),
     ("      max: 8", "      max: 0", "classes[0].gamma", "min (1) must be <= max (0)"),
@@ -361,3 +361,14 @@ def test_a_bare_off_method_is_the_method_off(spelling):
     assert policy.classes[0].method == "off" and not policy.classes[0].speculates_at(0.0)
     with pytest.raises(PolicyError, match="method"):
         load_policy(TEMPLATE.replace("    method: draft\n", "    method: on\n", 1))
+
+
+def test_the_eagle_method_is_a_gamma_method():
+    """``method: eagle`` (the EAGLE feature drafter) validates with its γ bounds; a misspelling
+    still fails naming the field and the methods."""
+    policy = load_policy(TEMPLATE.replace("    method: draft\n", "    method: eagle\n", 1))
+    code = policy.classes[0]
+    assert code.method == "eagle" and (code.gamma.initial, code.gamma.min, code.gamma.max) == (4, 1, 8)
+    assert code.speculates_at(0.5)
+    with pytest.raises(PolicyError, match=r"classes\[0\]\.method.*'ngram', 'eagle', 'auto' or 'off'"):
+        load_policy(TEMPLATE.replace("    method: draft\n", "    method: eagel\n", 1))

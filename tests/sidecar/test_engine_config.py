@@ -122,6 +122,10 @@ def test_errors_are_one_readable_line():
         render("sglang", policy, method="medusa", model="h")
     with pytest.raises(EngineConfigError, match="no concurrency with both"):
         batch_table(_report([("fixed", 1, 1, 1)]), 3)
+    eagle = load_policy(DEFAULT.read_text().replace("method: draft", "method: eagle"))
+    for engine in ("vllm", "sglang", "llamacpp"):  # specops' own EAGLE drafter is rendered for no engine
+        with pytest.raises(EngineConfigError, match="eagle"):
+            render(engine, eagle, method="eagle", model="m")
 
 
 def test_sglang_flags_and_cli():

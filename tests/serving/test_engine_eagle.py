@@ -1,0 +1,300 @@
+"""Method ``eagle`` in the serving engine: an EAGLE drafter with one cache per sequence.
+
+Greedy output equals plain decoding token for token alone and in a batch of mixed methods
+(ar, ngram, eagle) joining mid-batch, under preemption, and once a sequence outgrows the
+drafter's context (plain to the end, ``fallback_reason`` "draft_context"); the engine's
+per-sequence drafter cache holds what `Decoder.generate(method="eagle")`'s holds for the same
+sequence and proposes the same chain; sampled requests repeat themselves with a seed and
+follow the target's distribution; an abort frees the drafter state; an engine without a
+drafter refuses the method (the policy runtime decodes such a class plainly). The drafter is
+the one tests/decoder/test_eagle.py trains on the bundled target (once per process).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import pytest
+import torch
+
+from specops.decoder import Decoder
+from specops.decoder.eagle import _draft_chain
+from specops.decoder.eagle_model import EagleDrafter
+from specops.decoder.runner import prompt_forward
+from specops.decoder.sampling import SamplingConfig
+from specops.serving import eagle_proposer
+from specops.serving.engine import Engine
+from specops.serving.sequence import SamplingParams, SpecSettings
+from tests.decoder.test_distribution import ALPHA, STEPS, TINY_V, _exact_joint, chi_square_pvalue
+from tests.decoder.test_eagle import bundled_setup
+from tests.decoder.tiny_models import tiny_llama
+from tests.serving.test_engine import check_exact, full_speculation
+from tests.serving.test_engine_memory import check_blocks
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return bundled_setup()  # (model, tokenizer, training prompts, held-out prompts, trained drafter)
+
+
+@pytest.fixture(scope="module")
+def dec(bundled):
+    model, tok, _, _, drafter = bundled
+    return Decoder(model, eagle=drafter, tokenizer=tok)
+
+
+def _short_drafter(bundled, context: int) -> EagleDrafter:
+    """The trained drafter with a context of ``context`` positions."""
+    model, _, _, _, drafter = bundled
+    small = EagleDrafter(dataclasses.replace(drafter.config, max_position_embeddings=context))
+    small.load_state_dict(drafter.state_dict())
+    return small.bind(model).eval()
+
+
+def _run(eng: Engine, requests) -> tuple[dict[str, list[int]], dict[str, object]]:
+    for rid, prompt, params, spec in requests:
+        eng.add(rid, prompt, params, spec)
+    got: dict[str, list[int]] = {}
+    records: dict[str, object] = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                records[out.request_id] = out.record
+    return got, records
+
+
+def test_greedy_eagle_alone_equals_plain_decoding(bundled, dec):
+    prompts = bundled[2][:2] + bundled[3][:2]
+    eng = full_speculation(Engine(dec, max_batch=1, kv_cache_mb=8))
+    assert "eagle" in eng.speculative_methods
+    accepted = 0
+    for i, prompt in enumerate(prompts):
+        want = dec.generate(prompt, method="ar", max_new_tokens=40, eos_token_id=1).tokens
+        got, records = _run(eng, [(f"e{i}", prompt, SamplingParams(max_tokens=40), SpecSettings(method="eagle"))])
+        rec = records[f"e{i}"]
+        assert got[f"e{i}"] == want, i
+        assert rec.method == "eagle" and rec.drafted > 0 and rec.fallback_reason is None
+        assert rec.to_record("c").planned
+        accepted += rec.accepted
+    assert accepted > 40  # drafts were accepted: the drafter's state is right, not only the output
+    assert eng.stats().kv_blocks_used == 0
+
+
+def test_greedy_eagle_in_a_mixed_batch_equals_plain_decoding(bundled, dec):
+    prompts = bundled[3][:4] + bundled[2][:5]
+    eng = full_speculation(Engine(dec, max_batch=4, kv_cache_mb=8))
+    records = check_exact(dec, eng, prompts, max_tokens=32, eos=1, methods=("ar", "ngram", "eagle"),
+                          need_accept=False)
+    eagle = [r for r in records.values() if r.method == "eagle"]
+    assert len(eagle) == 3 and sum(r.accepted for r in eagle) > 10
+
+
+def test_preempted_eagle_sequences_rebuild_their_drafter_cache_and_stay_exact(bundled, dec):
+    prompts = [p[:30] for p in bundled[2][:6]]
+    # ~128 token slots: two or three of the six sequences (up to 70 tokens each) at a time
+    eng = full_speculation(Engine(dec, max_batch=6, kv_cache_mb=1.0, block_size=8, calibrate=False,
+                                  eos_token_id=None))
+    assert eng.pool.capacity_slots < 3 * 70
+    want = {f"e{i}": dec.generate(p, method="ar", max_new_tokens=40).tokens for i, p in enumerate(prompts)}
+    for i, p in enumerate(prompts):
+        eng.add(f"e{i}", p, SamplingParams(max_tokens=40), SpecSettings(method="eagle", gamma=3))
+    got: dict[str, list[int]] = {}
+    records = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                records[out.request_id] = out.record
+        check_blocks(eng)
+        for seq in eng.seqs.values():  # a preempted sequence's drafter state goes with its blocks
+            assert seq.target.blocks or (seq.eagle.cache is None and seq.eagle.unfed == 0)
+    assert eng.stats().preemptions > 0  # the budget really overflowed
+    assert got == want
+    assert sum(r.accepted for r in records.values()) > 0
+
+
+def test_engine_drafter_cache_equals_the_library_state(bundled, dec):
+    """After some engine steps, a sequence's drafter cache holds the entries the library's holds for
+    the same tokens (real features of positions 0 .. N-2), and it drafts the library's chain."""
+    model, _, prompts, _, drafter = bundled
+    eng = full_speculation(Engine(dec, max_batch=2, kv_cache_mb=8))
+    eng.add("a", prompts[1], SamplingParams(max_tokens=60), SpecSettings(method="eagle", gamma=4))
+    eng.add("b", prompts[2], SamplingParams(max_tokens=60), SpecSettings(method="ngram", gamma=4))
+    for _ in range(6):
+        eng.step()
+    seq = eng.seqs["a"]
+    assert seq.eagle.cache is not None and eng.eagle.ready(seq) and seq.num_output > 6
+    drafted, _ = eng.eagle.propose(seq, 5)
+    n = len(seq.tokens)
+    assert seq.eagle.cache.length == n - 1 and seq.eagle.unfed == 0
+    # the library's state: features of x_0 .. x_{N-2} from the target's own prompt pass
+    with torch.no_grad():
+        dec.target.reset(1)
+        feats = prompt_forward(dec.target, torch.tensor([seq.tokens[:-1]]), logits=False, need_hidden=True).hidden[0]
+        drafter.reset()
+        last = drafter.step(torch.tensor(seq.tokens[1:]), feats)[-1]
+        want, _ = _draft_chain(drafter, last, 5, SamplingConfig(), torch.Generator(), drafter.config.vocab_size,
+                               torch.device("cpu"))
+    assert drafted == want
+    mine = seq.eagle.cache.data[..., : n - 1, :]
+    theirs = drafter._cache.data[..., : n - 1, :]
+    torch.testing.assert_close(mine, theirs, atol=2e-4, rtol=2e-4)
+
+
+def test_a_sequence_outgrowing_the_drafter_decodes_plainly_and_exactly(bundled):
+    model, tok, prompts, _, _ = bundled
+    dec = Decoder(model, eagle=_short_drafter(bundled, 48), tokenizer=tok)
+    eng = full_speculation(Engine(dec, max_batch=2, kv_cache_mb=8, eos_token_id=None))
+    long_prompt = prompts[0][:60]  # longer than the drafter's context from the start
+    mid = prompts[1][:24]  # speculates, then crosses the context mid-request
+    want = {"long": dec.generate(long_prompt, method="ar", max_new_tokens=30).tokens,
+            "mid": dec.generate(mid, method="ar", max_new_tokens=40).tokens}
+    got, records = _run(eng, [("long", long_prompt, SamplingParams(max_tokens=30), SpecSettings(method="eagle")),
+                              ("mid", mid, SamplingParams(max_tokens=40), SpecSettings(method="eagle"))])
+    assert got == want
+    assert records["long"].fallback_reason == "draft_context" and records["long"].drafted == 0
+    assert records["mid"].fallback_reason == "draft_context" and records["mid"].drafted > 0
+
+
+def test_sampled_eagle_repeats_itself_with_a_seed(bundled, dec):
+    prompt = bundled[3][0]
+    params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=7)
+    runs = []
+    for _ in range(2):
+        eng = full_speculation(Engine(dec, max_batch=2, kv_cache_mb=8, eos_token_id=None))
+        got, records = _run(eng, [("s", prompt, params, SpecSettings(method="eagle")),
+                                  ("n", bundled[3][1], SamplingParams(max_tokens=24, temperature=1.0, seed=3),
+                                   SpecSettings(method="ngram"))])
+        assert records["s"].drafted > 0 and len(got["s"]) == 24
+        runs.append(got)
+    assert runs[0] == runs[1]
+
+
+def _sample_counts(target, drafter, n: int) -> tuple[torch.Tensor, int, int]:
+    """Joint counts of the first STEPS tokens of ``n`` seeded eagle requests 16 at a time; drafted, accepted."""
+    eng = full_speculation(Engine(Decoder(target, eagle=drafter), max_batch=16, kv_cache_mb=1, calibrate=False,
+                                  eos_token_id=None))
+    for i in range(n):
+        eng.add(f"r{i}", SAMPLED_PROMPT, SamplingParams(max_tokens=STEPS, temperature=1.0, seed=i),
+                SpecSettings(method="eagle", gamma=2))
+    got, records = _run(eng, [])
+    counts = torch.zeros(TINY_V**STEPS, dtype=torch.long)
+    for toks in got.values():
+        counts[int("".join(map(str, toks)), TINY_V)] += 1
+    return counts, sum(r.drafted for r in records.values()), sum(r.accepted for r in records.values())
+
+
+SAMPLED_PROMPT = [1, 2, 3, 1, 2]
+
+
+def test_sampled_eagle_follows_the_target_distribution(monkeypatch):
+    torch.set_num_threads(1)
+    target = tiny_llama(seed=3, vocab=TINY_V, hidden=32, init_range=0.3)
+    drafter = EagleDrafter.for_target(target, seed=2, shortlist=[0, 1, 3])  # q is 0 on token 2
+    exact = _exact_joint(target, SAMPLED_PROMPT, SamplingConfig(temperature=1.0))
+    n = 1200
+    counts, drafted, accepted = _sample_counts(target, drafter, n)
+    assert drafted > n // 2 and accepted > n // 10  # speculation really ran and was accepted
+    assert chi_square_pvalue(counts, exact) > ALPHA
+    # the check's power: drafts verified against the wrong q (uniform) are caught
+    real = eagle_proposer._draft_chain
+
+    def uniform_q(*args, **kwargs):
+        tokens, q = real(*args, **kwargs)
+        return tokens, torch.full_like(q, 1.0 / q.shape[-1])
+
+    monkeypatch.setattr(eagle_proposer, "_draft_chain", uniform_q)
+    counts, _, _ = _sample_counts(target, drafter, n)
+    assert chi_square_pvalue(counts, exact) < ALPHA
+
+
+def test_abort_mid_request_frees_the_drafter_state(bundled, dec):
+    eng = full_speculation(Engine(dec, max_batch=2, kv_cache_mb=8, calibrate=False))
+    eng.add("a", bundled[3][0], SamplingParams(max_tokens=60), SpecSettings(method="eagle"))
+    eng.add("b", bundled[3][1], SamplingParams(max_tokens=20), SpecSettings(method="eagle"))
+    for _ in range(5):
+        eng.step()
+    victim = eng.seqs["a"]
+    assert victim.eagle.cache is not None and victim.eagle.cache.length > 0
+    eng.abort("a")
+    outs = eng.step()
+    assert [o.finish_reason for o in outs if o.request_id == "a"] == ["abort"]
+    assert "a" not in eng.seqs and victim.target.blocks == []
+    assert victim.eagle.cache is None and victim.eagle.features == [] and victim.eagle.unfed == 0
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.stats().kv_blocks_used == 0
+
+
+def test_an_engine_without_a_drafter_refuses_eagle(bundled):
+    model, tok, prompts, _, _ = bundled
+    eng = Engine(Decoder(model, tokenizer=tok), max_batch=2, kv_cache_mb=8, calibrate=False)
+    assert "eagle" not in eng.speculative_methods
+    with pytest.raises(ValueError, match="method 'eagle' needs an EAGLE drafter"):
+        eng.add("x", prompts[0], SamplingParams(max_tokens=4), SpecSettings(method="eagle"))
+    assert not eng.has_unfinished()
+    eng.add("y", prompts[0], SamplingParams(max_tokens=4), SpecSettings(method="auto"))  # auto never picks it
+    got, records = _run(eng, [])
+    assert len(got["y"]) == 4 and records["y"].method != "eagle"
+
+
+def test_a_policy_class_naming_eagle_runs_plainly_without_a_drafter(bundled, dec):
+    from specops.policies.schema import Policy
+    from specops.serving.policy_runtime import REASON_MISSING, PolicyRuntime
+
+    model, tok, prompts, _, _ = bundled
+    policy = Policy.model_validate({"version": 1, "default_class": "chat",
+                                    "classes": [{"name": "chat", "method": "eagle", "gamma": {"initial": 3,
+                                                                                            "min": 1, "max": 6}}]})
+    plain = PolicyRuntime(Decoder(model, tokenizer=tok), policy).resolve("hi", 1)
+    assert (plain.method, plain.fallback_reason) == ("ar", REASON_MISSING)
+    runtime = PolicyRuntime(dec, policy)
+    res = runtime.resolve("hi", 1)
+    assert (res.method, res.gamma, res.fallback_reason) == ("eagle", 3, None)
+    assert res.as_dict()["gamma"] == 3
+    served = runtime.serve(prompts[0], max_new_tokens=12)
+    assert served.method == "eagle" and served.stats.drafted > 0
+    assert served.tokens == dec.generate(prompts[0], method="ar", max_new_tokens=12).tokens
+
+
+def test_serve_eagle_option_reaches_the_decoder(bundled, tmp_path, monkeypatch):
+    """`specops serve --eagle PATH` loads the drafter with the target (`Decoder.from_pretrained(...,
+    eagle=PATH)`), and the engine built on that decoder offers method eagle."""
+    from click.testing import CliRunner
+
+    import specops.serving.server as server
+    from specops.decoder.eagle_io import save_drafter
+    from specops.serving.cli import serve_command
+
+    save_drafter(bundled[4], tmp_path / "eagle")
+    configs = []
+    monkeypatch.setattr(server, "run_server", configs.append)
+    interval = sys.getswitchinterval()  # the command sets the process's (`GIL_SWITCH_INTERVAL_S`)
+    try:
+        result = CliRunner().invoke(serve_command, ["--port", "0", "--eagle", str(tmp_path / "eagle")])
+        bad = CliRunner().invoke(serve_command, ["--port", "0", "--eagle", str(tmp_path / "missing")])
+    finally:
+        sys.setswitchinterval(interval)
+    assert result.exit_code == 0, result.output
+    assert configs[0].eagle == str(tmp_path / "eagle")
+    assert bad.exit_code == 2 and "--eagle" in bad.output
+
+    loaded = {}
+
+    class Stop(Exception):
+        pass
+
+    def from_pretrained(path, **kwargs):
+        loaded.update(kwargs, path=path)
+        raise Stop
+
+    monkeypatch.setattr(Decoder, "from_pretrained", from_pretrained)
+    with pytest.raises(Stop):
+        server.build_engine_client(configs[0], None, None, None)
+    assert loaded["eagle"] == str(tmp_path / "eagle") and loaded["path"] == "bundled"
+    monkeypatch.undo()
+    eng = Engine(Decoder.from_pretrained("bundled", eagle=tmp_path / "eagle"), max_batch=2, kv_cache_mb=8,
+                 calibrate=False)
+    assert eng.speculative_methods[-1] == "eagle"
