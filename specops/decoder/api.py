@@ -76,18 +76,20 @@ class DecodeRequest:
     deadline_s: float | None = None
     options: dict[str, Any] = field(default_factory=dict)
 
+    def loop_args(self, *, speculative: bool = True) -> dict[str, Any]:
+        """The keyword arguments every method's loop takes: sampling, generator, budget and EOS,
+        and for a speculative loop its γ schedule and deadline."""
+        args: dict[str, Any] = dict(sampling=self.sampling, generator=self.generator,
+                                    max_new_tokens=self.max_new_tokens, eos_token_id=self.eos_token_id)
+        if speculative:
+            args.update(schedule=self.schedule, deadline_s=self.deadline_s)
+        return args
+
 
 def _run_ar(dec: Decoder, req: DecodeRequest) -> tuple[list[int], DecodeStats]:
     from specops.decoder.autoregressive import generate_ar
 
-    return generate_ar(
-        dec.target,
-        req.prompt_ids,
-        sampling=req.sampling,
-        generator=req.generator,
-        max_new_tokens=req.max_new_tokens,
-        eos_token_id=req.eos_token_id,
-    )
+    return generate_ar(dec.target, req.prompt_ids, **req.loop_args(speculative=False))
 
 
 def _run_draft(dec: Decoder, req: DecodeRequest) -> tuple[list[int], DecodeStats]:
@@ -98,21 +100,9 @@ def _run_draft(dec: Decoder, req: DecodeRequest) -> tuple[list[int], DecodeStats
     if req.options.get("pipeline", "sync") == "async":
         from specops.decoder.async_draft import generate_draft_async
 
-        return generate_draft_async(
-            dec.target, dec.draft, req.prompt_ids, sampling=req.sampling, generator=req.generator,
-            max_new_tokens=req.max_new_tokens, eos_token_id=req.eos_token_id, schedule=req.schedule,
-            deadline_s=req.deadline_s, draft_threads=req.options.get("draft_threads", 1))
-    return generate_draft(
-        dec.target,
-        dec.draft,
-        req.prompt_ids,
-        sampling=req.sampling,
-        generator=req.generator,
-        max_new_tokens=req.max_new_tokens,
-        eos_token_id=req.eos_token_id,
-        schedule=req.schedule,
-        deadline_s=req.deadline_s,
-    )
+        return generate_draft_async(dec.target, dec.draft, req.prompt_ids, **req.loop_args(),
+                                    draft_threads=req.options.get("draft_threads", 1))
+    return generate_draft(dec.target, dec.draft, req.prompt_ids, **req.loop_args())
 
 
 def _corpus(dec: Decoder, req: DecodeRequest) -> tuple[Any, dict[str, Any]]:
@@ -132,57 +122,22 @@ def _run_ngram(dec: Decoder, req: DecodeRequest) -> tuple[list[int], DecodeStats
     from specops.decoder.ngram import generate_ngram
 
     store, options = _corpus(dec, req)
-    return generate_ngram(
-        dec.target,
-        req.prompt_ids,
-        sampling=req.sampling,
-        generator=req.generator,
-        max_new_tokens=req.max_new_tokens,
-        eos_token_id=req.eos_token_id,
-        schedule=req.schedule,
-        deadline_s=req.deadline_s,
-        store=store,
-        **options,
-    )
+    return generate_ngram(dec.target, req.prompt_ids, **req.loop_args(), store=store, **options)
 
 
 def _run_medusa(dec: Decoder, req: DecodeRequest) -> tuple[list[int], DecodeStats]:
     from specops.decoder.medusa_decode import generate_medusa
 
-    return generate_medusa(
-        dec.target,
-        req.prompt_ids,
-        heads=dec.medusa,
-        sampling=req.sampling,
-        generator=req.generator,
-        max_new_tokens=req.max_new_tokens,
-        eos_token_id=req.eos_token_id,
-        num_heads=req.heads,
-        tree=req.tree,
-        deadline_s=req.deadline_s,
-        **req.options,
-    )
+    return generate_medusa(dec.target, req.prompt_ids, heads=dec.medusa, **req.loop_args(speculative=False),
+                           num_heads=req.heads, tree=req.tree, deadline_s=req.deadline_s, **req.options)
 
 
 def _run_auto(dec: Decoder, req: DecodeRequest) -> tuple[list[int], DecodeStats]:
     from specops.decoder.auto import generate_auto
 
     store, options = _corpus(dec, req)
-    return generate_auto(
-        dec.target,
-        req.prompt_ids,
-        draft=dec.draft,
-        heads=dec.medusa,
-        sampling=req.sampling,
-        generator=req.generator,
-        max_new_tokens=req.max_new_tokens,
-        estimates=dec.auto_estimates,
-        eos_token_id=req.eos_token_id,
-        schedule=req.schedule,
-        deadline_s=req.deadline_s,
-        store=store,
-        **options,
-    )
+    return generate_auto(dec.target, req.prompt_ids, draft=dec.draft, heads=dec.medusa, estimates=dec.auto_estimates,
+                         **req.loop_args(), store=store, **options)
 
 
 EAGLE_TRAIN_COMMAND = "specops train eagle --model NAME"
@@ -191,17 +146,7 @@ EAGLE_TRAIN_COMMAND = "specops train eagle --model NAME"
 def _run_eagle(dec: Decoder, req: DecodeRequest) -> tuple[list[int], DecodeStats]:
     from specops.decoder.eagle import generate_eagle
 
-    return generate_eagle(
-        dec.target,
-        dec.eagle,
-        req.prompt_ids,
-        sampling=req.sampling,
-        generator=req.generator,
-        max_new_tokens=req.max_new_tokens,
-        eos_token_id=req.eos_token_id,
-        schedule=req.schedule,
-        deadline_s=req.deadline_s,
-    )
+    return generate_eagle(dec.target, dec.eagle, req.prompt_ids, **req.loop_args())
 
 
 # method name -> function(decoder, request) -> (tokens, stats). One entry per method.
