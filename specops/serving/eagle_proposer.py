@@ -104,7 +104,8 @@ class EagleProposer:
         return seq.eagle.active and seq.target.computed < len(seq.tokens) - 1
 
     def observe(self, seq: Sequence, item: FeedItem, out: ItemOutput, drafted: int) -> ItemOutput:
-        """Keep the step's hidden rows; the output verification reads (its last ``drafted + 1`` rows)."""
+        """Keep the step's hidden rows; return the output the verification reads (the item's last
+        ``drafted + 1`` rows: a prefill's last row alone)."""
         state = seq.eagle
         if not state.active:
             return out
@@ -140,7 +141,8 @@ class EagleProposer:
             state.active = False
             return
         first, hidden = rows
-        state.features.append(hidden[start - first : want - first])
+        # a copy: a view would keep the step's whole [R, E] hidden states alive while the rows wait
+        state.features.append(hidden[start - first : want - first].clone())
         state.unfed += want - start
 
     def propose(self, seq: Sequence, gamma: int) -> tuple[list[int], Tensor | None]:

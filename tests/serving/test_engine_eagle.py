@@ -1,13 +1,15 @@
 """Method ``eagle`` in the serving engine: an EAGLE drafter with one cache per sequence.
 
 Greedy output equals plain decoding token for token alone and in a batch of mixed methods
-(ar, ngram, eagle) joining mid-batch, under preemption, and once a sequence outgrows the
-drafter's context (plain to the end, ``fallback_reason`` "draft_context"); the engine's
-per-sequence drafter cache holds what `Decoder.generate(method="eagle")`'s holds for the same
-sequence and proposes the same chain; sampled requests repeat themselves with a seed and
-follow the target's distribution; an abort frees the drafter state; an engine without a
-drafter refuses the method (the policy runtime decodes such a class plainly). The drafter is
-the one tests/decoder/test_eagle.py trains on the bundled target (once per process).
+(ar, ngram, eagle) joining mid-batch, under preemption, past a deadline and once a sequence
+outgrows the drafter's context (plain to the end, ``fallback_reason`` "deadline" /
+"draft_context", the drafter state freed); the engine's per-sequence drafter cache holds what
+`Decoder.generate(method="eagle")`'s holds for the same sequence and proposes the same chain;
+sampled requests repeat themselves with a seed and follow the target's distribution; ``auto``
+chooses eagle among the loaded methods; an abort frees the drafter state; an engine without a
+drafter refuses the method (the policy runtime decodes such a class plainly); ``specops serve
+--eagle`` reaches the decoder. The drafter is the one tests/decoder/test_eagle.py trains on the
+bundled target (once per process).
 """
 
 from __future__ import annotations
@@ -113,6 +115,38 @@ def test_preempted_eagle_sequences_rebuild_their_drafter_cache_and_stay_exact(bu
     assert eng.stats().preemptions > 0  # the budget really overflowed
     assert got == want
     assert sum(r.accepted for r in records.values()) > 0
+
+
+def test_past_the_deadline_eagle_decodes_plainly_and_frees_its_drafter_state(bundled, dec):
+    now = [0.0]
+    eng = full_speculation(Engine(dec, max_batch=2, kv_cache_mb=8, clock=lambda: now[0], eos_token_id=None))
+    prompt = bundled[2][0]
+    want = dec.generate(prompt, method="ar", max_new_tokens=40).tokens
+    eng.add("d", prompt, SamplingParams(max_tokens=40), SpecSettings(method="eagle", deadline_s=1.0))
+    got, drafted_at_deadline, seq = [], None, eng.seqs["d"]
+    while eng.has_unfinished():
+        if len(got) >= 12 and drafted_at_deadline is None:
+            now[0] = 2.0  # past the deadline
+            drafted_at_deadline = seq.stats.drafted
+        for out in eng.step():
+            got.extend(out.new_token_ids)
+            record = out.record
+        if drafted_at_deadline is not None and eng.has_unfinished():
+            assert not seq.eagle.active and seq.eagle.cache is None and seq.eagle.features == []
+    assert got == want
+    assert record.fallback_reason == "deadline"
+    assert 0 < drafted_at_deadline == record.drafted  # it speculated, then nothing past the deadline
+
+
+def test_auto_chooses_eagle_among_the_loaded_methods(bundled, dec):
+    eng = full_speculation(Engine(dec, max_batch=4, kv_cache_mb=8, eos_token_id=None))
+    assert eng.speculative_methods == ("ngram", "eagle")
+    prompts = bundled[2][:4]
+    got, records = _run(eng, [(f"a{i}", p, SamplingParams(max_tokens=16), SpecSettings(method="auto"))
+                              for i, p in enumerate(prompts)])
+    assert {r.method for r in records.values()} == {"ngram", "eagle"}  # untried methods go round first
+    for i, p in enumerate(prompts):
+        assert got[f"a{i}"] == dec.generate(p, method="ar", max_new_tokens=16).tokens
 
 
 def test_engine_drafter_cache_equals_the_library_state(bundled, dec):
