@@ -3,7 +3,8 @@
 The speed-up the dashboards, the alert rules and the controller's fallback rules read is
 an estimate: ``Σ plain_s_estimate / Σ wall_s``, the server's guess at what plain decoding
 would have taken (see docs/telemetry.md). This bench checks that guess where it can be
-checked directly. It starts ``specops serve`` (bundled models, its own embedded Redis) with
+checked directly. It starts ``specops serve`` (bundled models, or ``--model NAME|PATH`` as the
+target alone, with n-gram drafting; its own embedded Redis) with
 one request class, ``truth``, whose method is set per cell through Redis, as an operator
 (or the controller's fallback) sets it:
 
@@ -73,6 +74,7 @@ class TruthConfig:
     mix: dict[str, float] = field(default_factory=lambda: {"code": 1.0})
     seed: int = 0
     threads: int | None = None       # the server's --threads
+    model: str | None = None         # the server's --model (None: the bundled models)
     progress: bool = True
 
     def validate(self) -> None:
@@ -90,6 +92,9 @@ class TruthConfig:
             raise TruthError(f"requests must be >= 1, got {self.requests}")
         if self.settle is not None and self.settle < 0:
             raise TruthError(f"settle must be >= 0, got {self.settle}")
+        if self.model is not None and self.method != "ngram":
+            raise TruthError(f"--model serves the target alone (no draft model or Medusa heads): method "
+                             f"{self.method!r} needs them; use --method ngram")
 
     def cell_requests(self, concurrency: int) -> int:
         """Measured requests of a cell: ``requests``, else 8 rounds of the concurrency (at least 32: at
@@ -183,7 +188,8 @@ def _fmt(s: dict[str, float] | None, digits: int = 2, pct: bool = False) -> str:
 
 def format_table(report: dict[str, Any]) -> str:
     cfg = report["config"]
-    lines = [f"speed-up truth: class {CLASS} {cfg['method']} γ{cfg['gamma']} vs forced plain, "
+    lines = [f"speed-up truth on {report.get('model', 'bundled')}: class {CLASS} {cfg['method']} γ{cfg['gamma']} "
+             "vs forced plain, "
              f"{cfg['max_tokens']} tokens/request, {cfg['repeats']} interleaved repeats "
              "(median (min-max) over repeats)",
              f"{'conc':>4}  {'mode':<6}  {'plain tok/s':>16}  {'tok/s':>16}  {'truth':>16}  "
@@ -227,6 +233,10 @@ def run_truth(cfg: TruthConfig) -> dict[str, Any]:
         args = ["--policy", str(workdir / "policy.yaml"), "--reconcile-s", "0.5"]
         if cfg.threads is not None:
             args += ["--threads", str(cfg.threads)]
+        if cfg.model is not None:
+            from specops.models.resolve import resolve_model
+
+            args += ["--model", str(Path(resolve_model(cfg.model, progress=cfg.progress)).resolve())]
         scfg = sb.ServeBenchConfig(max_tokens=cfg.max_tokens, mix=cfg.mix, seed=cfg.seed, server_args=args)
         proc, url = sb._start_server(scfg, redis_url, workdir, max(cfg.concurrency))
         sb._wait_ready(url, 600, proc)
@@ -314,18 +324,21 @@ def _int_list(text: str) -> list[int]:
               help="Unmeasured requests before each cell (default: the concurrency).")
 @click.option("--mix", default="code:1", show_default=True, help="Prompt mix, as `bench serve --mix`.")
 @click.option("--threads", type=click.IntRange(1, 256), default=None, help="The server's --threads.")
+@click.option("--model", default=None,
+              help="The server's target: a folder or a registered model's name, pulled on first use (`specops "
+                   "models list`); served alone, so --method ngram. Default: the bundled models.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def bench_speedup_truth_command(concurrency, repeats, method, gamma, max_tokens, requests, settle, mix, threads,
-                                seed, json_path, quiet):
+                                model, seed, json_path, quiet):
     """Check the telemetry's speed-up against client tokens/s, class forced plain vs speculative."""
     from specops.bench.serve import BenchServeError, parse_mix
 
     try:
         cfg = TruthConfig(concurrency=_int_list(concurrency), repeats=repeats, method=method, gamma=gamma,
                           max_tokens=max_tokens, requests=requests, settle=settle, mix=parse_mix(mix),
-                          seed=seed, threads=threads, progress=not quiet)
+                          seed=seed, threads=threads, model=model, progress=not quiet)
         report = run_truth(cfg)
     except (TruthError, BenchServeError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc

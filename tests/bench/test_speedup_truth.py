@@ -103,3 +103,23 @@ def test_a_small_run_reports_plain_and_speculating_cells(tmp_path):
     assert [c["spec_step_share"] for c in report["cells"] if c["mode"] == "plain"] == [0.0]
     assert {r["mode"] for r in report["results"]} == set(st.SPEC_MODES)
     assert "truth" in res.output
+
+
+def test_a_model_is_served_alone_with_ngram_drafting(tmp_path):
+    """--model serves that target alone: a method that needs another model is refused in one
+    line; with ngram the cells run on it and the report names it."""
+    from specops.assets import TARGET_DIR
+
+    with pytest.raises(st.TruthError, match="--method ngram"):
+        st.TruthConfig(model="some-model", method="draft").validate()
+    res = CliRunner().invoke(main, ["bench", "speedup-truth", "--model", str(TARGET_DIR), "--method", "draft"])
+    assert res.exit_code == 1 and "--method ngram" in res.output and "Traceback" not in res.output
+    out = tmp_path / "truth.json"
+    res = CliRunner().invoke(main, ["bench", "speedup-truth", "--model", str(TARGET_DIR), "--method", "ngram",
+                                    "--concurrency", "1", "--repeats", "1", "--requests", "2", "--settle", "0",
+                                    "--max-tokens", "8", "--threads", "1", "--quiet", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    report = json.loads(out.read_text())
+    assert report["config"]["model"] == str(TARGET_DIR) and report["config"]["method"] == "ngram"
+    assert all(cell["tokens"] == 2 * 8 for cell in report["cells"])
+    assert f"speed-up truth on {report['model']}" in res.output
