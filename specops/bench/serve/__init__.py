@@ -61,8 +61,12 @@ traffic (warm-prefix-cache figures); the table's first line and the JSON (``prom
 Terms: TTFT = arrival → first token; TPOT = (E2E − TTFT) / (output tokens − 1);
 ITL = gaps between streamed chunks; goodput = requests/s meeting every SLO.
 
+``--model NAME|PATH``: the started servers serve that target alone (no draft model or Medusa
+heads), on the server's policy rewritten to n-gram, and EAGLE where a cached drafter helps
+(`model`). The prompts stay the bundled suites as completion text, for a chat model too.
+
 Its parts, one module each: `config` (the modes, options and the config), `prompts` (the mix and
-its fresh tags), `load` (the load generator), `procs` (the started server and controller
+its fresh tags), `model` (``--model``: the lone target's policy), `load` (the load generator), `procs` (the started server and controller
 processes), `settings` (each mode's settings through Redis), `scrape` (a server's ``/metrics`` per
 cell), `stats` (a cell's figures and the goal ratios), `orchestrate` (`run_bench_serve`),
 `table`, `plot` and `cli`. The names below are the bench's interface to the other bench

@@ -17,6 +17,13 @@ from specops.bench.serve.table import emit_report, format_table
 
 @click.command("serve")
 @click.option("--base-url", default=None, help="A running server (default: start one on the bundled models).")
+@click.option("--model", default=None, metavar="NAME|PATH",
+              help="The started servers' target: a registered model's name (`specops models list`; pulled now "
+                   "on first use) or a model folder, served alone: the server's policy (its --server-arg "
+                   "--policy, else examples/policies/default.yaml) is rewritten with the same classes on ngram, "
+                   "and on eagle where n-gram does little when an EAGLE drafter is cached (`specops train eagle`; "
+                   "or --server-arg --eagle DIR). The mix's prompts stay the bundled code / prose suites sent to "
+                   "/v1/completions as text, for a chat model too (no chat template). Not with --base-url.")
 @click.option("--redis", "redis_url", envvar="SPECOPS_REDIS", default=None,
               help="The server's Redis (required with --base-url; default: an embedded one for the started server).")
 @click.option("--namespace", default="specops", show_default=True)
@@ -58,7 +65,7 @@ from specops.bench.serve.table import emit_report, format_table
                    "the server's prefix cache (default: fresh, each cell's prompts behind a tag line of its own; "
                    "the table and JSON say which).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def bench_serve_command(base_url, redis_url, namespace, modes, concurrency, num_prompts, request_rate, max_tokens, mix,
+def bench_serve_command(base_url, model, redis_url, namespace, modes, concurrency, num_prompts, request_rate, max_tokens, mix,
                         prompts_file, slo, api_key_env, json_path, plot_path, seed, adaptive_warmup_s, server_args,
                         repeats, twin, one_server, settle_s, warm_prefix, quiet) -> None:
     """Benchmark a specops server over HTTP: off / fixed / adaptive at several concurrencies."""
@@ -82,7 +89,7 @@ def bench_serve_command(base_url, redis_url, namespace, modes, concurrency, num_
                            mix=mix_weights, prompts_file=prompts_file, slo_ttft_s=ttft, slo_tpot_s=tpot,
                            api_key=api_key, seed=seed, server_args=list(server_args), progress=not quiet,
                            adaptive_warmup_s=adaptive_warmup_s, repeats=repeats, twin=twin, one_server=one_server,
-                           settle_s=settle_s, warm_prefix=warm_prefix)
+                           settle_s=settle_s, warm_prefix=warm_prefix, model=model)
     try:
         report = orchestrate.run_bench_serve(cfg)
     except BenchServeError as exc:

@@ -59,6 +59,7 @@ class ServeBenchConfig:
     controller_interval_s: float = 2.0
     adaptive_warmup_s: float = 45.0         # traffic before measuring (adaptive: controller ticks + alert for_s)
     server_args: list[str] = field(default_factory=list)
+    model: str | None = None                # started servers: this target alone (`bench.serve.model`); None: bundled
     twin: bool = False                      # also a second `off` server (TWIN), started servers only
     one_server: bool = False                # started: one server for every mode (see `run_bench_serve`)
     settle_s: float | None = None           # one_server: traffic before each cell (None: the controller's window)

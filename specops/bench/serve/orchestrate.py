@@ -8,13 +8,14 @@ import math
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import click
 
 from specops.bench.serve import load, procs, scrape, settings
+from specops.bench.serve.model import LoneTarget, prepare_lone_target
 from specops.bench.serve.config import BenchServeError, ServeBenchConfig, cell_requests
 from specops.bench.serve.prompts import PromptTags, build_prompts, mix_classes
 from specops.bench.serve.stats import goal_ratios, goal_resolution, median_row, paired_ranges, paired_ratios, summarize
@@ -73,6 +74,10 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
     the settle traffic, served under its own settings). The modes' ratios are then taken
     within one process: two identical server processes differed by up to 27% at 16 streams
     in one run (``--twin``), more than the goals' margins.
+
+    ``model`` (``--model``): the started servers serve that target alone, on the policy
+    `prepare_lone_target` writes (the model resolved, and pulled on first use, before any
+    server starts); the report's ``model_target`` says which methods and why.
     """
     import redis as redis_lib
 
@@ -80,6 +85,9 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
     from specops.policies.redis_backend import close, connect
     from specops.policies.store import PolicyStore
 
+    if cfg.model is not None and cfg.base_url:
+        raise BenchServeError("--model picks the target of the servers the bench starts: it cannot be combined "
+                              "with --base-url (that server serves its own model)")
     if cfg.base_url and not cfg.redis_url:
         raise BenchServeError("a running server (--base-url) needs --redis, the server's Redis, to switch modes")
     if cfg.twin and (cfg.base_url or "off" not in cfg.modes):
@@ -94,7 +102,13 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
     embedded = controller = client = None
     servers: list[subprocess.Popen] = []
     bar = None
+    lone: LoneTarget | None = None
     try:
+        server_cfg = cfg
+        if cfg.model is not None:  # resolved (pulled on first use) and its policy written before any server starts
+            lone = prepare_lone_target(cfg.model, cfg.server_args, workdir, progress=cfg.progress)
+            click.echo(lone.note, err=True)
+            server_cfg = replace(cfg, server_args=lone.server_args(cfg.server_args))
         redis_url = cfg.redis_url
         if redis_url is None:
             embedded = connect(None, workdir / "redis")
@@ -105,7 +119,7 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
             targets = {m: _Target(m, url, PolicyStore(client, namespace=cfg.namespace), cfg.namespace)
                        for m in modes}
         elif cfg.one_server:
-            proc, url = procs._start_server(cfg, redis_url, workdir, max(cfg.concurrency), cfg.namespace)
+            proc, url = procs._start_server(server_cfg, redis_url, workdir, max(cfg.concurrency), cfg.namespace)
             servers.append(proc)
             procs._wait_ready(url, 600, proc)
             store = PolicyStore(client, namespace=cfg.namespace)
@@ -114,7 +128,7 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
             targets = {}
             for mode in modes:
                 ns = f"{cfg.namespace}-{mode}"
-                proc, url = procs._start_server(cfg, redis_url, workdir, max(cfg.concurrency), ns, name=f"serve-{mode}")
+                proc, url = procs._start_server(server_cfg, redis_url, workdir, max(cfg.concurrency), ns, name=f"serve-{mode}")
                 servers.append(proc)
                 targets[mode] = _Target(mode, url, PolicyStore(client, namespace=ns), ns)
             for proc, t in zip(servers, targets.values()):
@@ -210,6 +224,8 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
         cfg_out["settle_s"] = cfg.settle_seconds if cfg.one_server else None
         cfg_out["prompts"] = cfg.prompts_label
         report = {"config": cfg_out, "model": model, "results": rows}
+        if lone is not None:
+            report["model_target"] = lone.report()
         try:  # the revision the servers run (every mode: the same file)
             policy = first.store.current_policy()
         except (StoreUnavailableError, StateError, redis_lib.RedisError) as exc:  # the figures stand without it

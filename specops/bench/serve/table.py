@@ -40,6 +40,13 @@ def format_table(report: dict[str, Any]) -> str:
     elif prompts == "warm":
         lines.insert(0, "prompts: warm (--warm-prefix: every repeat and the settle traffic replay the cell's "
                         "prompts, so TTFT and tok/s are of a warm prefix cache)")
+    model, target = report.get("model"), report.get("model_target")
+    if target:
+        lines.insert(len(lines) - 2, f"model: {model} (--model {target['name']}, served alone; "
+                                     + ", ".join(f"{c} {m}" for c, m in target["methods"].items())
+                                     + (f"; EAGLE drafter {target['eagle']})" if target.get("eagle") else ")"))
+    elif model:
+        lines.insert(len(lines) - 2, f"model: {model}")
     for r in report["results"]:
         lines.append(f"{r['mode']:<9}{r['concurrency']:>5}{r['requests']:>5}{r['errors']:>4}"
                      f"{r['output_tokens_per_s']:>9.1f}{r['requests_per_s']:>7.2f}"
