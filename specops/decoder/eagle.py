@@ -45,7 +45,7 @@ from specops.decoder.speculation import DRAFT_CONTEXT, StepResult, TargetVerifie
 from specops.decoder.stats import DecodeStats
 from specops.decoder.verify import accept_greedy, verify_block_sampled
 
-__all__ = ["EagleConfig", "EagleDrafter", "EagleError", "FeatureVerifier", "generate_eagle"]
+__all__ = ["EagleConfig", "EagleDrafter", "EagleError", "FeatureVerifier", "draft_chain", "generate_eagle"]
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class FeatureVerifier(TargetVerifier):
         return self._finish(drafted, n, nxt, g, t0)
 
 
-def _draft_chain(drafter: EagleDrafter, last: Tensor, gamma: int, sampling: SamplingConfig,
+def draft_chain(drafter: EagleDrafter, last: Tensor, gamma: int, sampling: SamplingConfig,
                  generator: torch.Generator, vocab: int, device: torch.device,
                  cache=None) -> tuple[list[int], Tensor | None]:
     """γ tokens from the predicted feature ``last`` [E]: each token from the LM head at the current
@@ -172,7 +172,7 @@ def generate_eagle(
             drafted, q = [], None
         else:
             t0 = device_clock(dev)
-            drafted, q = _draft_chain(drafter, last, gamma, sampling, generator, target.vocab_size, target.device)
+            drafted, q = draft_chain(drafter, last, gamma, sampling, generator, target.vocab_size, target.device)
             draft_s = device_clock(dev) - t0
             stats.draft_forwards += gamma - 1
             if v.max_draft() < gamma:  # the deadline passed while drafting: this step runs plainly

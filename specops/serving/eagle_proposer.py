@@ -4,7 +4,7 @@ The drafter (`specops.decoder.eagle_model.EagleDrafter`, the model `Decoder(eagl
 loaded) is shared; each sequence keeps its own `EagleState`: a KV cache of the drafter's
 one layer (`EagleDrafter.new_cache`, sized to the sequence's most tokens and allocated at
 its first drafting) and the target's hidden states of its positions the cache has not
-been fed yet. The drafting runs `specops.decoder.eagle._draft_chain` on that cache, so a
+been fed yet. The drafting runs `specops.decoder.eagle.draft_chain` on that cache, so a
 sequence proposes what `Decoder.generate(method="eagle")` proposes from the same state.
 
 Cache bookkeeping (as in `specops.decoder.eagle`): for a sequence ``x_0 .. x_{N-1}`` with
@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from specops.decoder.eagle import _draft_chain
+from specops.decoder.eagle import draft_chain
 from specops.decoder.speculation import draft_room
 from specops.serving.batch_forward import FeedItem, ItemOutput
 from specops.serving.sequence import Sequence
@@ -159,7 +159,7 @@ class EagleProposer:
             last = drafter.step(tokens, features.to(dev), state.cache)[-1]  # predicts the pending token's feature
             state.features, state.unfed = [], 0
             real = state.cache.length
-            drafted, q = _draft_chain(drafter, last, gamma, seq.sampling, seq.generator, self.vocab_size,
+            drafted, q = draft_chain(drafter, last, gamma, seq.sampling, seq.generator, self.vocab_size,
                                       self.device, state.cache)
             state.cache.truncate(real)  # the drafted entries rest on predicted features
         return drafted, None if q is None else q[0]

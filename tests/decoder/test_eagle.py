@@ -200,13 +200,13 @@ def test_sampled_eagle_follows_the_target_distribution():
 
 
 def test_the_distribution_check_rejects_drafts_verified_against_the_wrong_q(monkeypatch):
-    real = eagle._draft_chain
+    real = eagle.draft_chain
 
     def uniform_q(*args, **kwargs):
         drafted, q = real(*args, **kwargs)
         return drafted, torch.full_like(q, 1.0 / q.shape[-1])
 
-    monkeypatch.setattr(eagle, "_draft_chain", uniform_q)
+    monkeypatch.setattr(eagle, "draft_chain", uniform_q)
     trials = 1200
     counts, _, model = _sample_counts(trials)
     assert chi_square(counts, _exact(model), trials) < ALPHA

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from specops.decoder import Decoder
-from specops.decoder.eagle import _draft_chain
+from specops.decoder.eagle import draft_chain
 from specops.decoder.eagle_model import EagleDrafter
 from specops.decoder.runner import prompt_forward
 from specops.decoder.sampling import SamplingConfig
@@ -169,7 +169,7 @@ def test_engine_drafter_cache_equals_the_library_state(bundled, dec):
         feats = prompt_forward(dec.target, torch.tensor([seq.tokens[:-1]]), logits=False, need_hidden=True).hidden[0]
         drafter.reset()
         last = drafter.step(torch.tensor(seq.tokens[1:]), feats)[-1]
-        want, _ = _draft_chain(drafter, last, 5, SamplingConfig(), torch.Generator(), drafter.config.vocab_size,
+        want, _ = draft_chain(drafter, last, 5, SamplingConfig(), torch.Generator(), drafter.config.vocab_size,
                                torch.device("cpu"))
     assert drafted == want
     mine = seq.eagle.cache.data[..., : n - 1, :]
@@ -233,13 +233,13 @@ def test_sampled_eagle_follows_the_target_distribution(monkeypatch):
     assert drafted > n // 2 and accepted > n // 10  # speculation really ran and was accepted
     assert chi_square_pvalue(counts, exact) > ALPHA
     # the check's power: drafts verified against the wrong q (uniform) are caught
-    real = eagle_proposer._draft_chain
+    real = eagle_proposer.draft_chain
 
     def uniform_q(*args, **kwargs):
         tokens, q = real(*args, **kwargs)
         return tokens, torch.full_like(q, 1.0 / q.shape[-1])
 
-    monkeypatch.setattr(eagle_proposer, "_draft_chain", uniform_q)
+    monkeypatch.setattr(eagle_proposer, "draft_chain", uniform_q)
     counts, _, _ = _sample_counts(target, drafter, n)
     assert chi_square_pvalue(counts, exact) < ALPHA
 
