@@ -20,6 +20,10 @@ The llama.cpp peers join the same rows: llama.cpp's own ``llama-server``
 target that cannot be converted to GGUF) the report lists it under ``unavailable`` with the
 reason (never an error). ``llama.cpp-spec`` is tuned on the first prompts before the timed
 rounds (`llamacpp_server_peer.tune_spec`; the trials are in the report).
+
+With ``ar`` among the methods the report's ``bandwidth`` holds the memory-bandwidth ceiling on
+plain decoding (`specops.bench.bandwidth`): a measured read bandwidth over the bytes of
+weights a T = 1 forward streams, and ar's decode-only tokens/s as a share of it.
 """
 
 from __future__ import annotations
@@ -84,6 +88,7 @@ class BenchConfig:
     threads: int = 2
     limit: int | None = None          # use only the first N prompts
     progress: bool = True
+    measure_bandwidth: bool = True    # with ar: the memory-bandwidth ceiling on plain decoding (`bandwidth`)
 
     def validate(self) -> None:
         if self.suite not in SUITES:
@@ -345,7 +350,8 @@ def _run_methods(cfg: BenchConfig, models: Models, prompts: list[BenchPrompt], p
                     bar.update(1)
     bar.close()
 
-    results = summarize(runs, prompts)
+    results = [asdict(r) for r in summarize(runs, prompts)]
+    names = [m.name for m in methods]
     report = {
         "config": asdict(cfg),
         "machine": {"python": platform.python_version(), "torch": torch.__version__, "threads": cfg.threads,
@@ -355,14 +361,32 @@ def _run_methods(cfg: BenchConfig, models: Models, prompts: list[BenchPrompt], p
                     "load_avg_1_5_15m": [round(x, 2) for x in os.getloadavg()]},
         "prompts": len(prompts),
         "prompt_kinds": sorted({p.kind for p in prompts}),
-        "results": [asdict(r) for r in results],
+        "results": results,
         "unavailable": [{"method": name, "reason": reason} for name, reason in unavailable.items()],
         "divergences": divergences(runs, prompts, prompt_ids, models.target),
         "costs": measure_costs(methods),
+        "bandwidth": measure_bandwidth(cfg, models, results) if cfg.measure_bandwidth and "ar" in names else None,
         "peer_configs": {m.name: m.config for m in methods if isinstance(m, LlamaServerMethod)},
         "peer_tuning": tuning,
     }
     return report
+
+
+def measure_bandwidth(cfg: BenchConfig, models: Models, results: Sequence[dict]) -> dict | None:
+    """The memory-bandwidth ceiling on plain decoding (`specops.bench.bandwidth`): the read
+    bandwidth of ``cfg.device`` at the benchmark's thread count over the bytes of the target's
+    weights a T = 1 forward reads, and ar's row as a share of it. None where the buffer cannot be
+    allocated (said in the log)."""
+    from specops.bench.bandwidth import bandwidth_ceiling, read_bandwidth, streamed_weight_bytes
+
+    if not isinstance(models.target, torch.nn.Module):
+        return None
+    try:
+        measured = read_bandwidth(threads=cfg.threads, device=cfg.device)
+    except (RuntimeError, MemoryError) as exc:  # out of memory for the buffer
+        log.warning("memory bandwidth not measured: %s", exc)
+        return None
+    return bandwidth_ceiling(measured, streamed_weight_bytes(models.target), results)
 
 
 def _llama_server_version(methods: Sequence[BenchMethod]) -> str | None:
@@ -604,6 +628,10 @@ def format_table(report: dict) -> str:
         bound = " / ".join(f"{1 / (share + (1 - share) / n):.2f}" for n in (2, 3))
         lines.append(f"ar's prompt passes: {100 * share:.0f}% of its time, which speculation does not shorten "
                      f"(decoding after the prompt 2x / 3x as fast reads {bound}x ar)")
+    if report.get("bandwidth"):
+        from specops.bench.bandwidth import format_bandwidth
+
+        lines.append(format_bandwidth(report["bandwidth"]))
     device = (report.get("machine") or {}).get("device", "cpu")
     if device != "cpu":
         lines.append(f"models on {device}")
