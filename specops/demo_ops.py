@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,6 +81,19 @@ def demo_traffic(seed: int = 0, per_kind: int = 4) -> list[Traffic]:
         Traffic("code", code, labels={"task": "code"}),
         Traffic("factual", factual),
         Traffic("creative", prose, temperature=1.0),
+    ]
+
+
+def chat_demo_traffic(per_kind: int = 4) -> list[Traffic]:
+    """For a chat model: user messages from the chat-model suites' prompt sets
+    (`specops.bench.chat_prompts`): coding requests (labelled ``task=code``), factual questions
+    and creative writing sampled at temperature 1.0."""
+    from specops.bench import chat_prompts
+
+    return [
+        Traffic("code", chat_prompts.CODE[:per_kind], labels={"task": "code"}),
+        Traffic("factual", chat_prompts.QA[:per_kind]),
+        Traffic("creative", chat_prompts.CREATIVE[:per_kind], temperature=1.0),
     ]
 
 
@@ -218,6 +231,27 @@ def fast_policy_text(path: str | Path, factor: float = 0.1) -> str:
     return yaml.safe_dump(scale(yaml.safe_load(Path(path).read_text())), sort_keys=False)
 
 
+MODEL_PART_METHODS = ("draft", "medusa", "eagle")  # methods that need a model part besides the target
+
+
+def retarget_policy_text(text: str, methods: Sequence[str]) -> str:
+    """The policy ``text`` for a served model whose speculative methods are ``methods``: every
+    class whose method needs a model part the server lacks (a draft model, Medusa heads, an EAGLE
+    drafter) runs ``eagle`` when that is in ``methods``, else ``ngram``, which needs none; its
+    Medusa knobs go with the old method. Other classes, alerts and rollout stay as written."""
+    import yaml
+
+    doc = yaml.safe_load(text)
+    target = "eagle" if "eagle" in methods else "ngram"
+    for cls in doc.get("classes") or []:
+        method = cls.get("method", "draft")
+        if method in MODEL_PART_METHODS and method not in methods:
+            cls["method"] = target
+            cls.pop("medusa_heads", None)
+            cls.pop("tree_size", None)
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
 @dataclass
 class HttpRound:
     """One round of the HTTP demo: per-class results from the responses, then the controller's actions."""
@@ -257,7 +291,8 @@ def _stop_process(proc, timeout_s: float = 20.0) -> None:
 def run_ops_demo_http(*, state_dir: str | Path, policy_path: str | Path = DEFAULT_POLICY, rounds: int = 8,
                       max_new_tokens: int = 24, per_kind: int = 3, seed: int = 0,
                       canary_policy_path: str | Path | None = BAD_CANARY_POLICY, canary_round: int = 2,
-                      tick_s: float = 1.0, time_factor: float = 0.25,
+                      tick_s: float = 1.0, time_factor: float = 0.25, model: str | None = None,
+                      chat: bool = False, methods: Sequence[str] | None = None,
                       on_round: Callable[[HttpRound], None] | None = None,
                       on_event: Callable[[str], None] | None = None) -> list[HttpRound]:
     """The ops loop with every part a real process: an embedded Redis (started here),
@@ -268,6 +303,12 @@ def run_ops_demo_http(*, state_dir: str | Path, policy_path: str | Path = DEFAUL
     scaled by ``time_factor`` (`fast_policy_text`) so the loop plays out in a minute of
     real time. Before round ``canary_round`` (0-based) the canary policy is rolled out,
     exactly as ``specops policy rollout`` would.
+
+    ``model``: what ``specops serve --model`` loads (a registered name or a folder; None: the
+    bundled models). ``methods``: the speculative methods that model has; both policies are
+    rewritten for them (`retarget_policy_text`; None: as written). ``chat``: send the traffic
+    of `chat_demo_traffic` as chat requests (``/v1/chat/completions``, rendered with the model's
+    chat template by the server) instead of `demo_traffic`'s completions.
     """
     import secrets
     import socket
@@ -284,7 +325,11 @@ def run_ops_demo_http(*, state_dir: str | Path, policy_path: str | Path = DEFAUL
         raise ValueError("rounds must be >= 1")
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
-    text = fast_policy_text(policy_path, time_factor)
+    def policy_text(path: str | Path) -> str:
+        text = fast_policy_text(path, time_factor)
+        return text if methods is None else retarget_policy_text(text, methods)
+
+    text = policy_text(policy_path)
     (state_dir / "policy.yaml").write_text(text)
     client = connect(None, state_dir / "redis")
     redis_url = f"unix://{client.socket_file}"
@@ -303,7 +348,8 @@ def run_ops_demo_http(*, state_dir: str | Path, policy_path: str | Path = DEFAUL
         machine.start_rollout(store, parse_policy(text, "policy.yaml"), text, actor="demo")
         server = _spawn(["serve", "--port", str(port), "--redis", redis_url, "--namespace", namespace,
                          "--policy", str(state_dir / "policy.yaml"), "--reconcile-s", "1", "--max-batch", "8",
-                         "--log-level", "warning"], state_dir / "serve.log")
+                         "--log-level", "warning", *(["--model", model] if model is not None else [])],
+                        state_dir / "serve.log")
         controller = _spawn(["controller", "run", "--redis", redis_url, "--namespace", namespace,
                              "--interval", str(tick_s), "--window", str(max(6.0, 6 * tick_s)),
                              "--listen", f"127.0.0.1:{free_port()}"], state_dir / "controller.log",
@@ -323,13 +369,14 @@ def run_ops_demo_http(*, state_dir: str | Path, policy_path: str | Path = DEFAUL
         if on_event is not None:
             on_event(f"specops serve pid {server.pid} on {url}, specops controller run pid {controller.pid} "
                      f"(tick {tick_s:g}s), Redis {redis_url}")
-        traffic = demo_traffic(seed, per_kind)
+        traffic = chat_demo_traffic(per_kind) if chat else demo_traffic(seed, per_kind)
+        served_name = "bundled" if model is None else Path(model).name  # the name `specops serve` gives it
         seen = {e["id"] for e in store.read_audit(1000)}
         reports: list[HttpRound] = []
         with httpx.Client(timeout=300) as http, ThreadPoolExecutor(len(traffic)) as pool:
             for index in range(rounds):
                 if canary_policy_path is not None and index == canary_round:
-                    canary_text = fast_policy_text(canary_policy_path, time_factor)
+                    canary_text = policy_text(canary_policy_path)
                     state = machine.start_rollout(store, parse_policy(canary_text, Path(canary_policy_path).name),
                                                   canary_text, actor="demo")
                     if on_event is not None:
@@ -345,11 +392,15 @@ def run_ops_demo_http(*, state_dir: str | Path, policy_path: str | Path = DEFAUL
                 def run_stream(stream: Traffic) -> list[dict[str, Any]]:
                     out = []
                     for i, prompt in enumerate(stream.prompts):
-                        body = {"model": "bundled", "prompt": prompt, "max_tokens": max_new_tokens,
+                        body = {"model": served_name, "max_tokens": max_new_tokens,
                                 "temperature": stream.temperature, "seed": seed + 1000 * index + i,
                                 "metadata": stream.labels, "user": f"{stream.name}-{index}-{i}"}
+                        if chat:
+                            body["messages"] = [{"role": "user", "content": prompt}]
+                        else:
+                            body["prompt"] = prompt
                         started = time.perf_counter()
-                        r = http.post(f"{url}/v1/completions", json=body)
+                        r = http.post(f"{url}/v1/{'chat/completions' if chat else 'completions'}", json=body)
                         out.append({"status": r.status_code, "seconds": time.perf_counter() - started,
                                     **(r.json() if r.status_code == 200 else {})})
                     return out

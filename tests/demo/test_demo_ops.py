@@ -60,3 +60,54 @@ def test_ops_demo_over_http_closes_the_loop(tmp_path):
     controller = [e for r in reports for e in r.events]
     assert any(e["kind"] in ("effective.set", "rollout.analysis") for e in controller), controller
     assert any("demo-bad-canary.yaml" in e for e in events)
+
+
+def test_the_policies_are_retargeted_to_the_methods_a_served_model_has():
+    """`specops demo --model`: classes whose method needs a draft model or Medusa heads the model
+    lacks run eagle where it has a drafter, else n-gram lookup; the rest stays as written."""
+    from specops.demo_ops import BAD_CANARY_POLICY, DEFAULT_POLICY, fast_policy_text, retarget_policy_text
+    from specops.policies.loader import parse_policy
+
+    for path in (DEFAULT_POLICY, BAD_CANARY_POLICY):
+        text = fast_policy_text(path, 0.25)
+        before = {c.name: c for c in parse_policy(text, path.name).classes}
+        for methods, switched in ((["ngram"], "ngram"), (["ngram", "eagle"], "eagle")):
+            after = {c.name: c for c in parse_policy(retarget_policy_text(text, methods), path.name).classes}
+            assert list(after) == list(before)
+            for name, cls in after.items():
+                old = before[name]
+                expected = switched if old.method in ("draft", "medusa") else old.method
+                assert cls.method == expected, (path.name, name)
+                assert cls.match == old.match and cls.temperature == old.temperature
+                if old.method != "medusa":
+                    assert cls.gamma == old.gamma
+    assert retarget_policy_text(fast_policy_text(DEFAULT_POLICY, 0.25), ["draft", "medusa", "ngram"]) == \
+        fast_policy_text(DEFAULT_POLICY, 0.25)
+
+
+def test_chat_traffic_lands_in_the_default_policys_classes():
+    """The chat model's ops traffic: the user messages classify as code, factual and sampled."""
+    from specops.demo_ops import DEFAULT_POLICY, chat_demo_traffic
+    from specops.policies import load_policy
+
+    policy = load_policy(DEFAULT_POLICY)
+    classes = {s.name: {policy.classify(p, s.labels, 40, 1, s.temperature).name for p in s.prompts}
+               for s in chat_demo_traffic(per_kind=3)}
+    assert classes == {"code": {"code"}, "factual": {"factual"}, "creative": {"sampled"}}
+
+
+def test_ops_demo_over_http_serves_the_given_model_with_chat_requests(tmp_path):
+    """`specops demo --model PATH`'s ops part: `specops serve --model PATH` (requests name the
+    folder's model, which a server of the bundled models would refuse), chat requests, and the
+    policies' draft / Medusa classes on n-gram lookup, the method a lone target has."""
+    from specops.assets import TARGET_DIR
+    from specops.demo_ops import run_ops_demo_http
+
+    reports = run_ops_demo_http(state_dir=tmp_path, rounds=2, canary_round=1, per_kind=1, max_new_tokens=8,
+                                model=str(TARGET_DIR), chat=True, methods=["ngram"])
+    assert len(reports) == 2 and all(r.errors == 0 for r in reports)
+    assert set(reports[0].served) == {"code", "factual", "sampled"}
+    methods = {m for r in reports for row in r.served.values() for m in row["methods"]}
+    assert methods and methods <= {"ngram", "ngram(probe)", "ar"}, methods
+    assert "ngram" in methods
+    assert all(s["method"] in ("ngram", "off") for r in reports for s in r.settings.values())
