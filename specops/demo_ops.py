@@ -231,27 +231,6 @@ def fast_policy_text(path: str | Path, factor: float = 0.1) -> str:
     return yaml.safe_dump(scale(yaml.safe_load(Path(path).read_text())), sort_keys=False)
 
 
-MODEL_PART_METHODS = ("draft", "medusa", "eagle")  # methods that need a model part besides the target
-
-
-def retarget_policy_text(text: str, methods: Sequence[str]) -> str:
-    """The policy ``text`` for a served model whose speculative methods are ``methods``: every
-    class whose method needs a model part the server lacks (a draft model, Medusa heads, an EAGLE
-    drafter) runs ``eagle`` when that is in ``methods``, else ``ngram``, which needs none; its
-    Medusa knobs go with the old method. Other classes, alerts and rollout stay as written."""
-    import yaml
-
-    doc = yaml.safe_load(text)
-    target = "eagle" if "eagle" in methods else "ngram"
-    for cls in doc.get("classes") or []:
-        method = cls.get("method", "draft")
-        if method in MODEL_PART_METHODS and method not in methods:
-            cls["method"] = target
-            cls.pop("medusa_heads", None)
-            cls.pop("tree_size", None)
-    return yaml.safe_dump(doc, sort_keys=False)
-
-
 @dataclass
 class HttpRound:
     """One round of the HTTP demo: per-class results from the responses, then the controller's actions."""
@@ -306,7 +285,7 @@ def run_ops_demo_http(*, state_dir: str | Path, policy_path: str | Path = DEFAUL
 
     ``model``: what ``specops serve --model`` loads (a registered name or a folder; None: the
     bundled models). ``methods``: the speculative methods that model has; both policies are
-    rewritten for them (`retarget_policy_text`; None: as written). ``chat``: send the traffic
+    rewritten for them (`specops.policies.retarget.retarget_policy`; None: as written). ``chat``: send the traffic
     of `chat_demo_traffic` as chat requests (``/v1/chat/completions``, rendered with the model's
     chat template by the server) instead of `demo_traffic`'s completions.
     """
@@ -318,6 +297,7 @@ def run_ops_demo_http(*, state_dir: str | Path, policy_path: str | Path = DEFAUL
 
     from specops.policies import rollout as machine
     from specops.policies.loader import parse_policy
+    from specops.policies.retarget import retarget_policy
     from specops.policies.redis_backend import close, connect
     from specops.policies.store import PolicyStore
 
@@ -327,7 +307,7 @@ def run_ops_demo_http(*, state_dir: str | Path, policy_path: str | Path = DEFAUL
     state_dir.mkdir(parents=True, exist_ok=True)
     def policy_text(path: str | Path) -> str:
         text = fast_policy_text(path, time_factor)
-        return text if methods is None else retarget_policy_text(text, methods)
+        return text if methods is None else retarget_policy(text, methods)[0]
 
     text = policy_text(policy_path)
     (state_dir / "policy.yaml").write_text(text)

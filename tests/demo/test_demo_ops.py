@@ -64,24 +64,32 @@ def test_ops_demo_over_http_closes_the_loop(tmp_path):
 
 def test_the_policies_are_retargeted_to_the_methods_a_served_model_has():
     """`specops demo --model`: classes whose method needs a draft model or Medusa heads the model
-    lacks run eagle where it has a drafter, else n-gram lookup; the rest stays as written."""
-    from specops.demo_ops import BAD_CANARY_POLICY, DEFAULT_POLICY, fast_policy_text, retarget_policy_text
+    lacks run eagle where it has a drafter and the class is sampled or on Medusa heads, else n-gram
+    lookup; the rest stays as written."""
+    from specops.demo_ops import BAD_CANARY_POLICY, DEFAULT_POLICY, fast_policy_text
     from specops.policies.loader import parse_policy
+    from specops.policies.retarget import retarget_policy, sampled
 
     for path in (DEFAULT_POLICY, BAD_CANARY_POLICY):
         text = fast_policy_text(path, 0.25)
         before = {c.name: c for c in parse_policy(text, path.name).classes}
-        for methods, switched in ((["ngram"], "ngram"), (["ngram", "eagle"], "eagle")):
-            after = {c.name: c for c in parse_policy(retarget_policy_text(text, methods), path.name).classes}
-            assert list(after) == list(before)
+        for methods in (["ngram"], ["ngram", "eagle"]):
+            out, chosen = retarget_policy(text, methods)
+            after = {c.name: c for c in parse_policy(out, path.name).classes}
+            assert list(after) == list(before) and chosen == {n: c.method for n, c in after.items()}
             for name, cls in after.items():
                 old = before[name]
-                expected = switched if old.method in ("draft", "medusa") else old.method
+                if old.method in ("draft", "medusa"):
+                    to_eagle = "eagle" in methods and (old.method == "medusa" or sampled(old))
+                    expected = "eagle" if to_eagle else "ngram"
+                else:
+                    expected = old.method
                 assert cls.method == expected, (path.name, name)
                 assert cls.match == old.match and cls.temperature == old.temperature
                 if old.method != "medusa":
                     assert cls.gamma == old.gamma
-    assert retarget_policy_text(fast_policy_text(DEFAULT_POLICY, 0.25), ["draft", "medusa", "ngram"]) == \
+        assert "eagle" in retarget_policy(text, ["ngram", "eagle"])[1].values()
+    assert retarget_policy(fast_policy_text(DEFAULT_POLICY, 0.25), ["draft", "medusa", "ngram"])[0] == \
         fast_policy_text(DEFAULT_POLICY, 0.25)
 
 

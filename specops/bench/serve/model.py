@@ -3,19 +3,10 @@
 A real model comes with no draft model and no Medusa heads, so the policy the started
 server would run (``--server-arg --policy FILE``, else ``specops serve``'s default,
 examples/policies/default.yaml) is rewritten with the same classes, match rules, alerts
-and rollout, each class on a method that server has (`lone_target_policy`):
-
-``ngram``  the greedy classes (code, prose): prompt lookup copies what the prompt and the
-           output repeat;
-``eagle``  where n-gram drafting has little to copy, when an EAGLE drafter is at hand (the
-           one ``specops train eagle --model NAME`` cached, or ``--server-arg --eagle DIR``):
-           sampled classes (matched by a temperature above greedy: a sampled token seldom
-           continues a copied n-gram) and the classes the policy gives Medusa heads (EAGLE
-           drafts from the target's own features, as Medusa heads do); ``ngram`` there too
-           without a drafter;
-``auto``   kept: the server's auto picks among the methods it loaded (n-gram, and EAGLE when
-           given);
-``off``    kept.
+and rollout, each class on a method that server has (`specops.policies.retarget`: a class
+on a draft model or Medusa heads moves to ``eagle`` where an EAGLE drafter is at hand — the
+one ``specops train eagle --model NAME`` cached, or ``--server-arg --eagle DIR`` — and the
+class is sampled or on Medusa heads, else to ``ngram``; ``off``, ``auto`` and ``ngram`` stay).
 """
 
 from __future__ import annotations
@@ -46,40 +37,16 @@ def _flag_value(args: list[str], flag: str) -> tuple[str | None, list[str]]:
     return value, rest
 
 
-def _sampled(rc: Any) -> bool:
-    """Whether every match rule of class ``rc`` asks for a temperature above greedy."""
-    return bool(rc.match) and all(r.temperature is not None and r.temperature.min > 0 for r in rc.match)
-
-
 def lone_target_policy(text: str, drafter: bool) -> tuple[str, dict[str, str]]:
-    """Policy YAML ``text`` rewritten for a target served alone (see the module's docstring):
+    """Policy YAML ``text`` rewritten for a target served alone (`specops.policies.retarget`):
     the new YAML and each class's method. ``drafter``: the server loads an EAGLE drafter."""
-    import yaml
-
     from specops.policies import PolicyError
-    from specops.policies.loader import parse_policy
+    from specops.policies.retarget import retarget_policy
 
     try:
-        policy = parse_policy(text)
+        return retarget_policy(text, [EAGLE] if drafter else [])
     except PolicyError as exc:
         raise BenchServeError(f"the policy to serve --model with is not valid: {exc}") from None
-    data = yaml.safe_load(text)
-    methods: dict[str, str] = {}
-    for raw, rc in zip(data["classes"], policy.classes):
-        if rc.method in ("off", "auto"):
-            method = rc.method
-        elif drafter and (rc.method == "medusa" or _sampled(rc)):
-            method = EAGLE
-        else:
-            method = NGRAM
-        raw["method"] = methods[rc.name] = method
-    used = "-".join(m for m in (NGRAM, EAGLE, "auto") if m in methods.values()) or "off"
-    data["version"] = f"{policy.version}+{used}"[-200:]
-    data["description"] = (f"{policy.description} Served alone (bench serve --model): the classes on methods a "
-                           f"lone target has.").strip()
-    out = yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
-    parse_policy(out)  # what the server will load must load
-    return out, methods
 
 
 def cached_drafter(ref: str, folder: Path) -> tuple[Path | None, str | None]:
