@@ -306,3 +306,43 @@ def test_bad_input_gets_clear_errors(bundled, decoder):
         Decoder(load_runner(model), eagle=unbound)
     with pytest.raises(Exception, match="not an EAGLE drafter folder"):
         Decoder.from_pretrained("bundled", eagle="/nonexistent/eagle")
+
+
+def test_packed_inference_copies_compute_what_the_module_computes():
+    """At inference the drafter runs its products through the C kernels' packed copies
+    (`EagleDrafter.packed`): the same features and logits as the module's own path, never in
+    training or with autograd on, and made anew after a weight changes in place."""
+    from specops.kernels import cpu_linear
+
+    if not cpu_linear.available():
+        pytest.skip(f"no C kernel: {cpu_linear.unavailable_reason()}")
+    model = tiny_llama()
+    drafter = EagleDrafter.for_target(model, shortlist=list(range(0, 64, 2)), seed=3).eval()
+    tokens, feats = torch.randint(0, 64, (9,)), torch.randn(9, model.config.hidden_size)
+
+    def run(packed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.inference_mode():
+            if not packed:
+                drafter.packed = lambda: None  # the module's own path
+            try:
+                drafter.reset()
+                out = drafter.step(tokens, feats)
+                return out, drafter.logits(out)
+            finally:
+                if not packed:
+                    del drafter.packed
+
+    (a, la), (b, lb) = run(True), run(False)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(la, lb, atol=1e-5, rtol=1e-5)
+    with torch.inference_mode():
+        assert drafter.packed() is not None
+    with torch.no_grad():
+        drafter.layers[0].mlp.down_proj.weight.mul_(2.0)
+    (c, _), (d, _) = run(True), run(False)
+    torch.testing.assert_close(c, d, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(c, a)
+    assert drafter.packed() is None  # autograd on
+    drafter.train()
+    with torch.inference_mode():
+        assert drafter.packed() is None  # training
