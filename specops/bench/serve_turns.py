@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -43,6 +42,7 @@ import click
 
 from specops.bench.serve import (BenchServeError, RequestResult, ServeBenchConfig, _apply_mode, _percentile,
                                  _start_controller, _start_server, _stop, _wait_ready, _wait_settings, emit_report)
+from specops.bench.serve.stats import median_known
 from specops.policies.turns import TURN_BUCKETS, turn_bucket
 
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples" / "policies"
@@ -204,11 +204,6 @@ def pass_figures(results: list[TurnResult], duration_s: float) -> dict[str, dict
     return out
 
 
-def _median(values: list[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
-
-
 MEDIAN_KEYS = ("output_tokens_per_s", "aggregate_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
                "acceptance_rate")
 
@@ -226,13 +221,13 @@ def combine(passes: list[dict[str, Any]], names: list[str]) -> list[dict[str, An
         for b in buckets:
             figs = [by[(r, name)][b] for r in reps if b in by.get((r, name), {})]
             row: dict[str, Any] = {"policy": name, "turn": b, "repetitions": len(figs)}
-            row.update({k: _median([f[k] for f in figs]) for k in MEDIAN_KEYS})
+            row.update({k: median_known([f[k] for f in figs]) for k in MEDIAN_KEYS})
             ratios = []
             for r in reps:
                 mine, base = by.get((r, name), {}).get(b), by.get((r, OFF), {}).get(b)
                 if mine and base and base["output_tokens_per_s"] > 0:
                     ratios.append(mine["output_tokens_per_s"] / base["output_tokens_per_s"])
-            row["speedup"] = _median(ratios)
+            row["speedup"] = median_known(ratios)
             row["requests"] = sum(f["requests"] for f in figs)
             row["errors"] = sum(f["errors"] for f in figs)
             row["turn_mismatches"] = sum(f["turn_mismatches"] for f in figs)

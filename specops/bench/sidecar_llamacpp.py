@@ -56,6 +56,7 @@ from specops.bench.llamacpp_pools import (
 )
 from specops.bench.serve import BenchServeError, ServeBenchConfig, _free_port, _stop, _wait_ready, build_prompts
 from specops.bench.sidecar_overhead import _content_chunks, _proc_cpu_s, _sidecar_cpu, _spawn
+from specops.bench.serve.stats import median_known
 
 MODES = ("routed", "all-spec", "all-plain")
 GOAL = 1.1
@@ -93,11 +94,6 @@ def cell_stats(results: list[Any], classes: list[str], wall_s: float) -> dict[st
     return out
 
 
-def _median(values: list[float | None]) -> float | None:
-    v = [x for x in values if x is not None]
-    return statistics.median(v) if v else None
-
-
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for c in sorted({r["concurrency"] for r in runs}):
@@ -105,7 +101,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"concurrency": c, "repeats": len(mine)}
         for mode in MODES:
             for key in ("tokens_per_s", "code_tokens_per_s", "creative_tokens_per_s"):
-                row[f"{mode}_{key}"] = _median([r[mode].get(key) for r in mine])
+                row[f"{mode}_{key}"] = median_known([r[mode].get(key) for r in mine])
             row[f"{mode}_errors"] = sum(r[mode]["errors"] for r in mine)
         best = max((row[f"{m}_tokens_per_s"] or 0.0) for m in ("all-spec", "all-plain"))
         row["gain"] = row["routed_tokens_per_s"] / best if best and row["routed_tokens_per_s"] else None
@@ -116,7 +112,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["gain_runs"] = gains
         row["meets_goal"] = None if row["gain"] is None else row["gain"] >= GOAL
         for key in ("cpu_ms_per_request", "cpu_ms_per_chunk"):
-            row[f"sidecar_{key}"] = _median([r.get("sidecar_cpu", {}).get(key) for r in mine])
+            row[f"sidecar_{key}"] = median_known([r.get("sidecar_cpu", {}).get(key) for r in mine])
         rows.append(row)
     return rows
 

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -70,6 +69,7 @@ from specops.bench.serve import (
     emit_report,
     run_cell,
 )
+from specops.bench.serve.stats import median_known
 
 ROOT_POLICY = Path(__file__).resolve().parents[2] / "examples" / "policies" / "default.yaml"
 OFF_POLICY = ROOT_POLICY.with_name("off.yaml")
@@ -147,11 +147,6 @@ def _sidecar_cpu(direct: dict[str, Any], via: dict[str, Any]) -> dict[str, float
             "cpu_idle_ms_per_s": 1000 * idle_rate}
 
 
-def _median(values: list[float | None]) -> float | None:
-    v = [x for x in values if x is not None]
-    return statistics.median(v) if v else None
-
-
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Median over repeats, per concurrency, of each path's figures and of the differences."""
     rows = []
@@ -160,17 +155,17 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"concurrency": c, "repeats": len(mine),
                                "errors": sum(r["direct"]["errors"] + r["sidecar"]["errors"] for r in mine)}
         for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "tpot_p50_ms"):
-            row[f"direct_{key}"] = _median([r["direct"][key] for r in mine])
-            row[f"sidecar_{key}"] = _median([r["sidecar"][key] for r in mine])
+            row[f"direct_{key}"] = median_known([r["direct"][key] for r in mine])
+            row[f"sidecar_{key}"] = median_known([r["sidecar"][key] for r in mine])
             diffs = [None if r["direct"][key] is None or r["sidecar"][key] is None
                      else r["sidecar"][key] - r["direct"][key] for r in mine]
-            row[f"overhead_{key}"] = _median(diffs)
+            row[f"overhead_{key}"] = median_known(diffs)
             known = [d for d in diffs if d is not None]
             row[f"overhead_{key}_min"] = min(known) if known else None
             row[f"overhead_{key}_max"] = max(known) if known else None
             row[f"overhead_{key}_runs"] = diffs
         for key in ("cpu_ms_per_request", "cpu_ms_per_chunk"):
-            row[f"sidecar_{key}"] = _median([r.get("sidecar_cpu", {}).get(key) for r in mine])
+            row[f"sidecar_{key}"] = median_known([r.get("sidecar_cpu", {}).get(key) for r in mine])
         row["within_budget"] = {
             "ttft_p50": _le(row["overhead_ttft_p50_ms"], BUDGET["ttft_p50_ms"]),
             "ttft_p99": _le(row["overhead_ttft_p99_ms"], BUDGET["ttft_p99_ms"]),

@@ -10,6 +10,12 @@ from typing import Any
 from specops.bench.serve.config import TWIN, RequestResult, ServeBenchConfig
 
 
+def median_known(values: list[float | None]) -> float | None:
+    """The median of the values that are known (None: none is)."""
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
 def _percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
