@@ -56,11 +56,14 @@ def _model_ref(ctx: click.Context, param: click.Parameter, value: str | None) ->
 @click.option("--device", default="cpu", show_default=True,
               help="Where the models run: cpu, cuda or cuda:N (the llama.cpp peers need cpu).")
 @click.option("--limit", type=int, default=None, help="Use only the first N prompts.")
+@click.option("--greedy", is_flag=True,
+              help="Decode every prompt greedily, the sampled kinds too, so each output is checked against "
+                   "transformers' greedy one (an exactness sweep: `make bench-real`).")
 @click.option("--threads", type=int, default=2, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def bench_decode_command(suite, methods, max_new_tokens, repeats, json_path, plot_path, prompts_file, model, draft,
-                         medusa, eagle, gamma, schedule, dtype, device, limit, threads, seed, quiet):
+                         medusa, eagle, gamma, schedule, dtype, device, limit, greedy, threads, seed, quiet):
     """Benchmark decoding methods against transformers on the same prompts."""
     from specops.bench.decode import BenchConfig, BenchError, format_table, run_benchmark
     from specops.bench.suites import SuiteError
@@ -69,7 +72,7 @@ def bench_decode_command(suite, methods, max_new_tokens, repeats, json_path, plo
     cfg = BenchConfig(suite=suite, methods=[m.strip() for m in methods.split(",") if m.strip()],
                       max_new_tokens=max_new_tokens, repeats=repeats, model=model, draft=draft, medusa=medusa, eagle=eagle,
                       prompts_file=prompts_file, gamma=gamma, schedule=schedule, dtype=dtype, device=device,
-                      seed=seed, threads=threads, limit=limit, progress=not quiet)
+                      seed=seed, threads=threads, limit=limit, greedy=greedy, progress=not quiet)
     try:
         report = run_benchmark(cfg)
     except (BenchError, SuiteError) as exc:

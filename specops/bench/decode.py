@@ -28,6 +28,7 @@ weights a T = 1 forward streams, and ar's decode-only tokens/s as a share of it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -87,6 +88,7 @@ class BenchConfig:
     seed: int = 0
     threads: int = 2
     limit: int | None = None          # use only the first N prompts
+    greedy: bool = False              # every prompt decoded greedily, sampled kinds included (an exactness sweep)
     progress: bool = True
     measure_bandwidth: bool = True    # with ar: the memory-bandwidth ceiling on plain decoding (`bandwidth`)
 
@@ -300,6 +302,8 @@ def run_benchmark(cfg: BenchConfig, *, models: Models | None = None,
         else:  # a chat model's tokenizer picks the chat-model suites (specops.bench.suites)
             prompts = builtin_suite(cfg.suite, seed=cfg.seed, tokenizer=models.tokenizer)
     prompts = list(prompts)[: cfg.limit] if cfg.limit else list(prompts)
+    if cfg.greedy:  # every output is then checked against transformers' greedy one
+        prompts = [dataclasses.replace(p, temperature=0.0) for p in prompts]
     prompt_ids = encode_prompts(prompts, models.tokenizer, max_context=models.max_context,
                                 max_new_tokens=cfg.max_new_tokens)
     methods, unavailable = build_methods(cfg, models)

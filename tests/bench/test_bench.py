@@ -101,6 +101,16 @@ def test_sampling_prompts_are_left_out_of_exactness(tiny_models):
         assert row["exact_prompts"] == "1/1"
 
 
+def test_greedy_sweep_checks_the_sampled_kinds_too(tiny_models):
+    """`--greedy`: every prompt decodes greedily, so every output is checked for exactness."""
+    prompts = [BenchPrompt("def add(a, b):\n", "code"), BenchPrompt("import os\n", "hot", temperature=1.0)]
+    cfg = BenchConfig(methods=["hf-greedy", "draft", "ngram"], max_new_tokens=8, repeats=1, greedy=True, progress=False)
+    report = run_benchmark(cfg, models=tiny_models, prompts=prompts)
+    assert report["config"]["greedy"] is True
+    for row in report["results"]:
+        assert row["exact_prompts"] == "2/2"
+
+
 def test_summary_flags_a_mismatch_and_computes_speedup():
     prompts = [BenchPrompt("a"), BenchPrompt("b")]
     ref = [[MethodRun([1, 2, 3], 1.0, 3), MethodRun([4, 5], 1.0, 2)]]
