@@ -560,6 +560,15 @@ class Engine:
             self.draft_cost.observe(b, t, seconds)
         return observe
 
+    @staticmethod
+    def _draft_room(seq: Sequence, context: int) -> int:
+        """`draft_room` of a drafter with ``context`` positions for ``seq``; at 0 the sequence has
+        outgrown it and decodes plainly to the end (``fallback_reason`` "draft_context")."""
+        room = draft_room(context, len(seq.tokens))
+        if room == 0 and seq.stats.fallback_reason is None:
+            seq.stats.fallback_reason = DRAFT_CONTEXT
+        return room
+
     def _candidate(self, seq: Sequence, bound: int) -> Candidate | None:
         method = seq.spec.method
         overhead = self.overhead[method].value()
@@ -574,10 +583,8 @@ class Engine:
             return Candidate(gains=self.priors.gains(seq.prior_key, method, seq.alpha, len(proposal)),
                              overhead_s=overhead, proposal=proposal)
         if method == "draft":
-            room = draft_room(self.draft.max_context, len(seq.tokens))
-            if room == 0:  # the sequence outgrew the draft: it decodes plainly to the end
-                if seq.stats.fallback_reason is None:
-                    seq.stats.fallback_reason = DRAFT_CONTEXT
+            room = self._draft_room(seq, self.draft.max_context)
+            if room == 0:
                 return None
             bound = min(bound, room)
             lag = len(seq.tokens) - seq.draft.computed  # the first round feeds what the draft cache lacks
@@ -595,10 +602,8 @@ class Engine:
                              draft_rounds=True,
                              overhead_s=overhead, first_feed=max(feed, 1))
         if method == "eagle":
-            room = draft_room(self.eagle.max_context, len(seq.tokens))
-            if room == 0:  # the sequence outgrew the drafter: it decodes plainly to the end
-                if seq.stats.fallback_reason is None:
-                    seq.stats.fallback_reason = DRAFT_CONTEXT
+            room = self._draft_room(seq, self.eagle.max_context)
+            if room == 0:
                 return None
             if not self.eagle.ready(seq):
                 return None
