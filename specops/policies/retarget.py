@@ -22,7 +22,6 @@ from collections.abc import Collection
 from typing import Any
 
 ALWAYS = ("off", "auto", "ngram")
-MODEL_PART_METHODS = ("draft", "medusa", "eagle")  # methods that need a model part besides the target
 
 
 def sampled(rc: Any) -> bool:
