@@ -38,19 +38,20 @@ from dataclasses import dataclass, field
 import torch
 
 from specops.decoder.clock import cost_clock, device_clock
-from specops.decoder.draft import _draft_block, check_vocab
+from specops.decoder.draft import CATCHUP_FREE, DraftModelProposer, check_vocab
 from specops.decoder.errors import InvalidRequestError
 from specops.decoder.medusa_decode import (LOOKUP_BRANCH, MedusaState, _verify_step, c_branch, c_propose, c_step,
                                            c_steps)
 from specops.decoder.medusa_heads import HeadsLike
-from specops.decoder.ngram import NgramIndex
+from specops.decoder.ngram import NgramIndex, NgramProposer
 from specops.decoder.ngram_store import NgramStore
-from specops.decoder.runner import ModelRunner, prompt_forward
+from specops.decoder.runner import ModelRunner
 from specops.decoder.sampling import SamplingConfig
 from specops.decoder.schedule import ConstantSchedule, GammaSchedule, expected_tokens
 from specops.decoder.request import prompt_list
-from specops.decoder.speculation import StepResult, TargetVerifier, draft_room
+from specops.decoder.speculation import StepResult, TargetVerifier
 from specops.decoder.stats import DecodeStats
+from specops.decoder.step import Proposer, step
 from specops.decoder.tree_size import VerifyCostCurve, heads_overhead_s, plan_tree, verify_cost_curve
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,6 @@ PRIOR_ALPHA, PRIOR_TRIALS = 0.5, 3.0  # acceptance before any measurement: worth
 PRIOR_TREE_TOKENS = 2.0  # tokens per Medusa step before any measurement
 COST_REPEATS = 5  # timings of a draft token (the fastest is kept)
 COST_CHAIN = 4  # tokens per timed C draft chain (the default γ), where the draft runner has one
-CATCHUP_FREE = 2  # unseen tokens a draft step feeds anyway (the pending one, and the bonus after a full block)
 CATCHUP_WEIGHT = 0.2  # weight of the newest catch-up in the running seconds per caught-up token
 CARRY_WEIGHT = 0.3
 """Weight of a finished request's final estimates in those the next request starts from
@@ -359,7 +359,6 @@ def generate_auto(
     stats = DecodeStats(method="auto")
     stats.start()
     index = NgramIndex(max_ngram=max_ngram, min_ngram=min_ngram, store=store)
-    index.extend(prompt)
     medusa = None
     heads_s = 0.0
     if heads is not None:
@@ -380,11 +379,18 @@ def generate_auto(
         keep_hidden=medusa is not None,
     )
     v.prefill()
-    if draft is not None:  # the draft reads the prompt at its first step (`_draft_block` feeds what it
-        draft.reset(1)     # has not seen), so a request that never drafts never pays its prefill
     request = estimates.start(sampling.greedy)
     chooser = Chooser(request, costs, estimates.clock(sampling.greedy))
     catchup = estimates.catchup(draft, costs.draft_token_s)
+    # the linear drafters run `step.step`, the same step as their own methods; every one of them
+    # reads every verified step, whichever proposed it
+    ngram = NgramProposer(index)
+    # the draft reads the prompt at its first step, so a request that never drafts never pays its prefill
+    drafter = None if draft is None else DraftModelProposer(draft, sampling, generator, v.device, prefill=False,
+                                                            on_catch_up=catchup.observe)
+    proposers: dict[str, Proposer] = {"ngram": ngram} if drafter is None else {"ngram": ngram, "draft": drafter}
+    for proposer in proposers.values():
+        proposer.start(v)
     # greedy Medusa steps in one C call (`FastLlamaRunner.medusa_loop`); ``fresh``: the call's
     # candidates are those of the current hidden state and pending token (the last step was one)
     medusa_c = c_steps(target, heads, medusa.num_heads, medusa.spec, None, LOOKUP_BRANCH) if (
@@ -395,11 +401,11 @@ def generate_auto(
         stats.gamma = schedule.next_gamma()
         room = v.max_draft()
         gamma = min(stats.gamma, room)
-        proposal = index.step_drafts(gamma, room)
+        proposal = ngram.peek(gamma, room)
         available = {"plain": 0}  # option -> tokens it would draft
         if proposal:
             available["ngram"] = len(proposal)
-        draft_gamma = 0 if draft is None else min(gamma, draft_room(draft.max_context, len(v.tokens)))
+        draft_gamma = 0 if drafter is None else min(gamma, drafter.room(v))
         if draft_gamma:
             available["draft"] = draft_gamma
             lag = len(v.tokens) - draft.cache_len - CATCHUP_FREE  # tokens the draft must read first
@@ -408,13 +414,12 @@ def generate_auto(
         if medusa is not None and room and v.has_hidden:
             available["medusa"] = min(room, medusa.spec.depth)
         option = chooser.choose(available) if len(available) > 1 else "plain"
-        draft_before, verify_before = stats.draft_s, stats.verify_s
         t_step = device_clock(v.device)
-        if option == "ngram":
-            result = v.verify(proposal, None)
-        elif option == "draft":
-            result, caught_up = _draft_step(v, draft, draft_gamma, sampling, generator, catchup)
-            t_step += caught_up  # the catch-up is charged through switch_s, not the step's cost scale
+        if option in proposers:
+            result, cost = step(v, proposers[option], available[option])
+            if option == "draft":  # γ schedules model a draft model's cost
+                t_step += drafter.caught_up  # the catch-up is charged through switch_s, not the step's cost scale
+                schedule.update(cost.drafted, result.raw_accepted, cost.draft_s, cost.verify_s)
         elif option == "medusa" and medusa_c is not None:
             result, catch_up = _medusa_c_step(v, medusa, medusa_c, room, fresh, index)
             t_step += catch_up  # the heads run again after another option: a switch, not the step's cost
@@ -423,11 +428,10 @@ def generate_auto(
         else:
             result = v.verify([], None)
         fresh = option == "medusa" and medusa_c is not None
-        index.extend(result.emitted)
+        for name, proposer in proposers.items():
+            if name != option:
+                proposer.sync(v, result)
         chooser.record(option, result, device_clock(v.device) - t_step, available.get(option, 0))
-        if option == "draft":  # γ schedules model a draft model's cost
-            schedule.update(result.drafted, result.raw_accepted, stats.draft_s - draft_before,
-                            stats.verify_s - verify_before)
 
     estimates.finish(sampling.greedy, request)
     stats.auto_steps = {name: n for name, n in chooser.counts.items() if n}
@@ -435,30 +439,6 @@ def generate_auto(
         stats.head_predictions, stats.head_correct = medusa.head_accuracy(v.output)
     stats.finish(v.stop_reason())
     return v.output, stats
-
-
-def _draft_step(v: TargetVerifier, draft: ModelRunner, gamma: int, sampling: SamplingConfig,
-                generator: torch.Generator, catchup: CatchUp) -> tuple[StepResult, float]:
-    """Draft γ tokens with the draft model and verify them; returns the result and the seconds
-    the draft spent first reading the tokens it had not seen beyond CATCHUP_FREE (0 if none)."""
-    caught_up = 0.0
-    unseen = len(v.tokens) - draft.cache_len
-    if unseen > CATCHUP_FREE:  # after plain / other steps: read all but the pending token in one forward
-        t0 = device_clock(draft.device)
-        prompt_forward(draft, torch.tensor([v.tokens[draft.cache_len : -1]], dtype=torch.long, device=draft.device),
-                       logits=False)
-        caught_up = device_clock(draft.device) - t0
-        v.stats.draft_s += caught_up
-        v.stats.draft_forwards += 1
-        catchup.observe(unseen - 1, caught_up)
-    t0 = device_clock(draft.device)
-    drafted, q = _draft_block(draft, v.tokens, gamma, sampling, generator, v.device)  # q: [1, G, V] | None
-    v.stats.draft_s += device_clock(draft.device) - t0
-    v.stats.draft_forwards += gamma
-    result = v.verify(drafted, q)
-    if not v.done:
-        draft.truncate(min(draft.cache_len, len(v.tokens) - 1))
-    return result, caught_up
 
 
 def _medusa_c_step(v: TargetVerifier, state: MedusaState, steps, room: int, fresh: bool,

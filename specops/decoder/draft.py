@@ -17,6 +17,8 @@ target distribution.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from specops.decoder.clock import device_clock
@@ -25,8 +27,9 @@ from specops.decoder.request import prompt_list
 from specops.decoder.runner import ModelRunner, prompt_forward
 from specops.decoder.sampling import SamplingConfig, probabilities, sample
 from specops.decoder.schedule import ConstantSchedule, GammaSchedule
-from specops.decoder.speculation import DRAFT_CONTEXT, TargetVerifier, draft_room
+from specops.decoder.speculation import StepResult, TargetVerifier, draft_room
 from specops.decoder.stats import DecodeStats
+from specops.decoder.step import run_steps
 from specops.kernels import cpu_linear
 
 
@@ -77,6 +80,73 @@ def _draft_block(
     return drafted, q_block
 
 
+CATCHUP_FREE = 2
+"""Unseen tokens a draft step feeds anyway: the pending one, and the bonus after a full block.
+More than that (the prompt, when the draft did not read it at the start; the tokens of other
+drafters' steps in `auto`) are read first in one forward without logits (`DraftModelProposer`)."""
+
+
+class DraftModelProposer:
+    """A draft model as a `step.Proposer`: it drafts γ tokens autoregressively (`_draft_block`),
+    and after verification its cache is cut back to the accepted prefix."""
+
+    method = "draft"
+
+    def __init__(self, draft: ModelRunner, sampling: SamplingConfig, generator: torch.Generator,
+                 sample_device: torch.device, *, prefill: bool = True,
+                 on_catch_up: Callable[[int, float], None] | None = None) -> None:
+        """``prefill``: read the prompt at `start` (False: at the first step, so a request that never
+        drafts never pays for it, as `auto`'s requests). ``on_catch_up(tokens, seconds)``: called
+        after the draft read more than CATCHUP_FREE unseen tokens before a step (``caught_up``
+        holds that step's seconds, 0 when none)."""
+        self.draft = draft
+        self.sampling = sampling
+        self.generator = generator
+        self.sample_device = sample_device
+        self.device = draft.device
+        self.prefill = prefill
+        self.on_catch_up = on_catch_up
+        self.caught_up = 0.0
+
+    def start(self, v: TargetVerifier) -> None:
+        draft = self.draft
+        draft.reset(1)
+        prompt = v.tokens
+        if self.prefill and len(prompt) > 1 and draft_room(draft.max_context, len(prompt)):  # else it never drafts
+            t0 = device_clock(draft.device)
+            prompt_forward(draft, torch.tensor([prompt[:-1]], dtype=torch.long, device=draft.device), logits=False)
+            dt = device_clock(draft.device) - t0
+            v.stats.draft_forwards += 1
+            v.stats.draft_s += dt
+            v.stats.prefill_s += dt
+
+    def room(self, v: TargetVerifier) -> int:
+        return draft_room(self.draft.max_context, len(v.tokens))
+
+    def propose(self, v: TargetVerifier, gamma: int, limit: int) -> tuple[list[int], torch.Tensor | None]:
+        draft = self.draft
+        self.caught_up = 0.0
+        unseen = len(v.tokens) - draft.cache_len
+        if unseen > CATCHUP_FREE:  # read all but the pending token in one forward
+            t0 = device_clock(draft.device)
+            prompt_forward(draft, torch.tensor([v.tokens[draft.cache_len : -1]], dtype=torch.long,
+                                               device=draft.device), logits=False)
+            self.caught_up = device_clock(draft.device) - t0
+            v.stats.draft_forwards += 1
+            if self.on_catch_up is not None:
+                self.on_catch_up(unseen - 1, self.caught_up)
+        gamma = min(gamma, limit)
+        v.stats.draft_forwards += gamma
+        return _draft_block(draft, v.tokens, gamma, self.sampling, self.generator, self.sample_device)
+
+    def sync(self, v: TargetVerifier, result: StepResult) -> float:
+        if not v.done:
+            # keep the draft's entries for [.., pending, d_1 .. d_n]; d_G (never fed) is
+            # re-fed with the bonus token next step when everything was accepted
+            self.draft.truncate(min(self.draft.cache_len, len(v.tokens) - 1))
+        return 0.0
+
+
 def generate_draft(
     target: ModelRunner,
     draft: ModelRunner,
@@ -98,53 +168,11 @@ def generate_draft(
     check_vocab(target, draft)
     if max_new_tokens < 1:
         raise InvalidRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    schedule = schedule if schedule is not None else ConstantSchedule(4)
-    prompt = prompt_list(prompt_ids)
     stats = DecodeStats(method="draft")
     stats.start()
-    v = TargetVerifier(
-        target,
-        prompt,
-        sampling=sampling,
-        generator=generator,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=eos_token_id,
-        stats=stats,
-        deadline_s=deadline_s,
-    )
-    v.prefill()
-    draft.reset(1)
-    if len(prompt) > 1 and draft_room(draft.max_context, len(prompt)):  # else it never drafts (below)
-        t0 = device_clock(draft.device)
-        prompt_forward(draft, torch.tensor([prompt[:-1]], dtype=torch.long, device=draft.device), logits=False)
-        dt = device_clock(draft.device) - t0
-        stats.draft_forwards += 1
-        stats.draft_s += dt
-        stats.prefill_s += dt
-
-    while not v.done:
-        stats.gamma = schedule.next_gamma()
-        room = draft_room(draft.max_context, len(v.tokens))
-        if room == 0 and stats.fallback_reason is None:
-            stats.fallback_reason = DRAFT_CONTEXT
-        gamma = min(stats.gamma, v.max_draft(), room)
-        if gamma == 0:  # budget's last token, past the deadline or the draft's context: a plain target step
-            v.verify([], None)
-            continue
-        t0 = device_clock(draft.device)
-        drafted, q = _draft_block(draft, v.tokens, gamma, sampling, generator, target.device)
-        draft_s = device_clock(draft.device) - t0
-        stats.draft_s += draft_s
-        stats.draft_forwards += gamma
-        if v.max_draft() < gamma:  # the deadline passed while drafting: this step runs plainly
-            drafted, q = [], None
-        verify_before = stats.verify_s
-        result = v.verify(drafted, q)
-        if not v.done:
-            # keep the draft's entries for [.., pending, d_1 .. d_n]; d_G (never fed) is
-            # re-fed with the bonus token next step when everything was accepted
-            draft.truncate(min(draft.cache_len, len(v.tokens) - 1))
-        schedule.update(gamma, result.raw_accepted, draft_s, stats.verify_s - verify_before)
-
+    v = TargetVerifier(target, prompt_list(prompt_ids), sampling=sampling, generator=generator,
+                       max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, stats=stats, deadline_s=deadline_s)
+    run_steps(v, DraftModelProposer(draft, sampling, generator, target.device),
+              schedule if schedule is not None else ConstantSchedule(4))
     stats.finish(v.stop_reason())
     return v.output, stats

@@ -38,59 +38,16 @@ from specops.decoder.clock import device_clock
 from specops.decoder.eagle_model import EagleConfig, EagleDrafter, EagleError
 from specops.decoder.errors import InvalidRequestError
 from specops.decoder.request import prompt_list
-from specops.decoder.runner import ModelRunner, prompt_forward
-from specops.decoder.sampling import SamplingConfig, next_token, probabilities, sample
+from specops.decoder.runner import ModelRunner
+from specops.decoder.sampling import SamplingConfig, probabilities, sample
 from specops.decoder.schedule import ConstantSchedule, GammaSchedule
-from specops.decoder.speculation import DRAFT_CONTEXT, StepResult, TargetVerifier, draft_room
+from specops.decoder.speculation import StepResult, TargetVerifier, draft_room
 from specops.decoder.stats import DecodeStats
-from specops.decoder.verify import accept_greedy, verify_block_sampled
+from specops.decoder.step import run_steps
 
-__all__ = ["EagleConfig", "EagleDrafter", "EagleError", "FeatureVerifier", "draft_chain", "generate_eagle"]
+__all__ = ["EagleConfig", "EagleDrafter", "EagleError", "EagleProposer", "draft_chain", "generate_eagle"]
 
 log = logging.getLogger(__name__)
-
-
-class FeatureVerifier(TargetVerifier):
-    """`TargetVerifier` that keeps the target's hidden states of the prompt and of every
-    accepted position (``features``), which the drafter reads next."""
-
-    features: Tensor | None = None  # [n + 1, E] after `verify`: pending, d_1 .. d_n
-
-    def prefill_features(self) -> Tensor | None:
-        """`prefill`, returning the hidden states [P - 1, E] of the prompt's cached tokens (None for a 1-token prompt)."""
-        self.target.reset(1)
-        if self.prompt_len <= 1:
-            return None
-        t0 = device_clock(self.device)
-        ids = torch.tensor([self.tokens[:-1]], dtype=torch.long, device=self.device)  # [1, P-1]
-        hidden = prompt_forward(self.target, ids, logits=False, need_hidden=True).hidden[0]  # [P-1, E]
-        dt = device_clock(self.device) - t0
-        self.stats.target_forwards += 1
-        self.stats.verify_s += dt
-        self.stats.prefill_s += dt
-        return hidden
-
-    def verify(self, drafted: list[int], draft_probs: Tensor | None = None) -> StepResult:
-        """`TargetVerifier.verify`, keeping the accepted positions' hidden states in ``features``."""
-        g = len(drafted)
-        if g > self.max_draft():
-            return super().verify(drafted, draft_probs)  # raises, or runs plainly past the deadline
-        t0 = device_clock(self.device)
-        if self.block is not None and self.block.applies(g + 1):  # greedy, one C call
-            n, nxt = self.block.verify([self.tokens[-1], *drafted])
-            self.features = torch.stack([self.block.hidden(g + 1, i) for i in range(n + 1)])
-            return self._finish(drafted, n, nxt, g, t0)
-        block = torch.tensor([[self.tokens[-1], *drafted]], dtype=torch.long, device=self.device)  # [1, G+1]
-        out = self.target.forward(block, need_hidden=True)
-        if self.sampling.greedy:
-            n, nxt = accept_greedy(drafted, out.choices())
-        elif g == 0:
-            n, nxt = 0, int(next_token(out.logits[:, 0], self.sampling, self.generator)[0])
-        else:
-            n, nxt = verify_block_sampled(out.logits[0], drafted, None if draft_probs is None else draft_probs[0],
-                                          self.sampling, self.generator)
-        self.features = out.hidden[0, : n + 1]
-        return self._finish(drafted, n, nxt, g, t0)
 
 
 def draft_chain(drafter: EagleDrafter, last: Tensor, gamma: int, sampling: SamplingConfig,
@@ -121,6 +78,65 @@ def draft_chain(drafter: EagleDrafter, last: Tensor, gamma: int, sampling: Sampl
     return drafted, (torch.stack(q_rows)[None] if q_rows else None)
 
 
+class EagleProposer:
+    """The EAGLE drafter as a `step.Proposer`. It reads the prompt's hidden states after the
+    target's prefill (the verifier keeps them: ``keep_features``), drafts a chain from its
+    prediction of the pending token's feature (`draft_chain`), and after verification cuts its
+    cache back to the real entries and feeds the accepted positions with their real features."""
+
+    method = "eagle"
+
+    def __init__(self, drafter: EagleDrafter, sampling: SamplingConfig, generator: torch.Generator,
+                 vocab: int, sample_device: torch.device) -> None:
+        self.drafter = drafter
+        self.sampling = sampling
+        self.generator = generator
+        self.vocab = vocab
+        self.sample_device = sample_device
+        self.device = drafter.fc.weight.device
+        self.last: Tensor | None = None  # the drafter's prediction of the pending token's feature [E]
+        self.synced = False  # the drafter holds every real entry it can
+
+    def start(self, v: TargetVerifier) -> None:
+        drafter, features, prompt = self.drafter, v.features, v.tokens
+        drafter.reset()
+        if features is not None and draft_room(drafter.max_context, len(prompt)):
+            t0 = device_clock(self.device)
+            self.last = drafter.step(torch.tensor(prompt[1:], device=self.device), features.to(self.device))[-1]
+            dt = device_clock(self.device) - t0
+            v.stats.draft_forwards += 1
+            v.stats.draft_s += dt
+            v.stats.prefill_s += dt
+        self.synced = features is not None or len(prompt) == 1
+
+    def room(self, v: TargetVerifier) -> int:
+        return draft_room(self.drafter.max_context, len(v.tokens))
+
+    def propose(self, v: TargetVerifier, gamma: int, limit: int) -> tuple[list[int], Tensor | None]:
+        if not self.synced or self.last is None:
+            return [], None
+        gamma = min(gamma, limit)
+        v.stats.draft_forwards += gamma - 1
+        return draft_chain(self.drafter, self.last, gamma, self.sampling, self.generator, self.vocab,
+                           self.sample_device)
+
+    def sync(self, v: TargetVerifier, result: StepResult) -> float:
+        if v.done or not self.synced:
+            return 0.0
+        drafter = self.drafter
+        if v.stats.fallback_reason == "deadline" or len(v.tokens) - 1 > drafter.max_context:
+            self.synced = False  # no drafting from here on: stop feeding the drafter
+            return 0.0
+        # drop the drafted entries, feed the accepted positions with their real features
+        real = len(v.tokens) - len(result.emitted) - 1
+        t0 = device_clock(self.device)
+        drafter.truncate(real)
+        new = torch.tensor(v.tokens[real + 1 :], device=self.device)  # d_1 .. d_n, next token
+        self.last = drafter.step(new, v.features.to(self.device))[-1]
+        v.stats.draft_forwards += 1
+        return device_clock(self.device) - t0
+
+
 def generate_eagle(
     target: ModelRunner,
     drafter: EagleDrafter,
@@ -142,56 +158,12 @@ def generate_eagle(
     if drafter.config.vocab_size != target.vocab_size:
         raise InvalidRequestError(f"EAGLE drafter vocabulary ({drafter.config.vocab_size}) differs from the "
                                   f"target's ({target.vocab_size})")
-    schedule = schedule if schedule is not None else ConstantSchedule(4)
-    prompt = prompt_list(prompt_ids)
     stats = DecodeStats(method="eagle")
     stats.start()
-    v = FeatureVerifier(target, prompt, sampling=sampling, generator=generator, max_new_tokens=max_new_tokens,
-                        eos_token_id=eos_token_id, stats=stats, deadline_s=deadline_s)
-    dev = drafter.fc.weight.device
-    features = v.prefill_features()
-    drafter.reset()
-    last: Tensor | None = None  # the drafter's prediction of the pending token's feature [E]
-    if features is not None and draft_room(drafter.max_context, len(prompt)):
-        t0 = device_clock(dev)
-        last = drafter.step(torch.tensor(prompt[1:], device=dev), features.to(dev))[-1]
-        dt = device_clock(dev) - t0
-        stats.draft_forwards += 1
-        stats.draft_s += dt
-        stats.prefill_s += dt
-    synced = features is not None or len(prompt) == 1  # the drafter holds every real entry it can
-    while not v.done:
-        stats.gamma = schedule.next_gamma()
-        room = draft_room(drafter.max_context, len(v.tokens))
-        if room == 0 and stats.fallback_reason is None:
-            stats.fallback_reason = DRAFT_CONTEXT
-        gamma = min(stats.gamma, v.max_draft(), room) if synced and last is not None else 0
-        real = len(v.tokens) - 1  # the drafter's real entries
-        draft_s = 0.0
-        if gamma == 0:
-            drafted, q = [], None
-        else:
-            t0 = device_clock(dev)
-            drafted, q = draft_chain(drafter, last, gamma, sampling, generator, target.vocab_size, target.device)
-            draft_s = device_clock(dev) - t0
-            stats.draft_forwards += gamma - 1
-            if v.max_draft() < gamma:  # the deadline passed while drafting: this step runs plainly
-                drafted, q = [], None
-        verify_before = stats.verify_s
-        result = v.verify(drafted, q)
-        if not v.done and synced:
-            if stats.fallback_reason == "deadline" or len(v.tokens) - 1 > drafter.max_context:
-                synced = False  # no drafting from here on: stop feeding the drafter
-            else:  # drop the drafted entries, feed the accepted positions with their real features
-                t0 = device_clock(dev)
-                drafter.truncate(real)
-                new = torch.tensor(v.tokens[real + 1 :], device=dev)  # d_1 .. d_n, next token
-                last = drafter.step(new, v.features.to(dev))[-1]
-                dt = device_clock(dev) - t0
-                draft_s += dt
-                stats.draft_forwards += 1
-        stats.draft_s += draft_s
-        if gamma:
-            schedule.update(gamma, result.raw_accepted, draft_s, stats.verify_s - verify_before)
+    v = TargetVerifier(target, prompt_list(prompt_ids), sampling=sampling, generator=generator,
+                       max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, stats=stats, deadline_s=deadline_s,
+                       keep_features=True)
+    run_steps(v, EagleProposer(drafter, sampling, generator, target.vocab_size, target.device),
+              schedule if schedule is not None else ConstantSchedule(4))
     stats.finish(v.stop_reason())
     return v.output, stats

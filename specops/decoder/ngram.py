@@ -31,8 +31,6 @@ scan over the whole context.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from specops.decoder.errors import InvalidRequestError
@@ -41,8 +39,9 @@ from specops.decoder.runner import ModelRunner
 from specops.decoder.sampling import SamplingConfig
 from specops.decoder.schedule import ConstantSchedule, GammaSchedule
 from specops.decoder.request import prompt_list
-from specops.decoder.speculation import TargetVerifier
+from specops.decoder.speculation import StepResult, TargetVerifier
 from specops.decoder.stats import DecodeStats
+from specops.decoder.step import run_steps
 
 
 class NgramIndex:
@@ -175,6 +174,44 @@ def lookup(context: list[int], gamma: int, max_ngram: int = 3, min_ngram: int = 
     return index.propose(gamma, full_match_gamma)
 
 
+class NgramProposer:
+    """Prompt lookup as a `step.Proposer`: ``index`` (filled with the prompt at `start`) drafts
+    by its match's length (`NgramIndex.step_drafts`) and reads every emitted token. It needs no
+    model and has no context of its own (its `room` is unbounded)."""
+
+    method = "ngram"
+    device = torch.device("cpu")
+
+    def __init__(self, index: NgramIndex, *, by_match: bool = True) -> None:
+        self.index = index
+        self.by_match = by_match
+        self._peeked: tuple[tuple[int, int, int], list[int]] | None = None
+
+    def peek(self, gamma: int, limit: int) -> list[int]:
+        """What `propose` drafts for this step (kept for it, so the index is asked once a step:
+        `auto` looks before it chooses)."""
+        drafts = self.index.step_drafts(gamma, limit, by_match=self.by_match)
+        self._peeked = ((gamma, limit, len(self.index.tokens)), drafts)
+        return drafts
+
+    def start(self, v: TargetVerifier) -> None:
+        self.index.extend(v.tokens)
+
+    def room(self, v: TargetVerifier) -> None:
+        return None
+
+    def propose(self, v: TargetVerifier, gamma: int, limit: int) -> tuple[list[int], None]:
+        peeked, self._peeked = self._peeked, None
+        if peeked is not None and peeked[0] == (gamma, limit, len(self.index.tokens)):
+            return peeked[1], None
+        # the limit bounds a long match's draft past γ
+        return self.index.step_drafts(gamma, limit, by_match=self.by_match), None
+
+    def sync(self, v: TargetVerifier, result: StepResult) -> float:
+        self.index.extend(result.emitted)
+        return 0.0
+
+
 def generate_ngram(
     target: ModelRunner,
     prompt_ids: torch.Tensor,  # [B, T] long, B == 1
@@ -205,36 +242,13 @@ def generate_ngram(
         raise InvalidRequestError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not isinstance(by_match, bool):
         raise InvalidRequestError(f"by_match must be true or false, got {by_match!r}")
-    schedule = schedule if schedule is not None else ConstantSchedule(4)
-    prompt = prompt_list(prompt_ids)
     stats = DecodeStats(method="ngram")
     stats.start()
+    prompt = prompt_list(prompt_ids)
     index = NgramIndex(max_ngram=max_ngram, min_ngram=min_ngram, store=store)
-    index.extend(prompt)
-    v = TargetVerifier(
-        target,
-        prompt,
-        sampling=sampling,
-        generator=generator,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=eos_token_id,
-        stats=stats,
-        deadline_s=deadline_s,
-    )
-    v.prefill()
-    while not v.done:
-        stats.gamma = schedule.next_gamma()
-        t0 = time.perf_counter()
-        drafted = index.step_drafts(stats.gamma, v.max_draft(), by_match=by_match)
-        draft_s = time.perf_counter() - t0
-        stats.draft_s += draft_s
-        # the budget bounds a long match's draft past γ; past the deadline (max_draft 0, the deadline
-        # may pass while drafting) the step runs plainly
-        drafted = drafted[: v.max_draft()]
-        verify_before = stats.verify_s
-        result = v.verify(drafted, None)
-        index.extend(result.emitted)
-        schedule.update(len(drafted), result.raw_accepted, draft_s, stats.verify_s - verify_before)
+    v = TargetVerifier(target, prompt, sampling=sampling, generator=generator, max_new_tokens=max_new_tokens,
+                       eos_token_id=eos_token_id, stats=stats, deadline_s=deadline_s)
+    run_steps(v, NgramProposer(index, by_match=by_match), schedule if schedule is not None else ConstantSchedule(4))
     stats.store_drafts = index.store_drafts
     stats.finish(v.stop_reason())
     return v.output, stats

@@ -66,6 +66,21 @@ def step_tokens(accepted: list[int], next_token: int, drafted: int, eos: frozens
     return StepResult(drafted=drafted, accepted=n, emitted=new, raw_accepted=n)
 
 
+def judge_block(out, drafted: list[int], q: torch.Tensor | None, sampling: SamplingConfig,
+                generator: torch.Generator) -> tuple[int, int]:
+    """The one acceptance rule of a linear block: (accepted count n, next token) from the target's
+    forward ``out`` over ``[pending, d_1 .. d_G]`` (one sequence, G + 1 rows). Greedy: drafts are
+    kept while they equal the target's argmax, which then follows; sampled with nothing drafted:
+    the next token drawn from the target's row (a plain step, the same draws); sampled: rejection
+    sampling against the drafter's q [G, V] (None: a deterministic drafter, a point mass)."""
+    if sampling.greedy:  # g == 0 too: the argmax is the next token itself
+        return accept_greedy(drafted, out.choices())
+    logits = out.logits  # [1, G+1, V]
+    if not drafted:
+        return 0, int(next_token(logits[:, 0], sampling, generator)[0])
+    return verify_block_sampled(logits[0], drafted, q, sampling, generator)
+
+
 DRAFT_CONTEXT = "draft_context"
 """``fallback_reason`` of a draft-model request whose draft ran out of context: its drafting
 stops there and the rest decodes plainly (the target's context still bounds the request)."""
@@ -94,9 +109,12 @@ class TargetVerifier:
         context_limit: int | None = None,
         deadline_s: float | None = None,
         keep_hidden: bool = False,
+        keep_features: bool = False,
     ) -> None:
         """``keep_hidden``: keep the target's last hidden state after every forward (``hidden``),
-        for a Medusa step that follows (`specops.decoder.auto`)."""
+        for a Medusa step that follows (`specops.decoder.auto`). ``keep_features``: keep the hidden
+        states of every position a forward settled (``features``): the prompt's cached tokens after
+        `prefill`, ``[pending, d_1 .. d_n]`` after `verify`, which an EAGLE drafter reads next."""
         self.target = target
         self.sampling = sampling
         self.generator = generator
@@ -112,6 +130,8 @@ class TargetVerifier:
         self.device = target.device
         self.deadline = None if deadline_s is None else time.perf_counter() + check_deadline(deadline_s)
         self.keep_hidden = keep_hidden
+        self.keep_features = keep_features
+        self.features: torch.Tensor | None = None  # [n, E] (keep_features): the last forward's settled positions
         self._hidden: torch.Tensor | None = None  # [E] target hidden state at the last cached position (keep_hidden)
         self._hidden_source: Callable[[], torch.Tensor] | None = None  # reads it on demand (`hidden_from`)
         # greedy blocks verified in one C call where the runner has it (`FastLlamaRunner.block_verifier`)
@@ -167,9 +187,12 @@ class TargetVerifier:
         if self.prompt_len > 1:
             t0 = device_clock(self.device)
             ids = torch.tensor([self.tokens[:-1]], dtype=torch.long, device=self.device)  # [1, P-1]
-            out = prompt_forward(self.target, ids, logits=False, need_hidden=self.keep_hidden)
+            need_hidden = self.keep_hidden or self.keep_features
+            out = prompt_forward(self.target, ids, logits=False, need_hidden=need_hidden)
             if self.keep_hidden:
                 self.hidden = out.hidden[0, -1]  # [E]
+            if self.keep_features:
+                self.features = out.hidden[0]  # [P-1, E]
             dt = device_clock(self.device) - t0
             self.stats.target_forwards += 1
             self.stats.verify_s += dt
@@ -194,19 +217,17 @@ class TargetVerifier:
             n, nxt = self.block.verify([self.tokens[-1], *drafted])
             if self.keep_hidden:  # the loop's buffer holds it until the block verifier's next call (`verify`)
                 self.hidden_from(functools.partial(self.block.hidden, g + 1, n))  # [E]
+            if self.keep_features:
+                self.features = torch.stack([self.block.hidden(g + 1, i) for i in range(n + 1)])  # [n+1, E]
             return self._finish(drafted, n, nxt, g, t0)
         block = torch.tensor([[self.tokens[-1], *drafted]], dtype=torch.long, device=self.device)  # [1, G+1]
-        out = self.target.forward(block, need_hidden=self.keep_hidden)
-        logits = out.logits  # [1, G+1, V]
-        if self.sampling.greedy:  # g == 0 too: the argmax is the next token itself
-            n, nxt = accept_greedy(drafted, out.choices())
-        elif g == 0:  # a plain step: the next token itself (what verifying nothing comes to, same draws)
-            n, nxt = 0, int(next_token(logits[:, 0], self.sampling, self.generator)[0])
-        else:
-            n, nxt = verify_block_sampled(logits[0], drafted, None if draft_probs is None else draft_probs[0],
-                                          self.sampling, self.generator)
+        out = self.target.forward(block, need_hidden=self.keep_hidden or self.keep_features)
+        n, nxt = judge_block(out, drafted, None if draft_probs is None else draft_probs[0], self.sampling,
+                             self.generator)
         if self.keep_hidden:
             self.hidden = out.hidden[0, n]  # [E] at d_n, whose logits chose the next token
+        if self.keep_features:
+            self.features = out.hidden[0, : n + 1]  # [n+1, E]: pending, d_1 .. d_n
         return self._finish(drafted, n, nxt, g, t0)
 
     def _finish(self, drafted: list[int], n: int, nxt: int, g: int, t0: float) -> StepResult:

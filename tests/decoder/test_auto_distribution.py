@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from specops.decoder import auto, tree_size
+from specops.decoder import draft as draft_module
 from specops.decoder.auto import AutoEstimates, generate_auto
 from specops.decoder.fast_llama import FastLlamaRunner
 from specops.decoder.medusa_heads import MedusaHeads
@@ -136,13 +137,13 @@ def test_auto_with_its_own_choices_samples_the_target_distribution(models, pinne
 def test_the_test_rejects_auto_with_a_wrong_draft_distribution(models, monkeypatch, one_thread):
     """Power: draft-model tokens verified against a uniform q instead of the q they were drawn from."""
     trials = 1200
-    real_block = auto._draft_block
+    real_block = draft_module._draft_block
 
     def wrong_q_block(*args, **kwargs):
         drafted, q = real_block(*args, **kwargs)
         return drafted, torch.full_like(q, 1.0 / q.shape[-1])  # [1, G, V]
 
-    monkeypatch.setattr(auto, "_draft_block", wrong_q_block)
+    monkeypatch.setattr(draft_module, "_draft_block", wrong_q_block)
     monkeypatch.setattr(auto.Chooser, "choose", _random_choice(seed=7, prefer="draft"))
     counts, steps, _ = _sample(models, trials)
     assert steps.get("draft", 0) >= trials, steps
