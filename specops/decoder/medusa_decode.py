@@ -15,12 +15,12 @@ One step (Cai et al. 2024, arXiv 2401.10774, with SpecInfer-style lossless sampl
 
 Greedy steps on the fast runner with C-kernel heads run steps 1–4 and the next step's
 heads as one C call (`FastLlamaRunner.medusa_loop`, `c_step`): the same tokens and cache.
-Those steps also take a *prompt-lookup branch*: when the context's last three tokens
-occurred before (`ngram.NgramIndex`, full-length matches only), ``lookup_branch`` tokens
-that followed them (more after a match that runs back further: `branch_length`) join the
-tree, merged into it as into a trie, so one forward verifies the heads' guesses and the
-repetition and the walk keeps the longer accepted path. Code and quoted text repeat
-themselves further than heads three deep can see.
+Greedy steps, in one call or not, also take a *prompt-lookup branch* (`medusa_branch`): when
+the context's last three tokens occurred before (`ngram.NgramIndex`, full-length matches
+only), ``lookup_branch`` tokens that followed them (more after a match that runs back
+further: `branch_length`) join the tree, merged into it as into a trie, so one forward
+verifies the heads' guesses and the repetition and the walk keeps the longer accepted path.
+Code and quoted text repeat themselves further than heads three deep can see.
 
 Each step therefore emits ``accepted + 1`` tokens for one target forward. The tree
 is the same at every step (chosen once per request, from the heads' measured
@@ -49,6 +49,7 @@ from specops.decoder.runner import ModelRunner, prompt_forward
 from specops.decoder.sampling import SamplingConfig, next_token, probabilities
 from specops.decoder.clock import device_clock
 from specops.decoder.medusa_heads import HeadsLike, head_candidates
+from specops.decoder.medusa_branch import branch_room, branch_tokens, context_index, merge_branch
 from specops.decoder.ngram import MATCH_SPAN, NgramIndex
 from specops.decoder.request import check_deadline, check_room, eos_cut, eos_set, prompt_list, stop_reason
 from specops.decoder.stats import DecodeStats
@@ -164,12 +165,12 @@ def generate_medusa(
     most n nodes, root included (a policy's ``tree_size`` bound; the plan may be smaller).
     ``typical``: LOSSY typical acceptance instead of exact rejection sampling (only with
     temperature > 0). ``deadline_s``: past it every step verifies the root alone, i.e. plain decoding on the same cache
-    (``stats.fallback_reason == "deadline"``). ``lookup_branch``: greedy steps on the fast
-    runner's one-call path add, when the context's last `ngram.NgramIndex` ``max_ngram``
-    tokens occurred before, this many tokens that followed them as one more branch of the
-    step's tree, two or three times as many after a match that runs back 8 or 16 tokens
-    (`branch_length`; merged into the tree as into a trie: the same forward verifies both, the
-    walk keeps the longer accepted path); 0: the heads' tree alone. Exact either way.
+    (``stats.fallback_reason == "deadline"``). ``lookup_branch``: greedy steps add, when the
+    context's last `ngram.NgramIndex` ``max_ngram`` tokens occurred before, this many tokens
+    that followed them as one more branch of the step's tree, two or three times as many after
+    a match that runs back 8 or 16 tokens (`branch_length`; merged into the tree as into a trie:
+    the same forward verifies both, the walk keeps the longer accepted path); 0: the heads'
+    tree alone. Exact either way.
     """
     if isinstance(lookup_branch, bool) or not isinstance(lookup_branch, int) or lookup_branch < 0:
         raise InvalidRequestError(f"lookup_branch must be an integer >= 0, got {lookup_branch!r}")
@@ -247,12 +248,18 @@ def generate_medusa(
             accepted_tokens, next_tok, draft_s, drafted = c_step(steps, state, step_spec, root, len(output), branch)
         else:
             tree_tokens, buffers = state.propose(hidden, step_spec, root, len(output) - 1)  # [N]
+            branch = None
+            if sampling.greedy and lookup_branch:  # the branch a one-call step adds (`medusa_branch`)
+                index = index if index is not None else context_index(prompt + output)
+                branch = branch_tokens(index, lookup_branch, remaining - 1, min(room, branch_room(
+                    planner.specs.values() if planner is not None else [spec], lookup_branch)) - step_spec.num_nodes)
+                tree_tokens, buffers = merge_branch(tree_tokens, buffers, branch)
             draft_s = device_clock(device) - t0
             step = _verify_step(target, tree_tokens, buffers, sampling, generator, typical)
             path = step.verification.path
             accepted_tokens, next_tok = tree_tokens[path[1:]].tolist(), step.verification.next_token
             hidden = step.hidden
-            branch, drafted = None, step_spec.depth
+            drafted = max(step_spec.depth, len(branch) if branch else 0)
         accepted = len(accepted_tokens)
         new = eos_cut(accepted_tokens + [next_tok], eos)
         if len(new) <= accepted:  # EOS was an accepted candidate: the deeper positions are void

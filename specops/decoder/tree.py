@@ -189,20 +189,25 @@ def expected_accept_length(spec: TreeSpec, accuracy: Sequence[Sequence[float]]) 
 
 @dataclass(frozen=True)
 class TreeBuffers:
-    """Everything one tree verification needs, built once per topology."""
+    """Everything one tree verification needs, built once per topology.
+
+    The first ``spec.num_nodes`` nodes are the heads' (``spec``'s topology); a tree with a
+    prompt-lookup branch merged into it (`specops.decoder.medusa_branch.merge_branch`) has
+    ``appended`` more after them, nodes of explicit tokens that no head ranked."""
 
     spec: TreeSpec
     attn_mask: Tensor  # [N, N] bool: node i may attend to node j (j is i or an ancestor of i)
     depth: Tensor  # [N] long: 0 for the root; position id offset from the prefix length
     parent: Tensor  # [N] long: parent node index, -1 for the root
-    candidate_index: Tensor  # [N - 1] long: index of node i+1's token in the flattened [D, top_k] candidates
+    candidate_index: Tensor  # [spec.num_nodes - 1] long: node i+1's token in the flattened [D, top_k] candidates
     retrieve: Tensor  # [P, D + 1] long: node indices of each root-to-leaf path, padded with -1
     children: tuple[tuple[int, ...], ...]  # children[i]: node indices whose parent is i
     top_k: int  # ranked candidates read per head
+    appended: int = 0  # nodes after the spec's: a merged branch's tokens
 
     @property
     def num_nodes(self) -> int:
-        return self.spec.num_nodes
+        return self.spec.num_nodes + self.appended
 
 
 def node_parents(spec: TreeSpec) -> list[int]:

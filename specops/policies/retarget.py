@@ -48,8 +48,8 @@ def retarget_policy(text: str, available: Collection[str], *, source: str = "<po
             method = "eagle" if "eagle" in has and (method == "medusa" or sampled(rc)) else "ngram"
             raw["method"] = method
             if rc.method == "medusa":
-                raw.pop("medusa_heads", None)
-                raw.pop("tree_size", None)
+                for knob in ("medusa_heads", "tree_size", "lookup_branch", "typical"):
+                    raw.pop(knob, None)
             moved = True
         methods[rc.name] = method
     if not moved:

@@ -64,6 +64,10 @@ class IntRange(_Model):
         return max(self.min, min(self.max, value))
 
 
+LOOKUP_BRANCH = 4
+"""The prompt-lookup branch's usual length when a class does not set one (the decoder's own
+default, `specops.decoder.medusa_decode.LOOKUP_BRANCH`; this layer does not import the decoder)."""
+
 CHARS_PER_TOKEN = 4
 """Characters per token where a prompt's length must be estimated without a tokenizer (the
 sidecar's routing, `specops policy classify`)."""
@@ -222,7 +226,18 @@ class RequestClass(_Model):
     medusa_heads: IntRange = IntRange(initial=3, min=1, max=4)
     """Number of Medusa heads used (medusa method); min must be at least 1."""
     tree_size: IntRange = IntRange(initial=16, min=4, max=64)
-    """Nodes in the Medusa candidate tree (medusa method); min must be at least 1."""
+    """Nodes in the Medusa candidate tree (medusa method); min must be at least 1. A greedy
+    request's prompt-lookup branch (``lookup_branch``) counts against it in `specops serve`'s engine."""
+    lookup_branch: int = Field(default=LOOKUP_BRANCH, ge=0, le=64)
+    """Medusa, greedy requests: where the context's last three tokens occurred before, this many
+    of the tokens that followed them (two or three times as many after a match that runs back 8 or
+    16 tokens) join each step's tree as one more branch, verified by the same forward. Exact: the
+    output stays the target's. 0: the heads' tree alone."""
+    typical: bool = False
+    """Medusa, sampled requests: **LOSSY** typical acceptance (Medusa §3.3): a candidate is accepted
+    when the target finds it plausible enough, instead of by exact rejection sampling, so the output
+    is no longer distributed as the target's own sampling. Off by default; greedy requests ignore it
+    (greedy verification is exact already); only a ``method: medusa`` (or ``off``) class may set it."""
     temperature: FloatRange = FloatRange(min=0.0, max=2.0)
     """Sampling temperatures this class speculates for; requests outside decode plainly."""
     deadline_s: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
@@ -242,6 +257,15 @@ class RequestClass(_Model):
     def _at_least_one(cls, value: IntRange, info: ValidationInfo) -> IntRange:
         if value.min < 1:
             raise ValueError(f"min must be at least 1 for {info.field_name} (use method: off to disable speculation)")
+        return value
+
+    @field_validator("typical")
+    @classmethod
+    def _typical_on_medusa(cls, value: bool, info: ValidationInfo) -> bool:
+        method = info.data.get("method")
+        if value and method is not None and method not in ("medusa", "off"):  # off: a Medusa class switched off
+            raise ValueError(f"typical acceptance is lossy and applies to the medusa method only; "
+                             f"this class's method is {method!r} (remove typical, or use method: medusa)")
         return value
 
     def speculates_at(self, temperature: float) -> bool:

@@ -406,6 +406,7 @@ class AsyncEngine:
         """The engine's `SpecSettings` for a request the runtime resolved: a canary's or a fallback
         probe's speculation is being measured (``observed``: the engine's veto spares it)."""
         return self._spec_type(method=res.method, gamma=res.gamma, medusa_heads=res.heads, tree_size=res.tree_size,
+                               lookup_branch=res.lookup_branch, typical=res.typical,
                                deadline_s=res.deadline_s, auto_key=res.request_class,
                                observed=bool(res.canary or res.probe))
 
@@ -547,5 +548,7 @@ class AsyncEngine:
                            "kv_blocks_free": stats.kv_blocks_free, "inflight": self.inflight,
                            "max_inflight": self.max_inflight, "max_model_len": self.max_model_len,
                            "prefix_cache_hit_blocks": stats.prefix_cache_hit_blocks,
+                           "medusa_branches": stats.medusa_branches,
+                           "medusa_branch_tokens": stats.medusa_branch_tokens,
                            "attention_kernel": stats.attention_kernel},
                 "policy": policy}

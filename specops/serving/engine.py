@@ -15,12 +15,14 @@ does not pay, from its acceptance estimate and the measured costs: verify forwar
 (B, T), draft-model rounds per batch width, each method's per-sequence proposal and
 verification overhead, the step's fixed host time) → grant lookahead blocks → propose
 (n-gram lookup, one batched draft-model pass, an EAGLE drafter chain per sequence
-(`eagle_proposer`), or Medusa heads on the batch's hidden states) → ONE target forward
-over every sequence's new tokens (prefills, plain steps, linear drafts and trees side by
-side; `batch_forward`) → verify each sequence
-with `specops.decoder.verify` / `tree_verify` (greedy, or lossless rejection sampling
-with the request's own seeded generator) → commit, roll both caches back to the
-accepted prefix (or compact the accepted tree path) and give surplus blocks back.
+(`eagle_proposer`), or Medusa heads on the batch's hidden states, a greedy request's
+prompt-lookup branch merged into its tree: `specops.decoder.medusa_branch`) → ONE target
+forward over every sequence's new tokens (prefills, plain steps, linear drafts and trees side
+by side; `batch_forward`) → verify each sequence with `specops.decoder.verify` /
+`tree_verify` (greedy, or lossless rejection sampling with the request's own seeded
+generator; a sampled Medusa request whose settings ask for it, `SpecSettings.typical`, takes
+LOSSY typical acceptance instead) → commit, roll both caches back to the accepted prefix (or
+compact the accepted tree path) and give surplus blocks back.
 
 Requests join and leave between steps. Not thread-safe: one thread calls add / abort /
 step (`specops.serving.async_engine` runs it on its own thread). `step` returns one
@@ -44,19 +46,25 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
 
 from specops.decoder.clock import cost_clock
-from specops.decoder.medusa_decode import head_accuracy
+from specops.decoder.medusa_branch import branch_accepted, branch_tokens, context_index
+from specops.decoder.medusa_decode import LOOKUP_BRANCH, head_accuracy
 from specops.decoder.ngram import NgramIndex
 from specops.decoder.request import eos_set
 from specops.decoder.sampling import make_generator, probabilities
 from specops.decoder.stats import DecodeStats
 from specops.decoder.speculation import DRAFT_CONTEXT, draft_room, step_tokens
-from specops.decoder.tree_verify import verify_tree_greedy, verify_tree_sampling
+from specops.decoder.tree_verify import (
+    TypicalAcceptance,
+    verify_tree_greedy,
+    verify_tree_sampling,
+    verify_tree_typical,
+)
 from specops.decoder.verify import accept_greedy, verify_block_sampled
 from specops.kernels import cpu_linear
 from specops.serving.acceptance import ALPHA_PRIOR, ALPHA_RECOVERY, SEQ_DECAY, SEQ_PRIOR_TRIALS, AcceptancePriors
@@ -86,13 +94,35 @@ from specops.serving.spec_planner import (
     CostModel,
     Meter,
     SpecCalibration,
+    isotonic,
     plan,
 )
 
 log = logging.getLogger(__name__)
 
 PLAIN_STEP_WINDOW = 64  # plain steps per batch size behind the speed-up estimate of batched requests
+TYPICAL = TypicalAcceptance()  # the rule of sampled Medusa requests that ask for typical acceptance (lossy)
+BRANCH_KIND = "medusa_branch"  # the acceptance kind of Medusa's prompt-lookup branches (`AcceptancePriors`)
 
+
+@dataclass
+class BranchOffer:
+    """A greedy Medusa sequence's prompt-lookup branch this step, as its `Candidate` offers it."""
+
+    tokens: list[int]  # the branch (`medusa_branch.branch_tokens`)
+    heads: list[float]  # the heads' nodes' expected acceptance, best first (the tree's gains alone)
+    branch: list[float]  # each branch token's expected acceptance beyond the heads' tree
+    mix: list[bool]  # the candidate's gains in order: True where the gain is the branch's next token
+
+    def gains(self) -> list[float]:
+        """The candidate's gains: the heads' nodes and the branch's tokens in ``mix`` order."""
+        heads, branch = iter(self.heads), iter(self.branch)
+        return [next(branch) if take else next(heads) for take in self.mix]
+
+    def split(self, extra: int) -> tuple[int, list[int]]:
+        """The heads' nodes and the branch tokens of a plan that takes ``extra`` of the gains."""
+        branch = sum(self.mix[:extra])
+        return extra - branch, self.tokens[:branch]
 
 
 class Engine:
@@ -165,6 +195,9 @@ class Engine:
         self._catch_up = (0.0, 0.0)
         self._propose_share: dict[str, float] = {}  # request -> its share of them, beyond the draft forwards
         self._ngram_s: dict[str, float] = {}
+        self._branches: dict[str, BranchOffer] = {}  # this step's Medusa prompt-lookup branches, per request
+        self.medusa_branches = 0  # greedy Medusa steps whose tree carried a prompt-lookup branch
+        self.medusa_branch_tokens = 0  # tokens they accepted on the branch's own nodes
         self.seqs: dict[str, Sequence] = {}
         self.auto: dict[tuple[str | None, bool], MethodChooser] = {}  # method="auto": per (auto_key, sampled)
         self.priors = AcceptancePriors()
@@ -190,9 +223,9 @@ class Engine:
                 f"prompt of {len(ids)} tokens leaves no room for output: max_model_len is {self.max_model_len}")
         sampling = params.config()
         spec.check()
-        if spec.method == "auto":
+        if spec.method == "auto":  # lossless: typical acceptance is a Medusa request's own choice
             spec = replace(spec, method=self._chooser(spec.auto_key, params.temperature > 0).choose(
-                self.speculative_methods))
+                self.speculative_methods), typical=False)
         fallback = None
         if spec.method == "draft" and self.draft is None and getattr(self.decoder, "draft_error", None):
             # Decoder(fallback=True) dropped an unusable draft: plain decoding, as Decoder.generate does
@@ -229,6 +262,8 @@ class Engine:
             seq.ngram = NgramIndex(store=self.ngram_store if params.temperature == 0 else None)  # greedy only:
             # see `specops.decoder.api._corpus`
             seq.ngram.extend(ids)
+        if spec.method == "medusa" and sampling.greedy and self._lookup_branch(seq):
+            seq.ngram = context_index(ids)  # the prompt-lookup branch's index
         if spec.method == "eagle":
             seq.eagle = self.eagle.start(seq)
         self.seqs[request_id] = seq
@@ -263,7 +298,8 @@ class Engine:
             kv_blocks_total=self.pool.num_blocks, preemptions=self.scheduler.preemptions,
             prefix_cache_hit_blocks=self.pool.cache_hits, prefix_deferrals=self.scheduler.deferrals,
             plain_steps=self.decode_steps[0], spec_steps=self.decode_steps[1], vetoes=self.schedule.vetoes, probes=self.schedule.probes,
-            plain_probes=self.schedule.plain_probes,
+            plain_probes=self.schedule.plain_probes, medusa_branches=self.medusa_branches,
+            medusa_branch_tokens=self.medusa_branch_tokens,
             attention_kernel="cpu-paged" if getattr(getattr(self.target, "model", None), "cpu_kernel", False) else "sdpa")
 
     def _release(self, seq: Sequence) -> None:
@@ -423,7 +459,7 @@ class Engine:
     def _plan(self, batch: list[Sequence]) -> dict[str, dict]:
         """Choose every decoding sequence's speculation, grant its blocks, and propose."""
         cands, owners = [], []
-        self._ngram_s, self._propose_share = {}, {}
+        self._ngram_s, self._propose_share, self._branches = {}, {}, {}
         if sum(len(seq.tokens) - 1 - seq.target.computed for seq in batch) > PLAN_PREFILL_LIMIT:
             # a long prefill shares this forward: its cost is outside the measured (B, T) curves (they are
             # fitted on decode / verify steps), so the planner's marginal verify cost here is a guess
@@ -492,8 +528,12 @@ class Engine:
                 featuring.append(seq)
                 feature_gammas.append(extra)
             else:
-                plans[seq.request_id] = {"tree": self.medusa.spec(seq.heads, c.max_nodes, extra + 1),
-                                         "expected": sum(c.gains[:extra]) / max(seq.accept_scale, 1e-3)}
+                offer = self._branches.get(seq.request_id)
+                nodes, branch = offer.split(extra) if offer is not None else (extra, [])
+                heads = offer.heads if offer is not None else c.gains
+                plans[seq.request_id] = {"tree": self.medusa.spec(seq.heads, c.max_nodes, nodes + 1),
+                                         "expected": sum(heads[:nodes]) / max(seq.accept_scale, 1e-3),
+                                         "branch": branch}
         if drafting:
             t0, c0 = time.perf_counter(), self.cost_clock()
             before = [s.draft.computed for s in drafting]
@@ -525,14 +565,16 @@ class Engine:
         trees = [s for s in owners if "tree" in plans.get(s.request_id, {})]
         if trees:
             t0, c0 = time.perf_counter(), self.cost_clock()
-            proposals = self.medusa.propose(trees, [plans[s.request_id]["tree"] for s in trees])
+            proposals = self.medusa.propose(trees, [plans[s.request_id]["tree"] for s in trees],
+                                            [plans[s.request_id]["branch"] for s in trees])
             dt = time.perf_counter() - t0
             spent = self.cost_clock() - c0
             self._propose_s += spent
             for seq, (tokens, buffers) in zip(trees, proposals):
                 plans[seq.request_id].update(tree_tokens=tokens, buffers=buffers)
                 seq.stats.draft_s += dt / len(trees)
-                self._propose_share[seq.request_id] = spent / len(trees)
+                # its share of the heads' call and the merge, and its branch lookup (`_branch_offer`)
+                self._propose_share[seq.request_id] = spent / len(trees) + self._ngram_s.get(seq.request_id, 0.0)
         for seq in owners:
             if seq.spec.method == "ngram" and plans[seq.request_id]["drafts"]:
                 self._propose_share[seq.request_id] = self._ngram_s.get(seq.request_id, 0.0)
@@ -612,9 +654,58 @@ class Engine:
         if seq.hidden is None:
             return None
         max_nodes = seq.spec.tree_size or DEFAULT_TREE_SIZE
-        gains = self.medusa.gains(seq.heads, max_nodes, max_depth=bound)[: max(0, self.max_model_len - len(seq.tokens))]
+        room = max(0, self.max_model_len - len(seq.tokens))
+        gains = self.medusa.gains(seq.heads, max_nodes, max_depth=bound)[:room]
         gains = [min(g * seq.accept_scale, 1.0) for g in gains]  # this request's own acceptance so far
+        if seq.ngram is not None:  # a greedy request with a prompt-lookup branch
+            offer = self._branch_offer(seq, gains, bound, min(room, max_nodes - 1), max_nodes)
+            if offer is not None:
+                self._branches[seq.request_id] = offer
+                gains = offer.gains()
         return Candidate(gains=gains, overhead_s=overhead, max_nodes=max_nodes)
+
+    def _lookup_branch(self, seq: Sequence) -> int:
+        """The usual length of ``seq``'s prompt-lookup branch (`SpecSettings.lookup_branch`)."""
+        return LOOKUP_BRANCH if seq.spec.lookup_branch is None else seq.spec.lookup_branch
+
+    @staticmethod
+    def _branch_key(seq: Sequence) -> tuple:
+        """The acceptance kind of ``seq``'s branches: its class's (greedy) branches."""
+        return (seq.spec.auto_key, BRANCH_KIND, False)
+
+    def _branch_offer(self, seq: Sequence, heads: list[float], bound: int, limit: int,
+                      max_nodes: int) -> BranchOffer | None:
+        """The prompt-lookup branch a greedy Medusa sequence offers this step beside the heads' nodes
+        (``heads``: their gains, best first), or None without one. The branch is at most ``bound``
+        tokens (the step's drafts: budget and context) and, with the heads' nodes, ``limit`` gains
+        (the tree's node bound). Its k-th token is expected to be accepted as the branches of the
+        request's class were at depth k (`AcceptancePriors`, n-gram's prior before any), and to add
+        a token where the heads' tree would not reach depth k (taken as independent: at most one
+        node per depth is accepted, the walk keeps the longer path). Deep tokens, past the heads,
+        can add more than shallow ones: the branch's gains are pooled into a non-increasing list
+        (`isotonic`, what a plan taking a prefix of them expects in all), and the branch and the
+        heads' nodes are offered in one list, best first."""
+        t0 = time.perf_counter()
+        branch = branch_tokens(seq.ngram, self._lookup_branch(seq), bound, limit)
+        spent = time.perf_counter() - t0  # a lookup: ~10 us, the cheap wall clock (see the n-gram candidate)
+        self._ngram_s[seq.request_id] = spent
+        self._propose_s += spent
+        if branch is None:
+            return None
+        key = self._branch_key(seq)
+        hit = self.priors.gains(key, "ngram", self.priors.alpha(key, "ngram"), len(branch))
+        reach = [0.0] * (len(branch) + 1)  # P(the heads' tree accepts a node at depth d)
+        for (path, _), g in zip(self.medusa.ranked(seq.heads, max_nodes), heads):
+            if len(path) <= len(branch):
+                reach[len(path)] += g
+        marginal = [-g for g in isotonic([-p * max(0.0, 1.0 - reach[d]) for d, p in enumerate(hit, start=1)])]
+        mix: list[bool] = []
+        i = j = 0
+        while len(mix) < limit and (i < len(heads) or j < len(marginal)):
+            take = j < len(marginal) and (i == len(heads) or marginal[j] > heads[i])
+            mix.append(take)
+            j, i = (j + 1, i) if take else (j, i + 1)
+        return BranchOffer(tokens=branch, heads=heads, branch=marginal, mix=mix)
 
     def _feed(self, seq: Sequence, p: dict | None) -> tuple[FeedItem, bool]:
         """The target tokens this sequence feeds; whether the step needs hidden states for it."""
@@ -643,17 +734,28 @@ class Engine:
         greedy = seq.sampling.greedy
         tree = p is not None and "tree_tokens" in p
         if tree:
-            tokens, buffers = p["tree_tokens"], p["buffers"]
+            tokens, buffers, branch = p["tree_tokens"], p["buffers"], p.get("branch") or []
             if greedy:
                 v = verify_tree_greedy(tokens, out.logits, buffers)
+            elif seq.spec.typical:  # LOSSY, as the request's settings asked
+                v = verify_tree_typical(tokens, probabilities(out.logits, seq.sampling), buffers, seq.generator,
+                                        TYPICAL)
             else:
                 v = verify_tree_sampling(tokens, probabilities(out.logits, seq.sampling), buffers, seq.generator)
             path = v.path
             new = tokens[path[1:]].tolist() + [v.next_token]
-            drafted, accepted = buffers.spec.depth, len(path) - 1
+            drafted, accepted = max(buffers.spec.depth, len(branch)), len(path) - 1
+            # the heads' tree alone would have accepted the path's own nodes: the walk leaves them only for a
+            # branch node, which was appended where none of the tree's children carried its token
+            heads_accepted = sum(1 for node in path[1:] if node < buffers.spec.num_nodes)
             if p.get("expected"):  # what the accuracy table expected of this tree vs what came
-                seq.accept_scale = 0.8 * seq.accept_scale + 0.2 * accepted / p["expected"]
-                self.priors.observe_scale(seq.prior_key, accepted / p["expected"])
+                seq.accept_scale = 0.8 * seq.accept_scale + 0.2 * heads_accepted / p["expected"]
+                self.priors.observe_scale(seq.prior_key, heads_accepted / p["expected"])
+            if branch:
+                hit = branch_accepted(branch, new[:-1])
+                self.priors.observe_alpha(self._branch_key(seq), hit, hit + (1 if hit < len(branch) else 0))
+                self.medusa_branches += 1
+                self.medusa_branch_tokens += accepted - heads_accepted
             self.target.compact(seq.target, old_len - 1, path)
             seq.hidden = out.hidden[path[-1]]
         else:

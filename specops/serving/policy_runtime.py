@@ -15,7 +15,8 @@ path (`PolicyRuntime.serve`, used by tests and the library):
        is fallen back — except a ``probe_fraction`` share that keeps speculating so
        the controller sees when it pays again;
     5. → a `Resolution`: method, γ / heads / tree size with the class's bounds, the
-       decode deadline, and who decided (revision, canary, probe, reason).
+       Medusa prompt-lookup branch and typical acceptance (LOSSY; sampled Medusa requests
+       only), the decode deadline, and who decided (revision, canary, probe, reason).
 
 ``record``
     a finished request's `DecodeRecord` (fallback reason filled in) goes to the
@@ -37,7 +38,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from specops.policies.rollout import effective_for, pick_revision
-from specops.policies.schema import Policy, RequestClass
+from specops.policies.schema import LOOKUP_BRANCH, Policy, RequestClass
 from specops.policies.state import EffectiveSettings
 from specops.policies.live import LivePolicy
 from specops.telemetry.record_buffer import RecordBuffer
@@ -73,12 +74,15 @@ class Resolution:
     fallback_reason: str | None
     turn: int | None = None         # conversation turn used for classification (None: unknown)
     turn_label: str | None = None   # bounded telemetry label (1 / 2 / 3+) when the policy asks for it
+    lookup_branch: int = LOOKUP_BRANCH  # Medusa, greedy: the prompt-lookup branch's usual length (0: none)
+    typical: bool = False           # LOSSY typical acceptance: a sampled Medusa request of a class that asks
 
     def as_dict(self) -> dict[str, Any]:
         return {"request_class": self.request_class, "method": self.method, "revision": self.revision,
                 "canary": self.canary, "probe": self.probe, "fallback_reason": self.fallback_reason,
                 "gamma": self.gamma if self.method in GAMMA_METHODS else None,
-                "medusa_heads": self.heads if self.method == "medusa" else None, "turn": self.turn}
+                "medusa_heads": self.heads if self.method == "medusa" else None, "turn": self.turn,
+                "typical": self.typical}
 
 
 @dataclass(frozen=True)
@@ -204,7 +208,8 @@ class PolicyRuntime:
             heads=min(settings.medusa_heads, loaded), heads_min=min(rc.medusa_heads.min, loaded),
             heads_max=min(rc.medusa_heads.max, loaded), tree_size=settings.tree_size,
             deadline_s=rc.deadline_s, revision=revision, canary=canary, probe=probe, fallback_reason=reason,
-            turn=turn, turn_label=turn_bucket(turn) if policy.telemetry.turn_label else None)
+            turn=turn, turn_label=turn_bucket(turn) if policy.telemetry.turn_label else None,
+            lookup_branch=rc.lookup_branch, typical=rc.typical and method == "medusa" and temperature > 0)
 
     # -- record ------------------------------------------------------------------------
     def record(self, resolution: Resolution, record: Any) -> Any:
@@ -260,6 +265,8 @@ class PolicyRuntime:
         elif res.method == "medusa":
             kwargs["heads"] = res.heads
             kwargs["tree"] = res.tree_size  # upper bound on the tree's nodes; the runtime may plan fewer
+            kwargs["lookup_branch"] = res.lookup_branch
+            kwargs["typical"] = res.typical
         out = self.decoder.generate(ids, method=res.method, max_new_tokens=max_new_tokens, temperature=temperature,
                                     top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
                                     deadline_s=res.deadline_s, **kwargs)

@@ -17,7 +17,8 @@ called by the engine). The two model-based proposers run the whole batch at once
   batch 1) cost several times the bundled 1-layer draft's forward.
 * `MedusaProposer`: the heads read every sequence's hidden state in one call and each
   sequence gets its own tree (the best ``n_i`` nodes of the sparse tree built from the
-  heads' measured accuracy, `specops.decoder.tree.ranked_nodes`).
+  heads' measured accuracy, `specops.decoder.tree.ranked_nodes`), a greedy sequence's
+  prompt-lookup branch merged into it (`specops.decoder.medusa_branch`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 from torch import Tensor
 
 from specops.decoder.sampling import probabilities, sample
+from specops.decoder.medusa_branch import merge_branch
 from specops.decoder.medusa_decode import propose_trees
 from specops.decoder.tree import TreeBuffers, TreeSpec, make_spec, preset, ranked_nodes
 from specops.serving.batch_forward import FeedItem
@@ -165,14 +167,17 @@ class MedusaProposer:
         paths = [p for p, _ in self.ranked(num_heads, max_nodes)[: nodes - 1]]
         return make_spec(paths, name=f"sparse{nodes}")
 
-    def propose(self, seqs: list[Sequence], specs: list[TreeSpec]) -> list[tuple[Tensor, TreeBuffers]]:
+    def propose(self, seqs: list[Sequence], specs: list[TreeSpec],
+                branches: list[list[int]] | None = None) -> list[tuple[Tensor, TreeBuffers]]:
         """Per sequence: tree tokens [N] (root = pending token first) and the tree's buffers
-        (`specops.decoder.medusa_decode.propose_trees`, which ``Decoder.generate`` runs too)."""
+        (`specops.decoder.medusa_decode.propose_trees`, which ``Decoder.generate`` runs too), with
+        its prompt-lookup branch (``branches``, tokens after the root; empty: none) merged in
+        (`specops.decoder.medusa_branch.merge_branch`, as the library's greedy steps merge it)."""
         hidden = torch.stack([s.hidden for s in seqs]) if any(s.depth for s in specs) else None  # [B, E]
         out = []
-        for seq, (tokens, buffers, guesses) in zip(seqs, propose_trees(
-                self.heads, hidden, specs, [s.tokens[-1] for s in seqs], self.device)):
+        for i, (seq, (tokens, buffers, guesses)) in enumerate(zip(seqs, propose_trees(
+                self.heads, hidden, specs, [s.tokens[-1] for s in seqs], self.device))):
             base = seq.num_output  # head k guesses output index base + k (the root is output base - 1)
             seq.head_guesses.extend((base + k, k, t) for k, t in enumerate(guesses))
-            out.append((tokens, buffers))
+            out.append(merge_branch(tokens, buffers, branches[i]) if branches else (tokens, buffers))
         return out

@@ -72,7 +72,17 @@ class SpecSettings:
     medusa_heads: int | None = None
     """Medusa heads to use (None: all loaded)."""
     tree_size: int | None = None
-    """Upper bound on Medusa tree nodes, root included (None: `DEFAULT_TREE_SIZE`)."""
+    """Upper bound on Medusa tree nodes, root included (None: `DEFAULT_TREE_SIZE`); a prompt-lookup
+    branch's nodes count against it."""
+    lookup_branch: int | None = None
+    """Medusa, greedy requests: the usual length of the prompt-lookup branch a step adds to its tree
+    where the context's last three tokens occurred before (`specops.decoder.medusa_branch`; longer
+    after a match that runs back further); None: the library's `medusa_decode.LOOKUP_BRANCH`; 0:
+    the heads' tree alone. Exact either way."""
+    typical: bool = False
+    """Medusa, sampled requests: LOSSY typical acceptance (`tree_verify.verify_tree_typical`)
+    instead of exact rejection sampling; the output is no longer distributed as the target's.
+    Greedy requests and other methods ignore it (greedy verification is exact already)."""
     deadline_s: float | None = None
     """Decode deadline in seconds from `Engine.add`; past it plain decoding (tokens kept)."""
     auto_key: str | None = None
@@ -98,6 +108,11 @@ class SpecSettings:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 64):
                 raise ValueError(f"{name} must be an integer in 1..64 or None, got {v!r}")
+        b = self.lookup_branch
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= 64):
+            raise ValueError(f"lookup_branch must be an integer in 0..64 or None, got {b!r}")
+        if not isinstance(self.typical, bool):
+            raise ValueError(f"typical must be a bool, got {self.typical!r}")
         d = self.deadline_s
         if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not d > 0 or math.isinf(d)):
             raise ValueError(f"deadline_s must be a finite number of seconds > 0 or None, got {d!r}")
@@ -150,6 +165,11 @@ class EngineStats:
     """Cost probes since start: steps where one sequence speculated against the plan (`PlanSchedule.probe_every`)."""
     plain_probes: int = 0
     """Plain probes since start: plain steps at a batch size that always speculated (`PlanSchedule.plain_probe_every`)."""
+    medusa_branches: int = 0
+    """Greedy Medusa steps since start whose tree carried a prompt-lookup branch (`SpecSettings.lookup_branch`)."""
+    medusa_branch_tokens: int = 0
+    """Tokens those steps accepted beyond what the heads' tree alone would have: accepted on the
+    branch's own nodes."""
 
 
 class SeqStatus(enum.Enum):

@@ -6,6 +6,7 @@ import pytest
 
 from specops.policies import PolicyError, load_policy
 from specops.policies.loader import format_path
+from specops.policies.schema import LOOKUP_BRANCH
 
 # A valid policy with every field on its own line, so each can be broken alone.
 TEMPLATE = """\
@@ -38,6 +39,8 @@ classes:
       min: 0.0
       max: 1.0
     deadline_s: 10
+    lookup_branch: 6
+    typical: false
     adaptation:
       mode: goodput
       dead_band: 0.05
@@ -114,6 +117,14 @@ CASES = [
     ("      min: 0.0", "      min: -0.5", "classes[0].temperature.min", "greater than or equal to 0"),
     ("      max: 1.0", "      max: .nan", "classes[0].temperature.max", "finite number"),
     ("    deadline_s: 10", "    deadline_s: 0", "classes[0].deadline_s", "greater than 0"),
+    ("    lookup_branch: 6", "    lookup_branch: -1", "classes[0].lookup_branch", "greater than or equal to 0"),
+    ("    lookup_branch: 6", "    lookup_branch: 65", "classes[0].lookup_branch", "less than or equal to 64"),
+    ("    lookup_branch: 6", "    lookup_branch: four", "classes[0].lookup_branch", "valid integer"),
+    ("    lookup_branch: 6", "    lookup_branch: true", "classes[0].lookup_branch", "valid integer"),
+    ("    typical: false", "    typical: sometimes", "classes[0].typical", "valid boolean"),
+    ("    typical: false", "    typical: 1", "classes[0].typical", "valid boolean"),
+    ("    typical: false", "    typical: true", "classes[0].typical",
+     "typical acceptance is lossy and applies to the medusa method only; this class's method is 'draft'"),
     ("      mode: goodput", "      mode: greedy", "classes[0].adaptation.mode", "'fixed', 'goodput' or 'bandit'"),
     ("      dead_band: 0.05", "      dead_band: 2", "classes[0].adaptation.dead_band", "less than or equal to 1"),
     ("      cooldown_s: 30", "      cooldown_s: -1", "classes[0].adaptation.cooldown_s", "greater than or equal to 0"),
@@ -372,3 +383,30 @@ def test_the_eagle_method_is_a_gamma_method():
     assert code.speculates_at(0.5)
     with pytest.raises(PolicyError, match=r"classes\[0\]\.method.*'ngram', 'eagle', 'auto' or 'off'"):
         load_policy(TEMPLATE.replace("    method: draft\n", "    method: eagel\n", 1))
+
+
+def test_medusa_classes_default_to_an_exact_lookup_branch_and_may_opt_into_typical_acceptance():
+    """``lookup_branch`` defaults to the decoder's usual length and may be 0; ``typical`` (lossy)
+    is off unless a Medusa class (or one switched off) sets it."""
+    policy = load_policy(TEMPLATE)
+    code, chat = policy.classes
+    assert (code.lookup_branch, code.typical) == (6, False)
+    assert (chat.lookup_branch, chat.typical) == (LOOKUP_BRANCH, False) == (4, False)
+    medusa = TEMPLATE.replace("    method: draft\n", "    method: medusa\n", 1)
+    on = load_policy(medusa.replace("    typical: false\n", "    typical: true\n").replace(
+        "    lookup_branch: 6\n", "    lookup_branch: 0\n"))
+    assert (on.classes[0].typical, on.classes[0].lookup_branch) == (True, 0)
+    off = load_policy(medusa.replace("    method: medusa\n", "    method: off\n").replace(
+        "    typical: false\n", "    typical: true\n"))
+    assert off.classes[0].method == "off" and off.classes[0].typical
+
+
+def test_a_class_leaving_medusa_leaves_its_medusa_knobs_behind():
+    from specops.policies.retarget import retarget_policy
+
+    medusa = TEMPLATE.replace("    method: draft\n", "    method: medusa\n", 1).replace(
+        "    typical: false\n", "    typical: true\n")
+    text, methods = retarget_policy(medusa, ["draft", "ngram"])
+    assert methods["code"] == "ngram"
+    code = load_policy(text).classes[0]
+    assert (code.method, code.typical, code.lookup_branch) == ("ngram", False, LOOKUP_BRANCH)

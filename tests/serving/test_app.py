@@ -160,10 +160,11 @@ def test_a_canary_or_probe_request_is_marked_observed_for_the_engine(canary, pro
     engine = SimpleNamespace(scheduler=SimpleNamespace(running=[]))
     client = AsyncEngine(engine, runtime=None, tokenizer=[0] * 10, metrics=ServingMetrics(CollectorRegistry()))
     res = SimpleNamespace(method="ngram", gamma=5, heads=3, tree_size=16, deadline_s=30.0, request_class="general",
-                          canary=canary, probe=probe)
+                          canary=canary, probe=probe, lookup_branch=6, typical=False)
     spec = client.spec_for(res)
     spec.check()
     assert (spec.method, spec.gamma, spec.auto_key, spec.deadline_s) == ("ngram", 5, "general", 30.0)
+    assert (spec.lookup_branch, spec.typical) == (6, False)
     assert spec.observed is (canary or probe)
 
 

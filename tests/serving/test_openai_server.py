@@ -120,6 +120,9 @@ def test_openai_client_completion_and_chat(oai, server):
                                        "options?"}], max_tokens=8, temperature=0)
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens <= 8
     assert chat.model_extra["specops"]["request_class"] == "factual"
+    assert chat.model_extra["specops"]["typical"] is False  # lossy typical acceptance is a class's opt-in
+    engine = _ready(server)["engine"]  # Medusa's prompt-lookup branches, counted since start
+    assert engine["medusa_branch_tokens"] >= 0 and engine["medusa_branches"] >= 0
 
 
 def test_openai_client_streaming_matches_non_streaming(oai):

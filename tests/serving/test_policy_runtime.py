@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from specops.decoder import Decoder
+from specops.decoder.medusa_heads import MedusaHeads
 from specops.policies.live import LivePolicy
 from specops.serving.policy_runtime import REASON_FALLBACK, REASON_OFF, REASON_TEMPERATURE, PolicyRuntime
 from specops.policies import load_policy
@@ -406,3 +407,56 @@ def test_record_buffer_does_not_count_twice_a_publish_applied_but_unanswered(red
     assert buf.flush() == 2 and len(buf) == 0
     window = RedisWindowReader(redis_client, namespace="dup").window("code", 60)
     assert window.requests == 2 and window.new_tokens == 3
+
+
+MEDUSA_POLICY = """
+version: "m1"
+default_class: general
+classes:
+  - name: code
+    match: [{label: {task: code}}]
+    method: medusa
+    lookup_branch: 8
+    typical: true
+  - name: general
+    method: medusa
+"""
+
+
+def test_medusa_classes_carry_their_lookup_branch_and_typical_acceptance_to_the_engine_and_the_decoder(monkeypatch):
+    """A class's ``lookup_branch`` reaches every Medusa request (the engine's settings, the
+    decoder's keyword); its LOSSY ``typical`` only a sampled one's, and the response says so."""
+    from specops.decoder.medusa_decode import LOOKUP_BRANCH
+    from specops.policies.schema import LOOKUP_BRANCH as POLICY_DEFAULT
+    from specops.serving.async_engine import AsyncEngine
+
+    assert POLICY_DEFAULT == LOOKUP_BRANCH  # the policy layer's default is the decoder's
+    target = tiny_llama(seed=3)
+    dec = Decoder(target, medusa=MedusaHeads.from_model(target, 2))
+    rt = PolicyRuntime(dec, load_policy(MEDUSA_POLICY), rng=random.Random(1))
+    greedy = rt.resolve("x", 3, labels={"task": "code"}, temperature=0.0)
+    sampled = rt.resolve("x", 3, labels={"task": "code"}, temperature=0.7)
+    general = rt.resolve("x", 3, temperature=0.7)
+    assert (greedy.lookup_branch, greedy.typical, greedy.as_dict()["typical"]) == (8, False, False)
+    assert (sampled.lookup_branch, sampled.typical, sampled.as_dict()["typical"]) == (8, True, True)
+    assert (general.lookup_branch, general.typical) == (LOOKUP_BRANCH, False)
+    client = AsyncEngine(SimpleNamespace(scheduler=SimpleNamespace(running=[])), runtime=None, tokenizer=[0] * 10,
+                         metrics=None)
+    spec = client.spec_for(sampled)
+    spec.check()
+    assert (spec.method, spec.lookup_branch, spec.typical) == ("medusa", 8, True)
+
+    calls = []
+    generate = Decoder.generate
+
+    def recorded(self, prompt, **kwargs):
+        calls.append({k: kwargs.get(k) for k in ("method", "lookup_branch", "typical")})
+        return generate(self, prompt, **kwargs)
+
+    monkeypatch.setattr(Decoder, "generate", recorded)
+    plain = generate(dec, PROMPT, method="ar", max_new_tokens=12).tokens
+    served = rt.serve(PROMPT, labels={"task": "code"}, max_new_tokens=12)
+    assert served.method == "medusa" and served.tokens == plain  # greedy: exact, typical or not
+    rt.serve(PROMPT, labels={"task": "code"}, max_new_tokens=12, temperature=0.7, seed=0)
+    assert calls == [{"method": "medusa", "lookup_branch": 8, "typical": False},
+                     {"method": "medusa", "lookup_branch": 8, "typical": True}]
