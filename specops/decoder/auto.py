@@ -40,7 +40,8 @@ import torch
 from specops.decoder.clock import cost_clock, device_clock
 from specops.decoder.draft import CATCHUP_FREE, DraftModelProposer, check_vocab
 from specops.decoder.errors import InvalidRequestError
-from specops.decoder.medusa_decode import (LOOKUP_BRANCH, MedusaState, _verify_step, c_branch, c_propose, c_step,
+from specops.decoder.medusa_branch import LOOKUP_BRANCH
+from specops.decoder.medusa_decode import (MedusaState, _verify_step, c_branch, c_propose, c_step,
                                            c_steps)
 from specops.decoder.medusa_heads import HeadsLike
 from specops.decoder.ngram import NgramIndex, NgramProposer

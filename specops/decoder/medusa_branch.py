@@ -3,7 +3,7 @@
 When a greedy Medusa step's context ends in three tokens that occurred before
 (`ngram.NgramIndex.match`, full-length matches only), the tokens that followed them join
 the step's tree as one more branch from the root (`branch_tokens`; more after a match that
-runs back further: `medusa_decode.branch_length`). `merge_branch` merges them as into a
+runs back further: `branch_length`). `merge_branch` merges them as into a
 trie: from the root, a branch token equal to the token of a child of the node reached so
 far reuses that child; the rest hang under the last node reached as a chain of new nodes,
 numbered after the tree's. Siblings keep distinct tokens, so the greedy walk
@@ -25,8 +25,26 @@ import torch
 from torch import Tensor
 
 from specops.decoder.fast_llama import C_LAYERS_MAX_T
-from specops.decoder.ngram import NgramIndex
+from specops.decoder.ngram import MATCH_SPAN, NgramIndex
 from specops.decoder.tree import TreeBuffers, TreeSpec, leaf_paths
+
+LOOKUP_BRANCH = 4  # default length of the prompt-lookup branch a greedy step adds to its tree
+BRANCH_MAX_SCALE = 3  # a long match's branch is up to this many times ``lookup_branch`` (`branch_length`)
+
+
+def branch_length(usual: int, length: int) -> int:
+    """Tokens of the prompt-lookup branch after a full-length match ``length`` tokens long
+    (`NgramIndex.match`): ``usual`` (the ``lookup_branch`` option), twice that from 8 tokens,
+    three times from MATCH_SPAN (16) on. A match that runs back further is followed further
+    (on the bundled code suite 81% of 16-token matches' next 8 tokens were the target's own,
+    against 15% after 3-4-token ones: see `ngram.match_gamma`). Alternated per prompt with a
+    fixed branch of 4 (`bench decode`'s suites, 128 tokens, 3 rounds, two runs each): Medusa on
+    code 1.52 -> 1.61x and 1.77 -> 1.78x `ar` (target forwards 849 -> 756 and 809 -> 749);
+    auto on the mixed suite 1.40 -> 1.47x and 1.29 -> 1.43x. A fixed branch of 8 read about
+    as the fixed 4 (1.55 / 1.70x against 1.53 / 1.69x)."""
+    if length < 8:
+        return usual
+    return (2 if length < MATCH_SPAN else BRANCH_MAX_SCALE) * usual
 
 
 def context_index(tokens: Sequence[int]) -> NgramIndex:
@@ -40,19 +58,15 @@ def branch_room(specs: Iterable[TreeSpec], usual: int) -> int:
     """Nodes a step with a branch may feed: the largest of ``specs``, or up to
     ``BRANCH_MAX_SCALE`` x ``usual`` more for the branch where C_LAYERS_MAX_T allows (the
     nodes `medusa_decode.c_steps` sizes the one-call step loop to)."""
-    from specops.decoder.medusa_decode import BRANCH_MAX_SCALE  # medusa_decode imports this module
-
     nodes = max(spec.num_nodes for spec in specs)
     return max(nodes, min(nodes + BRANCH_MAX_SCALE * usual, C_LAYERS_MAX_T))
 
 
 def branch_tokens(index: NgramIndex | None, usual: int, drafts: int, space: int) -> list[int] | None:
     """The branch after ``index``'s full-length match (None: no match that long, or no room):
-    `medusa_decode.branch_length` tokens for the match's length and the usual length ``usual``,
+    `branch_length` tokens for the match's length and the usual length ``usual``,
     at most ``drafts`` (what the budget lets the step draft) and ``space`` (the nodes the step
     may add beside its tree)."""
-    from specops.decoder.medusa_decode import branch_length  # medusa_decode imports this module
-
     found = index.match() if index is not None and usual > 0 else None
     if found is None or found[1] < index.max_ngram:
         return None

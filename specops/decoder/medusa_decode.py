@@ -18,7 +18,7 @@ heads as one C call (`FastLlamaRunner.medusa_loop`, `c_step`): the same tokens a
 Greedy steps, in one call or not, also take a *prompt-lookup branch* (`medusa_branch`): when
 the context's last three tokens occurred before (`ngram.NgramIndex`, full-length matches
 only), ``lookup_branch`` tokens that followed them (more after a match that runs back
-further: `branch_length`) join the tree, merged into it as into a trie, so one forward
+further: `medusa_branch.branch_length`) join the tree, merged into it as into a trie, so one forward
 verifies the heads' guesses and the repetition and the walk keeps the longer accepted path.
 Code and quoted text repeat themselves further than heads three deep can see.
 
@@ -49,9 +49,10 @@ from specops.decoder.runner import ModelRunner, prompt_forward
 from specops.decoder.sampling import SamplingConfig, next_token, probabilities
 from specops.decoder.clock import device_clock
 from specops.decoder.medusa_heads import HeadsLike, head_candidates
-from specops.decoder.medusa_branch import branch_room, branch_tokens, context_index, merge_branch
-from specops.decoder.ngram import MATCH_SPAN, NgramIndex
-from specops.decoder.request import check_deadline, check_room, eos_cut, eos_set, prompt_list, stop_reason
+from specops.decoder.medusa_branch import LOOKUP_BRANCH, branch_room, branch_tokens, context_index, merge_branch
+from specops.decoder.ngram import NgramIndex
+from specops.decoder.request import check_deadline, check_room, eos_set, prompt_list, stop_reason
+from specops.decoder.speculation import step_tokens
 from specops.decoder.stats import DecodeStats
 from specops.decoder.tree import TreeBuffers, TreeError, TreeSpec, build_buffers, resolve_tree
 from specops.decoder.tree_size import TreePlanner, plan_tree, tree_planner
@@ -62,13 +63,10 @@ from specops.decoder.tree_verify import (
     verify_tree_sampling,
     verify_tree_typical,
 )
-from specops.decoder.fast_llama import C_LAYERS_MAX_T
 from specops.kernels import cpu_linear
 
 logger = logging.getLogger(__name__)
 
-LOOKUP_BRANCH = 4  # default length of the prompt-lookup branch a greedy one-call step adds to its tree
-BRANCH_MAX_SCALE = 3  # a long match's branch is up to this many times ``lookup_branch`` (`branch_length`)
 
 
 class MedusaState:
@@ -168,7 +166,7 @@ def generate_medusa(
     (``stats.fallback_reason == "deadline"``). ``lookup_branch``: greedy steps add, when the
     context's last `ngram.NgramIndex` ``max_ngram`` tokens occurred before, this many tokens
     that followed them as one more branch of the step's tree, two or three times as many after
-    a match that runs back 8 or 16 tokens (`branch_length`; merged into the tree as into a trie:
+    a match that runs back 8 or 16 tokens (`medusa_branch.branch_length`; merged into the tree as into a trie:
     the same forward verifies both, the walk keeps the longer accepted path); 0: the heads'
     tree alone. Exact either way.
     """
@@ -260,10 +258,8 @@ def generate_medusa(
             accepted_tokens, next_tok = tree_tokens[path[1:]].tolist(), step.verification.next_token
             hidden = step.hidden
             drafted = max(step_spec.depth, len(branch) if branch else 0)
-        accepted = len(accepted_tokens)
-        new = eos_cut(accepted_tokens + [next_tok], eos)
-        if len(new) <= accepted:  # EOS was an accepted candidate: the deeper positions are void
-            drafted = accepted = len(new)
+        committed = step_tokens(accepted_tokens, next_tok, drafted, eos)  # the one commit rule (EOS cut)
+        new, drafted, accepted = committed.emitted, committed.drafted, committed.accepted
         root = new[-1]
         output.extend(new)
         if index is not None:
@@ -285,7 +281,7 @@ def generate_medusa(
 def c_steps(target: ModelRunner, heads: HeadsLike, k: int, spec: TreeSpec, planner: TreePlanner | None,
             branch: int = 0):
     """The runner's one-call greedy steps (`FastLlamaRunner.medusa_loop`) for every tree this
-    request may use, with room for a long match's branch (BRANCH_MAX_SCALE x ``branch`` more
+    request may use, with room for a long match's branch (`medusa_branch.branch_room`: BRANCH_MAX_SCALE x ``branch`` more
     nodes) where the C layer stack allows, or None where the runner or the heads lack them
     (then each step proposes and verifies from Python)."""
     make, weights_for = getattr(target, "medusa_loop", None), getattr(heads, "kernel_weights", None)
@@ -296,8 +292,7 @@ def c_steps(target: ModelRunner, heads: HeadsLike, k: int, spec: TreeSpec, plann
     weights = weights_for(k, top_k)
     if weights is None:
         return None
-    nodes = max(s.num_nodes for s in specs)
-    return make(weights, k, top_k, max(nodes, min(nodes + BRANCH_MAX_SCALE * branch, C_LAYERS_MAX_T)))
+    return make(weights, k, top_k, branch_room(specs, branch))
 
 
 @functools.lru_cache(maxsize=256)
@@ -316,34 +311,11 @@ def c_propose(steps, state: MedusaState, hidden: Tensor, root: int) -> None:
     steps.cands.copy_(cands.reshape(-1))
 
 
-def branch_length(usual: int, length: int) -> int:
-    """Tokens of the prompt-lookup branch after a full-length match ``length`` tokens long
-    (`NgramIndex.match`): ``usual`` (the ``lookup_branch`` option), twice that from 8 tokens,
-    three times from MATCH_SPAN (16) on. A match that runs back further is followed further
-    (on the bundled code suite 81% of 16-token matches' next 8 tokens were the target's own,
-    against 15% after 3-4-token ones: see `ngram.match_gamma`). Alternated per prompt with a
-    fixed branch of 4 (`bench decode`'s suites, 128 tokens, 3 rounds, two runs each): Medusa on
-    code 1.52 -> 1.61x and 1.77 -> 1.78x `ar` (target forwards 849 -> 756 and 809 -> 749);
-    auto on the mixed suite 1.40 -> 1.47x and 1.29 -> 1.43x. A fixed branch of 8 read about
-    as the fixed 4 (1.55 / 1.70x against 1.53 / 1.69x)."""
-    if length < 8:
-        return usual
-    return (2 if length < MATCH_SPAN else BRANCH_MAX_SCALE) * usual
-
-
 def c_branch(index: NgramIndex | None, steps, spec: TreeSpec, most: int, drafts: int, space: int) -> list[int] | None:
-    """The prompt-lookup branch of a one-call step over ``spec``: what followed ``index``'s
-    full-length match (None: no branch), `branch_length` tokens for the usual ``most``, at most
-    ``drafts`` (what the budget lets a step draft) and what the context's ``space`` positions
-    and the step loop's nodes leave beside the tree."""
-    found = index.match() if index is not None and most > 0 else None
-    if found is None or found[1] < index.max_ngram:
-        return None
-    start, length = found
-    cap = min(branch_length(most, length), drafts, space - spec.num_nodes, steps.max_nodes - spec.num_nodes)
-    if cap <= 0:
-        return None
-    return index.continuation(start, cap) or None
+    """The prompt-lookup branch of a one-call step over ``spec`` (`medusa_branch.branch_tokens`):
+    at most ``drafts`` (what the budget lets a step draft) and what the context's ``space``
+    positions and the step loop's nodes leave beside the tree."""
+    return branch_tokens(index, most, drafts, min(space, steps.max_nodes) - spec.num_nodes)
 
 
 def c_step(steps, state: MedusaState, spec: TreeSpec, root: int, at: int,

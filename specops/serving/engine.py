@@ -53,7 +53,8 @@ import torch
 
 from specops.decoder.clock import cost_clock
 from specops.decoder.medusa_branch import branch_accepted, branch_tokens, context_index
-from specops.decoder.medusa_decode import LOOKUP_BRANCH, head_accuracy
+from specops.decoder.medusa_branch import LOOKUP_BRANCH
+from specops.decoder.medusa_decode import head_accuracy
 from specops.decoder.ngram import NgramIndex
 from specops.decoder.request import eos_set
 from specops.decoder.sampling import make_generator, probabilities

@@ -170,7 +170,7 @@ def test_generate_by_match_drafts_past_gamma_after_long_matches_and_stays_exact(
 
 @pytest.mark.parametrize("usual, length, expected", [(4, 3, 4), (4, 7, 4), (4, 8, 8), (4, 15, 8), (4, 16, 12), (2, 40, 6)])
 def test_medusa_lookup_branch_length_grows_with_the_match(usual, length, expected):
-    from specops.decoder.medusa_decode import branch_length
+    from specops.decoder.medusa_branch import branch_length
 
     assert branch_length(usual, length) == expected
 

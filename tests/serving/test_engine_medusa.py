@@ -12,7 +12,7 @@ import torch
 
 import specops.serving.engine as engine_module
 from specops.decoder import Decoder
-from specops.decoder.medusa_decode import LOOKUP_BRANCH
+from specops.decoder.medusa_branch import LOOKUP_BRANCH
 from specops.decoder.medusa_heads import MedusaHeads
 from specops.serving.engine import Engine
 from specops.serving.proposers import MedusaProposer

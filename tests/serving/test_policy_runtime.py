@@ -426,7 +426,7 @@ classes:
 def test_medusa_classes_carry_their_lookup_branch_and_typical_acceptance_to_the_engine_and_the_decoder(monkeypatch):
     """A class's ``lookup_branch`` reaches every Medusa request (the engine's settings, the
     decoder's keyword); its LOSSY ``typical`` only a sampled one's, and the response says so."""
-    from specops.decoder.medusa_decode import LOOKUP_BRANCH
+    from specops.decoder.medusa_branch import LOOKUP_BRANCH
     from specops.policies.schema import LOOKUP_BRANCH as POLICY_DEFAULT
     from specops.serving.async_engine import AsyncEngine
 
