@@ -60,8 +60,7 @@ def mix_requests(dec, n: int, policy_file: str | None = None) -> list[tuple[list
     for text, temperature in build_prompts(ServeBenchConfig(), n):
         ids = dec.tokenizer.encode(text)
         res = runtime.resolve(text, len(ids), temperature=temperature, routing_key="bench")
-        out.append((ids, temperature, SpecSettings(method=res.method, gamma=res.gamma, medusa_heads=res.heads,
-                                                   tree_size=res.tree_size)))
+        out.append((ids, temperature, res.spec))  # the settings the server's engine would take
     return out
 
 

@@ -306,9 +306,6 @@ class AsyncEngine:
     def __init__(self, engine: Any, runtime: PolicyRuntime, tokenizer: Any, *, metrics: ServingMetrics,
                  max_batch: int = 16, max_queue: int = 256, poll_s: float = 0.2, vocab_size: int | None = None,
                  threads: int | None = None, http_core_from: int | None = HTTP_CORE_FROM) -> None:
-        from specops.serving.sequence import SpecSettings  # the engine's request types
-
-        self._spec_type = SpecSettings
         self.engine = engine
         self.runtime = runtime
         self.tokenizer = tokenizer
@@ -405,10 +402,7 @@ class AsyncEngine:
     def spec_for(self, res: Any) -> Any:
         """The engine's `SpecSettings` for a request the runtime resolved: a canary's or a fallback
         probe's speculation is being measured (``observed``: the engine's veto spares it)."""
-        return self._spec_type(method=res.method, gamma=res.gamma, medusa_heads=res.heads, tree_size=res.tree_size,
-                               lookup_branch=res.lookup_branch, typical=res.typical,
-                               deadline_s=res.deadline_s, auto_key=res.request_class,
-                               observed=bool(res.canary or res.probe))
+        return res.spec
 
     def abort(self, request_id: str) -> None:
         self._command("abort", request_id)

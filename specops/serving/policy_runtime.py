@@ -38,9 +38,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from specops.policies.rollout import effective_for, pick_revision
-from specops.policies.schema import LOOKUP_BRANCH, Policy, RequestClass
+from specops.policies.schema import Policy, RequestClass
 from specops.policies.state import EffectiveSettings
 from specops.policies.live import LivePolicy
+from specops.serving.spec_settings import SpecSettings
 from specops.telemetry.record_buffer import RecordBuffer
 from specops.telemetry.records import GAMMA_METHODS
 from specops.policies.turns import resolve_turn, turn_bucket
@@ -56,26 +57,34 @@ REASON_MISSING = "model_part_missing"
 
 @dataclass(frozen=True)
 class Resolution:
-    """How one request is decoded, and why (the ``specops`` object of a response)."""
+    """How one request is decoded, and why (the ``specops`` object of a response). ``spec`` is the
+    request's speculation, the one settings type the engine takes as it is (`Engine.add`) and the
+    in-process path hands to `Decoder.generate`; the rest says where it came from."""
 
     request_class: str
-    method: str                 # what runs: ar | draft | ngram | medusa | eagle | auto
-    gamma: int                  # live γ (draft / ngram / eagle)
-    gamma_min: int
-    gamma_max: int
-    heads: int                  # live Medusa heads (medusa), capped by the loaded heads
-    heads_min: int
-    heads_max: int
-    tree_size: int
-    deadline_s: float | None
+    spec: SpecSettings          # method (ar | draft | ngram | medusa | eagle | auto), live γ, heads, tree, ...
     revision: int | None        # the policy revision that served it
     canary: bool
     probe: bool                 # speculated although the class is fallen back
     fallback_reason: str | None
     turn: int | None = None         # conversation turn used for classification (None: unknown)
     turn_label: str | None = None   # bounded telemetry label (1 / 2 / 3+) when the policy asks for it
-    lookup_branch: int = LOOKUP_BRANCH  # Medusa, greedy: the prompt-lookup branch's usual length (0: none)
-    typical: bool = False           # LOSSY typical acceptance: a sampled Medusa request of a class that asks
+
+    @property
+    def method(self) -> str:
+        return self.spec.method
+
+    @property
+    def gamma(self) -> int:
+        return self.spec.gamma
+
+    @property
+    def heads(self) -> int | None:
+        return self.spec.medusa_heads
+
+    @property
+    def typical(self) -> bool:
+        return self.spec.typical
 
     def as_dict(self) -> dict[str, Any]:
         return {"request_class": self.request_class, "method": self.method, "revision": self.revision,
@@ -202,14 +211,14 @@ class PolicyRuntime:
         settings = self._settings(policy, rc, revision, canary)
         method, probe, reason = self._method(rc, settings, temperature)
         loaded = max(1, self.medusa_heads_loaded)
-        return Resolution(
-            request_class=rc.name, method=method,
-            gamma=settings.gamma, gamma_min=rc.gamma.min, gamma_max=rc.gamma.max,
-            heads=min(settings.medusa_heads, loaded), heads_min=min(rc.medusa_heads.min, loaded),
-            heads_max=min(rc.medusa_heads.max, loaded), tree_size=settings.tree_size,
-            deadline_s=rc.deadline_s, revision=revision, canary=canary, probe=probe, fallback_reason=reason,
-            turn=turn, turn_label=turn_bucket(turn) if policy.telemetry.turn_label else None,
-            lookup_branch=rc.lookup_branch, typical=rc.typical and method == "medusa" and temperature > 0)
+        # a canary's or a fallback probe's speculation is being measured (``observed``: the engine's veto spares it)
+        spec = SpecSettings(method=method, gamma=settings.gamma, medusa_heads=min(settings.medusa_heads, loaded),
+                            tree_size=settings.tree_size, lookup_branch=rc.lookup_branch,
+                            typical=rc.typical and method == "medusa" and temperature > 0,
+                            deadline_s=rc.deadline_s, auto_key=rc.name, observed=canary or probe)
+        return Resolution(request_class=rc.name, spec=spec, revision=revision, canary=canary, probe=probe,
+                          fallback_reason=reason, turn=turn,
+                          turn_label=turn_bucket(turn) if policy.telemetry.turn_label else None)
 
     # -- record ------------------------------------------------------------------------
     def record(self, resolution: Resolution, record: Any) -> Any:
@@ -259,17 +268,18 @@ class PolicyRuntime:
         self.poll()
         res = self.resolve(text, len(ids), labels=labels, routing_key=routing_key, temperature=temperature,
                            turn=turn)
+        spec = res.spec
         kwargs: dict[str, Any] = {}
-        if res.method in GAMMA_METHODS:
-            kwargs["gamma"] = res.gamma
-        elif res.method == "medusa":
-            kwargs["heads"] = res.heads
-            kwargs["tree"] = res.tree_size  # upper bound on the tree's nodes; the runtime may plan fewer
-            kwargs["lookup_branch"] = res.lookup_branch
-            kwargs["typical"] = res.typical
-        out = self.decoder.generate(ids, method=res.method, max_new_tokens=max_new_tokens, temperature=temperature,
+        if spec.method in GAMMA_METHODS:
+            kwargs["gamma"] = spec.gamma
+        elif spec.method == "medusa":
+            kwargs["heads"] = spec.medusa_heads
+            kwargs["tree"] = spec.tree_size  # upper bound on the tree's nodes; the runtime may plan fewer
+            kwargs["lookup_branch"] = spec.lookup_branch
+            kwargs["typical"] = spec.typical
+        out = self.decoder.generate(ids, method=spec.method, max_new_tokens=max_new_tokens, temperature=temperature,
                                     top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
-                                    deadline_s=res.deadline_s, **kwargs)
+                                    deadline_s=spec.deadline_s, **kwargs)
         stats = out.stats
         if res.fallback_reason is not None and stats.fallback_reason is None:
             stats.fallback_reason = res.fallback_reason

@@ -17,14 +17,13 @@ of that model's paged cache (or, on the generic transformers path, a private run
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from specops.decoder.sampling import SamplingConfig
 from specops.decoder.stats import DecodeStats
+from specops.serving.spec_settings import SpecSettings
 
-METHODS = ("ar", "draft", "ngram", "medusa", "eagle", "auto")
 FINISH_REASONS = ("stop", "length", "abort")
 DEFAULT_TREE_SIZE = 16
 
@@ -58,66 +57,6 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         return SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
-
-
-@dataclass(slots=True)
-class SpecSettings:
-    """Which speculation a request may use; the engine picks the amount per step within it."""
-
-    method: str = "ar"
-    """"ar" | "draft" | "ngram" | "medusa" | "eagle" | "auto" (the engine picks one of the loaded
-    speculative methods at admission from live results: `specops.serving.auto_method`)."""
-    gamma: int = 4
-    """Upper bound on drafted tokens per step (draft, ngram, eagle); 0 = plain decoding."""
-    medusa_heads: int | None = None
-    """Medusa heads to use (None: all loaded)."""
-    tree_size: int | None = None
-    """Upper bound on Medusa tree nodes, root included (None: `DEFAULT_TREE_SIZE`); a prompt-lookup
-    branch's nodes count against it."""
-    lookup_branch: int | None = None
-    """Medusa, greedy requests: the usual length of the prompt-lookup branch a step adds to its tree
-    where the context's last three tokens occurred before (`specops.decoder.medusa_branch`; longer
-    after a match that runs back further); None: the library's `medusa_decode.LOOKUP_BRANCH`; 0:
-    the heads' tree alone. Exact either way."""
-    typical: bool = False
-    """Medusa, sampled requests: LOSSY typical acceptance (`tree_verify.verify_tree_typical`)
-    instead of exact rejection sampling; the output is no longer distributed as the target's.
-    Greedy requests and other methods ignore it (greedy verification is exact already)."""
-    deadline_s: float | None = None
-    """Decode deadline in seconds from `Engine.add`; past it plain decoding (tokens kept)."""
-    auto_key: str | None = None
-    """Which requests share ``method="auto"``'s estimates (the server passes the request
-    class; greedy and sampled requests are kept apart on top of it)."""
-    observed: bool = False
-    """This request's speculation is being measured (a canary revision's request, or a fallen-back
-    class's probe): it speculates as set (``gamma`` drafted tokens, or a tree of ``tree_size``
-    nodes, whenever its proposal has them), neither shrunk by the load-aware plan nor stopped by the
-    batch-wide veto (`PlanSchedule.veto_steps`), so the canary analysis and the fallback read the setting
-    under test. Planned by the engine instead, a bad setting was mostly declined: the analysis saw too
-    few drafted tokens and came out inconclusive (`make demo` on a slow host, every run), and a
-    fallen-back class's probes could not show it had recovered."""
-
-    def check(self) -> None:
-        """Raise ValueError naming the bad field."""
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        g = self.gamma
-        if isinstance(g, bool) or not isinstance(g, int) or not 0 <= g <= 32:
-            raise ValueError(f"gamma must be an integer in 0..32, got {g!r}")
-        for name in ("medusa_heads", "tree_size"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 64):
-                raise ValueError(f"{name} must be an integer in 1..64 or None, got {v!r}")
-        b = self.lookup_branch
-        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= 64):
-            raise ValueError(f"lookup_branch must be an integer in 0..64 or None, got {b!r}")
-        if not isinstance(self.typical, bool):
-            raise ValueError(f"typical must be a bool, got {self.typical!r}")
-        d = self.deadline_s
-        if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not d > 0 or math.isinf(d)):
-            raise ValueError(f"deadline_s must be a finite number of seconds > 0 or None, got {d!r}")
-        if not isinstance(self.observed, bool):
-            raise ValueError(f"observed must be a bool, got {self.observed!r}")
 
 
 @dataclass(slots=True)

@@ -149,22 +149,32 @@ def test_engine_leaves_a_core_to_the_event_loop_while_many_sequences_stream():
 
 
 @pytest.mark.parametrize("canary, probe", [(False, False), (True, False), (False, True)])
-def test_a_canary_or_probe_request_is_marked_observed_for_the_engine(canary, probe):
+def test_a_canary_or_probe_request_is_marked_observed_for_the_engine(canary, probe, monkeypatch):
+    """The runtime's resolution carries the engine's settings as they are (one settings type): the
+    class's γ, deadline and name, its lookup branch, and ``observed`` for a canary's or a probe's request."""
     from types import SimpleNamespace
 
     from prometheus_client import CollectorRegistry
 
+    from specops.policies.loader import load_policy
     from specops.serving.async_engine import AsyncEngine
     from specops.serving.metrics import ServingMetrics
+    from specops.serving.policy_runtime import PolicyRuntime
+    from specops.serving.server import DEFAULT_POLICY
 
+    policy = load_policy(DEFAULT_POLICY)
+    runtime = PolicyRuntime(SimpleNamespace(draft=None, eagle=None, medusa=None), policy)
+    monkeypatch.setattr(runtime, "_route", lambda key: (None, canary))
+    monkeypatch.setattr(runtime, "_method", lambda rc, settings, temperature: ("ngram", probe, None))
+    res = runtime.resolve("x", 3)
+    rc = policy.classify("x", {}, 3, None, 0.0)
     engine = SimpleNamespace(scheduler=SimpleNamespace(running=[]))
     client = AsyncEngine(engine, runtime=None, tokenizer=[0] * 10, metrics=ServingMetrics(CollectorRegistry()))
-    res = SimpleNamespace(method="ngram", gamma=5, heads=3, tree_size=16, deadline_s=30.0, request_class="general",
-                          canary=canary, probe=probe, lookup_branch=6, typical=False)
     spec = client.spec_for(res)
     spec.check()
-    assert (spec.method, spec.gamma, spec.auto_key, spec.deadline_s) == ("ngram", 5, "general", 30.0)
-    assert (spec.lookup_branch, spec.typical) == (6, False)
+    assert spec is res.spec
+    assert (spec.method, spec.auto_key, spec.deadline_s) == ("ngram", rc.name, rc.deadline_s)
+    assert (spec.gamma, spec.lookup_branch, spec.typical) == (res.gamma, rc.lookup_branch, False)
     assert spec.observed is (canary or probe)
 
 

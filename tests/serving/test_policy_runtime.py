@@ -437,9 +437,9 @@ def test_medusa_classes_carry_their_lookup_branch_and_typical_acceptance_to_the_
     greedy = rt.resolve("x", 3, labels={"task": "code"}, temperature=0.0)
     sampled = rt.resolve("x", 3, labels={"task": "code"}, temperature=0.7)
     general = rt.resolve("x", 3, temperature=0.7)
-    assert (greedy.lookup_branch, greedy.typical, greedy.as_dict()["typical"]) == (8, False, False)
-    assert (sampled.lookup_branch, sampled.typical, sampled.as_dict()["typical"]) == (8, True, True)
-    assert (general.lookup_branch, general.typical) == (LOOKUP_BRANCH, False)
+    assert (greedy.spec.lookup_branch, greedy.typical, greedy.as_dict()["typical"]) == (8, False, False)
+    assert (sampled.spec.lookup_branch, sampled.typical, sampled.as_dict()["typical"]) == (8, True, True)
+    assert (general.spec.lookup_branch, general.typical) == (LOOKUP_BRANCH, False)
     client = AsyncEngine(SimpleNamespace(scheduler=SimpleNamespace(running=[])), runtime=None, tokenizer=[0] * 10,
                          metrics=None)
     spec = client.spec_for(sampled)
