@@ -32,7 +32,7 @@ from specops.decoder.errors import (
     UnknownMethodError,
     VocabMismatchError,
 )
-from specops.decoder.runner import IMPLS, ModelRunner
+from specops.decoder.runner import IMPLS, ModelRunner, returns_layers
 from specops.decoder.loading import load_runner
 from specops.decoder.sampling import SamplingConfig, make_generator
 from specops.decoder.schedule import GammaSchedule, make_schedule
@@ -246,18 +246,22 @@ class Decoder:
         ``fallback=True``: a draft that cannot be used (a vocabulary mismatch, a model no
         runner can run; in `from_pretrained` also one that fails to load) is dropped with a warning and
         ``method="draft"`` then runs plain decoding, with the reason in the stats.
-        ``impl``: "auto" | "fast" | "hf" (see `specops.decoder.loading.load_runner`).
+        ``impl``: "auto" | "fast" | "hf" (see `specops.decoder.loading.load_runner`); "auto" runs
+        the target through transformers (`HFRunner`) when ``eagle`` is an EAGLE-3 drafter, which
+        reads intermediate hidden states the fast runner does not return ("fast" refuses one).
         ``ngram_store``: a `specops.decoder.ngram_store.NgramStore` for the target's tokenizer: the
         n-gram drafter (methods "ngram" and "auto") drafts its corpus chains where the context has
         no match (``generate(..., corpus=False)``: prompt lookup only).
-        ``eagle``: an `specops.decoder.eagle_model.EagleDrafter` for method "eagle" (bound here
-        to ``target`` when it is a transformers model; one passed with a runner must be bound).
+        ``eagle``: an `specops.decoder.eagle_model.EagleDrafter` or an
+        `specops.decoder.eagle3_model.Eagle3Drafter` for method "eagle" (bound here to ``target``
+        when it is a transformers model; one passed with a runner must be bound).
         """
         if impl not in IMPLS:
             raise InvalidRequestError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
         self.fallback = bool(fallback)
         self.target_model = None if isinstance(target, ModelRunner) else target
-        self.target = _as_runner(target, impl=impl, max_context=max_context, role="target")
+        target_impl = "hf" if impl == "auto" and getattr(eagle, "reads_layers", False) else impl
+        self.target = _as_runner(target, impl=target_impl, max_context=max_context, role="target")
         self.draft: ModelRunner | None = None
         self.draft_error: str | None = None
         self.medusa = medusa
@@ -573,11 +577,12 @@ class Decoder:
 def _check_eagle(drafter: Any, model: Any, runner: ModelRunner):
     """``drafter`` bound to ``model`` (the target's transformers model; None when the target came
     as a runner, then it must be bound already) and checked against the target's vocabulary."""
+    from specops.decoder.eagle3_model import Eagle3Drafter
     from specops.decoder.eagle_model import EagleDrafter, EagleError
 
-    if not isinstance(drafter, EagleDrafter):
-        raise InvalidRequestError(f"eagle must be an EagleDrafter (specops.decoder.eagle_io.load_drafter), "
-                                  f"got {type(drafter).__name__}")
+    if not isinstance(drafter, (EagleDrafter, Eagle3Drafter)):
+        raise InvalidRequestError(f"eagle must be an EagleDrafter or Eagle3Drafter "
+                                  f"(specops.decoder.eagle_io.load_drafter), got {type(drafter).__name__}")
     if drafter.config.vocab_size != runner.vocab_size:
         raise VocabMismatchError(f"EAGLE drafter vocabulary ({drafter.config.vocab_size} tokens) differs from the "
                                  f"target's ({runner.vocab_size} tokens)")
@@ -589,6 +594,10 @@ def _check_eagle(drafter: Any, model: Any, runner: ModelRunner):
                              "(EagleDrafter.bind(model))")
     except EagleError as exc:
         raise InvalidRequestError(f"cannot use the EAGLE drafter: {exc}") from None
+    if drafter.reads_layers and not returns_layers(runner):
+        raise InvalidRequestError(f"cannot use the EAGLE drafter: an EAGLE-3 drafter reads the target's hidden states "
+                                  f"of layers {list(drafter.feature_layers)}, which {type(runner).__name__} does not "
+                                  "return; load the target with impl='hf' (or 'auto')")
     return drafter.eval()
 
 

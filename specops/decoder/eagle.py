@@ -25,6 +25,11 @@ The embedding and LM head are the target's (`EagleDrafter.bind`), never stored w
 drafter. With a *shortlist* (the most frequent tokens of its training data) the drafter
 ranks only those rows of the LM head: a drafted token is one of them, outputs stay exact.
 Checkpoints (`specops.decoder.eagle_io`) use EAGLE's published tensor names.
+
+An EAGLE-3 drafter (`specops.decoder.eagle3_model.Eagle3Drafter`) runs through the same
+code: its ``f_i`` are three intermediate target hidden states side by side (its
+`feature_layers`, which the verifier keeps: ``keep_features``), it has its own LM head over a
+reduced vocabulary, and its ``shortlist`` holds the target ids of those tokens (``d2t``).
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from specops.decoder.clock import device_clock
 from specops.decoder.eagle_model import EagleConfig, EagleDrafter, EagleError
 from specops.decoder.errors import InvalidRequestError
 from specops.decoder.request import prompt_list
-from specops.decoder.runner import ModelRunner
+from specops.decoder.runner import ModelRunner, returns_layers
 from specops.decoder.sampling import SamplingConfig, probabilities, sample
 from specops.decoder.schedule import ConstantSchedule, GammaSchedule
 from specops.decoder.speculation import StepResult, TargetVerifier, draft_room
@@ -158,11 +163,15 @@ def generate_eagle(
     if drafter.config.vocab_size != target.vocab_size:
         raise InvalidRequestError(f"EAGLE drafter vocabulary ({drafter.config.vocab_size}) differs from the "
                                   f"target's ({target.vocab_size})")
+    layers = drafter.feature_layers
+    if layers is not None and not returns_layers(target):
+        raise InvalidRequestError(f"the EAGLE-3 drafter reads the target's hidden_states {list(layers)}, which "
+                                  f"{type(target).__name__} does not return: run the target with impl='hf'")
     stats = DecodeStats(method="eagle")
     stats.start()
     v = TargetVerifier(target, prompt_list(prompt_ids), sampling=sampling, generator=generator,
                        max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, stats=stats, deadline_s=deadline_s,
-                       keep_features=True)
+                       keep_features=True if layers is None else layers)
     run_steps(v, EagleProposer(drafter, sampling, generator, target.vocab_size, target.device),
               schedule if schedule is not None else ConstantSchedule(4))
     stats.finish(v.stop_reason())

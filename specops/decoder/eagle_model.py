@@ -124,6 +124,11 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # x [B, H, T, D]; c
 class EagleDrafter(nn.Module):
     """The drafter (see the module docstring): parameters ``fc`` and ``layers.0.*`` as EAGLE names them."""
 
+    reads_layers = False
+    """`step` reads the target's last hidden state (EAGLE-3 drafters read intermediate layers)."""
+    feature_layers = None
+    """No intermediate target layers: `TargetVerifier` keeps the last hidden state (``keep_features=True``)."""
+
     def __init__(self, config: EagleConfig) -> None:
         super().__init__()
         self.config = config

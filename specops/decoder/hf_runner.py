@@ -50,6 +50,9 @@ def cache_argument(model) -> str:
 class HFRunner:
     """A transformers causal LM plus a `DynamicCache`, behind the `ModelRunner` interface."""
 
+    returns_layers = True
+    """`forward` takes ``hidden_layers`` (`specops.decoder.runner.returns_layers`)."""
+
     def __init__(self, model, *, max_context: int | None = None) -> None:
         from transformers import DynamicCache
 
@@ -101,6 +104,7 @@ class HFRunner:
         position_ids: Tensor | None = None,  # [B, T] long
         tree_mask: Tensor | None = None,  # [T, T] bool
         need_hidden: bool = False,
+        hidden_layers: tuple[int, ...] | None = None,  # transformers' hidden_states indices, 0 .. layers
     ) -> RunnerOutput:
         args = check_forward_args(
             input_ids,
@@ -125,6 +129,14 @@ class HFRunner:
                     "is not supported by HFRunner"
                 )
             mask = self._additive_mask(args.tree_mask, args.batch)  # [B, 1, T, L + T]
+        select: bool | list[int] = need_hidden
+        if hidden_layers is not None:
+            last = self._num_layers()
+            if not hidden_layers or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i <= last
+                                        for i in hidden_layers):
+                raise ValueError(f"hidden_layers must be hidden_states indices in 0..{last}, got {hidden_layers!r}")
+            # transformers keeps only the selected hidden states (index `last`: after the final norm)
+            select = sorted(set(hidden_layers) | ({last} if need_hidden else set()))
         with torch.inference_mode():
             out = self.model(
                 input_ids=input_ids.to(self.device),
@@ -132,13 +144,30 @@ class HFRunner:
                 attention_mask=mask,
                 use_cache=True,
                 **{self._cache_arg: self._cache},
-                output_hidden_states=need_hidden,
+                output_hidden_states=select,
                 return_dict=True,
             )
         self._len += args.new
         logits = out.logits.float()  # [B, T, V]
         hidden = out.hidden_states[-1] if need_hidden else None  # [B, T, E]
-        return RunnerOutput(logits=logits, hidden=hidden)
+        layers = None
+        if hidden_layers is not None:
+            states = out.hidden_states
+            got = [states[i] if states is not None and i < len(states) else None for i in hidden_layers]
+            if any(h is None for h in got):
+                raise UnsupportedModelError(f"{type(self.model).__name__} did not return hidden_states "
+                                            f"{list(hidden_layers)}")
+            layers = torch.cat(got, dim=-1)  # [B, T, k*E]
+        return RunnerOutput(logits=logits, hidden=hidden, layers=layers)
+
+    def _num_layers(self) -> int:
+        """The number of decoder layers: ``hidden_states`` has this many entries plus one."""
+        n = getattr(self.config, "num_hidden_layers", None)
+        if not isinstance(n, int):
+            n = getattr(self.config, "n_layer", None)
+        if not isinstance(n, int):
+            raise UnsupportedModelError(f"{self.config.model_type} config declares no number of layers")
+        return n
 
     def _additive_mask(self, tree_mask: Tensor, batch: int) -> Tensor:  # [T, T] -> [B, 1, T, L + T]
         t = tree_mask.shape[0]

@@ -46,6 +46,7 @@ class RunnerOutput:
 
     logits: Tensor  # [B, T, V] float32
     hidden: Tensor | None = None  # [B, T, E] last hidden state after the final norm
+    layers: Tensor | None = None  # [B, T, k*E] hidden_states[i] for the k asked ``hidden_layers``, side by side
     argmax: list[int] | None = None  # [B*T] each logit row's argmax, when the runner computed it alongside
 
     def choices(self) -> list[int]:
@@ -105,14 +106,25 @@ class ModelRunner(Protocol):
         ...
 
 
+def returns_layers(runner: ModelRunner) -> bool:
+    """Whether ``runner.forward`` takes ``hidden_layers``: the hidden states of chosen layers,
+    transformers' ``hidden_states`` indices (0: the embedding output, i: the output of layer
+    i - 1, i.e. the input of layer i), returned side by side in `RunnerOutput.layers`. An EAGLE-3
+    drafter reads them (`HFRunner` returns them; the fast runner's C layer stack does not)."""
+    return bool(getattr(runner, "returns_layers", False))
+
+
 def prompt_forward(runner: ModelRunner, input_ids: Tensor, *, logits: bool = True,
-                   need_hidden: bool = False) -> RunnerOutput:
+                   need_hidden: bool = False, hidden_layers: tuple[int, ...] | None = None) -> RunnerOutput:
     """A prompt pass: `forward` over ``input_ids`` [B, T] when the caller reads only the
     last position's logits (``logits``) or none of them. A runner with its own
     ``prompt_forward`` (the fast runner's C layer stack) then skips the LM head over the other
     positions, which is most of it at a 4k vocabulary; the returned logits are [B, 1, V] (or
     [B, 0, V]), so read them as ``logits[:, -1]``. Other runners return `forward`'s output.
-    ``hidden``, when asked for, covers every position."""
+    ``hidden``, when asked for, covers every position, as ``layers`` does (``hidden_layers``,
+    `returns_layers` runners only; such a pass is a plain `forward`)."""
+    if hidden_layers is not None:
+        return runner.forward(input_ids, need_hidden=need_hidden, hidden_layers=hidden_layers)
     own = getattr(runner, "prompt_forward", None)
     if own is not None:
         return own(input_ids, logits=logits, need_hidden=need_hidden)

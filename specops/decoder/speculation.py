@@ -109,12 +109,14 @@ class TargetVerifier:
         context_limit: int | None = None,
         deadline_s: float | None = None,
         keep_hidden: bool = False,
-        keep_features: bool = False,
+        keep_features: bool | tuple[int, ...] = False,
     ) -> None:
         """``keep_hidden``: keep the target's last hidden state after every forward (``hidden``),
         for a Medusa step that follows (`specops.decoder.auto`). ``keep_features``: keep the hidden
         states of every position a forward settled (``features``): the prompt's cached tokens after
-        `prefill`, ``[pending, d_1 .. d_n]`` after `verify`, which an EAGLE drafter reads next."""
+        `prefill`, ``[pending, d_1 .. d_n]`` after `verify`, which an EAGLE drafter reads next;
+        True: the last hidden state (EAGLE-1), a tuple of ``hidden_states`` indices: those layers'
+        side by side (an EAGLE-3 drafter's `feature_layers`; a `runner.returns_layers` target)."""
         self.target = target
         self.sampling = sampling
         self.generator = generator
@@ -130,12 +132,13 @@ class TargetVerifier:
         self.device = target.device
         self.deadline = None if deadline_s is None else time.perf_counter() + check_deadline(deadline_s)
         self.keep_hidden = keep_hidden
-        self.keep_features = keep_features
-        self.features: torch.Tensor | None = None  # [n, E] (keep_features): the last forward's settled positions
+        self.feature_layers = None if isinstance(keep_features, bool) else tuple(keep_features)
+        self.keep_features = bool(keep_features)
+        self.features: torch.Tensor | None = None  # [n, E | k*E] (keep_features): the last forward's settled positions
         self._hidden: torch.Tensor | None = None  # [E] target hidden state at the last cached position (keep_hidden)
         self._hidden_source: Callable[[], torch.Tensor] | None = None  # reads it on demand (`hidden_from`)
         # greedy blocks verified in one C call where the runner has it (`FastLlamaRunner.block_verifier`)
-        make = getattr(target, "block_verifier", None) if sampling.greedy else None
+        make = getattr(target, "block_verifier", None) if sampling.greedy and self.feature_layers is None else None
         self.block = make() if make is not None else None
 
     # -- state -----------------------------------------------------------------------
@@ -187,12 +190,12 @@ class TargetVerifier:
         if self.prompt_len > 1:
             t0 = device_clock(self.device)
             ids = torch.tensor([self.tokens[:-1]], dtype=torch.long, device=self.device)  # [1, P-1]
-            need_hidden = self.keep_hidden or self.keep_features
-            out = prompt_forward(self.target, ids, logits=False, need_hidden=need_hidden)
+            out = prompt_forward(self.target, ids, logits=False, need_hidden=self._need_hidden(),
+                                 hidden_layers=self.feature_layers)
             if self.keep_hidden:
                 self.hidden = out.hidden[0, -1]  # [E]
             if self.keep_features:
-                self.features = out.hidden[0]  # [P-1, E]
+                self.features = self._features(out)[0]  # [P-1, E] or [P-1, k*E]
             dt = device_clock(self.device) - t0
             self.stats.target_forwards += 1
             self.stats.verify_s += dt
@@ -221,14 +224,21 @@ class TargetVerifier:
                 self.features = torch.stack([self.block.hidden(g + 1, i) for i in range(n + 1)])  # [n+1, E]
             return self._finish(drafted, n, nxt, g, t0)
         block = torch.tensor([[self.tokens[-1], *drafted]], dtype=torch.long, device=self.device)  # [1, G+1]
-        out = self.target.forward(block, need_hidden=self.keep_hidden or self.keep_features)
+        layers = {} if self.feature_layers is None else {"hidden_layers": self.feature_layers}
+        out = self.target.forward(block, need_hidden=self._need_hidden(), **layers)
         n, nxt = judge_block(out, drafted, None if draft_probs is None else draft_probs[0], self.sampling,
                              self.generator)
         if self.keep_hidden:
             self.hidden = out.hidden[0, n]  # [E] at d_n, whose logits chose the next token
         if self.keep_features:
-            self.features = out.hidden[0, : n + 1]  # [n+1, E]: pending, d_1 .. d_n
+            self.features = self._features(out)[0, : n + 1]  # [n+1, E or k*E]: pending, d_1 .. d_n
         return self._finish(drafted, n, nxt, g, t0)
+
+    def _need_hidden(self) -> bool:
+        return self.keep_hidden or (self.keep_features and self.feature_layers is None)
+
+    def _features(self, out) -> torch.Tensor:  # [B, T, E] or [B, T, k*E]
+        return out.hidden if self.feature_layers is None else out.layers
 
     def _finish(self, drafted: list[int], n: int, nxt: int, g: int, t0: float) -> StepResult:
         step = self.commit(drafted[:n], nxt, drafted=g)

@@ -89,6 +89,14 @@ def serve_command(model, draft, medusa, eagle, policy_file, redis_url, state_dir
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     from specops.serving.server import ServeConfig, ServeError, run_server
 
+    if eagle is not None:
+        from specops.decoder.eagle_io import is_eagle3_dir
+        from specops.serving.eagle_proposer import eagle3_refusal
+
+        if is_eagle3_dir(eagle):
+            raise click.BadParameter(eagle3_refusal(f"{eagle} holds an EAGLE-3 drafter, which"),
+                                     param_hint="--eagle")
+
     api_key = None
     if api_key_env:
         api_key = os.environ.get(api_key_env, "").strip()

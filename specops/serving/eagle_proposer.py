@@ -35,6 +35,10 @@ The drafter runs sequence by sequence (its chain is γ one-token steps per seque
 planner charges it as a per-sequence overhead measured from the engine's own steps, as it
 does n-gram lookups and Medusa trees. The per-sequence caches live outside the paged KV
 budget (one layer: ``2 * kv_heads * head_dim`` values per token of the sequence).
+
+The engine runs EAGLE-1 drafters: an EAGLE-3 drafter (`specops.decoder.eagle3_model`) reads
+intermediate target hidden states its batched forwards do not return, and is refused when the
+engine is built (``specops serve --eagle PATH`` refuses such a folder before loading anything).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import torch
 from torch import Tensor
 
 from specops.decoder.eagle import draft_chain
+from specops.decoder.eagle_model import EagleError
 from specops.decoder.speculation import draft_room
 from specops.serving.batch_forward import FeedItem, ItemOutput
 from specops.serving.sequence import Sequence
@@ -78,10 +83,19 @@ class EagleState:
         self.cache, self.features, self.unfed, self.rows = None, [], 0, None
 
 
+def eagle3_refusal(what: str = "an EAGLE-3 drafter") -> str:
+    """Why the serving engine refuses an EAGLE-3 drafter, and what runs one instead."""
+    return (f"the serving engine runs EAGLE-1 drafters only; {what} reads intermediate target hidden states "
+            "its batched forwards do not return. Decode with it through Decoder.generate(method='eagle') "
+            "(specops.decoder), or serve an EAGLE-1 drafter (`specops train eagle`)")
+
+
 class EagleProposer:
     """An EAGLE drafter shared by the engine's ``eagle`` sequences, each with its own `EagleState`."""
 
     def __init__(self, drafter: Any, device: torch.device) -> None:
+        if getattr(drafter, "reads_layers", False):
+            raise EagleError(eagle3_refusal())
         self.drafter = drafter
         self.device = device  # the target's: q rows go where the verification runs
         self.vocab_size = drafter.config.vocab_size
