@@ -77,7 +77,7 @@ from specops.serving.batch_forward import FeedItem, bytes_per_token, make_backen
 from specops.serving.kv_pool import BlockPool
 from specops.serving.kv_budget import available_memory_bytes, choose_kv_budget
 from specops.serving.eagle_proposer import EagleProposer
-from specops.serving.proposers import MedusaProposer, draft_blocks
+from specops.serving.proposers import (DraftGroup, EagleGroup, GroupProposer, MedusaGroup, MedusaProposer, NgramGroup)
 from specops.serving.scheduler import Scheduler
 from specops.serving.sequence import (
     DEFAULT_TREE_SIZE,
@@ -177,6 +177,16 @@ class Engine:
         self.cost_clock = cost_clock(self.device)
         self.cost = CostModel(warmup=1)  # target forwards (verify)
         self.draft_cost = CostModel(warmup=1)  # draft-model forwards (one drafting round)
+        # each method's drafter side of the step, behind one interface (`proposers.GroupProposer`)
+        self.proposers: dict[str, GroupProposer] = {"ngram": NgramGroup()}
+        if self.draft is not None:
+            # the engine's accounts looked up per call (a test or a subclass may swap them)
+            self.proposers["draft"] = DraftGroup(self.draft, self.cost_clock, lambda forwards: self._observe_draft(forwards),
+                                                 lambda *args: self._note_catch_up(*args))
+        if self.eagle is not None:
+            self.proposers["eagle"] = EagleGroup(self.eagle, self.cost_clock)
+        if self.medusa is not None:
+            self.proposers["medusa"] = MedusaGroup(self.medusa, self.cost_clock)
         self.overhead = {m: Meter() for m in ALPHA_PRIOR}  # per speculating sequence, outside the forwards
         self.fixed: dict[int, Meter] = {}  # per batch size: the step's host time outside forwards and proposals
         self._plain_commit = Meter()  # verification + commit of a plain decoding step, per sequence
@@ -512,73 +522,36 @@ class Engine:
         if any(chosen) and "step_s" in predicted and not self.schedule.probing:  # a probe's catch-up is its own cost
             self._step_pred = (predicted["step_s"], predicted["plain_s"])
         plans: dict[str, dict] = {}
-        drafting, gammas = [], []
-        featuring, feature_gammas = [], []  # eagle
+        groups: dict[str, tuple[list[Sequence], list[int], list[dict]]] = {}  # method -> its sequences
         for seq, c, extra in zip(owners, cands, chosen):
             method = seq.spec.method
             seq.stats.gamma = extra
             if extra == 0 or not self.scheduler.grant(seq, extra, extra - 1 if method == "draft" else None):
                 plans[seq.request_id] = {"drafts": [], "q": None}
                 continue
+            settled: dict = {}
             if method == "ngram":
-                plans[seq.request_id] = {"drafts": c.proposal[:extra], "q": None}
-            elif method == "draft":
-                drafting.append(seq)
-                gammas.append(extra)
-            elif method == "eagle":
-                featuring.append(seq)
-                feature_gammas.append(extra)
-            else:
+                settled = {"drafts": c.proposal}
+            elif method == "medusa":
                 offer = self._branches.get(seq.request_id)
                 nodes, branch = offer.split(extra) if offer is not None else (extra, [])
                 heads = offer.heads if offer is not None else c.gains
-                plans[seq.request_id] = {"tree": self.medusa.spec(seq.heads, c.max_nodes, nodes + 1),
-                                         "expected": sum(heads[:nodes]) / max(seq.accept_scale, 1e-3),
-                                         "branch": branch}
-        if drafting:
-            t0, c0 = time.perf_counter(), self.cost_clock()
-            before = [s.draft.computed for s in drafting]
-            forwards: list[float] = []
-            blocks = draft_blocks(self.draft, drafting, gammas, observe=self._observe_draft(forwards),
-                                  clock=self.cost_clock)
-            dt = time.perf_counter() - t0
-            spent = self.cost_clock() - c0
-            self._propose_s += spent
-            host = max(spent - sum(forwards), 0.0) / len(drafting)  # outside the rounds (their set-up)
-            self._note_catch_up(drafting, before, forwards, dt, spent)
-            fed = sum(s.draft.computed - b for s, b in zip(drafting, before))
-            for seq, b, (drafted, q) in zip(drafting, before, blocks):
-                plans[seq.request_id] = {"drafts": drafted, "q": q}
-                seq.stats.draft_s += dt * (seq.draft.computed - b) / max(fed, 1)
-                seq.stats.draft_forwards += len(drafted)
-                self._propose_share[seq.request_id] = host
-        if featuring:
-            for seq, gamma in zip(featuring, feature_gammas):  # timed one by one: each runs its own chain
-                t0, c0 = time.perf_counter(), self.cost_clock()
-                drafted, q = self.eagle.propose(seq, gamma)
-                dt = time.perf_counter() - t0
-                spent = self.cost_clock() - c0
-                self._propose_s += spent
-                plans[seq.request_id] = {"drafts": drafted, "q": q}
-                seq.stats.draft_s += dt
-                seq.stats.draft_forwards += gamma  # the feed of the real entries, then γ - 1 chain steps
-                self._propose_share[seq.request_id] = spent
-        trees = [s for s in owners if "tree" in plans.get(s.request_id, {})]
-        if trees:
-            t0, c0 = time.perf_counter(), self.cost_clock()
-            proposals = self.medusa.propose(trees, [plans[s.request_id]["tree"] for s in trees],
-                                            [plans[s.request_id]["branch"] for s in trees])
-            dt = time.perf_counter() - t0
-            spent = self.cost_clock() - c0
-            self._propose_s += spent
-            for seq, (tokens, buffers) in zip(trees, proposals):
-                plans[seq.request_id].update(tree_tokens=tokens, buffers=buffers)
-                seq.stats.draft_s += dt / len(trees)
-                # its share of the heads' call and the merge, and its branch lookup (`_branch_offer`)
-                self._propose_share[seq.request_id] = spent / len(trees) + self._ngram_s.get(seq.request_id, 0.0)
-        for seq in owners:
-            if seq.spec.method == "ngram" and plans[seq.request_id]["drafts"]:
-                self._propose_share[seq.request_id] = self._ngram_s.get(seq.request_id, 0.0)
+                settled = {"tree": self.medusa.spec(seq.heads, c.max_nodes, nodes + 1),
+                           "expected": sum(heads[:nodes]) / max(seq.accept_scale, 1e-3), "branch": branch}
+            group = groups.setdefault(method, ([], [], []))
+            group[0].append(seq)
+            group[1].append(extra)
+            group[2].append(settled)
+        for method, (seqs, sizes, settled) in groups.items():  # each method's proposer, one call for its group
+            c0 = self.cost_clock()
+            made = self.proposers[method].propose(seqs, sizes, settled)
+            self._propose_s += self.cost_clock() - c0
+            for seq, known, m in zip(seqs, settled, made):
+                plans[seq.request_id] = {**known, **m.plan}
+                seq.stats.draft_s += m.draft_s
+                seq.stats.draft_forwards += m.forwards
+                # its share of the proposal, and its n-gram lookup (an n-gram draft, a Medusa branch: `_candidate`)
+                self._propose_share[seq.request_id] = m.share_s + self._ngram_s.get(seq.request_id, 0.0)
         return plans
 
     def _note_catch_up(self, drafting: list[Sequence], before: list[int], forwards: list[float], wall_s: float,

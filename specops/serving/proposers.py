@@ -1,7 +1,12 @@
-"""Batched proposals for one engine step: draft-model blocks and Medusa trees.
+"""The drafter side of one engine step: every method behind one interface, `GroupProposer`.
 
-N-gram proposals need no model (each sequence's `specops.decoder.ngram.NgramIndex`,
-called by the engine). The two model-based proposers run the whole batch at once:
+The engine plans each sequence's speculation, groups the sequences by method and asks that
+method's proposer for the whole group at once (`NgramGroup`, `DraftGroup`, `EagleGroup`,
+`MedusaGroup`); each answers a `Proposed` per sequence: the block or tree to verify and what
+it cost. The drafting rules themselves are the library's (`NgramIndex.step_drafts`,
+`eagle.draft_chain`, `medusa_decode.propose_trees`), so a method proposes the same tokens
+in `Decoder.generate` and in the engine. N-gram proposals need no model (each sequence's
+`specops.decoder.ngram.NgramIndex`, asked when the plan weighs them). The model-based ones:
 
 * `draft_blocks`: the draft model drafts γ_i tokens for every sequence i in
   max(γ_i) batched rounds. Round 0 feeds each sequence what the draft cache lacks (its
@@ -15,6 +20,8 @@ called by the engine). The two model-based proposers run the whole batch at once
   from the same q with one uniform per token from the request's generator):
   the per-round Python work (the items, the batch arrays, the argmax, ~1 ms a round at
   batch 1) cost several times the bundled 1-layer draft's forward.
+* `EagleGroup`: each sequence's EAGLE chain on its own drafter cache
+  (`specops.serving.eagle_proposer`).
 * `MedusaProposer`: the heads read every sequence's hidden state in one call and each
   sequence gets its own tree (the best ``n_i`` nodes of the sparse tree built from the
   heads' measured accuracy, `specops.decoder.tree.ranked_nodes`), a greedy sequence's
@@ -25,7 +32,8 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
@@ -181,3 +189,102 @@ class MedusaProposer:
             seq.head_guesses.extend((base + k, k, t) for k, t in enumerate(guesses))
             out.append(merge_branch(tokens, buffers, branches[i]) if branches else (tokens, buffers))
         return out
+
+
+# -- the engine step's drafter side, one interface for every method -------------------------------
+
+@dataclass
+class Proposed:
+    """One sequence's proposal for a step and what making it cost."""
+
+    plan: dict[str, Any]
+    """What the step feeds and verifies: ``drafts`` and ``q`` (a linear block), or ``tree_tokens``
+    and ``buffers`` (a tree)."""
+    draft_s: float = 0.0
+    """Wall seconds counted in the request's ``draft_s``."""
+    share_s: float = 0.0
+    """Cost-clock seconds of the proposal charged to this sequence (the planner's per-sequence
+    speculation overhead, `Engine._measure_overheads`)."""
+    forwards: int = 0
+    """Drafter forwards counted in the request's ``draft_forwards``."""
+
+
+class GroupProposer(Protocol):
+    """The drafter side of the engine's step for one method: the proposals of every sequence of
+    the batch that runs it, made in one call (a batched draft model runs all of them together).
+    ``sizes[i]``: tokens (a block's γ, a tree's extra nodes) the plan granted sequence i;
+    ``plans[i]``: what the plan settled for it (a Medusa tree's spec and branch)."""
+
+    def propose(self, seqs: list[Sequence], sizes: list[int], plans: list[dict[str, Any]]) -> list[Proposed]:
+        ...
+
+
+class NgramGroup:
+    """Prompt lookup: the proposal was made when the plan weighed it (`Engine._candidate`, through
+    `NgramIndex.step_drafts`) and comes in ``plans[i]["drafts"]``; the step drafts the granted part."""
+
+    def propose(self, seqs: list[Sequence], sizes: list[int], plans: list[dict[str, Any]]) -> list[Proposed]:
+        return [Proposed({"drafts": plan["drafts"][:size], "q": None}) for plan, size in zip(plans, sizes)]
+
+
+class DraftGroup:
+    """A draft model: every sequence's block in batched rounds (`draft_blocks`). ``observe``: each
+    round's (sequences, tokens fed, seconds) for the planner's draft cost; ``note_catch_up``: the
+    engine's account of a long catch-up (`Engine._note_catch_up`)."""
+
+    def __init__(self, backend, clock: Callable[[], float], observe: Callable[[list[float]], Callable],
+                 note_catch_up: Callable[..., None]) -> None:
+        self.backend = backend
+        self.clock = clock
+        self.observe = observe
+        self.note_catch_up = note_catch_up
+
+    def propose(self, seqs: list[Sequence], sizes: list[int], plans: list[dict[str, Any]]) -> list[Proposed]:
+        t0, c0 = time.perf_counter(), self.clock()
+        before = [s.draft.computed for s in seqs]
+        forwards: list[float] = []
+        blocks = draft_blocks(self.backend, seqs, sizes, observe=self.observe(forwards), clock=self.clock)
+        dt = time.perf_counter() - t0
+        spent = self.clock() - c0
+        host = max(spent - sum(forwards), 0.0) / len(seqs)  # outside the rounds (their set-up)
+        self.note_catch_up(seqs, before, forwards, dt, spent)
+        fed = sum(s.draft.computed - b for s, b in zip(seqs, before))
+        return [Proposed({"drafts": drafted, "q": q}, draft_s=dt * (seq.draft.computed - b) / max(fed, 1),
+                         share_s=host, forwards=len(drafted))
+                for seq, b, (drafted, q) in zip(seqs, before, blocks)]
+
+
+class EagleGroup:
+    """The EAGLE drafter (`specops.serving.eagle_proposer.EagleProposer`): each sequence runs its own
+    chain on its own drafter cache, timed one by one."""
+
+    def __init__(self, eagle, clock: Callable[[], float]) -> None:
+        self.eagle = eagle
+        self.clock = clock
+
+    def propose(self, seqs: list[Sequence], sizes: list[int], plans: list[dict[str, Any]]) -> list[Proposed]:
+        out = []
+        for seq, gamma in zip(seqs, sizes):
+            t0, c0 = time.perf_counter(), self.clock()
+            drafted, q = self.eagle.propose(seq, gamma)
+            dt = time.perf_counter() - t0
+            # the feed of the real entries, then γ - 1 chain steps
+            out.append(Proposed({"drafts": drafted, "q": q}, draft_s=dt, share_s=self.clock() - c0, forwards=gamma))
+        return out
+
+
+class MedusaGroup:
+    """Medusa heads: every sequence's tree from one heads call (`MedusaProposer.propose`), with its
+    prompt-lookup branch merged in."""
+
+    def __init__(self, medusa: MedusaProposer, clock: Callable[[], float]) -> None:
+        self.medusa = medusa
+        self.clock = clock
+
+    def propose(self, seqs: list[Sequence], sizes: list[int], plans: list[dict[str, Any]]) -> list[Proposed]:
+        t0, c0 = time.perf_counter(), self.clock()
+        trees = self.medusa.propose(seqs, [p["tree"] for p in plans], [p["branch"] for p in plans])
+        dt = time.perf_counter() - t0
+        spent = self.clock() - c0
+        return [Proposed({"tree_tokens": tokens, "buffers": buffers}, draft_s=dt / len(seqs),
+                         share_s=spent / len(seqs)) for tokens, buffers in trees]
