@@ -101,6 +101,7 @@ class TargetSequence:
     tokens: torch.Tensor  # [L] long
     features: torch.Tensor  # [L, E] bfloat16: last hidden state after the final norm
     labels: torch.Tensor  # [L] long: the target's argmax after each position
+    prompt: int = 0  # which prompt it continues (a prompt's sampled repeats share it)
 
 
 @dataclass
@@ -185,11 +186,25 @@ def collect(runner, prompts: list[list[int]], cfg: EagleTrainConfig, *, eos: int
                 logits = o.logits[0, -1]
         features = torch.cat(feats).to(torch.bfloat16)
         tokens_t = torch.tensor(tokens[: features.shape[0]], dtype=torch.long)
-        out.append(TargetSequence(tokens=tokens_t, features=features, labels=torch.cat(labels).long()))
+        out.append(TargetSequence(tokens=tokens_t, features=features, labels=torch.cat(labels).long(),
+                                  prompt=(index - 1) % len(prompts)))
         total += features.shape[0]
         bar.update(features.shape[0])
     bar.close()
     return out
+
+
+def split_by_prompt(seqs: list[TargetSequence], share: float) -> tuple[list[TargetSequence], list[TargetSequence]]:
+    """(held out, training): the prompts of the first ``share`` of ``seqs`` and every sequence that
+    continues one of them are held out, so the held-out top-1 reads prompts the drafter never
+    trained on (a prompt's sampled repeats would otherwise train on the held-out prompt's text)."""
+    cut = max(1, round(len(seqs) * share))
+    prompts = {s.prompt for s in seqs[:cut]}
+    held = [s for s in seqs if s.prompt in prompts]
+    train = [s for s in seqs if s.prompt not in prompts]
+    if not train:
+        raise ValueError("every target sequence continues a held-out prompt: give more --minutes or --tokens")
+    return held, train
 
 
 def frequent_tokens(seqs: list[TargetSequence], size: int, vocab: int) -> torch.Tensor | None:
@@ -419,8 +434,7 @@ def run_eagle_job(job: EagleJob, cfg: EagleTrainConfig) -> dict:
     report.generate_s = time.perf_counter() - start
     if len(seqs) < 2:
         raise ValueError("the budget allowed fewer than 2 target sequences: give more --minutes")
-    cut = max(1, round(len(seqs) * cfg.heldout_share))
-    held, train = seqs[:cut], seqs[cut:]
+    held, train = split_by_prompt(seqs, cfg.heldout_share)
     report.sequences, report.positions = len(seqs), sum(s.tokens.numel() for s in seqs)
     vocab = model.config.vocab_size
     drafter = EagleDrafter.for_target(model, shortlist=frequent_tokens(train, cfg.shortlist, vocab), seed=cfg.seed)

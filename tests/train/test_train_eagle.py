@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from click.testing import CliRunner
 
 from specops.assets import TARGET_DIR
@@ -80,3 +82,22 @@ def test_benchmark_chat_prompts_are_held_out_of_training():
     first = [p.text for p in chat_model_suite("mixed", tok)[:16]]
     assert set(first) <= set(heldout)
     assert len(train) > 100
+
+
+def test_held_out_sequences_share_no_prompt_with_training():
+    """A held-out prompt's sampled repeats are held out with it, never trained on."""
+    import torch
+
+    from specops.train.eagle import TargetSequence, split_by_prompt
+
+    def seq(prompt):
+        return TargetSequence(tokens=torch.zeros(4, dtype=torch.long), features=torch.zeros(4, 2),
+                              labels=torch.zeros(4, dtype=torch.long), prompt=prompt)
+
+    seqs = [seq(p) for p in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9)] + [seq(p) for p in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9)]
+    held, train = split_by_prompt(seqs, 0.1)
+    assert {s.prompt for s in held} == {0, 1}
+    assert len(held) == 4 and len(train) == 16
+    assert not {s.prompt for s in held} & {s.prompt for s in train}
+    with pytest.raises(ValueError, match="held-out prompt"):
+        split_by_prompt([seq(0), seq(0)], 0.5)
