@@ -218,11 +218,16 @@ class PagedLlama:
         return logits, (rows if need_hidden else None)
 
     def forward_ragged(self, input_ids: Tensor, batch: cpu_linear.RaggedBatch, logit_rows: Tensor,
-                       need_hidden: bool = False) -> tuple[Tensor, Tensor | None]:
+                       need_hidden: bool = False, head_rows: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """`forward` in one C call (`cpu_linear.paged_layers`; ``c_layers`` must be set):
         ``input_ids`` [N] flat, ``batch`` says which sequence, cache slots and attention pattern
         each token has. Each sequence's logits equal the fast runner's single-sequence
-        forward bit for bit (the same kernel calls). Returns logits [R, V] and hidden [R, E]."""
+        forward bit for bit (the same kernel calls). Returns logits [R, V] and hidden [R, E].
+
+        ``head_rows`` [R'] (indices into ``logit_rows``): only those rows get logits ([R', V]),
+        the others their hidden states alone (an EAGLE sequence's prompt pass needs every
+        position's hidden state and one row's logits); the LM head then runs after the call, the
+        same kernel on the same normed rows."""
         r = self.r
         if not self.c_layers:
             raise ValueError("forward_ragged needs the runner's C layer stack (fp32 CPU, SwiGLU, kernels built)")
@@ -236,7 +241,11 @@ class PagedLlama:
             hidden, logits = cpu_linear.paged_layers(
                 self._c_table, x, batch, logit_rows, heads=r.n_heads, kv_heads=r.n_kv_heads, head_dim=r.head_dim,
                 intermediate=r.layers[0].down.weight.shape[1], eps=r.eps, scale=r.scale, cos=r._cos, sin=r._sin,
-                norm=r.norm, head=r.lm_head.weight, head_bias=r.lm_head.bias)  # [R, E], [R, V]
+                norm=r.norm, head=r.lm_head.weight, head_bias=r.lm_head.bias,
+                logits=head_rows is None)  # [R, E], [R, V] | None
+            if head_rows is not None:  # [R', V]
+                logits = cpu_linear.unchecked(hidden[head_rows].contiguous(), r.lm_head.weight, r.lm_head.bias,
+                                              None, None, None, 0.0, False)
         return logits, (hidden if need_hidden else None)
 
     def draft_ragged(self, tokens: list[int], batch: cpu_linear.RaggedBatch, gammas: list[int],

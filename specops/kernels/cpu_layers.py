@@ -168,14 +168,16 @@ class RaggedBatch:
 
 def paged_layers(table: ctypes.Array, x: Tensor, batch: RaggedBatch, rows: Tensor, *, heads: int, kv_heads: int,
                  head_dim: int, intermediate: int, eps: float, scale: float, cos: Tensor, sin: Tensor, norm: Tensor,
-                 head: Tensor, head_bias: Tensor | None = None, threads: int | None = None) -> tuple[Tensor, Tensor]:
+                 head: Tensor, head_bias: Tensor | None = None, threads: int | None = None,
+                 logits: bool = True) -> tuple[Tensor, Tensor | None]:
     """`llama_layers` over a ragged batch of sequences on a block-paged store (see
     ``specops_paged_layers`` in layers.c): x [N, E] (contiguous fp32, updated in place) holds
     the embeddings of every sequence's new tokens, flat; ``table`` is `layer_table` with each
     layer's k_cache / v_cache its [slots, Hkv, D] half of the store; ``cos`` / ``sin`` the
     runner's [positions, D] rotary tables. Each token's key and value go to its cache slot,
     and its outputs equal the single-sequence stack's bit for bit. Returns the normed hidden
-    states [R, E] and logits [R, V] of the flat rows ``rows`` [R]."""
+    states [R, E] and logits [R, V] of the flat rows ``rows`` [R] (``logits`` False: None, the LM
+    head skipped)."""
     n, e = x.shape
     s = batch.start.shape[0]
     if batch.positions.shape != (n,) or batch.first.shape != (s + 1,) or batch.words.shape != (n,):
@@ -186,7 +188,7 @@ def paged_layers(table: ctypes.Array, x: Tensor, batch: RaggedBatch, rows: Tenso
     r = rows.shape[0]
     vocab = head.shape[0]
     hidden = torch.empty(r, e, dtype=torch.float32)
-    logits = torch.empty(r, vocab, dtype=torch.float32)
+    out = torch.empty(r, vocab, dtype=torch.float32) if logits else None
     scratch = torch.empty(n * ((heads + 2 * kv_heads) * head_dim + heads * head_dim + 2 * intermediate),
                           dtype=torch.float32)
     tables = np.ascontiguousarray(batch.tables, dtype=np.int32)
@@ -200,12 +202,13 @@ def paged_layers(table: ctypes.Array, x: Tensor, batch: RaggedBatch, rows: Tenso
         tables.ctypes.data, tables.shape[1], batch.block_size, words.ctypes.data, masked.ctypes.data, batch.keys(),
         scratch.data_ptr(), int(threads or torch.get_num_threads()), norm.data_ptr(),
         head.data_ptr(), None if head_bias is None else head_bias.data_ptr(), vocab,
-        rows.data_ptr(), r, hidden.data_ptr(), logits.data_ptr(), WEIGHTS_BF16 if head.dtype == torch.bfloat16 else 0)
+        rows.data_ptr(), r, hidden.data_ptr(), None if out is None else out.data_ptr(),
+        WEIGHTS_BF16 if head.dtype == torch.bfloat16 else 0)
     if rc == 3:
         raise ValueError("CPU paged layer-stack kernel refused the batch's shapes")
     if rc != 0:
         raise MemoryError(f"CPU paged layer-stack kernel failed (code {rc})")
-    return hidden, logits
+    return hidden, out
 
 
 def paged_draft(table: ctypes.Array, embed: Tensor, tokens: list[int], first: np.ndarray, start: np.ndarray,

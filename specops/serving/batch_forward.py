@@ -44,6 +44,11 @@ class FeedItem:
     rows: list[int]  # offsets into tokens whose logits are returned, in order
     positions: list[int] | None = None  # T rotary positions; None: kv.computed + arange(T)
     intra: Tensor | None = None  # [T, T] bool: token i may see new token j; None: causal
+    hidden_only: int = 0
+    """The first this many of ``rows`` need their hidden states alone, no logits (an EAGLE
+    sequence's prompt pass: its drafter reads every position). The C stack then skips the LM
+    head for them and the item's logits are its last ``len(rows) - hidden_only`` rows; other
+    backends return logits for every row."""
 
 
 @dataclass
@@ -54,14 +59,18 @@ class ItemOutput:
     row0: int = 0
 
 
-def _split_outputs(items: list[FeedItem], logits: Tensor, hidden: Tensor | None) -> list[ItemOutput]:
-    """Each item's rows of a batched forward's logits [R, V] (and hidden [R, E]); advances its KV counter."""
+def _split_outputs(items: list[FeedItem], logits: Tensor, hidden: Tensor | None,
+                   heads_only: bool = False) -> list[ItemOutput]:
+    """Each item's rows of a batched forward's logits [R, V] (and hidden [R, E]); advances its KV
+    counter. ``heads_only``: ``logits`` holds only the rows that are not `FeedItem.hidden_only`."""
     outs: list[ItemOutput] = []
-    r0 = 0
+    r0 = h0 = 0
     for it in items:
-        r = len(it.rows)
-        outs.append(ItemOutput(logits[r0 : r0 + r], None if hidden is None else hidden[r0 : r0 + r], logits, r0))
+        h = len(it.rows)
+        r = h - it.hidden_only if heads_only else h
+        outs.append(ItemOutput(logits[r0 : r0 + r], None if hidden is None else hidden[h0 : h0 + h], logits, r0))
         r0 += r
+        h0 += h
         it.kv.computed += len(it.tokens)
     return outs
 
@@ -166,9 +175,16 @@ class PagedBackend:
             words[first[i] : first[i + 1]] = cpu_linear.mask_bits(it.intra).numpy()
         batch = cpu_linear.RaggedBatch(positions=np.asarray(pos, dtype=np.int32), first=first, start=start,
                                        tables=tables, block_size=self.bs, words=words, masked=masked)
+        head_rows = None
+        if any(it.hidden_only for it in items):  # the LM head only where logits are read
+            head_rows, h0 = [], 0
+            for it in items:
+                head_rows.extend(range(h0 + it.hidden_only, h0 + len(it.rows)))
+                h0 += len(it.rows)
+            head_rows = torch.tensor(head_rows, dtype=torch.long)
         logits, hidden = self.model.forward_ragged(torch.tensor(ids, dtype=torch.long),
-                                                   batch, torch.tensor(rows, dtype=torch.long), need_hidden)
-        return _split_outputs(items, logits, hidden)
+                                                   batch, torch.tensor(rows, dtype=torch.long), need_hidden, head_rows)
+        return _split_outputs(items, logits, hidden, heads_only=head_rows is not None)
 
     def draft_chain(self, items: list[FeedItem], gammas: list[int], clock_id: int | None = None, *,
                     inv_temps: list[float] | None = None, uniforms: np.ndarray | None = None,

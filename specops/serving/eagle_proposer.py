@@ -17,8 +17,9 @@ entries ``0 .. N-2`` are real. The engine feeds them lazily:
   sequence's unfed features — on a plain step one row, on a speculative one the accepted
   prefix's, so a step the planner declined costs no drafter forward;
 * a prefill or a recompute (after preemption) feeds the whole sequence, and its item asks
-  for logits and hidden states of every row; `observe` keeps the hidden rows and hands the
-  verification only the last row's logits. An active sequence never reuses cached prompt
+  for the hidden states of every row and the logits of the last (`FeedItem.hidden_only`: the
+  C stack skips the LM head for the others); `observe` keeps the hidden rows and hands the
+  verification only the last row. An active sequence never reuses cached prompt
   blocks (`Sequence.needs_all_hidden`): their hidden states were never computed here;
 * `propose` first feeds the unfed entries in one drafter step (its last output predicts
   the pending token's feature), then drafts the chain, then cuts the cache back to the real
@@ -128,10 +129,10 @@ class EagleProposer:
         first = item.kv.computed - len(item.tokens) + item.rows[0]  # the backend advanced kv.computed
         state.rows = (first, out.hidden)
         keep = drafted + 1
-        r = out.logits.shape[0]
-        if r == keep:
+        r, h = out.logits.shape[0], out.hidden.shape[0]  # r == keep where the backend skipped the head (`hidden_only`)
+        if r == keep and h == keep:
             return out
-        return ItemOutput(out.logits[r - keep :], out.hidden[r - keep :], out.step_logits, out.row0 + r - keep)
+        return ItemOutput(out.logits[r - keep :], out.hidden[h - keep :], out.step_logits, out.row0 + r - keep)
 
     def commit(self, seq: Sequence, deadline_passed: bool) -> None:
         """After the step's tokens were appended: keep the committed positions' features, or

@@ -696,7 +696,9 @@ class Engine:
         last = len(new) - 1
         if seq.eagle is not None and seq.eagle.active:  # the drafter reads the hidden state of every position
             first = 0 if self.eagle.full_rows(seq) else last
-            return FeedItem(kv=seq.target, tokens=new + drafts, rows=list(range(first, last + len(drafts) + 1))), True
+            # the rows before the last pending one need hidden states alone (`FeedItem.hidden_only`)
+            return FeedItem(kv=seq.target, tokens=new + drafts, rows=list(range(first, last + len(drafts) + 1)),
+                            hidden_only=last - first), True
         return FeedItem(kv=seq.target, tokens=new + drafts, rows=list(range(last, last + len(drafts) + 1))), medusa
 
     def _commit(self, seq: Sequence, item: FeedItem, out, p: dict | None, verify_s: float,

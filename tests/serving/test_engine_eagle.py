@@ -332,3 +332,30 @@ def test_serve_eagle_option_reaches_the_decoder(bundled, tmp_path, monkeypatch):
     eng = Engine(Decoder.from_pretrained("bundled", eagle=tmp_path / "eagle"), max_batch=2, kv_cache_mb=8,
                  calibrate=False)
     assert eng.speculative_methods[-1] == "eagle"
+
+
+def test_hidden_only_rows_skip_the_lm_head_and_keep_every_bit(dec):
+    """An EAGLE prompt pass needs every row's hidden state and only the last row's logits
+    (`FeedItem.hidden_only`): in a batch beside a plain item, the C stack returns the same hidden
+    rows and the same logits of the rows that need them, bit for bit, as a pass that computes
+    logits for every row, and the logits of those rows alone."""
+    from specops.serving.batch_forward import FeedItem, PagedBackend
+    from specops.serving.kv_pool import BlockPool
+    from specops.serving.sequence import SeqKV
+
+    runner = dec.target
+    prompt, other = list(range(5, 45)), list(range(50, 59))
+    outs = {}
+    for skip in (False, True):
+        backend = PagedBackend(runner, BlockPool(8, 16))
+        assert backend.model.c_layers  # the C stack is what skips the head
+        items = [FeedItem(kv=SeqKV(blocks=[0, 1, 2]), tokens=prompt, rows=list(range(len(prompt))),
+                          hidden_only=len(prompt) - 1 if skip else 0),
+                 FeedItem(kv=SeqKV(blocks=[4]), tokens=other, rows=[len(other) - 1])]
+        outs[skip] = backend.forward(items, need_hidden=True)
+    full, lean = outs[False], outs[True]
+    assert lean[0].logits.shape[0] == 1 and full[0].logits.shape[0] == len(prompt)
+    assert torch.equal(lean[0].hidden, full[0].hidden)
+    assert torch.equal(lean[0].logits[0], full[0].logits[-1])
+    assert torch.equal(lean[1].logits, full[1].logits) and torch.equal(lean[1].hidden, full[1].hidden)
+    assert lean[1].step_logits[lean[1].row0].equal(full[1].logits[0])  # the step's rows line up
