@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specops.decoder.eagle_model import RMSNorm, EagleError, _MLP, _rotate
+from specops.decoder.eagle_model import DrafterCache, RMSNorm, EagleError, _MLP, _rotate
 
 FUSED_LAYERS = 3  # target hidden states an EAGLE-3 drafter fuses
 
@@ -125,7 +125,7 @@ class _MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
-class Eagle3Drafter(nn.Module):
+class Eagle3Drafter(DrafterCache, nn.Module):
     """An EAGLE-3 drafter (see the module docstring), run on the target's fused layer features."""
 
     reads_layers = True
@@ -227,29 +227,6 @@ class Eagle3Drafter(nn.Module):
     def logits(self, features: Tensor) -> Tensor:
         """Logits of predicted features [..., E] over the draft vocabulary [..., F]."""
         return self.lm_head(self.norm(features.to(self.lm_head.weight.dtype)))
-
-    def new_cache(self, max_len: int | None = None):
-        """An empty KV cache of one sequence (the drafter keeps one of its own: `reset`)."""
-        from specops.decoder.kv_cache import KVCache
-
-        c = self.config
-        size = c.max_position_embeddings if max_len is None else min(max_len, c.max_position_embeddings)
-        return KVCache(layers=1, kv_heads=c.num_key_value_heads, head_dim=c.head_dim, max_len=max(size, 1),
-                       dtype=self.fc.weight.dtype, device=self.fc.weight.device)
-
-    def reset(self) -> None:
-        """Empty the drafter's own KV cache (a new one where the last was made in inference mode
-        and this runs outside it)."""
-        if self._cache is None or (self._cache.data.is_inference() and not torch.is_inference_mode_enabled()):
-            self._cache = self.new_cache()
-        self._cache.reset(1)
-
-    @property
-    def cache_len(self) -> int:
-        return 0 if self._cache is None else self._cache.length
-
-    def truncate(self, length: int) -> None:
-        self._cache.truncate(length)
 
     def step(self, tokens: Tensor, features: Tensor, cache=None) -> Tensor:
         """Append entries: tokens [T] long (target ids), features [T, 3E_t] (the target's fused

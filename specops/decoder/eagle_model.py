@@ -121,7 +121,38 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # x [B, H, T, D]; c
     return x * cos + rotated * sin
 
 
-class EagleDrafter(nn.Module):
+class DrafterCache:
+    """The one-sequence KV cache of a one-layer drafter (EAGLE-1's `EagleDrafter`, EAGLE-3's
+    `Eagle3Drafter`): its ``config`` gives the sizes, its ``fc`` the dtype and device, and it keeps
+    its own cache in ``_cache``."""
+
+    def new_cache(self, max_len: int | None = None):
+        """An empty KV cache of one sequence for ``step(..., cache=)``, of ``max_len`` entries
+        (default and most: `max_context`). The drafter keeps one of its own (`reset`); the
+        serving engine keeps one per sequence (`specops.serving.eagle_proposer`)."""
+        from specops.decoder.kv_cache import KVCache
+
+        c = self.config
+        size = c.max_position_embeddings if max_len is None else min(max_len, c.max_position_embeddings)
+        return KVCache(layers=1, kv_heads=c.num_key_value_heads, head_dim=c.head_dim, max_len=max(size, 1),
+                       dtype=self.fc.weight.dtype, device=self.fc.weight.device)
+
+    def reset(self) -> None:
+        """Empty the drafter's own KV cache (one sequence): a new one where the last was made in
+        inference mode and this runs outside it (such a tensor cannot be written there)."""
+        if self._cache is None or (self._cache.data.is_inference() and not torch.is_inference_mode_enabled()):
+            self._cache = self.new_cache()
+        self._cache.reset(1)
+
+    @property
+    def cache_len(self) -> int:
+        return 0 if self._cache is None else self._cache.length
+
+    def truncate(self, length: int) -> None:
+        self._cache.truncate(length)
+
+
+class EagleDrafter(DrafterCache, nn.Module):
     """The drafter (see the module docstring): parameters ``fc`` and ``layers.0.*`` as EAGLE names them."""
 
     reads_layers = False
@@ -364,32 +395,6 @@ class EagleDrafter(nn.Module):
                 attn = attn + weights[..., t + r - 1 : t + r] * _shift(values[r], s - r)
             outs.append(self._out(x, attn))
         return outs
-
-    # ------------------------------------------------------------------ inference cache
-    def new_cache(self, max_len: int | None = None):
-        """An empty KV cache of one sequence for ``step(..., cache=)``, of ``max_len`` entries
-        (default and most: `max_context`). The drafter keeps one of its own (`reset`); the
-        serving engine keeps one per sequence (`specops.serving.eagle_proposer`)."""
-        from specops.decoder.kv_cache import KVCache
-
-        c = self.config
-        size = c.max_position_embeddings if max_len is None else min(max_len, c.max_position_embeddings)
-        return KVCache(layers=1, kv_heads=c.num_key_value_heads, head_dim=c.head_dim, max_len=max(size, 1),
-                       dtype=self.fc.weight.dtype, device=self.fc.weight.device)
-
-    def reset(self) -> None:
-        """Empty the drafter's own KV cache (one sequence): a new one where the last was made in
-        inference mode and this runs outside it (such a tensor cannot be written there)."""
-        if self._cache is None or (self._cache.data.is_inference() and not torch.is_inference_mode_enabled()):
-            self._cache = self.new_cache()
-        self._cache.reset(1)
-
-    @property
-    def cache_len(self) -> int:
-        return 0 if self._cache is None else self._cache.length
-
-    def truncate(self, length: int) -> None:
-        self._cache.truncate(length)
 
     def step(self, tokens: Tensor, features: Tensor, cache=None) -> Tensor:
         """Append entries to the cache: tokens [T] long, features [T, E] -> predicted next features [T, E].
