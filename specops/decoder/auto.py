@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specops.decoder.chooser import ChoiceClock, ProbeRule, choose
 from specops.decoder.clock import cost_clock, device_clock
 from specops.decoder.draft import CATCHUP_FREE, DraftModelProposer, check_vocab
 from specops.decoder.errors import InvalidRequestError
@@ -62,6 +63,9 @@ STEP_WEIGHT = 0.2  # weight of the newest step in a request's running acceptance
 PROBE_EVERY = 24  # steps between tries of an option as good as the best; worse ones wait longer
 PROBE_BUDGET = 0.005  # time probes of one worse option may cost, as a share of the best option's
 PROBE_MAX_WAIT = 400  # no option waits longer than this many steps for its next try
+STEP_RULE = ProbeRule(every=PROBE_EVERY, budget=PROBE_BUDGET, max_wait=PROBE_MAX_WAIT)
+"""The probe rule of the per-step choice (`chooser.choose`); plain decoding, which has no acceptance
+to learn, waits PROBE_MAX_WAIT steps (its tries only re-measure its cost scale)."""
 HOPE = 2.0
 """How far above its running acceptance a linear drafter's probe wait reads it: by HOPE standard
 errors (α + HOPE·sqrt(α(1-α)/n), n its running trials). The choice
@@ -115,15 +119,10 @@ class OptionEstimate:
 
 
 @dataclass
-class ProbeClock:
-    """The chooser's step count and each option's last step, kept across requests, so
-    probes of a worse option come every PROBE_EVERY..PROBE_MAX_WAIT steps of the decoder's
-    life, not of one request (a request shorter than PROBE_EVERY steps would never probe,
-    and a bad early estimate would then stand for good)."""
+class ProbeClock(ChoiceClock):
+    """The per-step choice's `ChoiceClock` (kept across requests) and each option's measured /
+    modelled seconds (a running mean, see `Chooser.record`)."""
 
-    step: int = 0
-    last_used: dict[str, int] = field(default_factory=lambda: {name: 0 for name in OPTIONS})
-    # measured / modelled seconds of each option's steps (a running mean, see `Chooser.record`)
     scale: dict[str, float] = field(default_factory=lambda: {name: 1.0 for name in OPTIONS})
 
 
@@ -255,25 +254,10 @@ class Chooser:
         return tokens / seconds
 
     def choose(self, available: dict[str, int]) -> str:  # option -> tokens it would draft
-        self.step += 1
+        """The option of this step (`chooser.choose` on modelled tokens per second)."""
         untried = [o for o in available if o != "plain" and not self.estimates[o].steps]
-        if untried:
-            return untried[-1]
-        rates = {o: self.rate(o, g) for o, g in available.items()}
-        best = max(rates, key=rates.__getitem__)
-        for option in rates:
-            if option == best or self.step - self.last_used[option] < PROBE_EVERY:
-                continue  # the best, or not due whatever it costs (every wait is >= PROBE_EVERY)
-            if option == "plain":
-                # plain decoding has no acceptance to learn; its probes only re-measure the cost scale
-                wait = PROBE_MAX_WAIT
-            else:
-                hoped = self.rate(option, available[option], hopeful=True)
-                loss = rates[best] / max(hoped, 1e-12) - 1.0  # a probe's time lost, in best steps
-                wait = min(max(PROBE_EVERY, loss / PROBE_BUDGET), PROBE_MAX_WAIT)
-            if self.step - self.last_used[option] >= wait:
-                return option
-        return best
+        return choose({o: self.rate(o, g) for o, g in available.items()}, self.clock, STEP_RULE, untried=untried,
+                      hoped=lambda o: self.rate(o, available[o], hopeful=True), fixed_wait={"plain": PROBE_MAX_WAIT})
 
     def record(self, option: str, result: StepResult, seconds: float | None = None, drafted: int = 0) -> None:
         """Count a step; ``seconds``: what it took (planned to draft ``drafted`` tokens)."""
@@ -284,7 +268,7 @@ class Chooser:
             scale[option] += SCALE_WEIGHT * (ratio - scale[option])
         if option != "plain":
             self.estimates[option].update(result.drafted, result.raw_accepted, len(result.emitted))
-        self.last_used[option] = self.step
+        self.clock.used(option)
         self.counts[option] += 1
 
 

@@ -46,7 +46,7 @@ from torch import Tensor
 
 from specops.decoder.errors import InvalidRequestError
 from specops.decoder.runner import ModelRunner, prompt_forward
-from specops.decoder.sampling import SamplingConfig, next_token, probabilities
+from specops.decoder.sampling import SamplingConfig, next_token
 from specops.decoder.clock import device_clock
 from specops.decoder.medusa_heads import HeadsLike, head_candidates
 from specops.decoder.medusa_branch import LOOKUP_BRANCH, branch_room, branch_tokens, context_index, merge_branch
@@ -59,9 +59,7 @@ from specops.decoder.tree_size import TreePlanner, plan_tree, tree_planner
 from specops.decoder.tree_verify import (
     TreeVerification,
     TypicalAcceptance,
-    verify_tree_greedy,
-    verify_tree_sampling,
-    verify_tree_typical,
+    judge_tree,
 )
 from specops.kernels import cpu_linear
 
@@ -345,15 +343,7 @@ def _verify_step(target: ModelRunner, tree_tokens: Tensor, buffers: TreeBuffers,
     start = target.cache_len
     positions = (start + buffers.depth)[None]  # [1, N]
     out = target.forward(tree_tokens[None], position_ids=positions, tree_mask=buffers.attn_mask, need_hidden=True)
-    logits = out.logits[0]  # [N, V]
-    if sampling.greedy:
-        verification = verify_tree_greedy(tree_tokens, logits, buffers, out.argmax)
-    else:
-        probs = probabilities(logits, sampling)  # [N, V]
-        if typical is None:
-            verification = verify_tree_sampling(tree_tokens, probs, buffers, generator)
-        else:
-            verification = verify_tree_typical(tree_tokens, probs, buffers, generator, typical)
+    verification = judge_tree(tree_tokens, out.logits[0], buffers, sampling, generator, typical, out.argmax)
     path = verification.path
     target.compact(start, path)  # a list: the fast runner moves the few entries without an index tensor
     return _Verified(verification=verification, hidden=out.hidden[0, path[-1]])

@@ -41,6 +41,7 @@ from specops.decoder.runner import ModelRunner, prompt_forward
 from specops.decoder.sampling import SamplingConfig, next_token
 from specops.decoder.stats import DecodeStats
 from specops.decoder.verify import accept_greedy, verify_block_sampled
+from specops.kernels import cpu_linear
 
 
 @dataclass
@@ -66,19 +67,20 @@ def step_tokens(accepted: list[int], next_token: int, drafted: int, eos: frozens
     return StepResult(drafted=drafted, accepted=n, emitted=new, raw_accepted=n)
 
 
-def judge_block(out, drafted: list[int], q: torch.Tensor | None, sampling: SamplingConfig,
-                generator: torch.Generator) -> tuple[int, int]:
-    """The one acceptance rule of a linear block: (accepted count n, next token) from the target's
-    forward ``out`` over ``[pending, d_1 .. d_G]`` (one sequence, G + 1 rows). Greedy: drafts are
-    kept while they equal the target's argmax, which then follows; sampled with nothing drafted:
-    the next token drawn from the target's row (a plain step, the same draws); sampled: rejection
-    sampling against the drafter's q [G, V] (None: a deterministic drafter, a point mass)."""
+def judge_block(logits: torch.Tensor, drafted: list[int], q: torch.Tensor | None, sampling: SamplingConfig,
+                generator: torch.Generator, choice: list[int] | None = None) -> tuple[int, int]:
+    """The one acceptance rule of a linear block, for `Decoder.generate` and the serving engine
+    alike: (accepted count n, next token) from the target's ``logits`` [G+1, V] over
+    ``[pending, d_1 .. d_G]``. Greedy: drafts are kept while they equal the target's argmax
+    (``choice``, the rows' argmax where the forward computed it), which then follows; sampled with
+    nothing drafted: the next token drawn from the target's row (a plain step, the same draws);
+    sampled: rejection sampling against the drafter's q [G, V] (None: a deterministic drafter,
+    a point mass)."""
     if sampling.greedy:  # g == 0 too: the argmax is the next token itself
-        return accept_greedy(drafted, out.choices())
-    logits = out.logits  # [1, G+1, V]
+        return accept_greedy(drafted, cpu_linear.argmax(logits).tolist() if choice is None else choice)
     if not drafted:
-        return 0, int(next_token(logits[:, 0], sampling, generator)[0])
-    return verify_block_sampled(logits[0], drafted, q, sampling, generator)
+        return 0, int(next_token(logits[None, 0], sampling, generator)[0])
+    return verify_block_sampled(logits, drafted, q, sampling, generator)
 
 
 DRAFT_CONTEXT = "draft_context"
@@ -226,8 +228,8 @@ class TargetVerifier:
         block = torch.tensor([[self.tokens[-1], *drafted]], dtype=torch.long, device=self.device)  # [1, G+1]
         layers = {} if self.feature_layers is None else {"hidden_layers": self.feature_layers}
         out = self.target.forward(block, need_hidden=self._need_hidden(), **layers)
-        n, nxt = judge_block(out, drafted, None if draft_probs is None else draft_probs[0], self.sampling,
-                             self.generator)
+        n, nxt = judge_block(out.logits[0], drafted, None if draft_probs is None else draft_probs[0], self.sampling,
+                             self.generator, out.choices() if self.sampling.greedy else None)
         if self.keep_hidden:
             self.hidden = out.hidden[0, n]  # [E] at d_n, whose logits chose the next token
         if self.keep_features:

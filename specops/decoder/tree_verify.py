@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specops.decoder.sampling import draw
+from specops.decoder.sampling import SamplingConfig, draw, probabilities
 from specops.decoder.tree import TreeBuffers
 from specops.kernels import cpu_linear
 
@@ -170,3 +170,24 @@ def verify_tree_typical(
             return TreeVerification(path=path, next_token=token)
         node = max(plausible)[1]
         path.append(node)
+
+
+def judge_tree(
+    tokens: Tensor,  # [N] long: node tokens, root first
+    logits: Tensor,  # [N, V] target logits at every node
+    buffers: TreeBuffers,
+    sampling: SamplingConfig,
+    generator: torch.Generator,
+    typical: TypicalAcceptance | None = None,
+    choice: list[int] | None = None,  # [N] the logits' row argmax, where the forward computed it
+) -> TreeVerification:
+    """The one acceptance rule of a tree step, for `Decoder.generate` and the serving engine alike:
+    greedy walks the argmax (`verify_tree_greedy`); sampled walks by recursive rejection sampling
+    over the target's filtered distribution (`verify_tree_sampling`, lossless), or by ``typical``
+    acceptance where the request asked for that LOSSY rule (`verify_tree_typical`)."""
+    if sampling.greedy:
+        return verify_tree_greedy(tokens, logits, buffers, choice)
+    probs = probabilities(logits, sampling)  # [N, V]
+    if typical is None:
+        return verify_tree_sampling(tokens, probs, buffers, generator)
+    return verify_tree_typical(tokens, probs, buffers, generator, typical)

@@ -2,23 +2,28 @@
 
 `Decoder.generate(method="auto")` switches drafter step by step inside one request
 (`specops.decoder.auto`). In the engine a request keeps one proposer for its life (its
-KV caches and proposal state are per method), so ``auto`` is decided at admission: the
-engine keeps one chooser per request class and greedy/sampled (what pays for code at
-temperature 0 is not what pays for prose at temperature 1), and each keeps, per
-available method, a running estimate of the tokens committed per
-target forward by the requests that ran it, and gives a new request the method with
-the best estimate. Methods without ``min_samples`` finished requests are tried first
-(round robin), and ``explore`` of later requests try a random other method, so an
-estimate that has gone stale (traffic changed, the planner turned speculation off for
-a while) is refreshed. Cost is not in the score on purpose: the spec planner already
-speculates only when the measured gain beats the measured cost (γ = 0 otherwise), so a
-method that does not pay commits ~1 token per forward and loses to one that does.
+KV caches and proposal state are per method), so ``auto`` is decided at admission, by the
+same rule (`specops.decoder.chooser.choose`) over what the engine can measure: it keeps one
+chooser per request class and greedy/sampled (what pays for code at temperature 0 is not what
+pays for prose at temperature 1), and each keeps, per available method, a running estimate
+of the tokens committed per target forward by the requests that ran it. Methods without
+``min_samples`` finished requests are tried first, in turn; then the best runs, and a worse
+method is tried again when the rule says it is due (`ADMISSION_RULE`: its tries cost at most
+2% of the requests, and none waits more than 50 admissions), so an estimate that has gone
+stale (traffic changed, the planner turned speculation off for a while) is refreshed. Cost
+is not in the score on purpose: the spec planner already speculates only when the measured
+gain beats the measured cost (γ = 0 otherwise), so a method that does not pay commits ~1
+token per forward and loses to one that does.
 """
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
+
+from specops.decoder.chooser import ChoiceClock, ProbeRule, choose
+
+ADMISSION_RULE = ProbeRule(every=4, budget=0.02, max_wait=50)
+"""The probe rule of admissions: a worse method is tried again every 4..50 admissions of its kind."""
 
 
 @dataclass
@@ -29,26 +34,19 @@ class MethodChooser:
     """Weight of each finished request in the running score (exponential average)."""
     min_samples: int = 3
     """Finished requests per method before its score is trusted."""
-    explore: float = 0.1
-    """Share of admissions that try a method other than the best."""
-    rng: random.Random = field(default_factory=lambda: random.Random(0))
+    rule: ProbeRule = ADMISSION_RULE
+    clock: ChoiceClock = field(default_factory=ChoiceClock)
     scores: dict[str, float] = field(default_factory=dict)
     samples: dict[str, int] = field(default_factory=dict)
-    _next: int = 0
 
     def choose(self, available: tuple[str, ...]) -> str:
         """One of ``available`` (non-empty) for a new request."""
         if not available:
             raise ValueError("auto needs at least one speculative method to choose from")
         untried = [m for m in available if self.samples.get(m, 0) < self.min_samples]
-        if untried:
-            self._next += 1
-            return untried[self._next % len(untried)]
-        best = max(available, key=lambda m: self.scores.get(m, 0.0))
-        if len(available) > 1 and self.rng.random() < self.explore:
-            return self.rng.choice([m for m in available if m != best])
-        return best
-
+        picked = choose({m: self.scores.get(m, 0.0) for m in available}, self.clock, self.rule, untried=untried)
+        self.clock.used(picked)
+        return picked
     def observe(self, method: str, new_tokens: int, target_forwards: int) -> None:
         """Account one finished request that ran ``method`` (prefill forward excluded)."""
         decode_forwards = target_forwards - 1

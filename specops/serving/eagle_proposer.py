@@ -30,7 +30,7 @@ rebuilt from its recompute's hidden rows. A sequence stops drafting for good onc
 the drafter's context (`draft_room`, ``fallback_reason`` "draft_context", its state freed
 at that commit), or past its deadline; it then decodes plainly, and its later (re)admissions may
 reuse cached prompt blocks. Greedy verification makes the output the target's whatever the
-drafter proposes; sampled drafts hand their q rows to `verify_block_sampled`.
+drafter proposes; sampled drafts hand their q rows to `speculation.judge_block`.
 
 The drafter runs sequence by sequence (its chain is γ one-token steps per sequence); the
 planner charges it as a per-sequence overhead measured from the engine's own steps, as it

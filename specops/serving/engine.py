@@ -57,16 +57,11 @@ from specops.decoder.medusa_branch import LOOKUP_BRANCH
 from specops.decoder.medusa_decode import head_accuracy
 from specops.decoder.ngram import NgramIndex
 from specops.decoder.request import eos_set
-from specops.decoder.sampling import make_generator, probabilities
+from specops.decoder.sampling import make_generator
 from specops.decoder.stats import DecodeStats
-from specops.decoder.speculation import DRAFT_CONTEXT, draft_room, step_tokens
-from specops.decoder.tree_verify import (
-    TypicalAcceptance,
-    verify_tree_greedy,
-    verify_tree_sampling,
-    verify_tree_typical,
-)
-from specops.decoder.verify import accept_greedy, verify_block_sampled
+from specops.decoder.speculation import DRAFT_CONTEXT, draft_room, judge_block, step_tokens
+from specops.decoder.tree_verify import TypicalAcceptance, judge_tree
+from specops.decoder.verify import accept_greedy
 from specops.kernels import cpu_linear
 from specops.serving.acceptance import ALPHA_PRIOR, ALPHA_RECOVERY, SEQ_DECAY, SEQ_PRIOR_TRIALS, AcceptancePriors
 from specops.serving.calibration import calibrate as calibrate_costs
@@ -711,13 +706,9 @@ class Engine:
         tree = p is not None and "tree_tokens" in p
         if tree:
             tokens, buffers, branch = p["tree_tokens"], p["buffers"], p.get("branch") or []
-            if greedy:
-                v = verify_tree_greedy(tokens, out.logits, buffers)
-            elif seq.spec.typical:  # LOSSY, as the request's settings asked
-                v = verify_tree_typical(tokens, probabilities(out.logits, seq.sampling), buffers, seq.generator,
-                                        TYPICAL)
-            else:
-                v = verify_tree_sampling(tokens, probabilities(out.logits, seq.sampling), buffers, seq.generator)
+            # typical: LOSSY, as the request's settings asked
+            v = judge_tree(tokens, out.logits, buffers, seq.sampling, seq.generator,
+                           TYPICAL if seq.spec.typical else None)
             path = v.path
             new = tokens[path[1:]].tolist() + [v.next_token]
             drafted, accepted = max(buffers.spec.depth, len(branch)), len(path) - 1
@@ -740,7 +731,7 @@ class Engine:
                 n, x = greedy_result  # batched greedy verification (_verify_greedy_batch)
             else:
                 q = None if p is None else p["q"]  # [G, V] | None
-                n, x = verify_block_sampled(out.logits, drafts, q, seq.sampling, seq.generator)
+                n, x = judge_block(out.logits, drafts, q, seq.sampling, seq.generator)
             new = drafts[:n] + [x]
             drafted, accepted = len(drafts), n
             self.target.truncate(seq.target, old_len + n - 1 + 1)  # keep [.., pending, d_1 .. d_n]

@@ -79,14 +79,14 @@ def test_batched_speculative_sampling_matches_the_target(dec, method, n, cfg):
 
 
 def test_the_test_rejects_a_biased_engine(dec, monkeypatch):
-    def accept_everything(logits, drafted, draft_probs, sampling, generator):  # biased: no rejection
+    def accept_everything(logits, drafted, draft_probs, sampling, generator, choice=None):  # biased: no rejection
         from specops.decoder.sampling import probabilities
 
         g = len(drafted)
         nxt = torch.multinomial(probabilities(logits[g], sampling), 1, generator=generator)
         return g, int(nxt[0])
 
-    monkeypatch.setattr(engine_module, "verify_block_sampled", accept_everything)
+    monkeypatch.setattr(engine_module, "judge_block", accept_everything)
     cfg = SamplingConfig(temperature=1.0)
     counts, _, _ = sample_counts(dec, "draft", 1000, cfg)
     assert chi_square_pvalue(counts, _exact_joint(dec.target_model, PROMPT, cfg)) < ALPHA
