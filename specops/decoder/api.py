@@ -145,8 +145,10 @@ EAGLE_TRAIN_COMMAND = "specops train eagle --model NAME"
 
 def _run_eagle(dec: Decoder, req: DecodeRequest) -> tuple[list[int], DecodeStats]:
     from specops.decoder.eagle import generate_eagle
+    from specops.decoder.eagle_tree import tree_shape
 
-    return generate_eagle(dec.target, dec.eagle, req.prompt_ids, **req.loop_args())
+    return generate_eagle(dec.target, dec.eagle, req.prompt_ids, **req.loop_args(),
+                          tree=tree_shape(req.options.get("eagle_tree")))
 
 
 # method name -> function(decoder, request) -> (tokens, stats). One entry per method.
@@ -166,6 +168,7 @@ OPTIONS: dict[str, frozenset[str]] = {
     "ngram": frozenset({"max_ngram", "min_ngram", "by_match", "corpus"}),  # corpus: use the decoder's ngram_store
     "medusa": frozenset({"typical", "lookup_branch"}),
     "auto": frozenset({"max_ngram", "min_ngram", "corpus"}),
+    "eagle": frozenset({"eagle_tree"}),  # (depth, topk, tree_size): EAGLE-2's dynamic tree (specops.decoder.eagle_tree)
 }
 
 
@@ -481,7 +484,9 @@ class Decoder:
         ``prompt_ids``: list of ints or a 1-D LongTensor (or text, with a tokenizer).
         ``method``: "ar" | "draft" | "ngram" | "medusa" | "auto" (per step, whichever of
         plain / ngram / draft / medusa the running estimates say pays most; lossless) | "eagle"
-        (an EAGLE feature drafter, `specops.decoder.eagle`). ``gamma`` and ``schedule``
+        (an EAGLE feature drafter, `specops.decoder.eagle`; ``eagle_tree=(depth, topk, tree_size)``:
+        greedy requests draft EAGLE-2's dynamic tree of that shape instead of a γ chain, exact as
+        the chain; sampled ones keep the chain, `specops.decoder.eagle_tree`). ``gamma`` and ``schedule``
         ("constant" | "heuristic" | "goodput", bounded by ``gamma_min``..``gamma_max``)
         set the draft length of speculative methods. ``temperature == 0`` is greedy;
         otherwise top-k / top-p filter target and draft alike. ``seed`` makes sampling

@@ -12,7 +12,7 @@ the target's frozen LM head turns that into the token ``x_{i+2}``. Drafting a ch
 tokens runs the layer on its own predicted features (argmax at temperature 0; at
 temperature > 0 a sample from the drafter's filtered distribution q, which the sampling
 verification of `speculation.TargetVerifier` receives, so the output is distributed as the
-target's). After a verification the target's hidden states at the accepted positions
+target's). A greedy request may draft EAGLE-2's dynamic tree instead (`specops.decoder.eagle_tree`). After a verification the target's hidden states at the accepted positions
 replace the drafted features: the drafter's cache is cut back to the real entries and
 the accepted positions are fed with their real features in one forward.
 
@@ -35,6 +35,7 @@ reduced vocabulary, and its ``shortlist`` holds the target ids of those tokens (
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -49,6 +50,9 @@ from specops.decoder.schedule import ConstantSchedule, GammaSchedule
 from specops.decoder.speculation import StepResult, TargetVerifier, draft_room
 from specops.decoder.stats import DecodeStats
 from specops.decoder.step import run_steps
+
+if TYPE_CHECKING:
+    from specops.decoder.eagle_tree import EagleTree
 
 __all__ = ["EagleConfig", "EagleDrafter", "EagleError", "EagleProposer", "draft_chain", "generate_eagle"]
 
@@ -153,11 +157,15 @@ def generate_eagle(
     eos_token_id: int | list[int] | None = None,
     schedule: GammaSchedule | None = None,
     deadline_s: float | None = None,
+    tree: EagleTree | None = None,
 ) -> tuple[list[int], DecodeStats]:
     """Speculative decoding with an EAGLE drafter; γ per step from ``schedule`` (default 4).
 
-    Past ``deadline_s`` the rest is plain decoding; once the sequence outgrows the drafter's
-    context (`draft_room`) too (``fallback_reason`` "draft_context")."""
+    ``tree``: greedy requests draft EAGLE-2's dynamic tree of that shape each step instead of a
+    chain (`specops.decoder.eagle_tree`; ``schedule`` then unused); sampled requests keep the
+    chain, whose rejection sampling against the drafter's q is lossless. Past ``deadline_s``
+    the rest is plain decoding; once the sequence outgrows the drafter's context (`draft_room`)
+    too (``fallback_reason`` "draft_context")."""
     if not drafter.bound:
         raise InvalidRequestError("the EAGLE drafter is not bound to the target: EagleDrafter.bind(target_model)")
     if drafter.config.vocab_size != target.vocab_size:
@@ -172,7 +180,12 @@ def generate_eagle(
     v = TargetVerifier(target, prompt_list(prompt_ids), sampling=sampling, generator=generator,
                        max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, stats=stats, deadline_s=deadline_s,
                        keep_features=True if layers is None else layers)
-    run_steps(v, EagleProposer(drafter, sampling, generator, target.vocab_size, target.device),
-              schedule if schedule is not None else ConstantSchedule(4))
+    if tree is not None and sampling.greedy:
+        from specops.decoder.eagle_tree import EagleTreeProposer, run_tree_steps
+
+        run_tree_steps(v, EagleTreeProposer(drafter, tree, sampling, generator, target.vocab_size, target.device))
+    else:
+        run_steps(v, EagleProposer(drafter, sampling, generator, target.vocab_size, target.device),
+                  schedule if schedule is not None else ConstantSchedule(4))
     stats.finish(v.stop_reason())
     return v.output, stats

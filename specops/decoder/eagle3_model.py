@@ -228,16 +228,17 @@ class Eagle3Drafter(DrafterCache, nn.Module):
         """Logits of predicted features [..., E] over the draft vocabulary [..., F]."""
         return self.lm_head(self.norm(features.to(self.lm_head.weight.dtype)))
 
-    def step(self, tokens: Tensor, features: Tensor, cache=None) -> Tensor:
+    def step(self, tokens: Tensor, features: Tensor, cache=None, *, positions: Tensor | None = None,
+             mask: Tensor | None = None) -> Tensor:
         """Append entries: tokens [T] long (target ids), features [T, 3E_t] (the target's fused
         layers) or [T, E] (the drafter's own predictions) -> predicted features [T, E].
 
-        ``cache``: a `new_cache` to append to instead of the drafter's own."""
+        ``cache``: a `new_cache` to append to instead of the drafter's own; ``positions`` [T] and
+        ``mask`` [T, L + T]: as `EagleDrafter.step` takes them (a draft tree's depth)."""
         c, layer = self.config, self.midlayer
         cache = self._cache if cache is None else cache
-        start, t = cache.length, tokens.shape[0]
-        if start + t > cache.max_len:
-            raise EagleError(f"drafter context of {cache.max_len} positions exceeded ({start} + {t})")
+        t = tokens.shape[0]
+        positions, mask = self._layout(cache, t, positions, mask, self.fc.weight.device)
         width = features.shape[-1]
         h = features.to(self.fc.weight.dtype)
         if width == self.fc.in_features:
@@ -250,8 +251,7 @@ class Eagle3Drafter(DrafterCache, nn.Module):
         q = attn.q_proj(x).view(1, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
         k = attn.k_proj(x).view(1, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         v = attn.v_proj(x).view(1, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        positions = torch.arange(start, start + t, device=x.device, dtype=torch.float32) / c.rope_linear_factor
-        freqs = positions[:, None] * self.inv_freq[None]
+        freqs = (positions.to(torch.float32) / c.rope_linear_factor)[:, None] * self.inv_freq[None]
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -260,9 +260,6 @@ class Eagle3Drafter(DrafterCache, nn.Module):
         groups = c.num_attention_heads // c.num_key_value_heads
         if groups > 1:
             keys, vals = keys.repeat_interleave(groups, 1), vals.repeat_interleave(groups, 1)
-        mask = None
-        if t > 1:
-            mask = torch.ones(t, start + t, dtype=torch.bool, device=x.device).tril(start)
         out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)  # [1, H, T, D]
         u = h + attn.o_proj(out.transpose(1, 2).reshape(t, -1))
         return u + layer.mlp(layer.post_attention_layernorm(u))

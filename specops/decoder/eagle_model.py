@@ -145,11 +145,34 @@ class DrafterCache:
         self._cache.reset(1)
 
     @property
+    def cache(self):
+        """The drafter's own KV cache (`reset` makes it), which `step` appends to by default."""
+        return self._cache
+
+    @property
     def cache_len(self) -> int:
         return 0 if self._cache is None else self._cache.length
 
     def truncate(self, length: int) -> None:
         self._cache.truncate(length)
+
+    def _layout(self, cache, t: int, positions: Tensor | None, mask: Tensor | None,
+                device: torch.device) -> tuple[Tensor, Tensor | None]:
+        """`step`'s RoPE positions [T] and attention mask [T, L + T] (None: one entry, which sees
+        everything) for ``t`` entries appended to ``cache``; by default the next slots, causal."""
+        start = cache.length
+        if start + t > cache.max_len:
+            raise EagleError(f"drafter context of {cache.max_len} positions exceeded ({start} + {t})")
+        if positions is None:
+            positions = torch.arange(start, start + t, device=device)
+        elif tuple(positions.shape) != (t,):
+            raise EagleError(f"positions must be [T] = [{t}], got {tuple(positions.shape)}")
+        if mask is None:
+            return positions, (torch.ones(t, start + t, dtype=torch.bool, device=device).tril(start) if t > 1 else None)
+        if tuple(mask.shape) != (t, start + t) or mask.dtype != torch.bool:
+            raise EagleError(f"mask must be a [T, L + T] = [{t}, {start + t}] bool tensor, got "
+                             f"{tuple(mask.shape)} {mask.dtype}")
+        return positions, mask.to(device)
 
 
 class EagleDrafter(DrafterCache, nn.Module):
@@ -396,30 +419,31 @@ class EagleDrafter(DrafterCache, nn.Module):
             outs.append(self._out(x, attn))
         return outs
 
-    def step(self, tokens: Tensor, features: Tensor, cache=None) -> Tensor:
+    def step(self, tokens: Tensor, features: Tensor, cache=None, *, positions: Tensor | None = None,
+             mask: Tensor | None = None) -> Tensor:
         """Append entries to the cache: tokens [T] long, features [T, E] -> predicted next features [T, E].
 
-        ``cache``: a `new_cache` to append to instead of the drafter's own."""
+        ``cache``: a `new_cache` to append to instead of the drafter's own. ``positions`` [T] long:
+        the entries' RoPE positions (default: their slots, L .. L + T - 1); ``mask`` [T, L + T]
+        bool: entry i attends to slot j where True (default: causal). A draft tree's nodes of
+        one depth share a position and see the real entries and their own ancestors
+        (`specops.decoder.eagle_tree`)."""
         cache = self._cache if cache is None else cache
-        start, t = cache.length, tokens.shape[0]
-        if start + t > cache.max_len:
-            raise EagleError(f"drafter context of {cache.max_len} positions exceeded ({start} + {t})")
+        t = tokens.shape[0]
+        positions, mask = self._layout(cache, t, positions, mask, self.fc.weight.device)
         packed = self.packed()
         entries = torch.cat([self.embed(tokens), features.to(self.fc.weight.dtype)], dim=-1)  # [T, 2E]
         if packed is not None:
             x = packed.fc(entries)[None]  # [1, T, E]
-            q, k, v = packed.qkv(self, x, torch.arange(start, start + t, device=x.device))
+            q, k, v = packed.qkv(self, x, positions)
         else:
             x = self.fc(entries)[None]  # [1, T, E]
-            q, k, v = self._qkv(x, torch.arange(start, start + t, device=x.device))
+            q, k, v = self._qkv(x, positions)
         keys, vals = cache.write(0, torch.stack([k, v]))  # [1, Hkv, L + T, D] each
         cache.advance(t)
         groups = self._groups()
         if groups > 1:
             keys, vals = keys.repeat_interleave(groups, 1), vals.repeat_interleave(groups, 1)
-        mask = None
-        if t > 1:
-            mask = torch.ones(t, start + t, dtype=torch.bool, device=x.device).tril(start)
         attn = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
         if packed is not None:
             return packed.out(x[0], attn[0].transpose(0, 1).reshape(t, -1))

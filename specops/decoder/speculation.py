@@ -40,6 +40,8 @@ from specops.decoder.request import check_deadline, check_room, eos_cut, eos_set
 from specops.decoder.runner import ModelRunner, prompt_forward
 from specops.decoder.sampling import SamplingConfig, next_token
 from specops.decoder.stats import DecodeStats
+from specops.decoder.tree import TreeBuffers
+from specops.decoder.tree_verify import judge_tree
 from specops.decoder.verify import accept_greedy, verify_block_sampled
 from specops.kernels import cpu_linear
 
@@ -235,6 +237,46 @@ class TargetVerifier:
         if self.keep_features:
             self.features = self._features(out)[0, : n + 1]  # [n+1, E or k*E]: pending, d_1 .. d_n
         return self._finish(drafted, n, nxt, g, t0)
+
+    def verify_tree(self, tokens: torch.Tensor, buffers: TreeBuffers) -> StepResult:  # tokens: [N] long
+        """Verify a drafted tree in one target forward and advance the sequence along its accepted path.
+
+        ``tokens``: the nodes' tokens in ``buffers``' order, the root first, which is the pending
+        token. The forward sees the cache and each node's ancestors (``buffers.attn_mask``) at
+        positions ``cache_len + depth``; `tree_verify.judge_tree` walks it (greedy: the longest
+        path of target argmaxes; sampled: recursive rejection sampling with the nodes as point
+        masses); the cache keeps the root and the accepted nodes (`compact`), and ``features`` /
+        ``hidden`` are read along that path, as `verify` leaves them after a block. The step
+        counts the tree's depth as drafted (Medusa's tree steps count the same way). Past the
+        deadline the step runs plainly, as `verify` does with a block drafted meanwhile."""
+        n, depth = buffers.num_nodes, buffers.spec.depth
+        if tuple(tokens.shape) != (n,):
+            raise ValueError(f"tree tokens must be [N] = [{n}], got {tuple(tokens.shape)}")
+        if int(tokens[0]) != self.tokens[-1]:
+            raise ValueError(f"a tree's root must be the pending token {self.tokens[-1]}, got {int(tokens[0])}")
+        start, limit = self.target.cache_len, self.max_draft()
+        if depth > limit and self.deadline is not None and time.perf_counter() > self.deadline:
+            return self.verify([])  # the deadline passed while the tree was drafted: this step runs plainly
+        if depth > limit or start + n > self.target.max_context:
+            raise ValueError(f"a tree of {n} nodes, {depth} deep, exceeds what the budget ({limit} drafts) "
+                             f"or the context ({self.target.max_context - start} positions) allows")
+        t0 = device_clock(self.device)
+        layers = {} if self.feature_layers is None else {"hidden_layers": self.feature_layers}
+        tokens = tokens.to(self.device)
+        out = self.target.forward(tokens[None], position_ids=(start + buffers.depth.to(self.device))[None],
+                                  tree_mask=buffers.attn_mask, need_hidden=self._need_hidden(), **layers)
+        verdict = judge_tree(tokens, out.logits[0], buffers, self.sampling, self.generator,
+                             choice=out.argmax if self.sampling.greedy else None)
+        path = verdict.path
+        self.target.compact(start, path)  # [.., pending, accepted nodes]
+        if self.keep_hidden:
+            self.hidden = out.hidden[0, path[-1]]  # [E] at the last accepted node, whose logits chose the next token
+        if self.keep_features:
+            self.features = self._features(out)[0, path]  # [n+1, E or k*E]: the root, then the accepted nodes
+        step = self.commit(tokens[path[1:]].tolist(), verdict.next_token, drafted=depth)
+        self.stats.verify_s += device_clock(self.device) - t0
+        self.stats.target_forwards += 1
+        return step
 
     def _need_hidden(self) -> bool:
         return self.keep_hidden or (self.keep_features and self.feature_layers is None)

@@ -13,9 +13,10 @@ accept, commit, roll back) is `speculation.TargetVerifier`; the drafter side is 
 asks the schedule for γ, clamps it by the budget, the deadline and the drafter's own room,
 lets the proposer draft, verifies through the verifier, lets the proposer catch up with what
 was accepted, and feeds the schedule. ``auto`` runs the same proposers' steps through `step`
-one at a time, choosing the proposer per step (`auto.generate_auto`). Medusa's tree step,
-whose proposal is a tree rather than a chain, keeps its own loop (`medusa_decode`), on the
-same verifier rules (`tree_verify`) and commit rule (`speculation.step_tokens`).
+one at a time, choosing the proposer per step (`auto.generate_auto`). Medusa's tree step and
+EAGLE's dynamic tree, whose proposals are trees rather than chains, keep their own loops
+(`medusa_decode`, `eagle_tree.run_tree_steps`), on the same verifier rules (`tree_verify`)
+and commit rule (`speculation.step_tokens`).
 """
 
 from __future__ import annotations
