@@ -8,11 +8,23 @@ from pathlib import Path
 
 import click
 
-METHOD_HELP = ("hf-greedy,hf-assisted,hf-lookup,ar,ar-chain,draft,ngram,ngram-prompt,medusa,auto,eagle"
+METHOD_HELP = ("hf-greedy,hf-assisted,hf-lookup,ar,ar-chain,draft,ngram,ngram-prompt,medusa,auto,eagle,eagle-tree"
                "[,llama.cpp,llama.cpp-spec,llama.cpp-q4,llama-cpp-python,llama-cpp-python-lookup] (ar-chain: a "
                "reference, ar's forwards without its per-token Python; ngram-prompt: ngram without the target's "
-               "corpus n-gram store; llama.cpp*: llama.cpp's own llama-server, built by make peers; "
+               "corpus n-gram store; eagle-tree: eagle drafting EAGLE-2's dynamic tree, --eagle-tree; "
+               "llama.cpp*: llama.cpp's own llama-server, built by make peers; "
                "llama-cpp-python*: its Python binding, the peers extra)")
+
+
+def _tree_shape(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
+    """DEPTH,TOPK,SIZE as three ints (`BenchConfig.validate` checks their ranges)."""
+    try:
+        shape = tuple(int(part) for part in value.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 3:
+        raise click.BadParameter(f"give DEPTH,TOPK,SIZE as three integers, e.g. 5,4,16; got {value!r}")
+    return shape
 
 
 def _model_ref(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -49,6 +61,10 @@ def _model_ref(ctx: click.Context, param: click.Parameter, value: str | None) ->
 @click.option("--medusa", type=click.Path(exists=True), default=None, help="Medusa heads (method medusa).")
 @click.option("--eagle", type=click.Path(exists=True, file_okay=False), default=None,
               help="EAGLE drafter folder (method eagle; default: the one `specops train eagle --model NAME` cached).")
+@click.option("--eagle-tree", "eagle_tree", default="5,4,16", show_default=True, callback=_tree_shape,
+              metavar="DEPTH,TOPK,SIZE",
+              help="Method eagle-tree's dynamic draft tree: levels drafted, nodes expanded per level (and "
+                   "children per node), nodes verified in one target forward (root included).")
 @click.option("--gamma", type=int, default=4, show_default=True, help="Draft length (initial, for schedules).")
 @click.option("--schedule", type=click.Choice(["constant", "heuristic", "goodput"]), default="constant",
               show_default=True)
@@ -63,7 +79,7 @@ def _model_ref(ctx: click.Context, param: click.Parameter, value: str | None) ->
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def bench_decode_command(suite, methods, max_new_tokens, repeats, json_path, plot_path, prompts_file, model, draft,
-                         medusa, eagle, gamma, schedule, dtype, device, limit, greedy, threads, seed, quiet):
+                         medusa, eagle, eagle_tree, gamma, schedule, dtype, device, limit, greedy, threads, seed, quiet):
     """Benchmark decoding methods against transformers on the same prompts."""
     from specops.bench.decode import BenchConfig, BenchError, format_table, run_benchmark
     from specops.bench.suites import SuiteError
@@ -71,6 +87,7 @@ def bench_decode_command(suite, methods, max_new_tokens, repeats, json_path, plo
     logging.basicConfig(level=logging.WARNING)
     cfg = BenchConfig(suite=suite, methods=[m.strip() for m in methods.split(",") if m.strip()],
                       max_new_tokens=max_new_tokens, repeats=repeats, model=model, draft=draft, medusa=medusa, eagle=eagle,
+                      eagle_tree=eagle_tree,
                       prompts_file=prompts_file, gamma=gamma, schedule=schedule, dtype=dtype, device=device,
                       seed=seed, threads=threads, limit=limit, greedy=greedy, progress=not quiet)
     try:

@@ -80,6 +80,7 @@ class BenchConfig:
     draft: str | None = None          # draft folder or registered name; None = bundled draft (with the bundled target)
     medusa: str | None = None         # Medusa heads folder; None = bundled heads when present
     eagle: str | None = None          # EAGLE drafter folder; None = the one cached for a registered --model
+    eagle_tree: tuple[int, int, int] = (5, 4, 16)  # method eagle-tree's (depth, topk, tree_size) (`EagleTree`)
     prompts_file: str | None = None   # replaces the suite
     gamma: int = 4
     schedule: str = "constant"
@@ -109,6 +110,13 @@ class BenchConfig:
                 raise BenchError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.limit is not None and self.limit < 1:
             raise BenchError(f"limit must be >= 1, got {self.limit}")
+        if "eagle-tree" in self.methods:
+            from specops.decoder.eagle_tree import tree_shape
+
+            try:
+                tree_shape(tuple(self.eagle_tree))
+            except ValueError as exc:
+                raise BenchError(str(exc)) from None
         try:
             device = torch.device(self.device)
         except RuntimeError as exc:
@@ -198,7 +206,7 @@ def load_models(cfg: BenchConfig) -> Models:
         if not medusa_path.exists():
             raise BenchError(f"method medusa needs heads: none at {medusa_path} (give --medusa PATH)")
         medusa = MedusaHeads.from_pretrained(medusa_path, base=target, device=cfg.device)  # heads pick their fastest dtype
-    eagle = load_eagle(cfg, target) if "eagle" in cfg.methods else None
+    eagle = load_eagle(cfg, target) if {"eagle", "eagle-tree"} & set(cfg.methods) else None
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
     eos = tokenizer.eos_token_id
     max_context = int(getattr(target.config, "max_position_embeddings", 0) or 0) or 1 << 30
@@ -266,8 +274,9 @@ def build_methods(cfg: BenchConfig, models: Models) -> tuple[list[BenchMethod], 
         elif name == "ar-chain":
             methods.append(ChainedAR(decoder, eos_token_id=models.eos_token_id))
         else:
+            tree = {"eagle_tree": tuple(cfg.eagle_tree)} if name == "eagle-tree" else {}
             methods.append(DecoderMethod(name, decoder, gamma=cfg.gamma, schedule=cfg.schedule,
-                                         eos_token_id=models.eos_token_id))
+                                         eos_token_id=models.eos_token_id, **tree))
     return methods, unavailable
 
 

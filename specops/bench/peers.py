@@ -41,10 +41,11 @@ import torch
 from specops.decoder.clock import device_clock
 
 HF_METHODS = ("hf-greedy", "hf-assisted", "hf-lookup")
-OUR_METHODS = ("ar", "draft", "ngram", "ngram-prompt", "medusa", "auto", "eagle")
+OUR_METHODS = ("ar", "draft", "ngram", "ngram-prompt", "medusa", "auto", "eagle", "eagle-tree")
 # bench names that run one of the Decoder's methods with options: prompt lookup without the
-# target's corpus n-gram store (`specops.decoder.ngram_store`), as ``ngram`` ran before it had one
-VARIANTS: dict[str, tuple[str, dict]] = {"ngram-prompt": ("ngram", {"corpus": False})}
+# target's corpus n-gram store (`specops.decoder.ngram_store`), as ``ngram`` ran before it had one;
+# eagle drafting EAGLE-2's dynamic tree, whose ``eagle_tree`` shape is `BenchConfig.eagle_tree`
+VARIANTS: dict[str, tuple[str, dict]] = {"ngram-prompt": ("ngram", {"corpus": False}), "eagle-tree": ("eagle", {})}
 LLAMA_CPP_PYTHON_METHODS = ("llama-cpp-python", "llama-cpp-python-lookup")  # specops.bench.llamacpp_peer
 SERVER_METHODS = ("llama.cpp", "llama.cpp-spec", "llama.cpp-q4")  # specops.bench.llamacpp_server_peer
 LLAMA_CPP_METHODS = SERVER_METHODS + LLAMA_CPP_PYTHON_METHODS

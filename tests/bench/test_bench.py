@@ -125,6 +125,21 @@ def test_summary_flags_a_mismatch_and_computes_speedup():
     assert rows["draft"].acceptance_by_pos == pytest.approx([2 / 3, 1 / 3], abs=1e-4)
 
 
+def test_eagle_tree_runs_beside_the_chain_and_both_are_exact(tiny_models):
+    from specops.decoder.eagle_model import EagleDrafter
+
+    models = dataclasses.replace(tiny_models, eagle=EagleDrafter.for_target(tiny_models.target, seed=0))
+    cfg = BenchConfig(methods=["hf-greedy", "eagle", "eagle-tree"], eagle_tree=(3, 2, 6), max_new_tokens=10,
+                      repeats=1, progress=False)
+    report = run_benchmark(cfg, models=models, prompts=PROMPTS)
+    rows = {r["method"]: r for r in report["results"]}
+    assert rows["eagle"]["exact_match"] is True and rows["eagle-tree"]["exact_match"] is True
+    assert len(rows["eagle"]["acceptance_by_pos"]) == cfg.gamma
+    assert 1 <= len(rows["eagle-tree"]["acceptance_by_pos"]) <= 3  # the tree's depth, not γ
+    with pytest.raises(BenchError, match="topk must be"):
+        BenchConfig(methods=["hf-greedy", "eagle-tree"], eagle_tree=(3, 0, 6)).validate()
+
+
 def test_bad_config_is_rejected():
     with pytest.raises(BenchError, match="unknown method"):
         BenchConfig(methods=["hf-greedy", "warp"]).validate()
