@@ -16,7 +16,7 @@ import click
 COMMANDS: dict[tuple[str, ...], dict[str, str]] = {
     (): {
         "demo": "specops.demo:demo_command",
-        "serve": "specops.serving.cli:serve_command",
+        "serve": "specops.server.cli:serve_command",
         "sidecar": "specops.sidecar.cli:sidecar_command",
         "engine-config": "specops.sidecar.cli:engine_config_command",
         "simulate": "specops.controller.cli:simulate_command",

@@ -131,7 +131,7 @@ def run_ops_demo(decoder: Any, *, state_dir: str | Path, policy_path: str | Path
     from specops.controller.rollout_driver import canary_namespace
     from specops.controller.sources import RedisWindowSource
     from specops.policies.live import LivePolicy
-    from specops.serving.policy_runtime import PolicyRuntime
+    from specops.engine.policy_runtime import PolicyRuntime
     from specops.policies import load_policy
     from specops.policies import rollout as machine
     from specops.policies.redis_backend import close, connect

@@ -20,7 +20,7 @@ interleaves all four, one prompt of each class in turn, so ``--limit`` keeps the
 Each prompt is the messages rendered with the model's own chat template
 (``tokenizer.apply_chat_template(..., add_generation_prompt=True)``, as `specops serve`
 renders a chat request), or, for a tokenizer without one, with ``template`` when given,
-else the server's plain transcript format (`specops.serving.chat_template.render_plain`).
+else the server's plain transcript format (`specops.server.chat_template.render_plain`).
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def render_messages(messages: list[tuple[str, str]], tokenizer: Any = None, temp
                                              add_generation_prompt=True)
     if template is not None:
         return ChatTemplate(template).render(messages)
-    from specops.serving.chat_template import render_plain
+    from specops.server.chat_template import render_plain
 
     return render_plain(messages, getattr(tokenizer, "eos_token", None))
 

@@ -1,6 +1,6 @@
 """Engine-only throughput: output tokens/s per method and concurrency, and a step profile.
 
-No HTTP: a `specops.serving.engine.Engine` over the bundled models, ``concurrency``
+No HTTP: a `specops.engine.engine.Engine` over the bundled models, ``concurrency``
 requests kept in flight (a finished one is replaced at once), greedy, code prompts.
 Methods are run interleaved, repeated ``--repeats`` times; the median is reported
 with the ratio to ``ar`` at the same concurrency, and where the target forwards' time went
@@ -30,8 +30,8 @@ import time
 
 import torch
 
-from specops.serving.engine import Engine
-from specops.serving.sequence import SamplingParams, SpecSettings
+from specops.engine.engine import Engine
+from specops.engine.sequence import SamplingParams, SpecSettings
 
 RECORDS: list = []  # finished requests' DecodeStats (the profile mode reports drafting from them)
 METHOD_SETTINGS = {
@@ -53,7 +53,7 @@ def mix_requests(dec, n: int, policy_file: str | None = None) -> list[tuple[list
     """``n`` (prompt ids, temperature, the ``policy`` method's settings) from `bench serve`'s mix."""
     from specops.bench.serve import ServeBenchConfig, build_prompts
     from specops.policies.loader import load_policy
-    from specops.serving.policy_runtime import PolicyRuntime
+    from specops.engine.policy_runtime import PolicyRuntime
 
     runtime = PolicyRuntime(dec, load_policy(policy_file or default_policy_path()))
     out = []
@@ -65,7 +65,7 @@ def mix_requests(dec, n: int, policy_file: str | None = None) -> list[tuple[list
 
 
 def default_policy_path() -> str:
-    from specops.serving.server import DEFAULT_POLICY
+    from specops.server.server import DEFAULT_POLICY
 
     return str(DEFAULT_POLICY)
 

@@ -5,7 +5,7 @@ Two callers ask it, each with the estimates it can measure:
 * `Decoder.generate(method="auto")` (`specops.decoder.auto`) every step: its options are
   plain decoding, n-gram, the draft model and Medusa, rated in expected tokens per modelled
   second of this step;
-* the serving engine at each admission of an ``auto`` request (`specops.serving.auto_method`):
+* the serving engine at each admission of an ``auto`` request (`specops.engine.auto_method`):
   a request keeps its proposer for its life (its KV caches and drafter state are per method),
   so the options are the loaded methods, rated in tokens per target forward of the requests
   of the same kind that ran them.

@@ -129,7 +129,7 @@ class DrafterCache:
     def new_cache(self, max_len: int | None = None):
         """An empty KV cache of one sequence for ``step(..., cache=)``, of ``max_len`` entries
         (default and most: `max_context`). The drafter keeps one of its own (`reset`); the
-        serving engine keeps one per sequence (`specops.serving.eagle_proposer`)."""
+        serving engine keeps one per sequence (`specops.engine.eagle_proposer`)."""
         from specops.decoder.kv_cache import KVCache
 
         c = self.config

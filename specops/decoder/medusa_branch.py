@@ -13,7 +13,7 @@ either way.
 
 The library's one-call C step (`medusa_decode.c_step`, `specops_medusa_step`) merges the
 same way inside the kernel; its Python steps (`generate_medusa` off that path) and the
-serving engine's greedy Medusa sequences (`specops.serving.engine`) merge here, so a step
+serving engine's greedy Medusa sequences (`specops.engine.engine`) merge here, so a step
 proposes the same tree on every path.
 """
 

@@ -4,7 +4,7 @@ Where `FastLlamaRunner` runs one sequence on a contiguous cache, `PagedLlama` ru
 *ragged batch*: B sequences, each with its own number of new tokens, its own cached
 prefix and its own attention pattern among the new tokens (causal, or a Medusa tree).
 Its KV storage is one tensor of ``num_blocks * block_size`` token slots per layer; which
-slots a sequence owns is the caller's business (`specops.serving.kv_pool`).
+slots a sequence owns is the caller's business (`specops.engine.kv_pool`).
 
 One forward:
 

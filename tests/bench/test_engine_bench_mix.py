@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specops.bench import engine_bench
-from specops.serving.engine import Engine
+from specops.engine.engine import Engine
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import torch
 from specops.decoder import Decoder
 from specops.decoder.loading import load_runner
 from specops.decoder.speculation import DRAFT_CONTEXT, draft_room
-from specops.serving.engine import Engine
-from specops.serving.sequence import SamplingParams, SpecSettings
+from specops.engine.engine import Engine
+from specops.engine.sequence import SamplingParams, SpecSettings
 from tests.decoder.tiny_models import perturbed, tiny_other
 
 DRAFT_CONTEXT_LEN = 24

@@ -162,8 +162,8 @@ def test_sampled_requests_draft_from_their_own_context_only(bundled):
 
 
 def test_the_engine_drafts_greedy_ngram_requests_from_the_store(bundled, monkeypatch):
-    from specops.serving.engine import Engine
-    from specops.serving.sequence import SamplingParams, SpecSettings
+    from specops.engine.engine import Engine
+    from specops.engine.sequence import SamplingParams, SpecSettings
     from tests.serving.test_engine import full_speculation
 
     calls = []

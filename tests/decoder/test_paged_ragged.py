@@ -12,9 +12,9 @@ import torch
 from specops.decoder.fast_llama import FastLlamaRunner
 from specops.decoder.paged_llama import PagedLlama
 from specops.kernels import cpu_linear
-from specops.serving.batch_forward import FeedItem, PagedBackend
-from specops.serving.kv_pool import BlockPool
-from specops.serving.sequence import SeqKV
+from specops.engine.batch_forward import FeedItem, PagedBackend
+from specops.engine.kv_pool import BlockPool
+from specops.engine.sequence import SeqKV
 from tests.decoder.tiny_models import tiny_llama, tiny_other
 from tests.kernels.trees import mask_from_parents
 from tests.services import require_binary

@@ -44,8 +44,8 @@ def test_the_paged_model_on_the_kernel_matches_sdpa():
     """`PagedLlama.forward` with `gpu_kernel` on (the path CUDA takes; here the interpreter runs
     the kernel on CPU tensors) gives the SDPA path's logits: plain steps, a chain draft, a tree."""
     from specops.decoder.fast_llama import FastLlamaRunner
-    from specops.serving.batch_forward import PagedBackend
-    from specops.serving.kv_pool import BlockPool
+    from specops.engine.batch_forward import PagedBackend
+    from specops.engine.kv_pool import BlockPool
     from tests.decoder.tiny_models import tiny_llama
 
     runner = FastLlamaRunner(tiny_llama(seed=0))

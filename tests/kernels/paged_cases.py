@@ -59,8 +59,8 @@ def ragged_case(seed: int, *, hq: int = 4, hkv: int = 2, d: int = 16, seqs=((5, 
 def paged_steps(backend, pool) -> list[torch.Tensor]:
     """Four forwards of a `PagedBackend` over three sequences (prefills, plain steps, a chain draft
     beside plain steps, trees beside a plain step); every returned row's logits, on the CPU."""
-    from specops.serving.batch_forward import FeedItem
-    from specops.serving.sequence import SeqKV
+    from specops.engine.batch_forward import FeedItem
+    from specops.engine.sequence import SeqKV
 
     gen = torch.Generator().manual_seed(3)
     seqs = [SeqKV(), SeqKV(), SeqKV()]

@@ -85,8 +85,8 @@ def test_paged_forward_with_the_kernel_equals_the_sdpa_path():
     """Same engine steps (prefill, plain decoding of several sequences) with the kernel and
     without: logits equal up to rounding, greedy tokens identical."""
     from specops.decoder import Decoder
-    from specops.serving.engine import Engine
-    from specops.serving.sequence import SamplingParams, SpecSettings
+    from specops.engine.engine import Engine
+    from specops.engine.sequence import SamplingParams, SpecSettings
 
     dec = Decoder.from_pretrained("bundled")
     prompts = [dec.tokenizer.encode(t) for t in ("def add(a, b):\n", "The river", "import os\nimport sys\n",

@@ -70,7 +70,7 @@ class FakeEngine:
         return outputs
 
     def stats(self) -> Any:
-        from specops.serving.sequence import EngineStats
+        from specops.engine.sequence import EngineStats
 
         return EngineStats(waiting=0, running=len(self.left), batch_size=len(self.left), kv_blocks_used=0,
                            kv_blocks_free=64, kv_blocks_total=64)
@@ -93,9 +93,9 @@ def engine_client(engine: FakeEngine, tokenizer: Any = None, *, max_batch: int =
     from prometheus_client import CollectorRegistry
 
     from specops.policies import load_policy
-    from specops.serving.async_engine import AsyncEngine
-    from specops.serving.metrics import ServingMetrics
-    from specops.serving.policy_runtime import PolicyRuntime
+    from specops.engine.async_engine import AsyncEngine
+    from specops.engine.metrics import ServingMetrics
+    from specops.engine.policy_runtime import PolicyRuntime
 
     runtime = PolicyRuntime(SimpleNamespace(draft=None, medusa=None), load_policy(str(DEFAULT_POLICY)))
     tok = tokenizer if tokenizer is not None else bundled_tokenizer()
@@ -106,7 +106,7 @@ def engine_client(engine: FakeEngine, tokenizer: Any = None, *, max_batch: int =
 @asynccontextmanager
 async def serving(client: Any, **app_kwargs: Any) -> AsyncIterator[tuple[Any, httpx.AsyncClient]]:
     """The app over ``client``, started (lifespan, engine loaded), and an HTTP client into it."""
-    from specops.serving.app import build_app
+    from specops.server.app import build_app
 
     app = build_app(lambda: client, model_name="fake", **app_kwargs)
     async with app.router.lifespan_context(app):

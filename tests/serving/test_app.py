@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from specops.serving import protocol as p
-from specops.serving.async_engine import _Detokenizer
-from specops.serving.chat_template import render_plain
+from specops.server import protocol as p
+from specops.engine.async_engine import _Detokenizer
+from specops.server.chat_template import render_plain
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +129,8 @@ def test_engine_leaves_a_core_to_the_event_loop_while_many_sequences_stream():
 
     from prometheus_client import CollectorRegistry
 
-    from specops.serving.async_engine import HTTP_CORE_FROM, AsyncEngine
-    from specops.serving.metrics import ServingMetrics
+    from specops.engine.async_engine import HTTP_CORE_FROM, AsyncEngine
+    from specops.engine.metrics import ServingMetrics
 
     engine = SimpleNamespace(scheduler=SimpleNamespace(running=[]))
     client = AsyncEngine(engine, runtime=None, tokenizer=[0] * 10, metrics=ServingMetrics(CollectorRegistry()),
@@ -157,10 +157,10 @@ def test_a_canary_or_probe_request_is_marked_observed_for_the_engine(canary, pro
     from prometheus_client import CollectorRegistry
 
     from specops.policies.loader import load_policy
-    from specops.serving.async_engine import AsyncEngine
-    from specops.serving.metrics import ServingMetrics
-    from specops.serving.policy_runtime import PolicyRuntime
-    from specops.serving.server import DEFAULT_POLICY
+    from specops.engine.async_engine import AsyncEngine
+    from specops.engine.metrics import ServingMetrics
+    from specops.engine.policy_runtime import PolicyRuntime
+    from specops.server.server import DEFAULT_POLICY
 
     policy = load_policy(DEFAULT_POLICY)
     runtime = PolicyRuntime(SimpleNamespace(draft=None, eagle=None, medusa=None), policy)
@@ -181,7 +181,7 @@ def test_a_canary_or_probe_request_is_marked_observed_for_the_engine(canary, pro
 def test_the_core_rule_applies_only_to_engines_on_torch_threads():
     from types import SimpleNamespace
 
-    from specops.serving.async_engine import HTTP_CORE_FROM, core_rule
+    from specops.engine.async_engine import HTTP_CORE_FROM, core_rule
 
     c_stack = SimpleNamespace(target=SimpleNamespace(model=SimpleNamespace(c_layers=True)))
     torch_path = SimpleNamespace(target=SimpleNamespace(model=SimpleNamespace(c_layers=False)))
@@ -193,7 +193,7 @@ def test_the_core_rule_applies_only_to_engines_on_torch_threads():
 
 @pytest.mark.parametrize("api_key", [None, "sk-test"])
 def test_openapi_declares_the_bearer_key_on_v1_routes_only_when_set(api_key):
-    from specops.serving.app import build_app
+    from specops.server.app import build_app
 
     doc = build_app(lambda: None, model_name="m", api_key=api_key).openapi()
     secured = {path for path, ops in doc["paths"].items() for op in ops.values() if op.get("security")}
@@ -213,13 +213,13 @@ def test_serve_says_when_its_policy_file_is_not_the_stored_one(tmp_path, caplog)
     from specops.policies.loader import read_source
     from specops.policies.redis_backend import close, connect
     from specops.policies.store import PolicyStore
-    from specops.serving.server import _bootstrap
+    from specops.server.server import _bootstrap
 
     root = Path(__file__).resolve().parents[2] / "examples" / "policies"
     default, off = str(root / "default.yaml"), str(root / "off.yaml")
     client = connect(None, tmp_path / "redis")
     try:
-        with caplog.at_level(logging.INFO, logger="specops.serving.server"):
+        with caplog.at_level(logging.INFO, logger="specops.server.server"):
             _bootstrap(client, "ns", load_policy(default), read_source(default)[0], source=None)
             store = PolicyStore(client, namespace="ns")
             assert store.get_revision(store.current_revision()).policy.version == load_policy(default).version
@@ -243,7 +243,7 @@ def test_health_answers_like_healthz_without_the_api_key():
 
     import httpx
 
-    from specops.serving.app import build_app
+    from specops.server.app import build_app
 
     app = build_app(lambda: None, model_name="m", api_key="sk-test")
 

@@ -648,7 +648,7 @@ BLOCK = 16  # the serving engine's default KV block (tokens): its prefix cache r
 def test_the_block_size_is_the_engines_default():
     import inspect
 
-    from specops.serving.engine import Engine
+    from specops.engine.engine import Engine
 
     assert inspect.signature(Engine.__init__).parameters["block_size"].default == BLOCK
 

@@ -12,10 +12,10 @@ import torch
 
 from specops.decoder import Decoder
 from specops.decoder.medusa_heads import MedusaHeads
-from specops.serving.batch_forward import GenericBackend, PagedBackend
-from specops.serving.engine import Engine
-from specops.serving.sequence import PromptTooLongError, SamplingParams, SpecSettings
-from specops.serving.spec_planner import CostModel, Meter
+from specops.engine.batch_forward import GenericBackend, PagedBackend
+from specops.engine.engine import Engine
+from specops.engine.sequence import PromptTooLongError, SamplingParams, SpecSettings
+from specops.engine.spec_planner import CostModel, Meter
 from tests.decoder.tiny_models import perturbed, tiny_gpt2, tiny_other
 
 METHODS = ("ar", "draft", "ngram", "medusa")
@@ -282,7 +282,7 @@ def test_planning_backs_off_while_a_steady_batch_keeps_declining(qwen2, monkeypa
     `QUIET_AFTER_DECLINE` steps, and each further decline in a row doubles the stretch (7, 15, 31
     steps, capped at `QUIET_MAX`); a smaller batch plans; a plan that speculates starts over at the
     short stretch."""
-    import specops.serving.engine as engine_mod
+    import specops.engine.engine as engine_mod
 
     eng = Engine(qwen2, max_batch=8, kv_cache_mb=1, calibrate=False)
     eng.cost = SteepCost()  # batch 8: every drafted token costs a whole forward, so every plan declines
@@ -365,7 +365,7 @@ def test_batched_greedy_verification_is_verify_greedy():
     from types import SimpleNamespace
 
     from specops.decoder.verify import verify_greedy
-    from specops.serving.batch_forward import ItemOutput
+    from specops.engine.batch_forward import ItemOutput
 
     eng = Engine(Decoder.from_pretrained("bundled"), max_batch=8, kv_cache_mb=4, calibrate=False)
     gen = torch.Generator().manual_seed(3)
@@ -393,7 +393,7 @@ def test_new_requests_start_from_what_their_kind_achieved(qwen2):
     of one class accepted little, a new request of that kind starts with estimates below the
     fixed priors (the planner then does not open with wide, rejected speculation); a request
     of another class, or greedy, still starts from the fixed priors."""
-    from specops.serving.acceptance import ALPHA_PRIOR
+    from specops.engine.acceptance import ALPHA_PRIOR
 
     eng = full_speculation(Engine(qwen2, max_batch=4, kv_cache_mb=4, calibrate=False))
     prompts = _random_prompts(4, seed=31)
@@ -422,7 +422,7 @@ def test_acceptance_is_estimated_per_trial_not_per_drafted_token():
     believing it, skipped speculating the more, the deeper it drafted)."""
     import random
 
-    from specops.serving.acceptance import ALPHA_PRIOR, AcceptancePriors
+    from specops.engine.acceptance import ALPHA_PRIOR, AcceptancePriors
 
     rng = random.Random(0)
     priors, key, seen = AcceptancePriors(), ("code", "draft", False), []
@@ -442,7 +442,7 @@ def test_acceptance_is_estimated_per_trial_not_per_drafted_token():
 def test_each_engine_gets_its_own_medusa_proposer():
     """`MedusaProposer` is a plain class: two engines never share one (its ranked-node cache
     and device are per engine)."""
-    from specops.serving.proposers import MedusaProposer
+    from specops.engine.proposers import MedusaProposer
 
     heads = object()
     a, b = MedusaProposer(heads, torch.device("cpu")), MedusaProposer(heads, torch.device("cpu"))
@@ -456,7 +456,7 @@ def test_draft_gains_follow_the_measured_acceptance_by_position():
     a kind never seen keeps α^k; a sequence accepting more than its kind gets more."""
     import random
 
-    from specops.serving.acceptance import ALPHA_PRIOR, AcceptancePriors
+    from specops.engine.acceptance import ALPHA_PRIOR, AcceptancePriors
 
     rng = random.Random(1)
     priors, key = AcceptancePriors(), ("general", "draft", True)
@@ -485,10 +485,10 @@ def test_the_c_drafting_chain_equals_the_per_round_loop(qwen2):
     from types import SimpleNamespace
 
     from specops.kernels import cpu_linear
-    from specops.serving.batch_forward import FeedItem
-    from specops.serving.kv_pool import BlockPool
-    from specops.serving.proposers import draft_blocks
-    from specops.serving.sequence import SeqKV
+    from specops.engine.batch_forward import FeedItem
+    from specops.engine.kv_pool import BlockPool
+    from specops.engine.proposers import draft_blocks
+    from specops.engine.sequence import SeqKV
 
     assert cpu_linear.available(), cpu_linear.unavailable_reason()  # CI builds the kernels: never a skip
     rng = random.Random(11)
@@ -528,8 +528,8 @@ def _drafting_seqs(backend, prompts: list[list[int]], cached: list[int], configs
     ``configs[i]`` and a generator seeded ``seed + i``."""
     from types import SimpleNamespace
 
-    from specops.serving.batch_forward import FeedItem
-    from specops.serving.sequence import SeqKV
+    from specops.engine.batch_forward import FeedItem
+    from specops.engine.sequence import SeqKV
 
     seqs = []
     for i, (prompt, c, cfg) in enumerate(zip(prompts, cached, configs)):
@@ -551,9 +551,9 @@ def test_the_c_drafting_chain_ranks_the_draft_vocabulary_in_greedy_calls(qwen2):
     round at batch 1 against 0.25 with the draft vocabulary."""
     from specops.decoder.sampling import SamplingConfig
     from specops.kernels import cpu_linear
-    from specops.serving.batch_forward import FeedItem
-    from specops.serving.kv_pool import BlockPool
-    from specops.serving.proposers import draft_blocks
+    from specops.engine.batch_forward import FeedItem
+    from specops.engine.kv_pool import BlockPool
+    from specops.engine.proposers import draft_blocks
 
     assert cpu_linear.available(), cpu_linear.unavailable_reason()  # CI builds the kernels: never a skip
     rng = random.Random(23)
@@ -601,10 +601,10 @@ def test_the_c_drafting_chain_samples_a_mixed_batch_from_the_q_it_returns(qwen2)
     paged store equal the loop's. A top-k request sends the batch to the loop."""
     from specops.decoder.sampling import SamplingConfig
     from specops.kernels import cpu_linear
-    from specops.serving.batch_forward import FeedItem
-    from specops.serving.kv_pool import BlockPool
-    from specops.serving.proposers import draft_blocks
-    from specops.serving.sequence import SeqKV
+    from specops.engine.batch_forward import FeedItem
+    from specops.engine.kv_pool import BlockPool
+    from specops.engine.proposers import draft_blocks
+    from specops.engine.sequence import SeqKV
 
     assert cpu_linear.available(), cpu_linear.unavailable_reason()  # CI builds the kernels: never a skip
     rng = random.Random(5)

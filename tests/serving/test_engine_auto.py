@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from specops.serving.auto_method import MethodChooser
-from specops.serving.engine import Engine
-from specops.serving.sequence import SamplingParams, SpecSettings
+from specops.engine.auto_method import MethodChooser
+from specops.engine.engine import Engine
+from specops.engine.sequence import SamplingParams, SpecSettings
 from tests.serving.test_engine import full_speculation, qwen2, run_staggered  # noqa: F401  (fixture)
 
 

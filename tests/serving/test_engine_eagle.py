@@ -25,9 +25,9 @@ from specops.decoder.eagle import draft_chain
 from specops.decoder.eagle_model import EagleDrafter
 from specops.decoder.runner import prompt_forward
 from specops.decoder.sampling import SamplingConfig
-from specops.serving import eagle_proposer
-from specops.serving.engine import Engine
-from specops.serving.sequence import SamplingParams, SpecSettings
+from specops.engine import eagle_proposer
+from specops.engine.engine import Engine
+from specops.engine.sequence import SamplingParams, SpecSettings
 from tests.decoder.test_distribution import ALPHA, STEPS, TINY_V, _exact_joint, chi_square_pvalue
 from tests.decoder.test_eagle import bundled_setup
 from tests.decoder.tiny_models import tiny_llama
@@ -276,7 +276,7 @@ def test_an_engine_without_a_drafter_refuses_eagle(bundled):
 
 def test_a_policy_class_naming_eagle_runs_plainly_without_a_drafter(bundled, dec):
     from specops.policies.schema import Policy
-    from specops.serving.policy_runtime import REASON_MISSING, PolicyRuntime
+    from specops.engine.policy_runtime import REASON_MISSING, PolicyRuntime
 
     model, tok, prompts, _, _ = bundled
     policy = Policy.model_validate({"version": 1, "default_class": "chat",
@@ -298,9 +298,9 @@ def test_serve_eagle_option_reaches_the_decoder(bundled, tmp_path, monkeypatch):
     eagle=PATH)`), and the engine built on that decoder offers method eagle."""
     from click.testing import CliRunner
 
-    import specops.serving.server as server
+    import specops.server.server as server
     from specops.decoder.eagle_io import save_drafter
-    from specops.serving.cli import serve_command
+    from specops.server.cli import serve_command
 
     save_drafter(bundled[4], tmp_path / "eagle")
     configs = []
@@ -339,9 +339,9 @@ def test_hidden_only_rows_skip_the_lm_head_and_keep_every_bit(dec):
     (`FeedItem.hidden_only`): in a batch beside a plain item, the C stack returns the same hidden
     rows and the same logits of the rows that need them, bit for bit, as a pass that computes
     logits for every row, and the logits of those rows alone."""
-    from specops.serving.batch_forward import FeedItem, PagedBackend
-    from specops.serving.kv_pool import BlockPool
-    from specops.serving.sequence import SeqKV
+    from specops.engine.batch_forward import FeedItem, PagedBackend
+    from specops.engine.kv_pool import BlockPool
+    from specops.engine.sequence import SeqKV
 
     runner = dec.target
     prompt, other = list(range(5, 45)), list(range(50, 59))

@@ -11,7 +11,7 @@ import pytest
 from specops.decoder import Decoder
 from specops.decoder.eagle_io import drafter_from_state
 from specops.decoder.eagle_model import EagleError
-from specops.serving.engine import Engine
+from specops.engine.engine import Engine
 from tests.decoder.test_eagle3 import LAYERS, draft_ids_of, eagle3_checkpoint, write_checkpoint
 from tests.decoder.tiny_models import tiny_llama
 
@@ -27,8 +27,8 @@ def test_the_engine_refuses_an_eagle3_drafter():
 def test_serve_refuses_an_eagle3_folder_naming_the_option(tmp_path, monkeypatch):
     from click.testing import CliRunner
 
-    import specops.serving.server as server
-    from specops.serving.cli import serve_command
+    import specops.server.server as server
+    from specops.server.cli import serve_command
 
     model = tiny_llama(seed=4, layers=LAYERS)
     folder = write_checkpoint(tmp_path / "eagle3", *eagle3_checkpoint(model, draft_ids_of(model.config.vocab_size, 48)))

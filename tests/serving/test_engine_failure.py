@@ -55,14 +55,14 @@ def test_engine_thread_failure_fails_requests_and_readiness(where, caplog):
             assert told == [f"{type(error).__name__}: injected engine failure"]
             assert client.inflight == 0
 
-    with caplog.at_level(logging.ERROR, logger="specops.serving.async_engine"):
+    with caplog.at_level(logging.ERROR, logger="specops.engine.async_engine"):
         asyncio.run(run())
-    logged = [r for r in caplog.records if r.name == "specops.serving.async_engine" and r.levelno == logging.ERROR]
+    logged = [r for r in caplog.records if r.name == "specops.engine.async_engine" and r.levelno == logging.ERROR]
     assert len(logged) == 1 and logged[0].exc_info is not None and logged[0].exc_info[1] is error
 
 
 def test_an_add_handed_over_after_the_failure_is_failed_at_once():
-    from specops.serving.async_engine import EngineFailedError
+    from specops.engine.async_engine import EngineFailedError
 
     engine = FakeEngine(step_error=RuntimeError("injected"), fail_after=1)
     client = engine_client(engine)
@@ -82,8 +82,8 @@ def test_an_add_handed_over_after_the_failure_is_failed_at_once():
 
 
 def _bare_stream(client):
-    from specops.serving.async_engine import GenerationRequest, RequestStream
-    from specops.serving.sequence import SamplingParams
+    from specops.engine.async_engine import GenerationRequest, RequestStream
+    from specops.engine.sequence import SamplingParams
 
     req = GenerationRequest([1, 2], "x", SamplingParams(max_tokens=2))
     return RequestStream(client, "req-late", req, client.runtime.resolve("x", 2), 0.0)

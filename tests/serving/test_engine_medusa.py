@@ -10,13 +10,13 @@ import random
 import pytest
 import torch
 
-import specops.serving.engine as engine_module
-from specops.decoder import Decoder
+import specops.engine.engine as engine_module
+from specops.decoder import Decoder, tree_verify
 from specops.decoder.medusa_branch import LOOKUP_BRANCH
 from specops.decoder.medusa_heads import MedusaHeads
-from specops.serving.engine import Engine
-from specops.serving.proposers import MedusaProposer
-from specops.serving.sequence import SamplingParams, SpecSettings
+from specops.engine.engine import Engine
+from specops.engine.proposers import MedusaProposer
+from specops.engine.sequence import SamplingParams, SpecSettings
 from tests.decoder.tiny_models import tiny_other
 from tests.serving.test_engine import full_speculation, run_staggered
 
@@ -171,13 +171,13 @@ def test_lookup_branch_zero_and_sampled_requests_keep_no_index(qwen2):
 
 def test_typical_acceptance_runs_only_for_sampled_medusa_requests_that_ask(qwen2, monkeypatch):
     calls = []
-    typical = engine_module.verify_tree_typical
+    typical = tree_verify.verify_tree_typical
 
     def counted(*args, **kwargs):
         calls.append(args[2].num_nodes)
         return typical(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "verify_tree_typical", counted)
+    monkeypatch.setattr(tree_verify, "verify_tree_typical", counted)  # the rule `judge_tree` applies
     prompts = repeating_prompts(4, seed=9)
     for temperature, typical_on, expect in ((0.8, False, False), (0.8, True, True), (0.0, True, False)):
         calls.clear()

@@ -14,8 +14,8 @@ import torch
 
 from specops.decoder import Decoder
 from specops.decoder.medusa_heads import MedusaHeads
-from specops.serving.engine import Engine
-from specops.serving.sequence import SamplingParams, SpecSettings
+from specops.engine.engine import Engine
+from specops.engine.sequence import SamplingParams, SpecSettings
 from tests.decoder.tiny_models import perturbed, tiny_other
 from tests.serving.test_engine import _random_prompts, full_speculation
 
@@ -230,8 +230,8 @@ def test_a_prompt_admitted_with_a_same_prefix_waits_a_step_and_reuses_its_blocks
 
 
 def test_the_default_budget_holds_a_full_batch_at_full_context_twice(dec):
-    from specops.serving.batch_forward import bytes_per_token
-    from specops.serving.kv_budget import auto_kv_cache_mb
+    from specops.engine.batch_forward import bytes_per_token
+    from specops.engine.kv_budget import auto_kv_cache_mb
 
     per_slot = bytes_per_token(dec.target) + bytes_per_token(dec.draft)
     assert auto_kv_cache_mb(per_slot, 4, 128) == 2 * 4 * 128 * per_slot / 2**20

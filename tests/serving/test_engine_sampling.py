@@ -17,9 +17,9 @@ import torch
 from specops.decoder import Decoder
 from specops.decoder.medusa_heads import MedusaHeads
 from specops.decoder.sampling import SamplingConfig
-from specops.serving import engine as engine_module
-from specops.serving.engine import Engine
-from specops.serving.sequence import SamplingParams, SpecSettings
+from specops.engine import engine as engine_module
+from specops.engine.engine import Engine
+from specops.engine.sequence import SamplingParams, SpecSettings
 from tests.decoder.test_distribution import ALPHA, STEPS, TINY_V, _exact_joint, chi_square_pvalue
 from tests.decoder.tiny_models import perturbed, tiny_llama
 from tests.serving.test_engine import full_speculation

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from specops.decoder import Decoder
-from specops.serving import kv_budget
-from specops.serving.batch_forward import bytes_per_token
-from specops.serving.engine import Engine
-from specops.serving.kv_budget import (KV_MEMORY_FRACTION, auto_kv_cache_mb, cgroup_headroom_bytes,
+from specops.engine import kv_budget
+from specops.engine.batch_forward import bytes_per_token
+from specops.engine.engine import Engine
+from specops.engine.kv_budget import (KV_MEMORY_FRACTION, auto_kv_cache_mb, cgroup_headroom_bytes,
                                        choose_kv_budget, mem_available_bytes)
 from tests.decoder.tiny_models import tiny_other
 
@@ -49,7 +49,7 @@ def test_the_engine_sizes_its_default_cache_from_free_memory_and_says_so(monkeyp
     avail = 2 * 64 * per_slot  # half of it holds 64 token slots: far below 4 sequences at full context
     monkeypatch.setattr(kv_budget, "mem_available_bytes", lambda *a: avail)
     monkeypatch.setattr(kv_budget, "cgroup_headroom_bytes", lambda *a: None)
-    with caplog.at_level(logging.INFO, logger="specops.serving.engine"):
+    with caplog.at_level(logging.INFO, logger="specops.engine.engine"):
         eng = Engine(dec, max_batch=4, kv_cache_mb=None, block_size=8, calibrate=False)
     assert eng.pool.capacity_slots == 64 and eng.max_model_len == 64
     assert any("KV cache" in r.message and "available" in r.message for r in caplog.records)

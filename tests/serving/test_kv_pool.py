@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from specops.serving.kv_pool import BlockPool, blocks_for
+from specops.engine.kv_pool import BlockPool, blocks_for
 
 
 def test_blocks_for_rounds_up():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specops.decoder.stats import DecodeStats
-from specops.serving.speedup_estimate import PlainTimeEstimate
+from specops.engine.speedup_estimate import PlainTimeEstimate
 
 
 class Seq:
@@ -80,8 +80,8 @@ def test_the_engine_reports_speculation_work_of_steps_that_shared_a_prefill():
     import torch
 
     from specops.decoder.api import Decoder
-    from specops.serving.engine import Engine
-    from specops.serving.sequence import SamplingParams, SpecSettings
+    from specops.engine.engine import Engine
+    from specops.engine.sequence import SamplingParams, SpecSettings
     from tests.decoder.test_medusa_bundled import code_prompts
 
     before = torch.get_num_threads()

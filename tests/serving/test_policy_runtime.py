@@ -11,7 +11,7 @@ import pytest
 from specops.decoder import Decoder
 from specops.decoder.medusa_heads import MedusaHeads
 from specops.policies.live import LivePolicy
-from specops.serving.policy_runtime import REASON_FALLBACK, REASON_OFF, REASON_TEMPERATURE, PolicyRuntime
+from specops.engine.policy_runtime import REASON_FALLBACK, REASON_OFF, REASON_TEMPERATURE, PolicyRuntime
 from specops.policies import load_policy
 from specops.policies import rollout as machine
 from specops.policies.store import PolicyStore
@@ -428,7 +428,7 @@ def test_medusa_classes_carry_their_lookup_branch_and_typical_acceptance_to_the_
     decoder's keyword); its LOSSY ``typical`` only a sampled one's, and the response says so."""
     from specops.decoder.medusa_branch import LOOKUP_BRANCH
     from specops.policies.schema import LOOKUP_BRANCH as POLICY_DEFAULT
-    from specops.serving.async_engine import AsyncEngine
+    from specops.engine.async_engine import AsyncEngine
 
     assert POLICY_DEFAULT == LOOKUP_BRANCH  # the policy layer's default is the decoder's
     target = tiny_llama(seed=3)

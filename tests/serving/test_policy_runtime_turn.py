@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry
 
 from specops.decoder import Decoder
 from specops.policies import load_policy
-from specops.serving.policy_runtime import PolicyRuntime
+from specops.engine.policy_runtime import PolicyRuntime
 from specops.telemetry.exporter import PrometheusExporter
 from tests.decoder.tiny_models import perturbed, tiny_llama
 

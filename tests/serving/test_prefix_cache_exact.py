@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from specops.decoder import Decoder
-from specops.serving.engine import Engine
-from specops.serving.kv_pool import BlockPool
-from specops.serving.sequence import SamplingParams, SpecSettings
+from specops.engine.engine import Engine
+from specops.engine.kv_pool import BlockPool
+from specops.engine.sequence import SamplingParams, SpecSettings
 from tests.decoder.tiny_models import tiny_other
 
 

@@ -27,7 +27,7 @@ from specops.policies import load_policy
 from specops.policies import rollout as machine
 from specops.policies.store import PolicyStore
 from specops.policies.live import LivePolicy
-from specops.serving.policy_runtime import REASON_FALLBACK, PolicyRuntime
+from specops.engine.policy_runtime import REASON_FALLBACK, PolicyRuntime
 from specops.telemetry.redis_metrics import RedisPublisher, RedisWindowReader
 from tests.controller.helpers import FakeClock as WallClock
 from tests.decoder.clocked import ClockedRunner, FakeClock

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from specops.serving.async_engine import FALLBACK_CHARS_PER_TOKEN, chars_per_token_bound
-from specops.serving.chat_template import render_plain
+from specops.engine.async_engine import FALLBACK_CHARS_PER_TOKEN, chars_per_token_bound
+from specops.server.chat_template import render_plain
 from tests.serving.fake_engine import FakeEngine, bundled_tokenizer, engine_client, serving
 
 CONTEXT = 64

@@ -6,10 +6,10 @@ import torch
 
 from specops.decoder.sampling import SamplingConfig
 from specops.decoder.stats import DecodeStats
-from specops.serving.kv_pool import BlockPool
-from specops.serving.scheduler import Scheduler
-from specops.serving.sequence import SamplingParams, Sequence, SeqStatus, SpecSettings
-from specops.serving.spec_planner import Candidate, CostModel, linear_gains, plan
+from specops.engine.kv_pool import BlockPool
+from specops.engine.scheduler import Scheduler
+from specops.engine.sequence import SamplingParams, Sequence, SeqStatus, SpecSettings
+from specops.engine.spec_planner import Candidate, CostModel, linear_gains, plan
 
 
 def make_seq(rid: str, n: int) -> Sequence:

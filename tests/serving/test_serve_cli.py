@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from specops.serving.cli import OMP_SPIN_COUNT, quiet_omp_spin
+from specops.server.cli import OMP_SPIN_COUNT, quiet_omp_spin
 
 
 def test_the_spin_count_is_set_only_where_the_user_chose_nothing(monkeypatch):
@@ -37,8 +37,8 @@ def test_serve_hands_the_gil_back_within_half_a_millisecond(monkeypatch):
     thread waits that long for the GIL after each C call while the event loop runs Python)."""
     from click.testing import CliRunner
 
-    import specops.serving.server as server
-    from specops.serving.cli import GIL_SWITCH_INTERVAL_S, serve_command
+    import specops.server.server as server
+    from specops.server.cli import GIL_SWITCH_INTERVAL_S, serve_command
 
     seen = []
     monkeypatch.setattr(server, "run_server", lambda cfg: seen.append(sys.getswitchinterval()))

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # `specops serve` with the models replaced by an engine whose first step raises
 SCRIPT = """
 import sys
-from specops.serving import server
+from specops.server import server
 from tests.serving.fake_engine import FakeEngine, engine_client
 server.build_engine_client = lambda *args: engine_client(FakeEngine(step_error=RuntimeError("injected")))
 from specops.cli import main

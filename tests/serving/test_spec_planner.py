@@ -10,9 +10,9 @@ import torch
 
 from specops.decoder import Decoder
 from specops.decoder.medusa_heads import MedusaHeads
-from specops.serving.engine import Engine
-from specops.serving.sequence import SamplingParams, SpecSettings
-from specops.serving.spec_planner import Candidate, CostModel, Meter, linear_gains, plan
+from specops.engine.engine import Engine
+from specops.engine.sequence import SamplingParams, SpecSettings
+from specops.engine.spec_planner import Candidate, CostModel, Meter, linear_gains, plan
 from tests.decoder.tiny_models import perturbed, tiny_other
 
 
@@ -170,7 +170,7 @@ def test_a_long_draft_cache_catch_up_is_not_counted_as_speculations_recurring_co
     is left out of what the calibration and the veto read. Shorter feeds leave nothing out."""
     from types import SimpleNamespace
 
-    from specops.serving.plan_limits import FULL_CATCH_UP
+    from specops.engine.plan_limits import FULL_CATCH_UP
 
     eng = Engine(qwen2, max_batch=2, kv_cache_mb=1, calibrate=False)
     eng.draft_cost = LineCost(1e-3, 0.1e-3)
@@ -337,7 +337,7 @@ def test_probes_back_off_while_they_confirm_the_decline():
     """A probe whose verify cost came out as predicted doubles the wait for the next (up to
     PROBE_BACKOFF_MAX periods); one that found the cost model stale, or a plan that
     speculates by itself, brings the short period back."""
-    from specops.serving.plan_limits import PROBE_BACKOFF_MAX
+    from specops.engine.plan_limits import PROBE_BACKOFF_MAX
 
     eng = Engine(Decoder.from_pretrained("bundled"), max_batch=2, kv_cache_mb=1, calibrate=False)
     eng.cost = LineCost(10e-3, 1e-3)
@@ -358,7 +358,7 @@ def test_a_draft_rounds_measured_cost_includes_its_host_work(qwen2, monkeypatch)
     as a per-sequence overhead the plan missed it."""
     import time
 
-    from specops.serving import proposers
+    from specops.engine import proposers
 
     draw = proposers.sample
 
@@ -389,7 +389,7 @@ def test_calibration_reads_the_real_extra_cost_of_speculating():
     """`SpecCalibration.scale`: the real extra seconds of speculative steps over their predicted
     extra, both against plain steps' real-over-predicted ratio; 1 until both kinds have enough
     samples at that batch size; clamped."""
-    from specops.serving.spec_planner import SpecCalibration
+    from specops.engine.spec_planner import SpecCalibration
 
     cal = SpecCalibration(min_spec=4, min_plain=2)
     for _ in range(3):
@@ -434,7 +434,7 @@ def test_the_engine_records_each_decode_step_for_the_calibration(qwen2):
 
 
 def test_realized_rates_flag_speculation_that_made_decoding_slower():
-    from specops.serving.spec_planner import SpecCalibration
+    from specops.engine.spec_planner import SpecCalibration
 
     cal = SpecCalibration(min_plain=2, guard_window=4)
     for _ in range(3):
@@ -550,7 +550,7 @@ def test_the_plans_early_stop_changes_no_plan():
     import heapq
     import random as rnd
 
-    from specops.serving.spec_planner import _rate
+    from specops.engine.spec_planner import _rate
 
     rng = rnd.Random(5)
     for trial in range(300):

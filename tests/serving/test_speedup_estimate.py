@@ -14,8 +14,8 @@ import statistics
 import pytest
 
 from specops.decoder.stats import DecodeStats
-from specops.serving.engine import Engine
-from specops.serving.sequence import SamplingParams, SpecSettings
+from specops.engine.engine import Engine
+from specops.engine.sequence import SamplingParams, SpecSettings
 from specops.telemetry import WindowStats
 from tests.decoder.test_auto import bundled  # noqa: F401 (fixture: the bundled decoder on one thread)
 from tests.decoder.test_medusa_bundled import code_prompts

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from specops.serving import protocol as p
+from specops.server import protocol as p
 from specops.sidecar import fields
 from specops.sidecar.proxy import _has_content
 from specops.sidecar.stream import StreamWatcher

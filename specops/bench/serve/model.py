@@ -95,7 +95,7 @@ def prepare_lone_target(ref: str, user_args: list[str], workdir: Path, progress:
     from specops.models import ModelsError
     from specops.models.registry import REGISTRY
     from specops.models.resolve import resolve_model
-    from specops.serving.server import DEFAULT_POLICY
+    from specops.server.server import DEFAULT_POLICY
 
     try:
         folder = Path(resolve_model(ref, progress=progress))

@@ -22,7 +22,7 @@ from typing import Any
 
 from specops.decoder.sampling import SamplingConfig
 from specops.decoder.stats import DecodeStats
-from specops.serving.spec_settings import SpecSettings
+from specops.engine.spec_settings import SpecSettings
 
 FINISH_REASONS = ("stop", "length", "abort")
 DEFAULT_TREE_SIZE = 16
@@ -173,7 +173,7 @@ class Sequence:
     head_guesses: list = field(default_factory=list)
     """Medusa: (output index, head, top-1 token) of every proposal, for per-head accuracy."""
     eagle: Any = None
-    """Eagle: the request's drafter state (`specops.serving.eagle_proposer.EagleState`)."""
+    """Eagle: the request's drafter state (`specops.engine.eagle_proposer.EagleState`)."""
 
     @property
     def needs_all_hidden(self) -> bool:

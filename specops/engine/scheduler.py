@@ -28,8 +28,8 @@ from __future__ import annotations
 import collections
 from typing import Callable
 
-from specops.serving.kv_pool import BlockPool
-from specops.serving.sequence import Sequence, SeqStatus
+from specops.engine.kv_pool import BlockPool
+from specops.engine.sequence import Sequence, SeqStatus
 
 
 class Scheduler:

@@ -54,8 +54,8 @@ from torch import Tensor
 from specops.decoder.eagle import draft_chain
 from specops.decoder.eagle_model import EagleError
 from specops.decoder.speculation import draft_room
-from specops.serving.batch_forward import FeedItem, ItemOutput
-from specops.serving.sequence import Sequence
+from specops.engine.batch_forward import FeedItem, ItemOutput
+from specops.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 

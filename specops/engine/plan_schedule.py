@@ -1,6 +1,6 @@
 """When the serving engine plans speculation, and when it overrides what a plan said.
 
-`PlanSchedule` holds the state around the planner (`specops.serving.spec_planner.plan`),
+`PlanSchedule` holds the state around the planner (`specops.engine.spec_planner.plan`),
 kept out of the engine so the step reads as schedule → plan → propose → verify → commit:
 
 * **veto** — where the last speculative steps at a batch size (≥ `GUARD_MIN_BATCH`) emitted
@@ -17,7 +17,7 @@ kept out of the engine so the step reads as schedule → plan → propose → ve
   speculation off for good; a probe that confirms the decline doubles the period (up to
   `PROBE_BACKOFF_MAX` times), one that finds the cost model stale resets it.
 
-Each period set to 0 turns its mechanism off. Constants: `specops.serving.plan_limits`.
+Each period set to 0 turns its mechanism off. Constants: `specops.engine.plan_limits`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from specops.serving.plan_limits import (GUARD_MIN_BATCH, PLAIN_PROBE_EVERY, PROBE_BACKOFF_MAX, PROBE_EVERY,
+from specops.engine.plan_limits import (GUARD_MIN_BATCH, PLAIN_PROBE_EVERY, PROBE_BACKOFF_MAX, PROBE_EVERY,
                                          PROBE_STALE, QUIET_AFTER_DECLINE, QUIET_MAX, VETO_STEPS)
 
 

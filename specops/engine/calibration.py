@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from specops.serving.batch_forward import FeedItem, SeqKV
-from specops.serving.kv_pool import BlockPool
-from specops.serving.proposers import CLOCK_IDS
-from specops.serving.spec_planner import CostModel
+from specops.engine.batch_forward import FeedItem, SeqKV
+from specops.engine.kv_pool import BlockPool
+from specops.engine.proposers import CLOCK_IDS
+from specops.engine.spec_planner import CostModel
 
 CALIBRATION_PREFIX = 32
 """Cached tokens before the timed positions of a calibration forward."""

@@ -27,8 +27,8 @@ from specops.decoder.hf_runner import HFRunner
 from specops.decoder.paged_llama import AttnGroup, PagedBatch, PagedLlama, kv_bytes_per_token
 from specops.kernels import cpu_linear
 from specops.kernels.cpu_linear import MAX_MASK_NODES
-from specops.serving.kv_pool import BlockPool, blocks_for
-from specops.serving.sequence import SeqKV
+from specops.engine.kv_pool import BlockPool, blocks_for
+from specops.engine.sequence import SeqKV
 
 
 SHORT_BLOCK = 16  # items feeding more tokens than this (prefills) get their own attention call

@@ -20,11 +20,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from specops.policies.turns import turn_from_messages
-from specops.serving import protocol as p
-from specops.serving.async_engine import (AsyncEngine, EngineFailedError, EngineUnavailableError, GenerationRequest,
+from specops.server import protocol as p
+from specops.engine.async_engine import (AsyncEngine, EngineFailedError, EngineUnavailableError, GenerationRequest,
                                           QueueFullError, RequestStream)
-from specops.serving.chat_template import render_chat
-from specops.serving.routes_ops import client_or_503, served
+from specops.server.chat_template import render_chat
+from specops.server.routes_ops import client_or_503, served
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ async def off_loop(request: Request, fn: Callable[..., Any], *args: Any) -> Any:
 
 def sampling(client: AsyncEngine, body: p._Common, prompt_len: int, limit: int | None, default: int | None,
              limit_param: str):
-    from specops.serving.sequence import SamplingParams
+    from specops.engine.sequence import SamplingParams
 
     room = client.max_model_len - prompt_len
     if room < 1:

@@ -13,7 +13,7 @@ request, wherever it is (see `RequestStream.close`).
 
 Prompts are checked for size before they are tokenized: a text prompt of ``n``
 characters has at least ``n / max_chars_per_token`` tokens
-(`specops.serving.async_engine.chars_per_token_bound`), and one that cannot fit the
+(`specops.engine.async_engine.chars_per_token_bound`), and one that cannot fit the
 context is refused with the same 400 (``context_length_exceeded``) as the token count
 check, without tokenizing it. Chat templating, tokenizing and decoding a prompt of
 token ids run in a small thread pool, never on the event loop, so one large prompt
@@ -23,12 +23,12 @@ When the engine thread fails, the requests in flight get a 500 in OpenAI's error
 shape (``server_error``, code ``engine_error``), a stream an error event of that shape
 and then its end (no ``[DONE]``), ``/readyz`` answers 503 with the reason, and
 ``on_engine_failure`` is called (``specops serve`` then exits; see
-`specops.serving.async_engine`).
+`specops.engine.async_engine`).
 
 This module composes the app (`build_app`): its lifespan (loading the engine client), the
 request guard (`_Guard`), the error handlers and the routes, which live in
-`specops.serving.routes_ops` (health, readiness, metrics, models) and
-`specops.serving.routes_generation` (completions, chat completions); the routes read the
+`specops.server.routes_ops` (health, readiness, metrics, models) and
+`specops.server.routes_generation` (completions, chat completions); the routes read the
 engine client, the served model's names and the tokenizer threads from ``app.state``.
 """
 
@@ -48,10 +48,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specops.serving import protocol as p
-from specops.serving import routes_generation, routes_ops
-from specops.serving.async_engine import AsyncEngine
-from specops.serving.routes_ops import ServedModel
+from specops.server import protocol as p
+from specops.server import routes_generation, routes_ops
+from specops.engine.async_engine import AsyncEngine
+from specops.server.routes_ops import ServedModel
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ class SpecSettings:
 
     method: str = "ar"
     """"ar" | "draft" | "ngram" | "medusa" | "eagle" | "auto" (the engine picks one of the loaded
-    speculative methods at admission from live results: `specops.serving.auto_method`)."""
+    speculative methods at admission from live results: `specops.engine.auto_method`)."""
     gamma: int = 4
     """Upper bound on drafted tokens per step (draft, ngram, eagle); 0 = plain decoding."""
     medusa_heads: int | None = None

@@ -8,7 +8,7 @@ bundled models, ``examples/policies/default.yaml`` and an embedded Redis in
 ``.specops/`` — the same one a ``specops controller run`` started in the same
 directory shares.
 
-When the engine thread fails (see `specops.serving.async_engine`), the requests in
+When the engine thread fails (see `specops.engine.async_engine`), the requests in
 flight are answered with errors, ``/readyz`` turns 503, and the server shuts down:
 `run_server` raises `ServeError` and ``specops serve`` exits non-zero, for a
 supervisor to start a fresh process (the failed engine's state is not trusted).
@@ -112,12 +112,12 @@ def build_engine_client(cfg: ServeConfig, serving_client: Any, policy: Any, regi
     from specops.decoder import Decoder
     from specops.decoder.heap import freeze_loaded
     from specops.policies.store import PolicyStore
-    from specops.serving.async_engine import AsyncEngine, core_rule
-    from specops.serving.engine import Engine
+    from specops.engine.async_engine import AsyncEngine, core_rule
+    from specops.engine.engine import Engine
     from specops.policies.live import LivePolicy
     from specops.telemetry.record_buffer import RECORD_FLUSH_S, RecordBuffer
-    from specops.serving.metrics import ServingMetrics
-    from specops.serving.policy_runtime import PolicyRuntime
+    from specops.engine.metrics import ServingMetrics
+    from specops.engine.policy_runtime import PolicyRuntime
     from specops.telemetry.exporter import PrometheusExporter
     from specops.telemetry.redis_metrics import RedisPublisher
 
@@ -149,7 +149,7 @@ def run_server(cfg: ServeConfig) -> None:
     from specops.policies import PolicyError, load_policy
     from specops.policies.loader import read_source
     from specops.policies.redis_backend import close
-    from specops.serving.app import build_app
+    from specops.server.app import build_app
     from specops.webstack import serve_until_signal, server_config
 
     policy_path = cfg.policy_file or str(DEFAULT_POLICY)

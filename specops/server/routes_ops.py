@@ -1,6 +1,6 @@
 """The plumbing routes of the OpenAI-compatible API: ``GET /healthz`` (and ``GET /health``),
 ``GET /readyz``, ``GET /metrics`` and ``GET /v1/models``; and how every route reads the app
-state that `specops.serving.app.build_app` sets: the served model's names (`ServedModel`,
+state that `specops.server.app.build_app` sets: the served model's names (`ServedModel`,
 fixed at build time) and the engine client (`client_or_503`, set once it has loaded).
 """
 
@@ -14,8 +14,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from specops.serving import protocol as p
-from specops.serving.async_engine import AsyncEngine
+from specops.server import protocol as p
+from specops.engine.async_engine import AsyncEngine
 from specops.webstack import metrics_response
 
 

@@ -2,7 +2,7 @@
 
 Planning every step costs host time; never re-measuring what it declined would let one
 stale cost reading switch speculation off (or on) for good. These constants set that
-balance; `specops.serving.plan_schedule.PlanSchedule` (one per engine) copies them into
+balance; `specops.engine.plan_schedule.PlanSchedule` (one per engine) copies them into
 attributes that tests and benchmarks may override.
 """
 

@@ -25,7 +25,7 @@ LOSSY typical acceptance instead) → commit, roll both caches back to the accep
 compact the accepted tree path) and give surplus blocks back.
 
 Requests join and leave between steps. Not thread-safe: one thread calls add / abort /
-step (`specops.serving.async_engine` runs it on its own thread). `step` returns one
+step (`specops.engine.async_engine` runs it on its own thread). `step` returns one
 `StepOutput` per request that committed tokens or finished; tokens are never retracted.
 ``finish_reason`` is "stop" (EOS, kept in the output), "length" (``max_tokens`` or
 ``max_model_len``) or "abort" (one final output with no tokens, at the step after
@@ -63,18 +63,18 @@ from specops.decoder.speculation import DRAFT_CONTEXT, draft_room, judge_block, 
 from specops.decoder.tree_verify import TypicalAcceptance, judge_tree
 from specops.decoder.verify import accept_greedy
 from specops.kernels import cpu_linear
-from specops.serving.acceptance import ALPHA_PRIOR, ALPHA_RECOVERY, SEQ_DECAY, SEQ_PRIOR_TRIALS, AcceptancePriors
-from specops.serving.calibration import calibrate as calibrate_costs
-from specops.serving.plan_limits import FULL_CATCH_UP, PLAN_PREFILL_LIMIT
-from specops.serving.plan_schedule import PlanSchedule
-from specops.serving.auto_method import MethodChooser
-from specops.serving.batch_forward import FeedItem, bytes_per_token, make_backend
-from specops.serving.kv_pool import BlockPool
-from specops.serving.kv_budget import available_memory_bytes, choose_kv_budget
-from specops.serving.eagle_proposer import EagleProposer
-from specops.serving.proposers import (DraftGroup, EagleGroup, GroupProposer, MedusaGroup, MedusaProposer, NgramGroup)
-from specops.serving.scheduler import Scheduler
-from specops.serving.sequence import (
+from specops.engine.acceptance import ALPHA_PRIOR, ALPHA_RECOVERY, SEQ_DECAY, SEQ_PRIOR_TRIALS, AcceptancePriors
+from specops.engine.calibration import calibrate as calibrate_costs
+from specops.engine.plan_limits import FULL_CATCH_UP, PLAN_PREFILL_LIMIT
+from specops.engine.plan_schedule import PlanSchedule
+from specops.engine.auto_method import MethodChooser
+from specops.engine.batch_forward import FeedItem, bytes_per_token, make_backend
+from specops.engine.kv_pool import BlockPool
+from specops.engine.kv_budget import available_memory_bytes, choose_kv_budget
+from specops.engine.eagle_proposer import EagleProposer
+from specops.engine.proposers import (DraftGroup, EagleGroup, GroupProposer, MedusaGroup, MedusaProposer, NgramGroup)
+from specops.engine.scheduler import Scheduler
+from specops.engine.sequence import (
     DEFAULT_TREE_SIZE,
     EngineStats,
     PromptTooLongError,
@@ -83,8 +83,8 @@ from specops.serving.sequence import (
     SpecSettings,
     StepOutput,
 )
-from specops.serving.speedup_estimate import PlainTimeEstimate
-from specops.serving.spec_planner import (
+from specops.engine.speedup_estimate import PlainTimeEstimate
+from specops.engine.spec_planner import (
     DEFAULT_MARGIN,
     Candidate,
     CostModel,

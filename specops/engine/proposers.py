@@ -21,7 +21,7 @@ in `Decoder.generate` and in the engine. N-gram proposals need no model (each se
   the per-round Python work (the items, the batch arrays, the argmax, ~1 ms a round at
   batch 1) cost several times the bundled 1-layer draft's forward.
 * `EagleGroup`: each sequence's EAGLE chain on its own drafter cache
-  (`specops.serving.eagle_proposer`).
+  (`specops.engine.eagle_proposer`).
 * `MedusaProposer`: the heads read every sequence's hidden state in one call and each
   sequence gets its own tree (the best ``n_i`` nodes of the sparse tree built from the
   heads' measured accuracy, `specops.decoder.tree.ranked_nodes`), a greedy sequence's
@@ -44,8 +44,8 @@ from specops.decoder.sampling import probabilities, sample
 from specops.decoder.medusa_branch import merge_branch
 from specops.decoder.medusa_decode import propose_trees
 from specops.decoder.tree import TreeBuffers, TreeSpec, make_spec, preset, ranked_nodes
-from specops.serving.batch_forward import FeedItem
-from specops.serving.sequence import Sequence
+from specops.engine.batch_forward import FeedItem
+from specops.engine.sequence import Sequence
 
 # the clocks `draft_blocks` can time a C drafting chain's rounds with (clock_gettime ids, as Python's own)
 CLOCK_IDS: dict[Callable[[], float], int] = {
@@ -255,7 +255,7 @@ class DraftGroup:
 
 
 class EagleGroup:
-    """The EAGLE drafter (`specops.serving.eagle_proposer.EagleProposer`): each sequence runs its own
+    """The EAGLE drafter (`specops.engine.eagle_proposer.EagleProposer`): each sequence runs its own
     chain on its own drafter cache, timed one by one."""
 
     def __init__(self, eagle, clock: Callable[[], float]) -> None:

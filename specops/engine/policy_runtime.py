@@ -1,6 +1,6 @@
 """The runtime side of the ops contract: resolve a request's settings, record its telemetry.
 
-Two steps, shared by the server (`specops.serving.async_engine`) and the in-process
+Two steps, shared by the server (`specops.engine.async_engine`) and the in-process
 path (`PolicyRuntime.serve`, used by tests and the library):
 
 ``resolve``
@@ -41,7 +41,7 @@ from specops.policies.rollout import effective_for, pick_revision
 from specops.policies.schema import Policy, RequestClass
 from specops.policies.state import EffectiveSettings
 from specops.policies.live import LivePolicy
-from specops.serving.spec_settings import SpecSettings
+from specops.engine.spec_settings import SpecSettings
 from specops.telemetry.record_buffer import RecordBuffer
 from specops.telemetry.records import GAMMA_METHODS
 from specops.policies.turns import resolve_turn, turn_bucket

@@ -1,4 +1,4 @@
-"""``specops serve``: option parsing, then `run_server` (the wiring lives in `specops.serving.server`)."""
+"""``specops serve``: option parsing, then `run_server` (the wiring lives in `specops.server.server`)."""
 
 from __future__ import annotations
 
@@ -87,11 +87,11 @@ def serve_command(model, draft, medusa, eagle, policy_file, redis_url, state_dir
     """Serve the OpenAI-compatible API with continuous batching and the live speculation policy."""
     quiet_omp_spin()  # before the import below loads torch
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    from specops.serving.server import ServeConfig, ServeError, run_server
+    from specops.server.server import ServeConfig, ServeError, run_server
 
     if eagle is not None:
         from specops.decoder.eagle_io import is_eagle3_dir
-        from specops.serving.eagle_proposer import eagle3_refusal
+        from specops.engine.eagle_proposer import eagle3_refusal
 
         if is_eagle3_dir(eagle):
             raise click.BadParameter(eagle3_refusal(f"{eagle} holds an EAGLE-3 drafter, which"),

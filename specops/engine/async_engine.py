@@ -32,7 +32,7 @@ requests are refused with `EngineUnavailableError`, and the ``on_failure`` callb
 given to `start` is called on the event loop. The loop is not restarted: after a
 failed step the engine's scheduler and KV pool may be half-updated, and serving on
 from them could return wrong tokens or leak blocks, so ``specops serve`` exits
-non-zero instead (`specops.serving.server`) and its supervisor (Kubernetes, systemd)
+non-zero instead (`specops.server.server`) and its supervisor (Kubernetes, systemd)
 starts a fresh process.
 """
 
@@ -47,8 +47,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from specops.serving.metrics import ServingMetrics
-from specops.serving.policy_runtime import PolicyRuntime, Resolution
+from specops.engine.metrics import ServingMetrics
+from specops.engine.policy_runtime import PolicyRuntime, Resolution
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class GenerationRequest:
 
     prompt_ids: list[int]
     text: str                                   # what the policy classifies (prompt / last user message)
-    params: Any                                 # specops.serving.sequence.SamplingParams
+    params: Any                                 # specops.engine.sequence.SamplingParams
     stop: list[str] = field(default_factory=list)
     labels: dict[str, str] = field(default_factory=dict)
     routing_key: str | None = None
