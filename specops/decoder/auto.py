@@ -42,8 +42,7 @@ from specops.decoder.clock import cost_clock, device_clock
 from specops.decoder.draft import CATCHUP_FREE, DraftModelProposer, check_vocab
 from specops.decoder.errors import InvalidRequestError
 from specops.decoder.medusa_branch import LOOKUP_BRANCH
-from specops.decoder.medusa_decode import (MedusaState, _verify_step, c_branch, c_propose, c_step,
-                                           c_steps)
+from specops.decoder.medusa_decode import MedusaProposer, MedusaState, c_steps
 from specops.decoder.medusa_heads import HeadsLike
 from specops.decoder.ngram import NgramIndex, NgramProposer
 from specops.decoder.ngram_store import NgramStore
@@ -374,13 +373,15 @@ def generate_auto(
     drafter = None if draft is None else DraftModelProposer(draft, sampling, generator, v.device, prefill=False,
                                                             on_catch_up=catchup.observe)
     proposers: dict[str, Proposer] = {"ngram": ngram} if drafter is None else {"ngram": ngram, "draft": drafter}
+    heads_p = None
+    if medusa is not None:
+        # greedy Medusa steps in one C call where the runner has them (`FastLlamaRunner.medusa_loop`); the
+        # prompt-lookup branch reads the n-gram proposer's index
+        medusa_c = c_steps(target, heads, medusa.num_heads, medusa.spec, None, LOOKUP_BRANCH) if sampling.greedy \
+            else None
+        heads_p = proposers["medusa"] = MedusaProposer(medusa, sampling, steps=medusa_c, index=index)
     for proposer in proposers.values():
         proposer.start(v)
-    # greedy Medusa steps in one C call (`FastLlamaRunner.medusa_loop`); ``fresh``: the call's
-    # candidates are those of the current hidden state and pending token (the last step was one)
-    medusa_c = c_steps(target, heads, medusa.num_heads, medusa.spec, None, LOOKUP_BRANCH) if (
-        medusa is not None and sampling.greedy) else None
-    fresh = False
 
     while not v.done:
         stats.gamma = schedule.next_gamma()
@@ -401,18 +402,15 @@ def generate_auto(
         option = chooser.choose(available) if len(available) > 1 else "plain"
         t_step = device_clock(v.device)
         if option in proposers:
-            result, cost = step(v, proposers[option], available[option])
+            # a Medusa tree is cut to the budget only (its branch may reach past the heads' depth)
+            result, cost = step(v, proposers[option], room if option == "medusa" else available[option])
             if option == "draft":  # γ schedules model a draft model's cost
                 t_step += drafter.caught_up  # the catch-up is charged through switch_s, not the step's cost scale
                 schedule.update(cost.drafted, result.raw_accepted, cost.draft_s, cost.verify_s)
-        elif option == "medusa" and medusa_c is not None:
-            result, catch_up = _medusa_c_step(v, medusa, medusa_c, room, fresh, index)
-            t_step += catch_up  # the heads run again after another option: a switch, not the step's cost
-        elif option == "medusa":
-            result = _medusa_step(v, medusa, room, sampling, generator)
+            elif option == "medusa":  # the heads ran again after another option: a switch, not the step's cost
+                t_step += heads_p.caught_up
         else:
             result = v.verify([], None)
-        fresh = option == "medusa" and medusa_c is not None
         for name, proposer in proposers.items():
             if name != option:
                 proposer.sync(v, result)
@@ -424,48 +422,3 @@ def generate_auto(
         stats.head_predictions, stats.head_correct = medusa.head_accuracy(v.output)
     stats.finish(v.stop_reason())
     return v.output, stats
-
-
-def _medusa_c_step(v: TargetVerifier, state: MedusaState, steps, room: int, fresh: bool,
-                   index: NgramIndex) -> tuple[StepResult, float]:
-    """`_medusa_step` for a greedy request on the fast runner, in one C call (`c_step`, which
-    ends with the heads' proposal for the next one), with `generate_medusa`'s prompt-lookup
-    branch (full-length matches of ``index``, up to LOOKUP_BRANCH tokens); the heads run first
-    only when the last step was not such a step (``fresh`` False). Returns the result and the
-    seconds that extra proposal took (0 when fresh)."""
-    target = v.target
-    space = target.max_context - target.cache_len
-    step_spec = state.spec.limit(max_depth=room, max_nodes=space)
-    t0 = device_clock(v.device)
-    if not fresh:
-        assert v.hidden is not None
-        c_propose(steps, state, v.hidden, v.tokens[-1])
-    branch = c_branch(index, steps, step_spec, LOOKUP_BRANCH, room, space)
-    t1 = device_clock(v.device)
-    accepted, next_tok, heads_s, drafted = c_step(steps, state, step_spec, v.tokens[-1], len(v.output), branch)
-    v.hidden_from(steps.last_hidden)  # [E], read only if the next step needs it (`fresh` is False there)
-    step = v.commit(accepted, next_tok, drafted=drafted)
-    t2 = device_clock(v.device)
-    v.stats.draft_s += t1 - t0 + heads_s
-    v.stats.verify_s += t2 - t1 - heads_s
-    v.stats.target_forwards += 1
-    return step, t1 - t0
-
-
-def _medusa_step(v: TargetVerifier, state: MedusaState, room: int, sampling: SamplingConfig,
-                 generator: torch.Generator) -> StepResult:
-    """Propose the Medusa tree from the target's last hidden state and verify it in one forward."""
-    target = v.target
-    step_spec = state.spec.limit(max_depth=room, max_nodes=target.max_context - target.cache_len)
-    t0 = device_clock(v.device)
-    assert v.hidden is not None
-    tree_tokens, buffers = state.propose(v.hidden, step_spec, v.tokens[-1], len(v.output) - 1)  # [N]
-    t1 = device_clock(v.device)
-    v.stats.draft_s += t1 - t0
-    step = _verify_step(target, tree_tokens, buffers, sampling, generator, None)
-    path = step.verification.path
-    v.hidden = step.hidden  # [E]
-    result = v.commit(tree_tokens[path[1:]].tolist(), step.verification.next_token, drafted=step_spec.depth)
-    v.stats.verify_s += device_clock(v.device) - t1
-    v.stats.target_forwards += 1
-    return result

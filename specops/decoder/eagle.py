@@ -181,9 +181,10 @@ def generate_eagle(
                        max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, stats=stats, deadline_s=deadline_s,
                        keep_features=True if layers is None else layers)
     if tree is not None and sampling.greedy:
-        from specops.decoder.eagle_tree import EagleTreeProposer, run_tree_steps
+        from specops.decoder.eagle_tree import EagleTreeProposer
 
-        run_tree_steps(v, EagleTreeProposer(drafter, tree, sampling, generator, target.vocab_size, target.device))
+        run_steps(v, EagleTreeProposer(drafter, tree, sampling, generator, target.vocab_size, target.device),
+                  ConstantSchedule(tree.depth))
     else:
         run_steps(v, EagleProposer(drafter, sampling, generator, target.vocab_size, target.device),
                   schedule if schedule is not None else ConstantSchedule(4))

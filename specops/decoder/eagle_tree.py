@@ -39,11 +39,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from specops.decoder.clock import device_clock
 from specops.decoder.eagle import EagleProposer
 from specops.decoder.errors import InvalidRequestError
 from specops.decoder.sampling import SamplingConfig
-from specops.decoder.speculation import DRAFT_CONTEXT, StepResult, TargetVerifier
+from specops.decoder.speculation import TargetVerifier
+from specops.decoder.step import DraftTree
 from specops.decoder.tree import TreeBuffers, TreeSpec, build_buffers, make_spec
 
 MAX_DEPTH = 32
@@ -103,18 +103,6 @@ def keep_best(values: list[float], parents: list[int], depths: list[int], count:
             kept.append(i)
             chosen.add(i)
     return kept
-
-
-@dataclass
-class DraftTree:
-    """A drafted tree ready for `TargetVerifier.verify_tree`."""
-
-    tokens: Tensor  # [N] long: the root (the pending token), then the kept nodes in ``buffers``' order
-    buffers: TreeBuffers
-
-    @property
-    def depth(self) -> int:
-        return self.buffers.spec.depth
 
 
 @functools.lru_cache(maxsize=256)
@@ -198,6 +186,10 @@ class EagleTreeProposer(EagleProposer):
         free = self.drafter.max_context - self.drafter.cache_len
         return min(depth, 1 + free // self.shape.topk)
 
+    def propose(self, v: TargetVerifier, gamma: int, limit: int) -> DraftTree | None:
+        """A tree as deep as the shape, the budget, the deadline and the drafter's context let it (``limit``)."""
+        return self.propose_tree(v, min(gamma, limit))
+
     def propose_tree(self, v: TargetVerifier, depth: int) -> DraftTree | None:
         """A tree at most ``depth`` deep and as wide as the target's context allows; None when the
         drafter is not in step with the sequence."""
@@ -209,35 +201,3 @@ class EagleTreeProposer(EagleProposer):
                                     size, v.device)
         v.stats.draft_forwards += forwards
         return tree
-
-
-def tree_step(v: TargetVerifier, proposer: EagleTreeProposer) -> StepResult:
-    """One tree step: draft (as deep as the budget, the deadline and the drafter's context let
-    it), verify in one target forward, roll the drafter back; a plain step where nothing can be
-    drafted. ``v.stats.draft_s`` includes the drafting seconds."""
-    stats = v.stats
-    depth = min(proposer.shape.depth, v.max_draft())
-    room = proposer.room(v)
-    if room == 0 and stats.fallback_reason is None:
-        stats.fallback_reason = DRAFT_CONTEXT
-    depth = min(depth, room)
-    tree = None
-    draft_s = 0.0
-    if depth > 0:
-        t0 = device_clock(proposer.device)
-        tree = proposer.propose_tree(v, depth)
-        draft_s = device_clock(proposer.device) - t0
-    result = v.verify([]) if tree is None else v.verify_tree(tree.tokens, tree.buffers)
-    draft_s += proposer.sync(v, result)
-    stats.draft_s += draft_s
-    return result
-
-
-def run_tree_steps(v: TargetVerifier, proposer: EagleTreeProposer) -> None:
-    """Decode ``v``'s request to its end with tree steps: prefill, the drafter's start, then
-    `tree_step` after `tree_step`."""
-    v.prefill()
-    proposer.start(v)
-    v.stats.gamma = proposer.shape.depth
-    while not v.done:
-        tree_step(v, proposer)

@@ -13,8 +13,10 @@ One step (Cai et al. 2024, arXiv 2401.10774, with SpecInfer-style lossless sampl
    one recovered/bonus token after it, which becomes the next root.
 4. ``runner.compact(prefix_len, path)`` keeps only the accepted path's KV entries.
 
-Greedy steps on the fast runner with C-kernel heads run steps 1–4 and the next step's
-heads as one C call (`FastLlamaRunner.medusa_loop`, `c_step`): the same tokens and cache.
+The heads are a proposer of the one speculative step (`MedusaProposer`, run by
+`step.run_steps`; the target side is `speculation.TargetVerifier.verify_tree`). Greedy steps on
+the fast runner with C-kernel heads run steps 1–4 and the next step's heads as one C call
+(`MedusaProposer.one_call`: `FastLlamaRunner.medusa_loop`, `c_step`): the same tokens and cache.
 Greedy steps, in one call or not, also take a *prompt-lookup branch* (`medusa_branch`): when
 the context's last three tokens occurred before (`ngram.NgramIndex`, full-length matches
 only), ``lookup_branch`` tokens that followed them (more after a match that runs back
@@ -52,7 +54,8 @@ from specops.decoder.medusa_heads import HeadsLike, head_candidates
 from specops.decoder.medusa_branch import LOOKUP_BRANCH, branch_room, branch_tokens, context_index, merge_branch
 from specops.decoder.ngram import NgramIndex
 from specops.decoder.request import check_deadline, check_room, eos_set, prompt_list, stop_reason
-from specops.decoder.speculation import step_tokens
+from specops.decoder.speculation import StepResult, TargetVerifier
+from specops.decoder.step import DraftTree, StepTimes, run_steps
 from specops.decoder.stats import DecodeStats
 from specops.decoder.tree import TreeBuffers, TreeError, TreeSpec, build_buffers, resolve_tree
 from specops.decoder.tree_size import TreePlanner, plan_tree, tree_planner
@@ -172,9 +175,9 @@ def generate_medusa(
         raise InvalidRequestError(f"lookup_branch must be an integer >= 0, got {lookup_branch!r}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    deadline = None if deadline_s is None else time.perf_counter() + check_deadline(deadline_s)
+    if deadline_s is not None:
+        check_deadline(deadline_s)  # a bad deadline is refused before any tree is planned
     prompt = prompt_list(prompt_ids)
-    eos = eos_set(eos_token_id)
     k = heads.num_heads if num_heads is None else num_heads
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= heads.num_heads:
         raise InvalidRequestError(f"heads must be in 1..{heads.num_heads} (the Medusa heads loaded), got {num_heads!r}")
@@ -198,82 +201,115 @@ def generate_medusa(
         typical = None
     if typical is not None and sampling.greedy:
         raise InvalidRequestError("typical acceptance applies to sampling (temperature > 0); greedy is exact already")
-    limit = target.max_context
-    budget = check_room(len(prompt), limit, max_new_tokens)
     state = MedusaState(target, heads, spec, k)
     stats = DecodeStats(method="medusa", heads=k)
-    device = target.device
     stats.start()
-    target.reset(1)
-
-    t0 = device_clock(device)
-    ids = torch.tensor([prompt], dtype=torch.long, device=device)  # [1, P]
-    out = prompt_forward(target, ids, need_hidden=True)
-    root = out.last_choice() if sampling.greedy else int(next_token(out.logits[0, -1], sampling, generator))
-    hidden = out.hidden[0, -1]  # [E]
-    dt = device_clock(device) - t0
-    stats.target_forwards += 1
-    stats.verify_s += dt
-    stats.prefill_s += dt
-    output = [root]
-    stats.record_emitted(1)
-
+    v = TargetVerifier(target, prompt, sampling=sampling, generator=generator, max_new_tokens=max_new_tokens,
+                       eos_token_id=eos_token_id, stats=stats, deadline_s=deadline_s, keep_hidden=True, typical=typical)
     # greedy on the fast runner: every step in one C call (`FastLlamaRunner.medusa_loop`), same tokens
     steps = c_steps(target, heads, k, spec, planner, lookup_branch) if sampling.greedy and typical is None else None
-    index = None  # the prompt-lookup branch's n-gram index over prompt + output
-    if steps is not None:
-        c_propose(steps, state, hidden, root)
-        if lookup_branch:
-            index = NgramIndex()
-            index.extend(prompt + output)
-    while len(output) < budget and output[-1] not in eos:
-        remaining = budget - len(output)
-        room = limit - target.cache_len  # >= remaining + 1 by the budget clamp
-        if deadline is not None and time.perf_counter() > deadline:
-            if stats.fallback_reason is None:
-                stats.fallback_reason = "deadline"
-            room = 1  # root only: one plain decoding step
-        if planner is not None:
-            spec = planner.next_spec()
-        step_spec = spec
-        if spec.depth > remaining - 1 or spec.num_nodes > room:
-            step_spec = spec.limit(max_depth=remaining - 1, max_nodes=room)
-        t0 = device_clock(device)
-        if steps is not None:
-            branch = c_branch(index, steps, step_spec, lookup_branch, remaining - 1, room)
-            accepted_tokens, next_tok, draft_s, drafted = c_step(steps, state, step_spec, root, len(output), branch)
-        else:
-            tree_tokens, buffers = state.propose(hidden, step_spec, root, len(output) - 1)  # [N]
-            branch = None
-            if sampling.greedy and lookup_branch:  # the branch a one-call step adds (`medusa_branch`)
-                index = index if index is not None else context_index(prompt + output)
-                branch = branch_tokens(index, lookup_branch, remaining - 1, min(room, branch_room(
-                    planner.specs.values() if planner is not None else [spec], lookup_branch)) - step_spec.num_nodes)
-                tree_tokens, buffers = merge_branch(tree_tokens, buffers, branch)
-            draft_s = device_clock(device) - t0
-            step = _verify_step(target, tree_tokens, buffers, sampling, generator, typical)
-            path = step.verification.path
-            accepted_tokens, next_tok = tree_tokens[path[1:]].tolist(), step.verification.next_token
-            hidden = step.hidden
-            drafted = max(step_spec.depth, len(branch) if branch else 0)
-        committed = step_tokens(accepted_tokens, next_tok, drafted, eos)  # the one commit rule (EOS cut)
-        new, drafted, accepted = committed.emitted, committed.drafted, committed.accepted
-        root = new[-1]
-        output.extend(new)
-        if index is not None:
-            index.extend(new)
-        t2 = device_clock(device)
-        stats.draft_s += draft_s
-        stats.verify_s += t2 - t0 - draft_s
-        if planner is not None and step_spec.num_nodes == spec.num_nodes and not branch:  # a clean timing of the tree
-            planner.observe(spec.num_nodes, t2 - t0)
-        stats.target_forwards += 1
-        stats.record_step(drafted, accepted)
-        stats.record_emitted(len(new))
+    run_steps(v, MedusaProposer(state, sampling, planner=planner, lookup_branch=lookup_branch, steps=steps), None)
+    stats.head_predictions, stats.head_correct = state.head_accuracy(v.output)
+    stats.finish(v.stop_reason())
+    return v.output, stats
 
-    stats.head_predictions, stats.head_correct = state.head_accuracy(output)
-    stats.finish(stop_reason(output[-1] in eos, budget, max_new_tokens))
-    return output, stats
+
+class MedusaProposer:
+    """The Medusa heads as a `step.Proposer`: each step's tree from the heads at the target's
+    hidden state before the pending token (the verifier keeps it: ``keep_hidden``), with the
+    prompt-lookup branch merged in for greedy requests (`medusa_branch`), verified in one tree
+    forward (`TargetVerifier.verify_tree`). Where the fast runner has the heads' C step loop
+    (``steps``, `c_steps`: greedy), a whole step runs in one call instead (`one_call`). With a
+    ``planner`` each step's tree size comes from live step times (`tree_size.TreePlanner`), else
+    the state's tree. ``index``: an n-gram index over the sequence kept by someone else (`auto`'s
+    n-gram proposer), else the proposer keeps its own."""
+
+    method = "medusa"
+
+    def __init__(self, state: MedusaState, sampling: SamplingConfig, *, planner: TreePlanner | None = None,
+                 lookup_branch: int = LOOKUP_BRANCH, steps=None, index: NgramIndex | None = None) -> None:
+        self.state = state
+        self.planner = planner
+        self.steps = steps
+        self.branch = lookup_branch if sampling.greedy else 0  # sampled trees take no branch
+        self.device = state.target.device
+        self.index = index
+        self._own_index = index is None
+        self.fresh = False  # the C step loop holds the candidates of the current hidden state and pending token
+        self._ran = False  # the last step was this proposer's one-call step
+        self.caught_up = 0.0  # seconds of the last one-call step's extra proposal (after a step of another kind)
+        self._timing: tuple[TreeSpec, TreeSpec, bool, float] | None = None  # planned, used, branch?, start
+
+    def start(self, v: TargetVerifier) -> None:
+        if self.branch and self._own_index:
+            self.index = context_index(v.tokens)
+
+    def room(self, v: TargetVerifier) -> None:
+        return None  # its tree is cut to the budget and the context each step
+
+    def _spec(self, v: TargetVerifier, limit: int) -> tuple[TreeSpec, TreeSpec, int]:
+        """The planned tree, the tree this step uses (cut to ``limit`` drafts and the context), the context's room."""
+        spec = self.planner.next_spec() if self.planner is not None else self.state.spec
+        space = v.target.max_context - v.target.cache_len
+        if spec.depth > limit or spec.num_nodes > space:
+            return spec, spec.limit(max_depth=limit, max_nodes=space), space
+        return spec, spec, space
+
+    def propose(self, v: TargetVerifier, gamma: int, limit: int) -> DraftTree | None:
+        self.caught_up = 0.0
+        if not v.has_hidden:  # a one-token prompt: the first step runs plainly
+            return None
+        t0 = device_clock(self.device)
+        spec, step_spec, space = self._spec(v, limit)
+        tokens, buffers = self.state.propose(v.hidden, step_spec, v.tokens[-1], len(v.output) - 1)  # [N]
+        branch = None
+        if self.branch:
+            specs = self.planner.specs.values() if self.planner is not None else [self.state.spec]
+            branch = branch_tokens(self.index, self.branch, limit,
+                                   min(space, branch_room(specs, self.branch)) - step_spec.num_nodes)
+            tokens, buffers = merge_branch(tokens, buffers, branch)
+        self._timing = (spec, step_spec, bool(branch), t0)
+        return DraftTree(tokens, buffers, drafted=max(step_spec.depth, len(branch) if branch else 0))
+
+    def one_call(self, v: TargetVerifier, limit: int) -> tuple[StepResult, StepTimes] | None:
+        steps = self.steps
+        if steps is None or not v.has_hidden:
+            return None
+        stats = v.stats
+        t0 = device_clock(self.device)
+        spec, step_spec, space = self._spec(v, limit)
+        if not self.fresh:
+            c_propose(steps, self.state, v.hidden, v.tokens[-1])
+        branch = c_branch(self.index, steps, step_spec, self.branch, limit, space) if self.branch else None
+        t1 = device_clock(self.device)
+        accepted, next_tok, heads_s, drafted = c_step(steps, self.state, step_spec, v.tokens[-1], len(v.output),
+                                                      branch)
+        v.hidden_from(steps.last_hidden)  # [E], read only if the next step needs it (not after another C step)
+        result = v.commit(accepted, next_tok, drafted=drafted)
+        t2 = device_clock(self.device)
+        draft_s, verify_s = t1 - t0 + heads_s, t2 - t1 - heads_s
+        stats.draft_s += draft_s
+        stats.verify_s += verify_s
+        stats.target_forwards += 1
+        self.caught_up = t1 - t0
+        self._ran = True
+        if self.planner is not None and step_spec.num_nodes == spec.num_nodes and not branch:
+            self.planner.observe(spec.num_nodes, t2 - t0)  # a clean timing of the tree
+        return result, StepTimes(drafted, draft_s, verify_s)
+
+    def sync(self, v: TargetVerifier, result: StepResult) -> float:
+        """Read the verified step, whoever proposed it: the branch index takes its tokens, the
+        planner a clean timing of its own tree step; the C loop's candidates stay current only
+        after its own one-call step."""
+        self.fresh, self._ran = self._ran, False
+        timing, self._timing = self._timing, None
+        if timing is not None and self.planner is not None:
+            spec, step_spec, branch, t0 = timing
+            if step_spec.num_nodes == spec.num_nodes and not branch:
+                self.planner.observe(spec.num_nodes, device_clock(self.device) - t0)  # a clean timing of the tree
+        if self._own_index and self.index is not None:
+            self.index.extend(result.emitted)
+        return 0.0
 
 
 def c_steps(target: ModelRunner, heads: HeadsLike, k: int, spec: TreeSpec, planner: TreePlanner | None,
@@ -329,21 +365,3 @@ def c_step(steps, state: MedusaState, spec: TreeSpec, root: int, at: int,
         state.head_guesses.extend((at + d, d, top1[d * tk]) for d in range(spec.depth))
     result, heads_s = steps.step(c_tree(spec, tk), root, branch)
     return result[2 : 1 + result[0]], result[1], heads_s, max(spec.depth, len(branch) if branch else 0)
-
-
-@dataclass
-class _Verified:
-    verification: TreeVerification
-    hidden: Tensor  # [E] target hidden state at the last accepted node
-
-
-def _verify_step(target: ModelRunner, tree_tokens: Tensor, buffers: TreeBuffers, sampling: SamplingConfig,
-                 generator: torch.Generator, typical: TypicalAcceptance | None) -> _Verified:
-    """One target forward over the tree, the walk, and KV compaction of the accepted path."""
-    start = target.cache_len
-    positions = (start + buffers.depth)[None]  # [1, N]
-    out = target.forward(tree_tokens[None], position_ids=positions, tree_mask=buffers.attn_mask, need_hidden=True)
-    verification = judge_tree(tree_tokens, out.logits[0], buffers, sampling, generator, typical, out.argmax)
-    path = verification.path
-    target.compact(start, path)  # a list: the fast runner moves the few entries without an index tensor
-    return _Verified(verification=verification, hidden=out.hidden[0, path[-1]])

@@ -41,7 +41,7 @@ from specops.decoder.runner import ModelRunner, prompt_forward
 from specops.decoder.sampling import SamplingConfig, next_token
 from specops.decoder.stats import DecodeStats
 from specops.decoder.tree import TreeBuffers
-from specops.decoder.tree_verify import judge_tree
+from specops.decoder.tree_verify import TypicalAcceptance, judge_tree
 from specops.decoder.verify import accept_greedy, verify_block_sampled
 from specops.kernels import cpu_linear
 
@@ -114,13 +114,16 @@ class TargetVerifier:
         deadline_s: float | None = None,
         keep_hidden: bool = False,
         keep_features: bool | tuple[int, ...] = False,
+        typical: TypicalAcceptance | None = None,
     ) -> None:
         """``keep_hidden``: keep the target's last hidden state after every forward (``hidden``),
         for a Medusa step that follows (`specops.decoder.auto`). ``keep_features``: keep the hidden
         states of every position a forward settled (``features``): the prompt's cached tokens after
         `prefill`, ``[pending, d_1 .. d_n]`` after `verify`, which an EAGLE drafter reads next;
         True: the last hidden state (EAGLE-1), a tuple of ``hidden_states`` indices: those layers'
-        side by side (an EAGLE-3 drafter's `feature_layers`; a `runner.returns_layers` target)."""
+        side by side (an EAGLE-3 drafter's `feature_layers`; a `runner.returns_layers` target).
+        ``typical``: sampled trees walk by this LOSSY rule instead of exact rejection sampling
+        (`verify_tree`; a Medusa request that asked for it)."""
         self.target = target
         self.sampling = sampling
         self.generator = generator
@@ -136,6 +139,7 @@ class TargetVerifier:
         self.device = target.device
         self.deadline = None if deadline_s is None else time.perf_counter() + check_deadline(deadline_s)
         self.keep_hidden = keep_hidden
+        self.typical = typical
         self.feature_layers = None if isinstance(keep_features, bool) else tuple(keep_features)
         self.keep_features = bool(keep_features)
         self.features: torch.Tensor | None = None  # [n, E | k*E] (keep_features): the last forward's settled positions
@@ -238,7 +242,8 @@ class TargetVerifier:
             self.features = self._features(out)[0, : n + 1]  # [n+1, E or k*E]: pending, d_1 .. d_n
         return self._finish(drafted, n, nxt, g, t0)
 
-    def verify_tree(self, tokens: torch.Tensor, buffers: TreeBuffers) -> StepResult:  # tokens: [N] long
+    def verify_tree(self, tokens: torch.Tensor, buffers: TreeBuffers,  # tokens: [N] long
+                    drafted: int | None = None) -> StepResult:
         """Verify a drafted tree in one target forward and advance the sequence along its accepted path.
 
         ``tokens``: the nodes' tokens in ``buffers``' order, the root first, which is the pending
@@ -248,8 +253,11 @@ class TargetVerifier:
         masses); the cache keeps the root and the accepted nodes (`compact`), and ``features`` /
         ``hidden`` are read along that path, as `verify` leaves them after a block. The step
         counts the tree's depth as drafted (Medusa's tree steps count the same way). Past the
-        deadline the step runs plainly, as `verify` does with a block drafted meanwhile."""
-        n, depth = buffers.num_nodes, buffers.spec.depth
+        deadline the step runs plainly, as `verify` does with a block drafted meanwhile.
+        ``drafted``: the positions the step drafted where not the tree's depth (a merged
+        prompt-lookup branch may reach deeper). Sampled trees walk by ``typical`` acceptance
+        where the request asked for that LOSSY rule."""
+        n, depth = buffers.num_nodes, buffers.spec.depth if drafted is None else drafted
         if tuple(tokens.shape) != (n,):
             raise ValueError(f"tree tokens must be [N] = [{n}], got {tuple(tokens.shape)}")
         if int(tokens[0]) != self.tokens[-1]:
@@ -265,7 +273,7 @@ class TargetVerifier:
         tokens = tokens.to(self.device)
         out = self.target.forward(tokens[None], position_ids=(start + buffers.depth.to(self.device))[None],
                                   tree_mask=buffers.attn_mask, need_hidden=self._need_hidden(), **layers)
-        verdict = judge_tree(tokens, out.logits[0], buffers, self.sampling, self.generator,
+        verdict = judge_tree(tokens, out.logits[0], buffers, self.sampling, self.generator, self.typical,
                              choice=out.argmax if self.sampling.greedy else None)
         path = verdict.path
         self.target.compact(start, path)  # [.., pending, accepted nodes]

@@ -23,6 +23,7 @@ from specops.decoder import eagle_tree, speculation
 from specops.decoder.eagle_model import EagleDrafter
 from specops.decoder.eagle_io import drafter_from_state
 from specops.decoder.eagle_tree import EagleTree, draft_tree, keep_best
+from specops.decoder.step import DraftTree
 from specops.decoder.hf_runner import HFRunner
 from specops.decoder.loading import load_runner
 from tests.decoder.clocked import ClockedRunner, FakeClock
@@ -45,7 +46,7 @@ def decoders(bundled):
     return {impl: Decoder(model, eagle=drafter, tokenizer=tok, impl=impl) for impl in IMPLS}
 
 
-def collect_trees(monkeypatch) -> list[tuple[eagle_tree.DraftTree, EagleTree, int]]:
+def collect_trees(monkeypatch) -> list[tuple[DraftTree, EagleTree, int]]:
     """Every tree drafted from here on: (the tree, its shape, the depth and size it was allowed)."""
     trees = []
     real = eagle_tree.draft_tree

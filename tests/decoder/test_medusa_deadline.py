@@ -21,7 +21,7 @@ def test_medusa_deadline_falls_back_to_plain_steps(dec):
     late = dec.generate(PROMPT, method="medusa", max_new_tokens=12, deadline_s=1e-9, tree="small")
     assert late.tokens == plain.tokens
     assert late.stats.fallback_reason == "deadline" and late.stats.drafted == 0
-    assert late.stats.target_forwards == 12  # prefill emits the first token, then one per step
+    assert late.stats.target_forwards == 1 + 12  # prefill, then one plain step per token
     on_time = dec.generate(PROMPT, method="medusa", max_new_tokens=12, deadline_s=3600.0, tree="small")
     assert on_time.tokens == plain.tokens and on_time.stats.fallback_reason is None
     assert on_time.stats.target_forwards < 12  # speculation did happen

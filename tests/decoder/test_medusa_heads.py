@@ -211,8 +211,8 @@ def test_decoder_medusa_with_root_input_heads_is_exact_and_feeds_each_step_its_r
     ar = Decoder(model).generate(prompt, method="ar", max_new_tokens=30)
     out = Decoder(model, medusa=heads).generate(prompt, method="medusa", max_new_tokens=30, tree="small")
     assert out.tokens == ar.tokens
-    # each step's root is the last token emitted before it: the first is the prefill's token
-    assert seen[0] == [ar.tokens[0]] and all(len(r) == 1 and r[0] in ar.tokens for r in seen)
+    # each step's root is the pending token: the prompt's last for the first step, then the last one emitted
+    assert seen[0] == [prompt[-1]] and all(len(r) == 1 and r[0] in [prompt[-1], *ar.tokens] for r in seen)
 
 
 @pytest.mark.parametrize("shared", [True, False])
