@@ -87,7 +87,8 @@ def test_greedy_eagle_equals_plain_decoding_for_several_prompts_and_gammas(bundl
     assert accepted > 60, "the trained drafter must have drafts accepted for this test to mean anything"
 
 
-def test_eos_inside_an_accepted_chain_ends_the_output_exactly(bundled, decoder, monkeypatch):
+def spy_eos_cuts(monkeypatch) -> list[bool]:
+    """Per committed step: whether an EOS among its accepted drafts cut it (`speculation.step_tokens`)."""
     cut_inside = []
     real = speculation.step_tokens
 
@@ -97,6 +98,11 @@ def test_eos_inside_an_accepted_chain_ends_the_output_exactly(bundled, decoder, 
         return step
 
     monkeypatch.setattr(speculation, "step_tokens", spy)
+    return cut_inside
+
+
+def test_eos_inside_an_accepted_chain_ends_the_output_exactly(bundled, decoder, monkeypatch):
+    cut_inside = spy_eos_cuts(monkeypatch)
     prompt = bundled[2][0]
     full = decoder.generate(prompt, method="ar", max_new_tokens=48).tokens
     for eos in sorted(set(full[4:40])):

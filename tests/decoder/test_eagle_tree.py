@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from specops.decoder import Decoder, InvalidRequestError
-from specops.decoder import eagle_tree, speculation
+from specops.decoder import eagle_tree
 from specops.decoder.eagle_model import EagleDrafter
 from specops.decoder.eagle_io import drafter_from_state
 from specops.decoder.eagle_tree import EagleTree, draft_tree, keep_best
@@ -27,7 +27,7 @@ from specops.decoder.step import DraftTree
 from specops.decoder.hf_runner import HFRunner
 from specops.decoder.loading import load_runner
 from tests.decoder.clocked import ClockedRunner, FakeClock
-from tests.decoder.test_eagle import bundled_setup
+from tests.decoder.test_eagle import bundled_setup, spy_eos_cuts
 from tests.decoder.test_eagle3 import bigram_target, draft_ids_of, eagle3_checkpoint
 from tests.decoder.test_eagle3 import copying_drafter as eagle3_copying_drafter
 from tests.decoder.tiny_models import tiny_llama
@@ -306,15 +306,7 @@ def test_every_node_is_drafted_as_a_chain_along_its_path_would_draft_it(make):
 
 # ---------------------------------------------------------------------- request edges
 def test_eos_inside_an_accepted_path_ends_the_output_exactly(bundled, decoders, monkeypatch):
-    cut_inside = []
-    real = speculation.step_tokens
-
-    def spy(accepted, next_token, drafted, eos):
-        step = real(accepted, next_token, drafted, eos)
-        cut_inside.append(len(step.emitted) <= len(accepted))
-        return step
-
-    monkeypatch.setattr(speculation, "step_tokens", spy)
+    cut_inside = spy_eos_cuts(monkeypatch)
     dec = decoders["fast"]
     prompt = bundled[2][0]
     full = dec.generate(prompt, method="ar", max_new_tokens=48).tokens
