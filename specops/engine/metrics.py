@@ -70,6 +70,10 @@ class ServingMetrics:
                                     "start: veto (speculation stopped at a batch size where it was measured slower), "
                                     "probe (one sequence speculated against the plan), plain_probe (a plain step at a "
                                     "batch size that always speculated).", ["event"], registry=registry)
+        self.medusa_branches = Gauge("specops_serving_medusa_branch_steps", "Greedy Medusa steps since start whose "
+                                     "tree carried a prompt-lookup branch.", registry=registry)
+        self.medusa_branch_tokens = Gauge("specops_serving_medusa_branch_tokens", "Tokens accepted since start on "
+                                          "prompt-lookup branch nodes the heads' tree did not hold.", registry=registry)
         self.inflight = Gauge("specops_serving_inflight", "Admitted requests not yet finished.", registry=registry)
         self.policy_stale = Gauge("specops_serving_policy_stale", "1 while the policy state is not live (Redis "
                                   "unreachable or empty): the last known settings serve.", registry=registry)
@@ -95,6 +99,8 @@ class ServingMetrics:
         self.decode_steps.labels("plain").set(stats.plain_steps)
         for event, value in (("veto", stats.vetoes), ("probe", stats.probes), ("plain_probe", stats.plain_probes)):
             self.planner_events.labels(event).set(value)
+        self.medusa_branches.set(stats.medusa_branches)
+        self.medusa_branch_tokens.set(stats.medusa_branch_tokens)
 
     def policy(self, live: Any, records: Any) -> None:
         """Copy the fail-static state (`LivePolicy`, `RecordBuffer`) into the gauges."""

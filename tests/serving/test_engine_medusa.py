@@ -9,12 +9,14 @@ import random
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 import specops.engine.engine as engine_module
 from specops.decoder import Decoder, tree_verify
 from specops.decoder.medusa_branch import LOOKUP_BRANCH
 from specops.decoder.medusa_heads import MedusaHeads
 from specops.engine.engine import Engine
+from specops.engine.metrics import ServingMetrics
 from specops.engine.proposers import MedusaProposer
 from specops.engine.sequence import SamplingParams, SpecSettings
 from tests.decoder.tiny_models import tiny_other
@@ -122,6 +124,10 @@ def test_greedy_branches_keep_to_the_budget_the_context_and_the_node_bound(qwen2
     branched = [t for t in trees.seen if t["branch"]]
     assert eng.stats().medusa_branches == len(branched) > 10 and eng.stats().medusa_branch_tokens > 0
     assert any(t["appended"] for t in branched)
+    registry = CollectorRegistry()  # /metrics shows the same counts
+    ServingMetrics(registry).engine(eng.stats())
+    assert registry.get_sample_value("specops_serving_medusa_branch_steps") == eng.stats().medusa_branches
+    assert registry.get_sample_value("specops_serving_medusa_branch_tokens") == eng.stats().medusa_branch_tokens
     for t in trees.seen:
         assert t["depth"] <= t["remaining"] - 1 and len(t["branch"]) <= t["remaining"] - 1
         assert t["nodes"] - 1 <= min(t["room"], t["planned"])  # the granted slots hold the merged tree
