@@ -46,6 +46,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from specops.models.registry import BF16_SUBDIR
+
 log = logging.getLogger(__name__)
 
 CONVERTER_VERSION = 1
@@ -278,14 +280,20 @@ def source_fingerprint(model_dir: Path, tokenizer_json: Path, out_type: str) -> 
 
 
 def source_gguf(model_dir: Path) -> Path | None:
-    """The GGUF a model folder was made from (``specops models pull``'s ``source_gguf``), if any."""
-    try:
-        manifest = json.loads((model_dir / "specops-model.json").read_text())
-    except (OSError, ValueError):
-        return None
-    rel = manifest.get("source_gguf") if isinstance(manifest, dict) else None
-    path = model_dir / rel if isinstance(rel, str) else None
-    return path if path is not None and path.is_file() else None
+    """The GGUF a model folder was made from (``specops models pull``'s ``source_gguf``), if any;
+    for a pulled model's bfloat16 copy (its ``bf16/`` folder, whose manifest is its parent's),
+    the one the whole model was made from."""
+    model_dir = Path(model_dir)
+    folders = [model_dir] + ([model_dir.parent] if model_dir.name == BF16_SUBDIR else [])
+    for folder in folders:
+        try:
+            manifest = json.loads((folder / "specops-model.json").read_text())
+        except (OSError, ValueError):
+            continue
+        rel = manifest.get("source_gguf") if isinstance(manifest, dict) else None
+        path = folder / rel if isinstance(rel, str) else None
+        return path if path is not None and path.is_file() else None
+    return None
 
 
 def _copy_tokenizer_fields(writer: Any, source: Path) -> int:

@@ -151,3 +151,8 @@ def test_a_model_pulled_from_a_gguf_keeps_that_files_tokenizer_keys(tmp_path):
     assert fields["tokenizer.chat_template"].contents() == "{{ messages }}"
     assert fields["tokenizer.ggml.eos_token_id"].contents() == 2
     assert "tokenizer.ggml.merges" not in fields  # nothing rebuilt from tokenizer.json
+    # the pulled model's bfloat16 copy (its bf16/ folder, no manifest of its own) keeps the same keys
+    shutil.copytree(TARGET_DIR, d / "bf16", ignore=shutil.ignore_patterns("*.gguf"))
+    path = ensure_gguf(d / "bf16", out_type="bfloat16", cache_dir=tmp_path / "cache")
+    fields = gguf.GGUFReader(str(path)).fields
+    assert fields["tokenizer.ggml.pre"].contents() == "smollm" and "tokenizer.ggml.merges" not in fields
