@@ -15,6 +15,7 @@ out.tokens, out.stats
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import warnings
@@ -32,7 +33,7 @@ from specops.decoder.errors import (
     UnknownMethodError,
     VocabMismatchError,
 )
-from specops.decoder.runner import IMPLS, ModelRunner, returns_layers
+from specops.decoder.runner import IMPLS, ModelRunner, UnsupportedModelError, returns_layers
 from specops.decoder.loading import load_runner
 from specops.decoder.sampling import SamplingConfig, make_generator
 from specops.decoder.schedule import GammaSchedule, make_schedule
@@ -181,6 +182,10 @@ def _as_runner(model: Any, *, impl: str, max_context: int | None, role: str) -> 
         return model
     if getattr(model, "config", None) is None:
         raise TypeError(f"{role} must be a transformers causal LM or a ModelRunner, got {type(model).__name__}")
+    if role == "target":
+        runner = _bf16_kernel_target(model, impl=impl, max_context=max_context)
+        if runner is not None:
+            return runner
     return load_runner(model, max_context=max_context, impl=impl,
                        kernel_weights=DRAFT_KERNEL_WEIGHTS if role == "draft" else "fp32")
 
@@ -193,6 +198,29 @@ def _load_model(path: str | Path, *, dtype: torch.dtype, device: str | torch.dev
     except Exception as exc:  # transformers raises OSError, ValueError, EnvironmentError, ...
         raise ModelLoadError(f"cannot load the {role} model from {str(path)!r}: {exc}") from exc
     return model.to(device).eval()
+
+
+def _bf16_kernel_target(model: Any, *, impl: str, max_context: int | None) -> ModelRunner | None:
+    """A bfloat16 target on the CPU with the C kernels: the fast runner over a float32 copy of
+    ``model`` (every value a bf16 one) with bf16 kernel weights (`FastLlamaRunner`
+    ``kernel_weights``), so its layer stack streams the bf16 weights (half the bytes of fp32)
+    and accumulates in fp32, where transformers' bf16 CPU matmuls run far from the memory's
+    speed. None where that does not apply or the fast runner cannot take the model (it then
+    runs in bf16 as loaded)."""
+    from specops.decoder.fast_llama import FastLlamaRunner
+    from specops.kernels import cpu_linear
+
+    weight = getattr(getattr(model, "lm_head", None), "weight", None)
+    if (impl == "hf" or weight is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu"
+            or not cpu_linear.available()):
+        return None
+    try:
+        return FastLlamaRunner(copy.deepcopy(model).float(), max_context=max_context, kernel_weights="bf16")
+    except UnsupportedModelError as exc:
+        if impl == "fast":
+            raise
+        log.info("the bf16 kernel path is unavailable (%s); the target runs in bf16 as loaded", exc)
+        return None
 
 
 DRAFT_VOCAB_NAME = "draft_vocab.json"  # in a draft model's folder: the tokens its greedy drafting ranks
