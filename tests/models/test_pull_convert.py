@@ -215,7 +215,9 @@ def test_decoder_from_pretrained_loads_a_registered_name_with_its_chat_template(
     out = dec.generate(dec.tokenizer.encode("def main():"), max_new_tokens=8, method="ar")
     assert len(out.tokens) == 8
     bf16 = Decoder.from_pretrained(registered.name, dtype=torch.bfloat16)
-    assert bf16.target.dtype == torch.bfloat16 and dec.target.dtype == torch.float32
+    assert next(bf16.target_model.parameters()).dtype == torch.bfloat16 and dec.target.dtype == torch.float32
+    # on a CPU with the C kernels its bf16 weights stream through them (fp32 arithmetic); elsewhere it runs in bf16
+    assert getattr(bf16.target, "kernel_weights", None) == "bf16" or bf16.target.dtype == torch.bfloat16
 
 
 def test_a_failed_first_use_pull_is_a_model_load_error(registered, monkeypatch):
