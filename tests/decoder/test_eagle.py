@@ -124,7 +124,8 @@ def test_max_new_tokens_inside_a_chain_is_exact(bundled, decoder):
         assert out.stats.stop_reason == "max_new_tokens"
 
 
-def test_deadline_mid_request_continues_plainly_and_exactly(bundled, monkeypatch):
+@pytest.mark.parametrize("shape", [{"gamma": 4}, {"eagle_tree": (4, 3, 10)}], ids=["chain", "tree"])
+def test_deadline_mid_request_continues_plainly_and_exactly(bundled, monkeypatch, shape):
     model, _, prompts, _, drafter = bundled
     clock = FakeClock()
     clock.install(monkeypatch)
@@ -133,14 +134,14 @@ def test_deadline_mid_request_continues_plainly_and_exactly(bundled, monkeypatch
     ref = dec.generate(prompts[0], method="ar", max_new_tokens=24).tokens
     for deadline_s in (2.5, 4.5, 6.5):
         start = len(runner.log)
-        out = dec.generate(prompts[0], method="eagle", gamma=4, max_new_tokens=24, deadline_s=deadline_s)
+        out = dec.generate(prompts[0], method="eagle", max_new_tokens=24, deadline_s=deadline_s, **shape)
         assert out.tokens == ref, deadline_s
         assert out.stats.fallback_reason == "deadline"
         steps = runner.log[start + 1:]
         deadline = runner.log[start].start + deadline_s
         assert any(f.width > 1 for f in steps if f.start < deadline), "no speculation before the deadline"
         assert all(f.width == 1 for f in steps if f.start > deadline)
-    on_time = dec.generate(prompts[0], method="eagle", gamma=4, max_new_tokens=24, deadline_s=3600.0)
+    on_time = dec.generate(prompts[0], method="eagle", max_new_tokens=24, deadline_s=3600.0, **shape)
     assert on_time.tokens == ref and on_time.stats.fallback_reason is None
 
 

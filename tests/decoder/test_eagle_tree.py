@@ -25,8 +25,6 @@ from specops.decoder.eagle_io import drafter_from_state
 from specops.decoder.eagle_tree import EagleTree, draft_tree, keep_best
 from specops.decoder.step import DraftTree
 from specops.decoder.hf_runner import HFRunner
-from specops.decoder.loading import load_runner
-from tests.decoder.clocked import ClockedRunner, FakeClock
 from tests.decoder.test_eagle import bundled_setup, spy_eos_cuts
 from tests.decoder.test_eagle3 import bigram_target, draft_ids_of, eagle3_checkpoint
 from tests.decoder.test_eagle3 import copying_drafter as eagle3_copying_drafter
@@ -330,27 +328,6 @@ def test_max_new_tokens_inside_a_tree_is_exact():
         assert out.tokens == full[:n], n
         assert out.stats.stop_reason == "max_new_tokens" and out.stats.new_tokens == n
         assert all(g <= n - 1 for g in out.stats.gamma_trace)  # a step never drafts past the budget
-
-
-def test_deadline_mid_request_continues_plainly_and_exactly(bundled, monkeypatch):
-    model, _, prompts, _, drafter = bundled
-    clock = FakeClock()
-    clock.install(monkeypatch)
-    runner = ClockedRunner(load_runner(model), clock)
-    dec = Decoder(runner, eagle=drafter)
-    ref = dec.generate(prompts[0], method="ar", max_new_tokens=24).tokens
-    for deadline_s in (2.5, 4.5, 6.5):
-        start = len(runner.log)
-        out = dec.generate(prompts[0], method="eagle", max_new_tokens=24, deadline_s=deadline_s,
-                           eagle_tree=(4, 3, 10))
-        assert out.tokens == ref, deadline_s
-        assert out.stats.fallback_reason == "deadline"
-        steps = runner.log[start + 1:]
-        deadline = runner.log[start].start + deadline_s
-        assert any(f.width > 1 for f in steps if f.start < deadline), "no speculation before the deadline"
-        assert all(f.width == 1 for f in steps if f.start > deadline)
-    on_time = dec.generate(prompts[0], method="eagle", max_new_tokens=24, deadline_s=3600.0, eagle_tree=(4, 3, 10))
-    assert on_time.tokens == ref and on_time.stats.fallback_reason is None
 
 
 def test_a_deadline_passed_while_the_tree_was_drafted_runs_the_step_plainly(bundled, decoders, monkeypatch):
