@@ -197,7 +197,8 @@ class EagleTreeProposer(EagleProposer):
             return None
         room = v.target.max_context - v.target.cache_len
         size = min(self.shape.tree_size, room)
-        tree, forwards = draft_tree(self.drafter, self.last, v.tokens[-1], self.shape, self.depth_room(depth),
-                                    size, v.device)
+        with self.threads():
+            tree, forwards = draft_tree(self.drafter, self.last, v.tokens[-1], self.shape, self.depth_room(depth),
+                                        size, v.device)
         v.stats.draft_forwards += forwards
         return tree

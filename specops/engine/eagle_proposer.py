@@ -44,6 +44,8 @@ engine is built (``specops serve --eagle PATH`` refuses such a folder before loa
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,7 +53,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from specops.decoder.eagle import draft_chain
+from specops.decoder.eagle import draft_chain, torch_single_thread
 from specops.decoder.eagle_model import EagleError
 from specops.decoder.speculation import draft_room
 from specops.engine.batch_forward import FeedItem, ItemOutput
@@ -165,7 +167,7 @@ class EagleProposer:
         drafter = self.drafter
         dev = drafter.fc.weight.device
         state = seq.eagle
-        with torch.no_grad():
+        with torch.no_grad(), torch_single_thread() if dev.type == "cpu" else contextlib.nullcontext():
             if state.cache is None:
                 state.cache = drafter.new_cache(seq.prompt_len + seq.budget)
             fed = state.cache.length

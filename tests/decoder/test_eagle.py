@@ -353,3 +353,29 @@ def test_packed_inference_copies_compute_what_the_module_computes():
     drafter.train()
     with torch.inference_mode():
         assert drafter.packed() is None  # training
+
+
+def test_the_drafter_runs_its_torch_ops_on_one_thread_and_restores_the_count(bundled, monkeypatch):
+    """torch's OpenMP team would spin on the cores the target's next forward needs (`torch_single_thread`)."""
+    from specops.decoder import eagle
+
+    model, _, prompts, _, drafter = bundled
+    seen = []
+    step = type(drafter).step
+
+    def counted(self, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(drafter), "step", counted)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = Decoder(model, eagle=drafter).generate(prompts[0], method="eagle", max_new_tokens=16)
+        assert out.stats.accepted > 0 and seen and set(seen) == {1}
+        assert torch.get_num_threads() == 2
+        with eagle.torch_single_thread():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
