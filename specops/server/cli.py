@@ -80,10 +80,15 @@ def quiet_omp_spin(environ: MutableMapping[str, str] | None = None) -> bool:
               help="CPU threads of the engine's forwards (default: torch's); on torch's own kernels "
                    "(not the C layer stack) the engine leaves one of them to the HTTP event loop "
                    "from 4 running sequences on.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="Weights of the target (and draft): bfloat16 reads half the bytes per token (a registered "
+                   "model loads its bf16/ copy; on a CPU the C kernels stream the bf16 weights and accumulate "
+                   "in fp32).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
               show_default=True)
 def serve_command(model, draft, medusa, eagle, policy_file, redis_url, state_dir, namespace, pod, host, port, max_batch,
-                  max_queue, kv_cache_mb, api_key_env, served_model_name, reconcile_s, threads, log_level) -> None:
+                  max_queue, kv_cache_mb, api_key_env, served_model_name, reconcile_s, threads, dtype,
+                  log_level) -> None:
     """Serve the OpenAI-compatible API with continuous batching and the live speculation policy."""
     quiet_omp_spin()  # before the import below loads torch
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
@@ -109,7 +114,7 @@ def serve_command(model, draft, medusa, eagle, policy_file, redis_url, state_dir
                       state_dir=state_dir, namespace=namespace, pod=pod, host=host, port=port, max_batch=max_batch,
                       max_queue=max_queue, kv_cache_mb=kv_cache_mb, api_key=api_key,
                       served_model_name=served_model_name, reconcile_s=reconcile_s, threads=threads,
-                      log_level=log_level)
+                      dtype=dtype, log_level=log_level)
     try:
         run_server(cfg)
     except ServeError as exc:

@@ -33,6 +33,9 @@ class ServeError(RuntimeError):
     """The server cannot start (one readable line)."""
 
 
+SERVE_DTYPES = ("float32", "bfloat16")  # the torch dtypes `specops serve --dtype` loads models with
+
+
 @dataclass
 class ServeConfig:
     model: str = "bundled"
@@ -53,6 +56,7 @@ class ServeConfig:
     served_model_name: str | None = None
     reconcile_s: float = 5.0
     threads: int | None = None
+    dtype: str = "float32"  # "float32" | "bfloat16": the weights the models load with
     log_level: str = "info"
 
 
@@ -123,7 +127,8 @@ def build_engine_client(cfg: ServeConfig, serving_client: Any, policy: Any, regi
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    decoder = Decoder.from_pretrained(cfg.model, draft=cfg.draft, medusa=cfg.medusa, fallback=True, eagle=cfg.eagle)
+    decoder = Decoder.from_pretrained(cfg.model, draft=cfg.draft, medusa=cfg.medusa, fallback=True, eagle=cfg.eagle,
+                                      dtype=getattr(torch, cfg.dtype))
     if decoder.tokenizer is None:
         raise ServeError(f"no tokenizer found with the model {cfg.model!r}")
     engine = Engine(decoder, max_batch=cfg.max_batch, kv_cache_mb=cfg.kv_cache_mb, block_size=BLOCK_SIZE)
@@ -143,6 +148,8 @@ def build_engine_client(cfg: ServeConfig, serving_client: Any, policy: Any, regi
 
 def run_server(cfg: ServeConfig) -> None:
     """Serve until SIGINT / SIGTERM; raises `ServeError` when it cannot start."""
+    if cfg.dtype not in SERVE_DTYPES:
+        raise ServeError(f"dtype must be one of {', '.join(SERVE_DTYPES)}, got {cfg.dtype!r}")
     import uvicorn
     from prometheus_client import CollectorRegistry, ProcessCollector
 

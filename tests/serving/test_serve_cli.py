@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from specops.server.cli import OMP_SPIN_COUNT, quiet_omp_spin
 
 
@@ -49,3 +51,23 @@ def test_serve_hands_the_gil_back_within_half_a_millisecond(monkeypatch):
     finally:
         sys.setswitchinterval(before)
     assert seen == [GIL_SWITCH_INTERVAL_S] and GIL_SWITCH_INTERVAL_S < before
+
+
+def test_serve_loads_the_models_in_the_dtype_asked(monkeypatch):
+    from click.testing import CliRunner
+
+    import specops.server.server as server
+    from specops.server.cli import serve_command
+
+    with pytest.raises(server.ServeError, match="dtype must be one of float32, bfloat16"):
+        server.run_server(server.ServeConfig(dtype="float16"))  # refused before anything starts
+    seen = []
+    monkeypatch.setattr(server, "run_server", lambda cfg: seen.append(cfg.dtype))
+    before = sys.getswitchinterval()
+    try:
+        assert CliRunner().invoke(serve_command, ["--port", "0", "--dtype", "bfloat16"]).exit_code == 0
+        assert CliRunner().invoke(serve_command, ["--port", "0"]).exit_code == 0
+        bad = CliRunner().invoke(serve_command, ["--port", "0", "--dtype", "float16"])
+    finally:
+        sys.setswitchinterval(before)
+    assert seen == ["bfloat16", "float32"] and bad.exit_code == 2 and "--dtype" in bad.output
