@@ -58,10 +58,10 @@ or None (nothing to draft this step: it runs plainly)."""
 
 
 class Proposer(Protocol):
-    """The drafter side of a linear speculative step."""
+    """The drafter side of a speculative step (a chain or a tree)."""
 
     method: str
-    """The method's name (``draft``, ``ngram``, ``eagle``), as `DecodeStats.method` reads."""
+    """The method's name (``draft``, ``ngram``, ``eagle``, ``medusa``), as `DecodeStats.method` reads."""
     device: torch.device
     """Where it drafts: its drafting time is read on this device's clock."""
 
@@ -82,15 +82,11 @@ class Proposer(Protocol):
         """Catch up with the verified step (roll its cache back, read the accepted tokens); the
         seconds that took on its clock, counted as drafting time."""
 
-
-class OneCallProposer(Proposer, Protocol):
-    """A proposer whose runner can also do a whole step (propose, verify, commit) in one call."""
-
-    def one_call(self, v: TargetVerifier, limit: int) -> tuple[StepResult, StepTimes] | None:
-        """Run one step of at most ``limit`` drafts in one call and commit it through ``v.commit``
-        (counting its seconds and forward in ``v.stats``): the result and what it drafted and
-        cost; None where it cannot (the step then proposes and verifies as usual). `sync` reads
-        the step after it, as after any other."""
+    # Optional, where the runner does a whole step in one call (the fast runner's greedy Medusa loop):
+    # one_call(v, limit) -> tuple[StepResult, StepTimes] | None runs one step of at most ``limit``
+    # drafts and commits it through ``v.commit`` (counting its seconds and forward in ``v.stats``);
+    # None where it cannot (the step then proposes and verifies as usual). `sync` reads the step
+    # after it, as after any other.
 
 
 @dataclass
