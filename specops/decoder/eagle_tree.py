@@ -33,6 +33,7 @@ N tree nodes (root included) · K = ``topk`` · D = ``depth`` · F drafter vocab
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,13 +113,16 @@ def _buffers(spec: TreeSpec, device: str) -> TreeBuffers:
 
 
 def draft_tree(drafter, last: Tensor, root: int, shape: EagleTree, depth: int, size: int,
-               device: torch.device, cache=None) -> tuple[DraftTree, int]:
+               device: torch.device, cache=None, estimates: list[float] | None = None) -> tuple[DraftTree, int]:
     """Draft a tree after the pending token ``root`` from ``last`` [E], the drafter's prediction of
     its feature: ``depth`` (<= shape.depth) levels of ``shape.topk``, then the best ``size``
     (<= shape.tree_size) nodes, root included (see the module docstring). ``cache``: the
     sequence's drafter cache (None: the drafter's own), which holds the real entries and gains
-    the expanded nodes' (cut them off after verification). Returns the tree (its tensors on
-    ``device``, the target's) and the drafter forwards run."""
+    the expanded nodes' (cut them off after verification). ``estimates``: receives the drafter's
+    estimate that the target accepts each of the best ``shape.tree_size - 1`` drafted nodes (the
+    exponent of its value), best first: the kept nodes' first (the serving engine plans its
+    trees on them). Returns the tree (its tensors on ``device``, the target's) and the drafter
+    forwards run."""
     cache = drafter.cache if cache is None else cache
     real = cache.length  # entries 0 .. real - 1 read real features; depth-d nodes sit at position real + d - 1
     shortlist = drafter.shortlist
@@ -162,7 +166,10 @@ def draft_tree(drafter, last: Tensor, root: int, shape: EagleTree, depth: int, s
         forwards += 1
         add_children(frontier, drafter.logits(feats), feats)
 
-    kept = keep_best(values, parents, depths, size - 1)
+    ranked = keep_best(values, parents, depths, max(size, shape.tree_size) - 1)
+    kept = ranked[: size - 1]  # `keep_best` of fewer nodes is a prefix of its ranking
+    if estimates is not None:
+        estimates.extend(math.exp(values[i]) for i in ranked[: shape.tree_size - 1])
     paths: dict[int, tuple[int, ...]] = {}
     for i in kept:  # parents come first
         paths[i] = (paths[parents[i]] if parents[i] >= 0 else ()) + (ranks[i],)

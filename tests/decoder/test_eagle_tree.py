@@ -3,7 +3,8 @@
 Greedy output equals plain decoding token for token on the fast and the transformers runner
 (held-out code prompts and random ones, several tree shapes, the context's end); a drafter that
 ranks tokens as the target does is accepted to the tree's full depth; every kept node set is a
-tree within the shape; the expansion keeps the best frontier and the best nodes by value, and
+tree within the shape; the expansion keeps the best frontier and the best nodes by value (and
+reports the drafter's estimates of the shape's best nodes, whatever the tree keeps), and
 every node is drafted as a chain along its path would draft it (the drafter's tree mask and
 positions); EOS, ``max_new_tokens`` and the deadline behave as with the chain; sampled requests
 keep the chain; bad settings get clear errors. The trained drafter is test_eagle's.
@@ -252,6 +253,29 @@ def test_the_expansion_keeps_the_best_frontier_and_the_best_nodes():
             assert positions == [real + d - 1] * len(tokens)
             assert mask.shape == (len(tokens), real + 3 * d) and mask[:, :real].all()
             assert mask[:, real:].sum(dim=1).tolist() == [d] * len(tokens)  # its ancestors and itself
+
+
+def test_the_estimates_are_the_best_nodes_values_whatever_the_size_kept():
+    """``estimates`` receives exp(value) of the shape's best ``tree_size - 1`` nodes, best first,
+    however few nodes the tree keeps (the serving engine plans its next trees on them); the kept
+    nodes are the first of them."""
+    v, real, root = 12, 7, 3
+    for seed in range(10):
+        table = torch.randn(v, v, generator=torch.Generator().manual_seed(100 + seed)) * 2.0
+        shape = EagleTree(depth=4, topk=3, tree_size=14)
+        want = reference_tree(table, root, 4, 3, 14)  # best first
+        last = torch.nn.functional.one_hot(torch.tensor(root), v).float()
+        for size in (14, 6, 2):
+            estimates: list[float] = []
+            tree, _ = draft_tree(TableDrafter(table, real), last, 99, shape, 4, size, torch.device("cpu"),
+                                 estimates=estimates)
+            assert estimates == pytest.approx([math.exp(x) for x in want.values()], rel=1e-4), (seed, size)
+            toks, parents = tree.tokens.tolist(), tree.buffers.parent.tolist()
+
+            def path(i):
+                return path(parents[i]) + (toks[i],) if i else ()
+
+            assert {path(i) for i in range(1, len(toks))} == set(list(want)[: size - 1]), (seed, size)
 
 
 def chain_rank_of(drafter, cache_len: int, last: torch.Tensor, tokens: list[int], topk: int) -> list[int]:
