@@ -14,15 +14,15 @@ plain probe, quiet stretch, probe; `spec_planner`: each sequence's γ or tree si
 does not pay, from its acceptance estimate and the measured costs: verify forwards per
 (B, T), draft-model rounds per batch width, each method's per-sequence proposal and
 verification overhead, the step's fixed host time) → grant lookahead blocks → propose
-(n-gram lookup, one batched draft-model pass, an EAGLE drafter chain per sequence
-(`eagle_proposer`), or Medusa heads on the batch's hidden states, a greedy request's
-prompt-lookup branch merged into its tree: `specops.decoder.medusa_branch`) → ONE target
-forward over every sequence's new tokens (prefills, plain steps, linear drafts and trees side
-by side; `batch_forward`) → verify each sequence with `specops.decoder.verify` /
-`tree_verify` (greedy, or lossless rejection sampling with the request's own seeded
-generator; a sampled Medusa request whose settings ask for it, `SpecSettings.typical`, takes
-LOSSY typical acceptance instead) → commit, roll both caches back to the accepted prefix (or
-compact the accepted tree path) and give surplus blocks back.
+(n-gram lookup, one batched draft-model pass, an EAGLE drafter chain per sequence or a greedy
+request's EAGLE-2 dynamic tree (`eagle_proposer`), or Medusa heads on the batch's hidden
+states, a greedy request's prompt-lookup branch merged into its tree:
+`specops.decoder.medusa_branch`) → ONE target forward over every sequence's new tokens
+(prefills, plain steps, linear drafts and trees side by side; `batch_forward`) → verify each
+sequence with `specops.decoder.verify` / `tree_verify` (greedy, or lossless rejection sampling
+with the request's own seeded generator; a sampled Medusa request whose settings ask for it,
+`SpecSettings.typical`, takes LOSSY typical acceptance instead) → commit, roll both caches
+back to the accepted prefix (or compact the accepted tree path) and give surplus blocks back.
 
 Requests join and leave between steps. Not thread-safe: one thread calls add / abort /
 step (`specops.engine.async_engine` runs it on its own thread). `step` returns one
@@ -63,7 +63,8 @@ from specops.decoder.speculation import DRAFT_CONTEXT, draft_room, judge_block, 
 from specops.decoder.tree_verify import TypicalAcceptance, judge_tree
 from specops.decoder.verify import accept_greedy
 from specops.kernels import cpu_linear
-from specops.engine.acceptance import ALPHA_PRIOR, ALPHA_RECOVERY, SEQ_DECAY, SEQ_PRIOR_TRIALS, AcceptancePriors
+from specops.engine.acceptance import (ALPHA_PRIOR, ALPHA_RECOVERY, EAGLE_TREE, SEQ_DECAY, SEQ_PRIOR_TRIALS,
+                                       AcceptancePriors)
 from specops.engine.calibration import calibrate as calibrate_costs
 from specops.engine.plan_limits import FULL_CATCH_UP, PLAN_PREFILL_LIMIT
 from specops.engine.plan_schedule import PlanSchedule
@@ -182,7 +183,8 @@ class Engine:
             self.proposers["eagle"] = EagleGroup(self.eagle, self.cost_clock)
         if self.medusa is not None:
             self.proposers["medusa"] = MedusaGroup(self.medusa, self.cost_clock)
-        self.overhead = {m: Meter() for m in ALPHA_PRIOR}  # per speculating sequence, outside the forwards
+        # per speculating sequence, outside the forwards; per method, and EAGLE-2 trees apart from eagle chains
+        self.overhead = {m: Meter() for m in (*ALPHA_PRIOR, EAGLE_TREE)}
         self.fixed: dict[int, Meter] = {}  # per batch size: the step's host time outside forwards and proposals
         self._plain_commit = Meter()  # verification + commit of a plain decoding step, per sequence
         # the speed-up estimate (`speedup_estimate`): per batch size, wall seconds of the last
@@ -202,6 +204,7 @@ class Engine:
         self._propose_share: dict[str, float] = {}  # request -> its share of them, beyond the draft forwards
         self._ngram_s: dict[str, float] = {}
         self._branches: dict[str, BranchOffer] = {}  # this step's Medusa prompt-lookup branches, per request
+        self._tree_depth: dict[str, int] = {}  # this step's EAGLE-2 tree levels, per request
         self.medusa_branches = 0  # greedy Medusa steps whose tree carried a prompt-lookup branch
         self.medusa_branch_tokens = 0  # tokens they accepted on the branch's own nodes
         self.seqs: dict[str, Sequence] = {}
@@ -272,6 +275,8 @@ class Engine:
             seq.ngram = context_index(ids)  # the prompt-lookup branch's index
         if spec.method == "eagle":
             seq.eagle = self.eagle.start(seq)
+            if seq.eagle.shape is not None:
+                seq.accept_scale = self.priors.tree_scale(self._tree_key(seq))
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -344,7 +349,8 @@ class Engine:
         dt = time.perf_counter() - t0
         if self.eagle is not None:  # keep eagle sequences' hidden rows; verification reads its own rows
             outs = [out if seq.eagle is None else
-                    self.eagle.observe(seq, it, out, len(plans.get(seq.request_id, {}).get("drafts", ())))
+                    self.eagle.observe(seq, it, out, len(plans.get(seq.request_id, {}).get("drafts", ())),
+                                       tree="tree_tokens" in plans.get(seq.request_id, {}))
                     for seq, it, out in zip(batch, items, outs)]
         forward_cost = self.cost_clock() - c0
         total = sum(len(it.tokens) for it in items)
@@ -420,7 +426,7 @@ class Engine:
         by_method: dict[str, list[float]] = {}
         for seq, spent in spec_commit:
             share = self._propose_share.get(seq.request_id, 0.0)
-            by_method.setdefault(seq.spec.method, []).append(share + max(spent - plain, 0.0))
+            by_method.setdefault(self._overhead_kind(seq), []).append(share + max(spent - plain, 0.0))
             extra += max(spent - plain, 0.0)
         for method, values in by_method.items():
             self.overhead[method].observe(sorted(values)[len(values) // 2])
@@ -465,7 +471,7 @@ class Engine:
     def _plan(self, batch: list[Sequence]) -> dict[str, dict]:
         """Choose every decoding sequence's speculation, grant its blocks, and propose."""
         cands, owners = [], []
-        self._ngram_s, self._propose_share, self._branches = {}, {}, {}
+        self._ngram_s, self._propose_share, self._branches, self._tree_depth = {}, {}, {}, {}
         if sum(len(seq.tokens) - 1 - seq.target.computed for seq in batch) > PLAN_PREFILL_LIMIT:
             # a long prefill shares this forward: its cost is outside the measured (B, T) curves (they are
             # fitted on decode / verify steps), so the planner's marginal verify cost here is a guess
@@ -527,6 +533,8 @@ class Engine:
             settled: dict = {}
             if method == "ngram":
                 settled = {"drafts": c.proposal}
+            elif seq.request_id in self._tree_depth:  # an EAGLE-2 tree: its levels (`_tree_candidate`)
+                settled = {"depth": self._tree_depth[seq.request_id]}
             elif method == "medusa":
                 offer = self._branches.get(seq.request_id)
                 nodes, branch = offer.split(extra) if offer is not None else (extra, [])
@@ -582,7 +590,7 @@ class Engine:
 
     def _candidate(self, seq: Sequence, bound: int) -> Candidate | None:
         method = seq.spec.method
-        overhead = self.overhead[method].value()
+        overhead = self.overhead[self._overhead_kind(seq)].value()
         if method == "ngram":
             # a lookup takes ~10 us: timed with the cheap wall clock (cost_clock can be a ~5 us syscall,
             # which would be a third of what it measures); the median over steps drops a preempted one
@@ -618,6 +626,8 @@ class Engine:
                 return None
             if not self.eagle.ready(seq):
                 return None
+            if seq.eagle.shape is not None:
+                return self._tree_candidate(seq, min(bound, room), overhead)
             gamma = max(0, min(seq.spec.gamma, bound, room))
             return Candidate(gains=self.priors.gains(seq.prior_key, method, seq.alpha, gamma), overhead_s=overhead)
         if seq.hidden is None:
@@ -632,6 +642,58 @@ class Engine:
                 self._branches[seq.request_id] = offer
                 gains = offer.gains()
         return Candidate(gains=gains, overhead_s=overhead, max_nodes=max_nodes)
+
+    @staticmethod
+    def _overhead_kind(seq: Sequence) -> str:
+        """Whose measured overhead a speculating sequence's is: its method's, EAGLE-2 trees' apart."""
+        return EAGLE_TREE if seq.eagle is not None and seq.eagle.shape is not None else seq.spec.method
+
+    @staticmethod
+    def _tree_key(seq: Sequence) -> tuple:
+        """The acceptance kind of an EAGLE-2 tree sequence: its class's greedy trees of its depth and width."""
+        shape = seq.eagle.shape
+        return (*seq.prior_key, EAGLE_TREE, shape.depth, shape.topk)
+
+    def _tree_candidate(self, seq: Sequence, bound: int, overhead: float) -> Candidate:
+        """A greedy eagle sequence's EAGLE-2 tree offer: ``bound`` (budget, target and drafter context)
+        cuts its levels, the context its nodes. The k-th node's gain is what the drafter estimated of
+        the k-th best node of the kind's recent trees (`AcceptancePriors.profile`) times what such
+        trees really accepted per estimated token (``accept_scale``: the sequence's own, shrunk toward
+        the kind's `AcceptancePriors.tree_scale`); before the kind drafted a tree, its first ``depth``
+        nodes are offered at what a chain's tokens would gain. The plan takes a prefix of them (the
+        tree's best nodes, as `eagle_tree.keep_best` keeps them) or none, and charges the trees' own
+        measured drafting overhead, not the chains'. A tree cut shallower than the kind's (near the budget's end) is
+        offered no more nodes than its levels draft, at the kind's estimates."""
+        shape = seq.eagle.shape
+        depth = min(shape.depth, bound)
+        room = max(0, self.max_model_len - len(seq.tokens))
+        nodes = min(shape.tree_size - 1, shape.topk + (depth - 1) * shape.topk * shape.topk, room) if depth else 0
+        profile = self.priors.profile(self._tree_key(seq))
+        if profile is None:
+            gains = self.priors.gains(seq.prior_key, "eagle", seq.alpha, depth)
+        else:
+            gains = [min(g * seq.accept_scale, 1.0) for g in profile]
+        self._tree_depth[seq.request_id] = depth
+        return Candidate(gains=gains[:nodes], overhead_s=overhead)
+
+    def _observe_tree(self, seq: Sequence, accepted: int, p: dict) -> None:
+        """Calibrate the drafter's estimates on a verified EAGLE-2 tree: its kind's profile (a tree
+        drafted to its shape's depth), the kind's and the sequence's accepted per estimated token."""
+        key, expected = self._tree_key(seq), p["expected"]
+        if p["full"]:
+            self.priors.observe_profile(key, p["estimates"])
+        self.priors.observe_tree(key, accepted, expected)
+        state = seq.eagle
+        state.hits = SEQ_DECAY * state.hits + accepted
+        state.expected = SEQ_DECAY * state.expected + expected
+        self._update_tree_scale(seq)
+
+    def _update_tree_scale(self, seq: Sequence) -> None:
+        """An EAGLE-2 tree sequence's own accepted per estimated token, shrunk toward its kind's
+        (`SEQ_PRIOR_TRIALS` estimated tokens' worth), as a linear draft's α is."""
+        state = seq.eagle
+        kind = self.priors.tree_scale(self._tree_key(seq))
+        seq.accept_scale = (state.hits + SEQ_PRIOR_TRIALS * kind) / (state.expected + SEQ_PRIOR_TRIALS)
 
     def _lookup_branch(self, seq: Sequence) -> int:
         """The usual length of ``seq``'s prompt-lookup branch (`SpecSettings.lookup_branch`)."""
@@ -704,6 +766,7 @@ class Engine:
         prefill = seq.target.computed - len(item.tokens) < old_len - 1  # fed more than the pending token
         greedy = seq.sampling.greedy
         tree = p is not None and "tree_tokens" in p
+        path = None
         if tree:
             tokens, buffers, branch = p["tree_tokens"], p["buffers"], p.get("branch") or []
             # typical: LOSSY, as the request's settings asked
@@ -715,7 +778,9 @@ class Engine:
             # the heads' tree alone would have accepted the path's own nodes: the walk leaves them only for a
             # branch node, which was appended where none of the tree's children carried its token
             heads_accepted = sum(1 for node in path[1:] if node < buffers.spec.num_nodes)
-            if p.get("expected"):  # what the accuracy table expected of this tree vs what came
+            if seq.eagle is not None:  # an EAGLE-2 tree: what its drafter expected of it vs what came
+                self._observe_tree(seq, accepted, p)
+            elif p.get("expected"):  # what the accuracy table expected of this tree vs what came
                 seq.accept_scale = 0.8 * seq.accept_scale + 0.2 * heads_accepted / p["expected"]
                 self.priors.observe_scale(seq.prior_key, heads_accepted / p["expected"])
             if branch:
@@ -724,7 +789,8 @@ class Engine:
                 self.medusa_branches += 1
                 self.medusa_branch_tokens += accepted - heads_accepted
             self.target.compact(seq.target, old_len - 1, path)
-            seq.hidden = out.hidden[path[-1]]
+            if seq.spec.method == "medusa":
+                seq.hidden = out.hidden[path[-1]]
         else:
             drafts = [] if p is None else p["drafts"]
             if greedy:
@@ -746,7 +812,7 @@ class Engine:
         if seq.ngram is not None:
             seq.ngram.extend(new)
         if seq.eagle is not None:
-            self.eagle.commit(seq, deadline_passed=stats.fallback_reason == "deadline")
+            self.eagle.commit(seq, deadline_passed=stats.fallback_reason == "deadline", path=path)
         if reason is None and seq.remaining <= 0:
             reason = "length"
         if seq.target.computed > len(seq.tokens) - 1:
@@ -773,7 +839,12 @@ class Engine:
                 seq.acc_hits *= 1.0 - ALPHA_RECOVERY
                 seq.acc_trials *= 1.0 - ALPHA_RECOVERY
                 self._update_alpha(seq)
-                seq.accept_scale += ALPHA_RECOVERY * (self.priors.scale(seq.prior_key) - seq.accept_scale)
+                if self._overhead_kind(seq) == EAGLE_TREE:
+                    seq.eagle.hits *= 1.0 - ALPHA_RECOVERY
+                    seq.eagle.expected *= 1.0 - ALPHA_RECOVERY
+                    self._update_tree_scale(seq)
+                else:
+                    seq.accept_scale += ALPHA_RECOVERY * (self.priors.scale(seq.prior_key) - seq.accept_scale)
         stats.record_emitted(len(new))
         if reason is not None:
             return self._finish(seq, reason, new)

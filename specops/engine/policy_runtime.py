@@ -16,7 +16,9 @@ path (`PolicyRuntime.serve`, used by tests and the library):
        the controller sees when it pays again;
     5. → a `Resolution`: method, γ / heads / tree size with the class's bounds, the
        Medusa prompt-lookup branch and typical acceptance (LOSSY; sampled Medusa requests
-       only), the decode deadline, and who decided (revision, canary, probe, reason).
+       only), an eagle class's EAGLE-2 tree width (``eagle_topk``: its greedy requests draft
+       trees γ deep and tree size wide), the decode deadline, and who decided (revision,
+       canary, probe, reason).
 
 ``record``
     a finished request's `DecodeRecord` (fallback reason filled in) goes to the
@@ -215,6 +217,7 @@ class PolicyRuntime:
         spec = SpecSettings(method=method, gamma=settings.gamma, medusa_heads=min(settings.medusa_heads, loaded),
                             tree_size=settings.tree_size, lookup_branch=rc.lookup_branch,
                             typical=rc.typical and method == "medusa" and temperature > 0,
+                            eagle_topk=rc.eagle_topk if method in ("eagle", "auto") else None,
                             deadline_s=rc.deadline_s, auto_key=rc.name, observed=canary or probe)
         return Resolution(request_class=rc.name, spec=spec, revision=revision, canary=canary, probe=probe,
                           fallback_reason=reason, turn=turn,
@@ -272,6 +275,8 @@ class PolicyRuntime:
         kwargs: dict[str, Any] = {}
         if spec.method in GAMMA_METHODS:
             kwargs["gamma"] = spec.gamma
+            if spec.eagle_tree() is not None:  # greedy requests draft the tree; sampled ones keep the chain
+                kwargs["eagle_tree"] = spec.eagle_tree()
         elif spec.method == "medusa":
             kwargs["heads"] = spec.medusa_heads
             kwargs["tree"] = spec.tree_size  # upper bound on the tree's nodes; the runtime may plan fewer

@@ -4,8 +4,8 @@ The engine plans each sequence's speculation, groups the sequences by method and
 method's proposer for the whole group at once (`NgramGroup`, `DraftGroup`, `EagleGroup`,
 `MedusaGroup`); each answers a `Proposed` per sequence: the block or tree to verify and what
 it cost. The drafting rules themselves are the library's (`NgramIndex.step_drafts`,
-`eagle.draft_chain`, `medusa_decode.propose_trees`), so a method proposes the same tokens
-in `Decoder.generate` and in the engine. N-gram proposals need no model (each sequence's
+`eagle.draft_chain`, `eagle_tree.draft_tree`, `medusa_decode.propose_trees`), so a method
+proposes the same tokens in `Decoder.generate` and in the engine. N-gram proposals need no model (each sequence's
 `specops.decoder.ngram.NgramIndex`, asked when the plan weighs them). The model-based ones:
 
 * `draft_blocks`: the draft model drafts γ_i tokens for every sequence i in
@@ -20,8 +20,8 @@ in `Decoder.generate` and in the engine. N-gram proposals need no model (each se
   from the same q with one uniform per token from the request's generator):
   the per-round Python work (the items, the batch arrays, the argmax, ~1 ms a round at
   batch 1) cost several times the bundled 1-layer draft's forward.
-* `EagleGroup`: each sequence's EAGLE chain on its own drafter cache
-  (`specops.engine.eagle_proposer`).
+* `EagleGroup`: each sequence's EAGLE chain, or a greedy request's EAGLE-2 dynamic tree
+  (`specops.decoder.eagle_tree.draft_tree`), on its own drafter cache (`specops.engine.eagle_proposer`).
 * `MedusaProposer`: the heads read every sequence's hidden state in one call and each
   sequence gets its own tree (the best ``n_i`` nodes of the sparse tree built from the
   heads' measured accuracy, `specops.decoder.tree.ranked_nodes`), a greedy sequence's
@@ -256,7 +256,11 @@ class DraftGroup:
 
 class EagleGroup:
     """The EAGLE drafter (`specops.engine.eagle_proposer.EagleProposer`): each sequence runs its own
-    chain on its own drafter cache, timed one by one."""
+    chain, or its own EAGLE-2 tree (a greedy request that asks for one: ``plans[i]["depth"]``, the
+    tree's levels; ``sizes[i]``, its nodes past the root), on its own drafter cache, timed one by one.
+    A tree's plan carries the drafter's ``estimates`` of its shape's best nodes, best first (the
+    tree's own first: ``expected`` is their sum) and whether it was drafted to the shape's full
+    depth (``full``: only such estimates describe the shape)."""
 
     def __init__(self, eagle, clock: Callable[[], float]) -> None:
         self.eagle = eagle
@@ -264,12 +268,17 @@ class EagleGroup:
 
     def propose(self, seqs: list[Sequence], sizes: list[int], plans: list[dict[str, Any]]) -> list[Proposed]:
         out = []
-        for seq, gamma in zip(seqs, sizes):
+        for seq, size, plan in zip(seqs, sizes, plans):
             t0, c0 = time.perf_counter(), self.clock()
-            drafted, q = self.eagle.propose(seq, gamma)
+            if "depth" in plan:
+                tree, estimates, forwards, full = self.eagle.propose_tree(seq, plan["depth"], size + 1)
+                made = {"tree_tokens": tree.tokens, "buffers": tree.buffers, "estimates": estimates,
+                        "expected": sum(estimates[: tree.buffers.num_nodes - 1]), "full": full}
+            else:
+                drafted, q = self.eagle.propose(seq, size)
+                made, forwards = {"drafts": drafted, "q": q}, size  # the feed of the real entries, then γ - 1 steps
             dt = time.perf_counter() - t0
-            # the feed of the real entries, then γ - 1 chain steps
-            out.append(Proposed({"drafts": drafted, "q": q}, draft_s=dt, share_s=self.clock() - c0, forwards=gamma))
+            out.append(Proposed(made, draft_s=dt, share_s=self.clock() - c0, forwards=forwards))
         return out
 
 

@@ -22,10 +22,9 @@ from typing import Any
 
 from specops.decoder.sampling import SamplingConfig
 from specops.decoder.stats import DecodeStats
-from specops.engine.spec_settings import SpecSettings
+from specops.engine.spec_settings import DEFAULT_TREE_SIZE, SpecSettings  # DEFAULT_TREE_SIZE: re-exported
 
 FINISH_REASONS = ("stop", "length", "abort")
-DEFAULT_TREE_SIZE = 16
 
 
 class PromptTooLongError(ValueError):
@@ -161,7 +160,8 @@ class Sequence:
     """Decayed trials: each accepted token, plus the rejection that ended a round early."""
     accept_scale: float = 1.0
     """Medusa: running ratio of accepted tokens to the tree's expected accepted tokens (the
-    heads' accuracy table is an average; this request may do better or worse)."""
+    heads' accuracy table is an average; this request may do better or worse). EAGLE-2 trees:
+    accepted tokens per token the drafter expected (`Engine._observe_tree`)."""
     prior_key: tuple = ()
     """(request class, method, sampled): its kind in the engine's `AcceptancePriors`."""
     hidden: Any = None

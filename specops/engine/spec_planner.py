@@ -19,8 +19,8 @@ speculation look free nor ruins it for the next hundred steps.
 * `Meter`: a windowed median of one measured quantity (seconds of per-sequence
   proposal/verification overhead of a method; the step's fixed host time).
 
-`plan` chooses, for every speculating sequence, how many speculative tokens it feeds
-(γ for a linear draft, extra nodes for a Medusa tree) within its `SpecSettings` bound,
+`plan` chooses, for every speculating sequence, how many speculative tokens it feeds (γ for
+a linear draft, extra nodes for a tree: Medusa's, EAGLE-2's) within its `SpecSettings` bound,
 to maximise the expected batch goodput
 
     (B + sum of the expected accepted tokens of the chosen drafts)

@@ -12,6 +12,10 @@ import math
 from dataclasses import dataclass
 
 METHODS = ("ar", "draft", "ngram", "medusa", "eagle", "auto")
+DEFAULT_TREE_SIZE = 16
+"""A tree's node bound when ``tree_size`` is None."""
+MAX_EAGLE_TOPK = 32
+"""The widest EAGLE-2 expansion (`specops.decoder.eagle_tree.MAX_TOPK`)."""
 
 
 @dataclass(slots=True)
@@ -22,12 +26,18 @@ class SpecSettings:
     """"ar" | "draft" | "ngram" | "medusa" | "eagle" | "auto" (the engine picks one of the loaded
     speculative methods at admission from live results: `specops.engine.auto_method`)."""
     gamma: int = 4
-    """Upper bound on drafted tokens per step (draft, ngram, eagle); 0 = plain decoding."""
+    """Upper bound on drafted tokens per step (draft, ngram, eagle; an EAGLE-2 tree's levels);
+    0 = plain decoding."""
     medusa_heads: int | None = None
     """Medusa heads to use (None: all loaded)."""
     tree_size: int | None = None
-    """Upper bound on Medusa tree nodes, root included (None: `DEFAULT_TREE_SIZE`); a prompt-lookup
-    branch's nodes count against it."""
+    """Upper bound on tree nodes, root included (None: `DEFAULT_TREE_SIZE`): a Medusa tree's (a
+    prompt-lookup branch's nodes count against it) and an EAGLE-2 tree's (``eagle_topk``)."""
+    eagle_topk: int | None = None
+    """Eagle, greedy requests: draft EAGLE-2's dynamic tree (`specops.decoder.eagle_tree`) instead
+    of a chain, expanding this many nodes per level and drafting this many children of each, at
+    most ``gamma`` levels deep and ``tree_size`` nodes (`eagle_tree`); None: the chain. Sampled
+    requests keep the chain (its rejection sampling is lossless), other methods ignore it."""
     lookup_branch: int | None = None
     """Medusa, greedy requests: the usual length of the prompt-lookup branch a step adds to its tree
     where the context's last three tokens occurred before (`specops.decoder.medusa_branch`; longer
@@ -62,6 +72,9 @@ class SpecSettings:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 64):
                 raise ValueError(f"{name} must be an integer in 1..64 or None, got {v!r}")
+        k = self.eagle_topk
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_EAGLE_TOPK):
+            raise ValueError(f"eagle_topk must be an integer in 1..{MAX_EAGLE_TOPK} or None, got {k!r}")
         b = self.lookup_branch
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= 64):
             raise ValueError(f"lookup_branch must be an integer in 0..64 or None, got {b!r}")
@@ -72,3 +85,15 @@ class SpecSettings:
             raise ValueError(f"deadline_s must be a finite number of seconds > 0 or None, got {d!r}")
         if not isinstance(self.observed, bool):
             raise ValueError(f"observed must be a bool, got {self.observed!r}")
+
+    def eagle_tree(self) -> tuple[int, int, int] | None:
+        """The EAGLE-2 tree a greedy request of these settings drafts, as (depth, topk, tree_size)
+        (`specops.decoder.eagle_tree.EagleTree`), or None for the chain: ``gamma`` levels, ``eagle_topk``
+        wide, ``tree_size`` nodes cut to what such a tree drafts (``topk`` children of the root,
+        ``topk * topk`` per level below). None too when the settings leave no drafts: ``gamma`` 0, or
+        a ``tree_size`` of 1 (the root alone)."""
+        k, depth = self.eagle_topk, self.gamma
+        if self.method != "eagle" or k is None or depth < 1:
+            return None
+        size = min(DEFAULT_TREE_SIZE if self.tree_size is None else self.tree_size, 1 + k + (depth - 1) * k * k)
+        return (depth, k, size) if size >= 2 else None

@@ -226,8 +226,15 @@ class RequestClass(_Model):
     medusa_heads: IntRange = IntRange(initial=3, min=1, max=4)
     """Number of Medusa heads used (medusa method); min must be at least 1."""
     tree_size: IntRange = IntRange(initial=16, min=4, max=64)
-    """Nodes in the Medusa candidate tree (medusa method); min must be at least 1. A greedy
-    request's prompt-lookup branch (``lookup_branch``) counts against it in `specops serve`'s engine."""
+    """Nodes in the Medusa candidate tree (medusa method), or in the EAGLE-2 tree (``eagle_topk``);
+    min must be at least 1. A greedy request's prompt-lookup branch (``lookup_branch``) counts
+    against it in `specops serve`'s engine."""
+    eagle_topk: int | None = Field(default=None, ge=1, le=32)
+    """Eagle (and auto) classes, greedy requests: draft EAGLE-2's dynamic tree instead of a chain,
+    expanding this many nodes per level, each with this many children, at most ``gamma`` levels deep
+    and ``tree_size`` nodes (both the class's live values; the controller adapts the tree size of an
+    eagle class that sets this, as a Medusa class's). Exact: the output stays the target's. Sampled
+    requests keep the chain. None (default): the chain."""
     lookup_branch: int = Field(default=LOOKUP_BRANCH, ge=0, le=64)
     """Medusa, greedy requests: where the context's last three tokens occurred before, this many
     of the tokens that followed them (two or three times as many after a match that runs back 8 or
@@ -257,6 +264,15 @@ class RequestClass(_Model):
     def _at_least_one(cls, value: IntRange, info: ValidationInfo) -> IntRange:
         if value.min < 1:
             raise ValueError(f"min must be at least 1 for {info.field_name} (use method: off to disable speculation)")
+        return value
+
+    @field_validator("eagle_topk")
+    @classmethod
+    def _topk_on_eagle(cls, value: int | None, info: ValidationInfo) -> int | None:
+        method = info.data.get("method")
+        if value is not None and method is not None and method not in ("eagle", "auto", "off"):
+            raise ValueError(f"eagle_topk shapes the eagle method's tree; this class's method is {method!r} "
+                             f"(remove eagle_topk, or use method: eagle)")
         return value
 
     @field_validator("typical")
