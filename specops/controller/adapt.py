@@ -22,11 +22,12 @@ Two strategies, both bounded by the policy's ``IntRange`` for the knob:
     that value was in effect. Discounting forgets old rewards so a traffic shift is
     followed.
 
-The Medusa tree size (``tree_size``, an upper bound on the candidate tree's nodes
-that the runtime may undercut from its measured verify cost) is adapted by the
-bandit in both modes, over a geometric grid of sizes (:func:`tree_size_arms`): the
-windows carry no per-node measurement a goodput model could be fitted to. It
-moves only on ticks where the heads knob holds, so each window measures one change.
+The tree size (``tree_size``, an upper bound on the candidate tree's nodes that the
+runtime may undercut from its measured verify cost) of a Medusa class, and of an eagle
+class that drafts EAGLE-2 trees (``eagle_topk``), is adapted by the bandit in both modes,
+over a geometric grid of sizes (:func:`tree_size_arms`): the windows carry no per-node
+measurement a goodput model could be fitted to. It moves only on ticks where the class's
+knob (heads, γ) holds, so each window measures one change.
 Bandit statistics are plain data (:meth:`BanditState.to_dict`) kept in Redis with
 the effective settings, so a new leader continues where the old one stopped.
 

@@ -74,6 +74,12 @@ def knob_name(method: str) -> str:
     return "medusa_heads" if method == "medusa" else "gamma"
 
 
+def adapts_tree(rc: Any) -> bool:
+    """Whether the class's tree size is adapted beside its knob: a Medusa class's, and an eagle
+    class's that drafts EAGLE-2 trees (``eagle_topk``)."""
+    return rc.method == "medusa" or (rc.method == "eagle" and getattr(rc, "eagle_topk", None) is not None)
+
+
 def window_inputs(stats: Any) -> dict[str, Any]:
     """The few window figures recorded with a decision (the audit's "inputs")."""
     if stats is None:
@@ -339,7 +345,7 @@ class Controller:
                       max_step=rc.adaptation.max_step, settle_s=self.window_s, slack_s=self.timing_slack_s)
         last_change = current.updated_at
         settled = now - last_change + self.timing_slack_s >= self.window_s
-        arms = self.bandits.setdefault(rc.name, {}) if mode == "bandit" or rc.method == "medusa" else {}
+        arms = self.bandits.setdefault(rc.name, {}) if mode == "bandit" or adapts_tree(rc) else {}
         # Every request of the window ran under a planner (specops serve's engine), for which
         # the knob is a cap it plans each round under, shortening or skipping rounds when its
         # measured costs say so: a lower cap can only take choices from it. Such a knob is
@@ -365,9 +371,9 @@ class Controller:
         inputs["dead_band"] = rc.adaptation.dead_band
         step = guarded_step(value, proposal, now=now, last_change_at=last_change, guard=guard)
         tree = (self._adapt_tree(rc, current, stats, now, arms, guard, settled, planned)
-                if rc.method == "medusa" else None)
+                if adapts_tree(rc) else None)
         if not step.changed:
-            if tree is not None:  # heads hold: the tree size may move (one knob per window)
+            if tree is not None:  # heads (γ) hold: the tree size may move (one knob per window)
                 new_size, why, estimates = tree
                 inputs["tree_estimates"] = estimates
                 new = replace(current, tree_size=new_size, updated_at=now)
@@ -380,7 +386,8 @@ class Controller:
     def _adapt_tree(self, rc: Any, current: EffectiveSettings, stats: Any, now: float,
                     arms: dict[str, BanditState], guard: Guard, settled: bool,
                     planned: bool = False) -> tuple[int, str, dict] | None:
-        """The Medusa tree-size bound's bandit step (see ``specops.controller.adapt``); None when it holds.
+        """The tree-size bound's bandit step (a Medusa or an EAGLE-2 tree: see ``specops.controller.adapt``);
+        None when it holds.
         ``planned``: the runtime sizes trees under the bound each round, so it is only raised."""
         bounds = rc.tree_size
         grid = tree_size_arms(bounds.min, bounds.max)

@@ -1,4 +1,5 @@
-"""The Medusa tree-size bound is adapted, and bandit statistics survive a failover."""
+"""The tree-size bound of a Medusa class and of an eagle class drafting EAGLE-2 trees is adapted,
+and bandit statistics survive a failover."""
 
 from __future__ import annotations
 
@@ -64,3 +65,41 @@ def test_bandit_statistics_are_kept_in_redis_and_restored_on_failover(redis_clie
     before = arms["medusa_heads"]
     total_before = sum(before.weight.values())
     assert abs(sum(after.weight.values()) - (total_before * before.discount + 1.0)) < 1e-9
+
+
+EAGLE = """
+version: e1
+default_class: code
+classes:
+  - name: code
+    method: eagle
+    eagle_topk: 3
+    gamma: {initial: 4, min: 1, max: 6}
+    tree_size: {initial: 16, min: 4, max: 64}
+    adaptation: {mode: bandit, dead_band: 0.03, cooldown_s: 10, max_step: 1}
+  - name: chat
+    method: eagle
+    match: [{prefix: "hi"}]
+    gamma: {initial: 4, min: 1, max: 6}
+    tree_size: {initial: 16, min: 4, max: 64}
+    adaptation: {mode: bandit, dead_band: 0.03, cooldown_s: 10, max_step: 1}
+"""
+
+
+def test_an_eagle_class_drafting_trees_has_its_tree_size_adapted_and_a_chain_class_not(redis_client):
+    """The tree size bounds an eagle class's EAGLE-2 trees (``eagle_topk``): the controller moves it
+    as a Medusa class's, on ticks where γ holds; a chain class's tree size is no knob of it."""
+    rig = Rig(redis_client, EAGLE, method="eagle")
+    sizes, gammas, chat = [], [], []
+    for _ in range(40):
+        rig.step({"code": (0.8, 1.0), "chat": (0.8, 1.0)})
+        rig.clock.advance(10)
+        eff = rig.store.effective()
+        sizes.append(eff["code"].tree_size)
+        gammas.append(eff["code"].gamma)
+        chat.append(eff["chat"].tree_size)
+    grid = tree_size_arms(4, 64)
+    assert len(set(sizes)) > 1 and set(sizes) <= set(grid)
+    assert [i for i in range(1, 40) if sizes[i] != sizes[i - 1] and gammas[i] != gammas[i - 1]] == []
+    assert set(chat) == {16}
+    assert set(rig.store.bandit_stats()["code"]) == {"gamma", "tree_size"}
