@@ -18,10 +18,14 @@ from specops.models.cli import MODEL_FOLDER
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Output folder  [default: the cache, $SPECOPS_CACHE_DIR/eagle/NAME, for a registered model, "
                    "where `Decoder.from_pretrained(NAME)` finds it; required for a folder]")
-@click.option("--minutes", type=click.FloatRange(min=0, min_open=True), default=25.0, show_default=True,
+@click.option("--minutes", type=click.FloatRange(min=0, min_open=True), default=40.0, show_default=True,
               help="Wall budget: target data generation, training and the held-out report together.")
-@click.option("--tokens", type=click.IntRange(1), default=40_000, show_default=True,
+@click.option("--tokens", type=click.IntRange(1), default=400_000, show_default=True,
               help="Positions of target data (prompt and generated tokens) to collect at most.")
+@click.option("--self-prompts", type=click.IntRange(0), default=1000, show_default=True,
+              help="User messages the target writes itself as extra prompts (chat models; 0: shipped prompts only).")
+@click.option("--batch", "max_batch", type=click.IntRange(1, 256), default=64, show_default=True,
+              help="Sequences generated side by side while collecting the target's data.")
 @click.option("--steps", type=click.IntRange(1), default=None,
               help="Stop training after this many steps (default: when the budget is spent).")
 @click.option("--shortlist", type=click.IntRange(0), default=8192, show_default=True,
@@ -32,7 +36,8 @@ from specops.models.cli import MODEL_FOLDER
 @click.option("--threads", type=click.IntRange(1), default=2, show_default=True, help="torch CPU threads.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @click.option("-v", "--verbose", is_flag=True, help="Log progress messages.")
-def train_eagle_command(model_ref, out_dir, minutes, tokens, steps, shortlist, unroll, seed, threads, quiet, verbose):
+def train_eagle_command(model_ref, out_dir, minutes, tokens, self_prompts, max_batch, steps, shortlist, unroll, seed,
+                        threads, quiet, verbose):
     """Train an EAGLE drafter for method `eagle` on the target's own continuations (self-distilled)."""
     from specops.decoder.eagle_io import default_dir
     from specops.models.resolve import is_registered
@@ -46,8 +51,8 @@ def train_eagle_command(model_ref, out_dir, minutes, tokens, steps, shortlist, u
         if not registered:
             raise click.UsageError("give --out DIR for a model folder (a registered model's drafter goes to the cache)")
         out_dir = default_dir(model_ref)
-    cfg = EagleTrainConfig(minutes=minutes, tokens=tokens, steps=steps, shortlist=shortlist, unroll=unroll, seed=seed,
-                           progress=not quiet)
+    cfg = EagleTrainConfig(minutes=minutes, tokens=tokens, self_prompts=self_prompts, max_batch=max_batch, steps=steps,
+                           shortlist=shortlist, unroll=unroll, seed=seed, progress=not quiet)
     try:
         cfg.validate()
     except ValueError as exc:

@@ -3,10 +3,12 @@
 No dataset is downloaded: the frozen target continues prompts the project ships (the
 chat-model suites' prompts of `specops.bench.chat_prompts`, rendered with the model's chat
 template, for a model that has one; code prompts cut from the standard library's training
-files, `specops.train.data`, otherwise), and the training data is what it computed while
-doing so: at every position ``i`` its token ``x_i``, its last hidden state ``f_i`` (after
-the final norm) and its own greedy choice ``y_i`` after ``f_i``. The first pass over the
-prompts decodes greedily, later passes sample at temperature 0.8 for variety.
+files, `specops.train.data`, otherwise) and, for a chat model, user messages it writes
+itself (`specops.train.self_distill.self_prompts`). The serving engine writes the replies
+in batches; one teacher-forced target forward per sequence then gives the training data: at
+every position ``i`` its token ``x_i``, its last hidden state ``f_i`` (after the final
+norm) and its own greedy choice ``y_i`` after ``f_i``. The first pass over the prompts
+decodes greedily, later passes sample at temperature 0.8 for variety.
 
 The drafter's entry ``i`` reads ``(x_{i+1}, f_i)`` and is trained (EAGLE's recipe) on
 
@@ -43,14 +45,22 @@ log = logging.getLogger(__name__)
 
 HELDOUT_CONVERSATIONS, HELDOUT_PER_CLASS = 2, 4
 SAMPLE_TEMPERATURE = 0.8  # passes after the first sample their continuations
+SELF_PROMPT_SHARE = 0.15  # of the collection budget, at most: the target writing its own user messages
+WAVE_SHARE = 0.5  # of the collection time left: one wave of replies; the teacher-forced forwards over it take the rest
 
 
 @dataclass
 class EagleTrainConfig:
-    minutes: float = 25.0
+    minutes: float = 40.0
     """Wall budget for generation, training and the held-out report together."""
-    tokens: int = 40_000
+    tokens: int = 400_000
     """Positions of target data to collect at most (prompt and continuation tokens)."""
+    self_prompts: int = 1000
+    """User messages the target writes itself (`specops.train.self_distill.self_prompts`), beside the
+    shipped prompts, for a model with a chat template (0: the shipped prompts alone)."""
+    max_batch: int = 64
+    """Sequences the engine generates side by side while collecting (the real model on 2 cores
+    writes ~330 tokens/s at 64, ~190 at 16, ~45 one at a time)."""
     steps: int | None = None
     """Stop training after this many steps (None: when the budget is spent)."""
     new_tokens: int = 160
@@ -82,7 +92,7 @@ class EagleTrainConfig:
         if not self.minutes > 0:
             raise ValueError(f"minutes must be > 0, got {self.minutes}")
         for name in ("tokens", "new_tokens", "max_prompt_tokens", "seq_len", "batch_size", "unroll", "eval_prompts",
-                     "eval_new_tokens", "gamma"):
+                     "eval_new_tokens", "gamma", "max_batch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -90,6 +100,8 @@ class EagleTrainConfig:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.shortlist < 0:
             raise ValueError(f"shortlist must be >= 0, got {self.shortlist}")
+        if isinstance(self.self_prompts, bool) or not isinstance(self.self_prompts, int) or self.self_prompts < 0:
+            raise ValueError(f"self_prompts must be an integer >= 0, got {self.self_prompts!r}")
         if not 0 < self.generate_share < 1 or not 0 < self.heldout_share < 0.5:
             raise ValueError("generate_share must be in (0, 1) and heldout_share in (0, 0.5)")
 
@@ -108,6 +120,7 @@ class TargetSequence:
 class EagleReport:
     positions: int = 0
     sequences: int = 0
+    self_prompts: int = 0
     generate_s: float = 0.0
     train_s: float = 0.0
     steps: int = 0
@@ -117,7 +130,8 @@ class EagleReport:
 
     def to_dict(self) -> dict:
         tail = self.losses[-20:]
-        return {"positions": self.positions, "sequences": self.sequences, "generate_s": round(self.generate_s, 1),
+        return {"positions": self.positions, "sequences": self.sequences, "self_prompts": self.self_prompts,
+                "generate_s": round(self.generate_s, 1),
                 "train_s": round(self.train_s, 1), "steps": self.steps,
                 "final_loss": round(sum(tail) / len(tail), 4) if tail else None,
                 "heldout_top1_by_step": [round(a, 4) for a in self.heldout_top1], "heldout_decode": self.decode}
@@ -150,47 +164,38 @@ def prompt_texts(tokenizer, *, seed: int = 0) -> tuple[list[str], list[str]]:
 
 
 # ---------------------------------------------------------------------- data
-def collect(runner, prompts: list[list[int]], cfg: EagleTrainConfig, *, eos: int | None, budget_s: float,
+def collect(decoder, prompts: list[list[int]], cfg: EagleTrainConfig, *, eos: int | None, budget_s: float,
             progress: bool = True) -> list[TargetSequence]:
     """The target's continuations of ``prompts`` (token ids) and its hidden states, until
-    ``cfg.tokens`` positions or ``budget_s`` seconds; the prompts repeat, sampled, when all ran."""
-    from specops.decoder.sampling import SamplingConfig, next_token
+    ``cfg.tokens`` positions or ``budget_s`` seconds. Wave after wave, the serving engine
+    writes the replies, ``cfg.max_batch`` at a time (`specops.train.self_distill.ReplyWriter`:
+    greedy first, then the prompts repeat sampled), then one teacher-forced target forward per
+    sequence gives its features and labels (`teacher_forced`). A wave's replies get at most
+    `WAVE_SHARE` of the time left, so the forwards over what they wrote fit in the rest (a
+    reply already written is never thrown away)."""
+    from specops.train.self_distill import ReplyWriter, teacher_forced
 
     start = time.perf_counter()
-    gen = torch.Generator().manual_seed(cfg.seed)
+    writer = ReplyWriter(decoder, [ids[-cfg.max_prompt_tokens:] for ids in prompts], new_tokens=cfg.new_tokens,
+                         temperature=SAMPLE_TEMPERATURE, max_batch=cfg.max_batch, seed=cfg.seed, eos=eos)
     out: list[TargetSequence] = []
     total = 0
     bar = tqdm(total=cfg.tokens, desc="eagle: target data", unit="pos", disable=not progress, dynamic_ncols=True)
-    index = 0
-    limit = runner.max_context
-    while total < cfg.tokens and time.perf_counter() - start < budget_s and prompts:
-        ids = prompts[index % len(prompts)][-cfg.max_prompt_tokens:]
-        sampling = SamplingConfig() if index < len(prompts) else SamplingConfig(temperature=SAMPLE_TEMPERATURE)
-        index += 1
-        new = min(cfg.new_tokens, limit - len(ids) - 1)
-        if new < 1 or len(ids) < 2:
-            continue
-        runner.reset(1)
-        with torch.inference_mode():
-            o = runner.forward(torch.tensor([ids]), need_hidden=True)
-            feats, labels, tokens = [o.hidden[0]], [o.logits[0].argmax(-1)], list(ids)
-            logits = o.logits[0, -1]
-            for _ in range(new):
-                tok = int(next_token(logits[None], sampling, gen)[0])
-                tokens.append(tok)
-                if eos is not None and tok == eos:
-                    break
-                o = runner.forward(torch.tensor([[tok]]), need_hidden=True)
-                feats.append(o.hidden[0])
-                labels.append(o.logits[0].argmax(-1))
-                logits = o.logits[0, -1]
-        features = torch.cat(feats).to(torch.bfloat16)
-        tokens_t = torch.tensor(tokens[: features.shape[0]], dtype=torch.long)
-        out.append(TargetSequence(tokens=tokens_t, features=features, labels=torch.cat(labels).long(),
-                                  prompt=(index - 1) % len(prompts)))
-        total += features.shape[0]
-        bar.update(features.shape[0])
+    while total < cfg.tokens:
+        left = budget_s - (time.perf_counter() - start)
+        if left <= 0:
+            break
+        wave = writer.wave(budget_s=WAVE_SHARE * left, token_goal=cfg.tokens - total)
+        if not wave:
+            break
+        for r in wave:
+            features, labels = teacher_forced(decoder.target, r.tokens)
+            out.append(TargetSequence(tokens=torch.tensor(r.tokens, dtype=torch.long), features=features,
+                                      labels=labels, prompt=r.prompt))
+            total += len(r.tokens)
+            bar.update(len(r.tokens))
     bar.close()
+    log.info("collected %d positions in %d sequences (%.0f s)", total, len(out), time.perf_counter() - start)
     return out
 
 
@@ -410,9 +415,11 @@ class EagleJob:
 
 def run_eagle_job(job: EagleJob, cfg: EagleTrainConfig) -> dict:
     """Load the target, collect its data, train, report and save the drafter; the report as a dict."""
+    from specops.bench.chat_suite import render_messages
+    from specops.decoder import Decoder
     from specops.decoder.eagle_io import save_drafter
-    from specops.decoder.loading import load_runner
     from specops.train.checkpoint import load_causal_lm
+    from specops.train.self_distill import self_prompts
     from specops.train.tokenizer import load_tokenizer
 
     cfg.validate()
@@ -428,9 +435,18 @@ def run_eagle_job(job: EagleJob, cfg: EagleTrainConfig) -> dict:
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     train_ids = [encode(t) for t in train_text]
     heldout_ids = [encode(t)[-cfg.max_prompt_tokens:] for t in heldout_text]
-    runner = load_runner(model)
+    decoder = Decoder(model, tokenizer=tokenizer)
     report = EagleReport()
-    seqs = collect(runner, train_ids, cfg, eos=eos, budget_s=budget * cfg.generate_share, progress=cfg.progress)
+    collect_budget = budget * cfg.generate_share
+    if cfg.self_prompts:
+        written = self_prompts(decoder, tokenizer, cfg.self_prompts, seed=cfg.seed,
+                               budget_s=SELF_PROMPT_SHARE * collect_budget, max_batch=cfg.max_batch,
+                               progress=cfg.progress)
+        report.self_prompts = len(written)
+        train_ids += [encode(render_messages([("user", text)], tokenizer)) for text in written]
+        random.Random(cfg.seed).shuffle(train_ids)
+    seqs = collect(decoder, train_ids, cfg, eos=eos, budget_s=collect_budget - (time.perf_counter() - start),
+                   progress=cfg.progress)
     report.generate_s = time.perf_counter() - start
     if len(seqs) < 2:
         raise ValueError("the budget allowed fewer than 2 target sequences: give more --minutes")

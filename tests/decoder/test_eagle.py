@@ -52,7 +52,7 @@ def bundled_setup():
     heldout_ids = [tok.encode(t, add_special_tokens=False)[-160:] for t in heldout_text]
     cfg = EagleTrainConfig(tokens=2000, new_tokens=64, seq_len=48, unroll=2, shortlist=512, steps=120, lr=2e-3,
                            progress=False)
-    seqs = collect(load_runner(model), train_ids, cfg, eos=None, budget_s=120.0, progress=False)
+    seqs = collect(Decoder(model), train_ids, cfg, eos=None, budget_s=120.0, progress=False)
     drafter = EagleDrafter.for_target(model, shortlist=frequent_tokens(seqs, cfg.shortlist, model.config.vocab_size),
                                       seed=0)
     with torch.no_grad():
