@@ -15,6 +15,7 @@ import redis
 
 from specops.controller.fallback import judge
 from specops.controller.sources import RedisWindowSource
+from specops.policies.class_status import eagle_topk
 from specops.policies.rollout import effective_for
 from specops.policies.schema import Policy
 from specops.policies.state import EffectiveSettings
@@ -24,13 +25,16 @@ from specops.telemetry.redis_metrics import RedisWindowReader
 log = logging.getLogger(__name__)
 
 
-def _knobs(s: EffectiveSettings | None) -> str:
+def _knobs(s: EffectiveSettings | None, topk: int | None = None) -> str:
+    """One class's settings; ``topk``: the class's ``eagle_topk`` (an eagle class drafting EAGLE-2 trees)."""
     if s is None:
         return "-"
     if s.method == "off" or s.fallback_active:
         return f"{s.method}{' (fallback)' if s.fallback_active else ''}"
     if s.method == "medusa":
         return f"medusa heads={s.medusa_heads} tree={s.tree_size}"
+    if s.method == "eagle" and topk is not None:
+        return f"eagle gamma={s.gamma} tree={s.tree_size} topk={topk}"
     return f"{s.method} gamma={s.gamma}"
 
 
@@ -42,10 +46,13 @@ def dry_run(store: PolicyStore, policy: Policy, window_s: float) -> str:
     proposed = effective_for(policy, 0, now, current)
     out = [f"dry run: policy version {policy.version} (current revision: {current_rev if current_rev else 'none'})"]
     out.append(f"{'CLASS':<16} {'NOW':<32} WOULD APPLY")
+    live_policy = store.current_policy()
     for name, s in proposed.items():
-        out.append(f"{name:<16} {_knobs(current.get(name)):<32} {_knobs(s)}")
+        out.append(f"{name:<16} {_knobs(current.get(name), eagle_topk(live_policy, name)):<32} "
+                   f"{_knobs(s, eagle_topk(policy, name))}")
     for name in sorted(set(current) - set(proposed)):
-        out.append(f"{name:<16} {_knobs(current[name]):<32} (class removed: default class {policy.default_class})")
+        out.append(f"{name:<16} {_knobs(current[name], eagle_topk(live_policy, name)):<32} "
+                   f"(class removed: default class {policy.default_class})")
 
     source = RedisWindowSource(RedisWindowReader(store.redis, clock=store.clock, namespace=store.namespace))
     try:

@@ -75,6 +75,8 @@ class ClassStatus:
     last_decision: LastDecision | None
     live: LiveWindow | None
     """None when the class had no requests in the window."""
+    eagle_topk: int | None = None
+    """An eagle class's EAGLE-2 tree (the policy's ``eagle_topk``; None: it drafts chains)."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -128,13 +130,23 @@ def class_statuses(store: PolicyStore, *, window_s: float = 60.0, audit_scan: in
             name=name, method=s.method, gamma=s.gamma, medusa_heads=s.medusa_heads, tree_size=s.tree_size,
             fallback_active=s.fallback_active, fallback_since=since, fallback_reason=why,
             probe_fraction=s.probe_fraction, revision=s.revision, updated_at=s.updated_at if name in effective else None,
-            controlled=name in effective, last_decision=last.get(name), live=_live(windows.get(name), window_s))
+            controlled=name in effective, last_decision=last.get(name), live=_live(windows.get(name), window_s),
+            eagle_topk=eagle_topk(policy, name))
     return out
+
+
+def eagle_topk(policy: Any, name: str) -> int | None:
+    """The ``eagle_topk`` of ``policy``'s class ``name`` (None: no policy, no such class, or chains)."""
+    if policy is None or name not in policy.class_names:
+        return None
+    return policy.get_class(name).eagle_topk
 
 
 def _knob(c: ClassStatus) -> str:
     if c.method == "medusa":
         return f"heads {c.medusa_heads} tree {c.tree_size}"
+    if c.method == "eagle" and c.eagle_topk is not None:
+        return f"γ {c.gamma} tree {c.tree_size} top-{c.eagle_topk}"
     if c.method in GAMMA_METHODS:
         return f"γ {c.gamma}"
     return "-"

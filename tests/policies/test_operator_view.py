@@ -42,6 +42,12 @@ classes:
     method: medusa
     medusa_heads: {initial: 3, min: 1, max: 4}
     tree_size: {initial: 16, min: 4, max: 32}
+  - name: trees
+    match: [{prefix: "t:"}]
+    method: eagle
+    gamma: {initial: 4, min: 1, max: 8}
+    tree_size: {initial: 24, min: 4, max: 32}
+    eagle_topk: 4
 alerts:
   - {name: slower, metric: speedup, op: "<", threshold: 1.0, for_s: 20, min_samples: 100, action: fallback}
 """
@@ -83,7 +89,7 @@ def test_status_json_has_every_class_with_knobs_fallback_and_last_decision(acted
     res = invoke(redis_url, "status", "--json")
     assert res.exit_code == 0, res.output
     doc = json.loads(res.output)
-    assert doc["phase"] == "healthy" and set(doc["classes"]) == {"code", "chat", "facts"}
+    assert doc["phase"] == "healthy" and set(doc["classes"]) == {"code", "chat", "facts", "trees"}
     code, chat, facts = doc["classes"]["code"], doc["classes"]["chat"], doc["classes"]["facts"]
     assert code["method"] == "draft" and code["gamma"] == 4 and code["fallback_active"] is False
     assert code["last_decision"]["kind"] == "adapt" and code["last_decision"]["change"] == "gamma 2 -> 4"
@@ -95,17 +101,32 @@ def test_status_json_has_every_class_with_knobs_fallback_and_last_decision(acted
     assert chat["fallback_reason"] == "alert slower (webhook)" and chat["fallback_since"] is not None
     assert chat["last_decision"]["kind"] == "fallback_on" and chat["live"] is None
     assert facts["method"] == "medusa" and facts["medusa_heads"] == 3 and facts["tree_size"] == 16
+    assert facts["eagle_topk"] is None and code["eagle_topk"] is None
+    trees = doc["classes"]["trees"]
+    assert trees["method"] == "eagle" and trees["gamma"] == 4 and trees["tree_size"] == 24 and trees["eagle_topk"] == 4
 
 
 def test_status_table_shows_rows_and_reasons(acted, redis_url):
     res = invoke(redis_url, "status")
     assert res.exit_code == 0, res.output
     rows = {line.split()[0]: line for line in res.output.splitlines() if line and line.split()[0] in
-            ("code", "chat", "facts")}
+            ("code", "chat", "facts", "trees")}
     assert "γ 4" in rows["code"] and "adapt" in rows["code"] and "gamma 2 -> 4" in rows["code"]
     assert "on " in rows["chat"] and "p=20%" in rows["chat"] and "fallback_on" in rows["chat"]
     assert "heads 3 tree 16" in rows["facts"]
+    assert "γ 4 tree 24 top-4" in rows["trees"]
     assert "chat: fallen back since" in res.output and "alert slower (webhook)" in res.output
+
+
+def test_dry_run_shows_an_eagle_classes_tree(acted, redis_url, tmp_path):
+    changed = tmp_path / "policy.yaml"
+    changed.write_text(POLICY.replace("version: ov1", "version: ov2").replace("eagle_topk: 4", "eagle_topk: 6"))
+    res = invoke(redis_url, "rollout", "--dry-run", str(changed))
+    assert res.exit_code == 0, res.output
+    row = next(line for line in res.output.splitlines() if line.startswith("trees "))
+    assert "eagle gamma=4 tree=24 topk=4" in row and "eagle gamma=4 tree=24 topk=6" in row
+    code = next(line for line in res.output.splitlines() if line.startswith("code "))
+    assert "topk" not in code and "draft gamma=4" in code
 
 
 def test_status_watch_redraws_a_bounded_number_of_times(acted, redis_url):
@@ -183,4 +204,4 @@ def test_decisions_show_analysis_values_against_thresholds_and_the_rollback(redi
     assert f"rule slower on code: {slow.speedup:.4g} < 1 -> violated" in analysis
     assert "rollout.degraded" in out and "why: analysis: slower on code" in out
     doc = json.loads(invoke(redis_url, "status", "--json").output)
-    assert doc["phase"] == "degraded" and doc["revision"] == 2 and set(doc["classes"]) == {"code", "chat", "facts"}
+    assert doc["phase"] == "degraded" and doc["revision"] == 2 and set(doc["classes"]) == {"code", "chat", "facts", "trees"}
