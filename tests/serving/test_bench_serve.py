@@ -14,6 +14,19 @@ from specops.bench.serve import RequestResult, ServeBenchConfig, build_prompts, 
 DEFAULT_POLICY = Path(__file__).resolve().parents[2] / "examples" / "policies" / "default.yaml"
 
 
+def fake_policy_store(monkeypatch, make) -> None:
+    """The bench's `PolicyStore` replaced by ``make(client, namespace)`` for one test. Every module
+    that binds the real class by name at import is imported first: one first imported while the
+    fake is in place would keep the fake for the rest of the run."""
+    import importlib
+
+    for name in ("specops.policies.cli", "specops.policies.rollout", "specops.policies.audit_log",
+                 "specops.policies.class_status", "specops.policies.status_view", "specops.controller.simulator",
+                 "specops.controller.dry_run"):
+        importlib.import_module(name)
+    monkeypatch.setattr("specops.policies.store.PolicyStore", make)
+
+
 class FakeProc:
     """A started server or controller as the orchestration sees it: never exits."""
 
@@ -327,7 +340,7 @@ def test_one_server_serves_every_mode_switching_settings_settling_and_pausing_th
             return load_policy(DEFAULT_POLICY)
 
     store = Store()
-    monkeypatch.setattr("specops.policies.store.PolicyStore", lambda client, namespace: store)
+    fake_policy_store(monkeypatch, lambda client, namespace: store)
     monkeypatch.setattr(serve.procs, "_start_server", recording_starter(started, "http://one"))
     monkeypatch.setattr(serve.procs, "_start_controller",
                         lambda cfg, r, w, ns=None, paused=False: events.append(("controller", ns, paused)) or FakeProc())
@@ -690,7 +703,7 @@ def _record_batches(monkeypatch, serve, *, one_server: bool):
         await asyncio.sleep(0.01)  # a few batches of warm-up / settle traffic in their 0.05 s, not hundreds
         return [serve.RequestResult(ok=True, ttft_s=0.01, e2e_s=0.1, output_tokens=8)], 0.1
 
-    monkeypatch.setattr("specops.policies.store.PolicyStore", lambda client, namespace: Store())
+    fake_policy_store(monkeypatch, lambda client, namespace: Store())
     monkeypatch.setattr(serve.procs, "_start_server", recording_starter([], "http://one" if one_server else None))
     monkeypatch.setattr(serve.procs, "_start_controller", lambda cfg, r, w, ns=None, paused=False: FakeProc())
     for name in ("_stop", "_pause", "_resume"):
