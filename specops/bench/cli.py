@@ -58,7 +58,9 @@ def _model_ref(ctx: click.Context, param: click.Parameter, value: str | None) ->
                    "default: bundled).")
 @click.option("--draft", callback=_model_ref, default=None,
               help="Draft model folder or registered name (default: bundled draft with the bundled target).")
-@click.option("--medusa", type=click.Path(exists=True), default=None, help="Medusa heads (method medusa).")
+@click.option("--medusa", type=click.Path(exists=True), default=None,
+              help="Medusa heads (methods medusa and auto; default: the bundled heads with the bundled target, the "
+                   "ones `specops train heads --model NAME --chat` cached for a registered --model).")
 @click.option("--eagle", type=click.Path(exists=True, file_okay=False), default=None,
               help="EAGLE drafter folder (method eagle; default: the one `specops train eagle --model NAME` cached).")
 @click.option("--eagle-tree", "eagle_tree", default="5,4,16", show_default=True, callback=_tree_shape,

@@ -78,7 +78,7 @@ class BenchConfig:
     repeats: int = 3
     model: str | None = None          # target folder or registered name (specops models list); None = bundled
     draft: str | None = None          # draft folder or registered name; None = bundled draft (with the bundled target)
-    medusa: str | None = None         # Medusa heads folder; None = bundled heads when present
+    medusa: str | None = None         # Medusa heads folder; None = bundled heads / those cached for a registered --model
     eagle: str | None = None          # EAGLE drafter folder; None = the one cached for a registered --model
     eagle_tree: tuple[int, int, int] = (5, 4, 16)  # method eagle-tree's (depth, topk, tree_size) (`EagleTree`)
     prompts_file: str | None = None   # replaces the suite
@@ -173,7 +173,7 @@ def load_models(cfg: BenchConfig) -> Models:
     """Load target / draft / (Medusa heads) / tokenizer; default: the bundled pair."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specops.assets import DRAFT_DIR, MEDUSA_DIR, TARGET_DIR, TOKENIZER_DIR
+    from specops.assets import DRAFT_DIR, TARGET_DIR, TOKENIZER_DIR
     from specops.models import ModelsError, resolve_model
 
     dtype = DTYPES[cfg.dtype]
@@ -196,16 +196,9 @@ def load_models(cfg: BenchConfig) -> Models:
             raise BenchError("methods draft / hf-assisted need --draft PATH with a custom --model")
         draft = AutoModelForCausalLM.from_pretrained(str(draft_path), dtype=dtype).to(cfg.device).eval()
     medusa = None
-    auto_heads = "auto" in cfg.methods and (cfg.medusa is not None or (cfg.model is None and MEDUSA_DIR.exists()))
-    if "medusa" in cfg.methods or auto_heads:
-        from specops.decoder import MedusaHeads
-
-        if cfg.medusa is None and cfg.model is not None:
-            raise BenchError("method medusa needs --medusa PATH with a custom --model (or leave medusa out of --methods)")
-        medusa_path = Path(cfg.medusa) if cfg.medusa else MEDUSA_DIR
-        if not medusa_path.exists():
-            raise BenchError(f"method medusa needs heads: none at {medusa_path} (give --medusa PATH)")
-        medusa = MedusaHeads.from_pretrained(medusa_path, base=target, device=cfg.device)  # heads pick their fastest dtype
+    medusa_path = heads_path(cfg)
+    if "medusa" in cfg.methods or ("auto" in cfg.methods and medusa_path is not None):
+        medusa = load_heads(cfg, medusa_path, target)
     eagle = load_eagle(cfg, target) if {"eagle", "eagle-tree"} & set(cfg.methods) else None
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
     eos = tokenizer.eos_token_id
@@ -216,6 +209,48 @@ def load_models(cfg: BenchConfig) -> Models:
     return Models(target, draft, medusa, tokenizer, eos, max_context, target_dir=target_path,
                   draft_vocab=draft_vocab_in(draft_path) if draft is not None else None,
                   ngram_store=store_in(target_path), eagle=eagle)
+
+
+def heads_path(cfg: BenchConfig) -> Path | None:
+    """The Medusa heads for methods medusa and auto: ``cfg.medusa``, else the bundled heads for the
+    bundled target, else the heads `specops train heads --model NAME --chat` cached for a registered
+    ``cfg.model``; None when there are none."""
+    from specops.assets import MEDUSA_DIR
+    from specops.decoder.medusa_heads import default_dir, is_heads_dir
+    from specops.models.resolve import is_registered
+
+    if cfg.medusa is not None:
+        return Path(cfg.medusa)
+    if cfg.model is None:
+        return MEDUSA_DIR if MEDUSA_DIR.exists() else None
+    if is_registered(cfg.model) and is_heads_dir(default_dir(cfg.model)):
+        return default_dir(cfg.model)
+    return None
+
+
+def load_heads(cfg: BenchConfig, path: Path | None, target):
+    """The heads at ``path`` (from `heads_path`) bound to ``target``; a `BenchError` saying how to get
+    heads when there are none."""
+    from specops.decoder import MedusaHeads
+    from specops.decoder.medusa_heads import TRAIN_COMMAND, MedusaError, default_dir
+    from specops.models.resolve import is_registered
+
+    if path is None:
+        if cfg.model is None:
+            from specops.assets import MEDUSA_DIR
+
+            raise BenchError(f"method medusa needs heads: none at {MEDUSA_DIR} (give --medusa PATH)")
+        if is_registered(cfg.model):
+            train = TRAIN_COMMAND.replace("NAME", cfg.model)
+            raise BenchError(f"method medusa needs heads: none cached in {default_dir(cfg.model)}; train them with "
+                             f"`{train}` or give --medusa PATH")
+        raise BenchError("method medusa needs --medusa PATH with a custom --model (or leave medusa out of --methods)")
+    if not path.exists():
+        raise BenchError(f"method medusa needs heads: none at {path} (give --medusa PATH)")
+    try:  # heads pick their fastest dtype
+        return MedusaHeads.from_pretrained(path, base=target, device=cfg.device)
+    except MedusaError as exc:
+        raise BenchError(f"cannot load the Medusa heads: {exc}") from None
 
 
 def load_eagle(cfg: BenchConfig, target):

@@ -379,16 +379,22 @@ class Decoder:
         on first use (`specops.models.resolve_model`; bfloat16 loads its ``bf16/`` copy).
         ``eagle``: an EAGLE drafter folder (`specops.decoder.eagle_io`) for method "eagle"; for
         a registered model's name, the drafter ``specops train eagle --model NAME`` cached
-        (``$SPECOPS_CACHE_DIR/eagle/NAME``) loads when there is one.
+        (``$SPECOPS_CACHE_DIR/eagle/NAME``) loads when there is one, and so do the Medusa heads
+        ``specops train heads --model NAME --chat`` cached (``$SPECOPS_CACHE_DIR/medusa/NAME``)
+        unless ``medusa`` names others.
         """
         from specops.models import ModelsError, resolve_model
         from specops.models.resolve import is_registered
 
-        if eagle is None and is_registered(path):
-            from specops.decoder.eagle_io import default_dir, is_drafter_dir
+        if is_registered(path):
+            from specops.decoder import eagle_io, medusa_heads
 
-            cached = default_dir(str(path))
-            eagle = cached if is_drafter_dir(cached) else None
+            if eagle is None:
+                cached = eagle_io.default_dir(str(path))
+                eagle = cached if eagle_io.is_drafter_dir(cached) else None
+            if medusa is None:
+                cached = medusa_heads.default_dir(str(path))
+                medusa = cached if medusa_heads.is_heads_dir(cached) else None
         try:
             path = resolve_model(path, dtype=dtype)
             draft = resolve_model(draft, dtype=dtype)
@@ -572,6 +578,13 @@ class Decoder:
                 raise MissingComponentError(
                     f"method 'eagle' needs an EAGLE drafter: train one with `{EAGLE_TRAIN_COMMAND}` (cached for "
                     "from_pretrained(NAME)), or pass Decoder(target, eagle=...) / from_pretrained(..., eagle=PATH)"
+                )
+            elif method == "medusa":
+                from specops.decoder.medusa_heads import TRAIN_COMMAND
+
+                raise MissingComponentError(
+                    f"method 'medusa' needs Medusa heads: train them with `{TRAIN_COMMAND}` (cached for "
+                    "from_pretrained(NAME)), or pass Decoder(target, medusa=...) / from_pretrained(..., medusa=PATH)"
                 )
             else:
                 raise MissingComponentError(

@@ -28,7 +28,9 @@ head only has to learn what follows a known token.
 
 On disk a heads artifact is a directory with ``medusa_config.json`` (the
 :class:`MedusaConfig`, naming the base model and its fingerprint) and
-``medusa_heads.safetensors`` (fp16 by default).
+``medusa_heads.safetensors`` (fp16 by default). The heads trained for a registered model
+(``specops train heads --model NAME --chat``) are cached in ``$SPECOPS_CACHE_DIR/medusa/NAME``
+(`default_dir`), where ``Decoder.from_pretrained(NAME)`` and ``bench decode --model NAME`` find them.
 """
 
 from __future__ import annotations
@@ -53,6 +55,23 @@ KERNEL_MAX_ROWS = 16  # heads x rows up to which inference runs on the C linear 
 CONFIG_NAME = "medusa_config.json"
 WEIGHTS_NAME = "medusa_heads.safetensors"
 FORMAT_VERSION = 1
+
+
+TRAIN_COMMAND = "specops train heads --model NAME --chat"
+"""How heads for a registered model get into its cache folder (``NAME`` stands for the model)."""
+
+
+def default_dir(name: str) -> Path:
+    """Where the trained heads of registered model ``name`` are cached (beside the models cache)."""
+    from specops.models.registry import cache_root
+
+    return cache_root().parent / "medusa" / name
+
+
+def is_heads_dir(path: str | Path) -> bool:
+    """Whether ``path`` holds a heads artifact (its config and weights files)."""
+    path = Path(path)
+    return (path / CONFIG_NAME).is_file() and (path / WEIGHTS_NAME).is_file()
 
 
 class HeadsLike(Protocol):

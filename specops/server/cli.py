@@ -49,7 +49,9 @@ def quiet_omp_spin(environ: MutableMapping[str, str] | None = None) -> bool:
                    "pulled on first use).")
 @click.option("--draft", type=click.Path(exists=True, file_okay=False), default=None,
               help="Draft model folder (default: the bundled draft with the bundled target).")
-@click.option("--medusa", type=click.Path(exists=True), default=None, help="Medusa heads (default: bundled heads).")
+@click.option("--medusa", type=click.Path(exists=True), default=None,
+              help="Medusa heads [default: the bundled heads with the bundled target; for a registered model, the "
+                   "heads `specops train heads --model NAME --chat` cached, when there are some].")
 @click.option("--eagle", type=click.Path(exists=True, file_okay=False), default=None,
               help="EAGLE drafter folder (`specops train eagle`) for method eagle [default: for a registered "
                    "model, the drafter `specops train eagle --model NAME` cached, when there is one].")
