@@ -1,4 +1,5 @@
-"""Click command ``specops train heads`` (thin: validate options, call `specops.train.heads.run_heads_job`)."""
+"""Click command ``specops train heads`` (thin: validate options, call `specops.train.heads.run_heads_job`
+or, with ``--chat``, `specops.train.heads.run_chat_heads_job`)."""
 
 from __future__ import annotations
 
@@ -7,16 +8,29 @@ import logging
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from specops.models.cli import MODEL_FOLDER
 
+TEXT_ONLY = ("heldout_files", "self_distill", "distill_sequences")
+CHAT_ONLY = ("minutes", "tokens", "self_prompts", "max_batch")
+CHAT_MINUTES = 20.0
+TEXT_STEPS = 300
+
+
+def _flag(name: str) -> str:
+    return {"heldout_files": "--heldout", "max_batch": "--batch"}.get(name, "--" + name.replace("_", "-"))
+
 
 @click.command("heads")
-@click.option("--model", "model_path", required=True, type=MODEL_FOLDER,
+@click.option("--model", "model_ref", required=True,
               help="Base model folder (any transformers causal LM) or a registered model's name "
                    "(`specops models list`); it stays frozen.")
-@click.option("--heads", "num_heads", type=click.IntRange(1, 16), default=3, show_default=True,
-              help="K: heads to train (head k predicts k tokens beyond the next).")
+@click.option("--chat", is_flag=True,
+              help="Train on the model's own chat replies (it needs a chat template): its greedy, then sampled, "
+                   "replies to the chat-model suites' prompts and to user messages it writes itself, written by "
+                   "the serving engine; the heads learn its greedy tokens at reply positions. The benchmark's first "
+                   "prompts are held out. Budget: --minutes.")
 @click.option("--data", "data_files", multiple=True,
               type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Text files to train on (repeat the option, or pass a shell glob).")
@@ -25,23 +39,42 @@ from specops.models.cli import MODEL_FOLDER
                    "splits it) instead of --data / --heldout.")
 @click.option("--heldout", "heldout_files", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Held-out text files for the accuracy report (default: the last 5% of --data).")
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Output folder  [default: the cache, $SPECOPS_CACHE_DIR/medusa/NAME, for a registered model, "
+                   "where `Decoder.from_pretrained(NAME)` and `bench decode --model NAME` find them; required "
+                   "for a folder]")
 @click.option("--self-distill", is_flag=True,
-              help="Train on the base model's own greedy continuations and soft targets (no original data needed).")
+              help="--data / --stdlib: train on the base model's own greedy continuations of prompts cut from the "
+                   "text (no original data needed).")
 @click.option("--layers", type=click.IntRange(1, 8), default=1, show_default=True, help="Residual blocks per head.")
-@click.option("--shared-lm-head", is_flag=True, help="Reuse the base LM head in every head (tiny artifact).")
+@click.option("--shared-lm-head/--own-lm-head", default=None,
+              help="Reuse the base LM head in every head, so the artifact holds only the residual blocks, or give "
+                   "each head its own copy to train  [default: shared with --chat, own otherwise]")
 @click.option("--root-input", is_flag=True,
               help="Heads also read the root (the target's own next token) through the base embedding.")
 @click.option("--shortlist", type=click.IntRange(0), default=0, show_default=True,
               help="Heads rank only the N most frequent training tokens when decoding (0: all).")
 @click.option("--init-heads", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="Continue these heads (same --layers and --shared-lm-head; --heads at least theirs, extra heads "
+              help="Continue these heads (same --layers and LM-head sharing; --heads at least theirs, extra heads "
                    "start as copies of their last) instead of starting at identity.")
-@click.option("--steps", type=click.IntRange(1), default=300, show_default=True)
+@click.option("--heads", "num_heads", type=click.IntRange(1, 16), default=3, show_default=True,
+              help="K: heads to train (head k predicts k tokens beyond the next).")
+@click.option("--minutes", type=click.FloatRange(min=0, min_open=True), default=CHAT_MINUTES, show_default=True,
+              help="--chat: wall budget for the replies, training and the held-out report together.")
+@click.option("--tokens", type=click.IntRange(1), default=400_000, show_default=True,
+              help="--chat: reply positions to collect at most.")
+@click.option("--self-prompts", type=click.IntRange(0), default=1000, show_default=True,
+              help="--chat: user messages the model writes itself as extra prompts (0: the shipped prompts only).")
+@click.option("--batch", "max_batch", type=click.IntRange(1, 256), default=64, show_default=True,
+              help="--chat: replies the serving engine writes side by side.")
+@click.option("--steps", type=click.IntRange(1), default=None,
+              help=f"Optimizer steps  [default: {TEXT_STEPS} with --data / --stdlib; with --chat, until the "
+                   "budget is spent]")
 @click.option("--batch-size", type=click.IntRange(1), default=8, show_default=True)
-@click.option("--seq-len", type=click.IntRange(8), default=128, show_default=True)
+@click.option("--seq-len", type=click.IntRange(8), default=128, show_default=True,
+              help="Positions per training sequence (--chat: a window of a reply).")
 @click.option("--distill-sequences", type=click.IntRange(1), default=256, show_default=True,
-              help="Self-distill: greedy continuations to generate.")
+              help="--self-distill: greedy continuations to generate.")
 @click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=1e-3, show_default=True)
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
               default=None, help="Tokenizer folder (default: the model folder, then its parent).")
@@ -49,25 +82,53 @@ from specops.models.cli import MODEL_FOLDER
 @click.option("--threads", type=click.IntRange(1), default=2, show_default=True, help="torch CPU threads.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @click.option("-v", "--verbose", is_flag=True, help="Log progress messages.")
-def train_heads_command(model_path, num_heads, data_files, stdlib, heldout_files, out_dir, self_distill, layers, shared_lm_head,
-                        root_input, shortlist, init_heads, steps, batch_size, seq_len, distill_sequences, lr,
-                        tokenizer_dir, seed, threads, quiet, verbose):
-    """Train Medusa heads on a frozen base model and report per-head top-1/top-5 accuracy."""
-    from specops.train.heads import HeadsJob, HeadsTrainConfig, run_heads_job
+def train_heads_command(model_ref, chat, data_files, stdlib, heldout_files, out_dir, self_distill, layers,
+                        shared_lm_head, root_input, shortlist, init_heads, num_heads, minutes, tokens, self_prompts,
+                        max_batch, steps, batch_size, seq_len, distill_sequences, lr, tokenizer_dir, seed, threads,
+                        quiet, verbose):
+    """Train Medusa heads on a frozen base model and report per-head top-1/top-5 accuracy.
+
+    \b
+    On the model's own chat replies, into the cache (found by `Decoder.from_pretrained(NAME)`
+    and `bench decode --model NAME --methods medusa`):
+      specops train heads --model smollm2-135m-instruct --chat
+    On text:
+      specops train heads --model PATH --data FILES --self-distill --out DIR
+    """
+    from specops.decoder.medusa_heads import default_dir
+    from specops.models.resolve import is_registered
+    from specops.train.heads import ChatData, HeadsJob, HeadsTrainConfig, run_chat_heads_job, run_heads_job
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ctx = click.get_current_context()
+    given = {name for name in TEXT_ONLY + CHAT_ONLY if ctx.get_parameter_source(name) != ParameterSource.DEFAULT}
+    if sum((chat, stdlib, bool(data_files))) != 1:
+        raise click.UsageError("give --data files or --stdlib, or --chat for the model's own chat replies "
+                               "(one of them)")
+    wrong = [_flag(n) for n in (TEXT_ONLY if chat else CHAT_ONLY) if n in given]
+    if wrong:
+        where = "--data / --stdlib" if chat else "--chat"
+        raise click.UsageError(f"{', '.join(wrong)} only applies with {where}")
+    registered = is_registered(model_ref)
+    model_path = MODEL_FOLDER.convert(model_ref, None, ctx)
+    if out_dir is None:
+        if not registered:
+            raise click.UsageError("give --out DIR for a model folder (a registered model's heads go to the cache)")
+        out_dir = default_dir(model_ref)
+    if shared_lm_head is None:
+        shared_lm_head = chat
     cfg = HeadsTrainConfig(num_heads=num_heads, num_layers=layers, shared_lm_head=shared_lm_head, root_input=root_input,
-                           shortlist=shortlist,
-                           self_distill=self_distill, steps=steps, batch_size=batch_size, seq_len=seq_len,
-                           distill_prompt_len=max(1, min(32, seq_len // 4)), distill_sequences=distill_sequences,
-                           lr=lr, seed=seed, progress=not quiet)
+                           shortlist=shortlist, self_distill=self_distill,
+                           steps=steps if steps is not None or chat else TEXT_STEPS, batch_size=batch_size,
+                           seq_len=seq_len, distill_prompt_len=max(1, min(32, seq_len // 4)),
+                           distill_sequences=distill_sequences, lr=lr, seed=seed, progress=not quiet)
+    data = ChatData(minutes=minutes, positions=tokens, self_prompts=self_prompts, max_batch=max_batch)
     try:
         cfg.validate()
+        data.validate()
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    if stdlib == bool(data_files):
-        raise click.UsageError("give --data files or --stdlib (one of them)")
     if stdlib:
         if heldout_files:
             raise click.UsageError("--stdlib brings its own held-out files: drop --heldout")
@@ -76,13 +137,37 @@ def train_heads_command(model_path, num_heads, data_files, stdlib, heldout_files
         split = split_stdlib()
         data_files, heldout_files = split.train_files, split.heldout_files
     job = HeadsJob(model=model_path, data_files=tuple(data_files), out_dir=out_dir,
-                   heldout_files=tuple(heldout_files), tokenizer=tokenizer_dir, threads=threads, init_heads=init_heads)
+                   heldout_files=tuple(heldout_files), tokenizer=tokenizer_dir, threads=threads, init_heads=init_heads,
+                   model_name=model_ref if registered else "")
+    if chat:
+        _check_chat_template(model_path, tokenizer_dir)
     try:
-        result = run_heads_job(job, cfg)
-    except ValueError as exc:
+        result = run_chat_heads_job(job, cfg, data) if chat else run_heads_job(job, cfg)
+    except (ValueError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(json.dumps(result, indent=2))
     for k in range(num_heads):
-        click.echo(f"head {k + 1} (predicts t+{k + 2}): held-out text top-1 {result['text_top1'][k]:.3f} "
-                   f"top-5 {result['text_top5'][k]:.3f} | vs base greedy top-1 {result['greedy_top1'][k]:.3f} "
+        text = (f"held-out text top-1 {result['text_top1'][k]:.3f} top-5 {result['text_top5'][k]:.3f} | "
+                if "text_top1" in result else "held-out replies: ")
+        click.echo(f"head {k + 1} (predicts t+{k + 2}): {text}vs base greedy top-1 {result['greedy_top1'][k]:.3f} "
                    f"top-5 {result['greedy_top5'][k]:.3f}")
+    decode = result.get("heldout_decode") or {}
+    if decode:
+        click.echo(f"held-out greedy medusa: {decode['tokens_per_target_forward']:.2f} tokens per target forward, "
+                   f"exact {decode['exact_prompts']}")
+    if chat:
+        click.echo(f"wrote {result['out']} ({result['artifact_bytes'] / 2**20:.2f} MiB; loss plot: loss.png)")
+
+
+def _check_chat_template(model: Path, tokenizer_dir: Path | None) -> None:
+    """A usage error unless the model's tokenizer has a chat template (what --chat renders prompts with)."""
+    from specops.bench.chat_suite import has_chat_template
+    from specops.train.heads import _find_tokenizer
+
+    try:
+        tokenizer = _find_tokenizer(model, tokenizer_dir)
+    except (ValueError, OSError) as exc:
+        raise click.UsageError(str(exc)) from None
+    if not has_chat_template(tokenizer):
+        raise click.UsageError(f"--chat renders its prompts with the model's chat template; the tokenizer of {model} "
+                               "has no chat template (train on text with --data or --stdlib)")

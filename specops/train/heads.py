@@ -12,12 +12,21 @@ predict ``x_{t+k+1}``:
   ``t+k+1``: exactly what greedy decoding will accept. Any model can get heads this
   way without its original training data. The frozen base's hidden states for the
   generated pool are computed once, so a step costs only the heads' forward/backward.
+* chat mode (`run_chat_heads_job`, ``specops train heads --chat``): the sequences are the
+  target's own replies to chat prompts (the chat-model suites' prompts rendered with its chat
+  template, and user messages it writes itself), written by the serving engine
+  (`specops.train.self_distill`); one teacher-forced forward per reply gives its hidden states
+  and the target's greedy choice after every position, so head ``k`` at a reply position ``t``
+  (from the last prompt token on) learns the target's greedy token at ``t+k+1`` given the text
+  so far, also on the sampled replies. Prompt positions are never targets. The benchmark's
+  first prompts of each class are held out (`specops.train.eagle.prompt_texts`) and measured.
 
 Head ``k``'s loss is weighted by ``head_decay ** (k-1)`` (later heads are harder and
-matter less, since a tree reaches them less often). After training, every head's
-per-rank accuracy is measured on held-out data against the base model's greedy
-continuations (what greedy decoding accepts); this table goes into the heads' config
-and drives the sparse-tree builder. Top-1/top-5 on held-out *text* are reported too.
+matter less, since a tree reaches them less often); every mode runs the same optimizer loop
+(`fit_heads`). After training, every head's per-rank accuracy is measured on held-out data
+against the base model's greedy continuations (what greedy decoding accepts); this table
+goes into the heads' config and drives the sparse-tree builder. Top-1/top-5 on held-out
+*text* are reported too (text modes).
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import dataclasses
 import json
 import logging
 import math
+import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from specops.decoder.medusa_heads import MedusaHeads, reads_root
+from specops.decoder.medusa_heads import CONFIG_NAME, WEIGHTS_NAME, MedusaHeads, reads_root
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +68,8 @@ class HeadsTrainConfig:
     inference (`MedusaConfig.shortlist_size`); 0: the whole vocabulary."""
     self_distill: bool = False
     """Train on the base model's own greedy continuations (no original data needed)."""
-    steps: int = 300
+    steps: int | None = 300
+    """Optimizer steps; None: until the time budget is spent (chat mode)."""
     batch_size: int = 8
     seq_len: int = 128
     """Tokens per training sequence (self-distill: prompt + generated continuation)."""
@@ -81,7 +92,9 @@ class HeadsTrainConfig:
         for name in ("num_heads", "num_layers", "steps", "batch_size", "seq_len", "distill_sequences",
                      "eval_batches", "eval_rank_k"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if name == "steps" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.seq_len < self.num_heads + 3:
             raise ValueError(f"seq_len {self.seq_len} too short for {self.num_heads} heads (needs >= heads + 3)")
@@ -176,9 +189,11 @@ def heads_loss(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tensor, 
 
 
 def rank_counts(heads: MedusaHeads, hidden: torch.Tensor, tokens: torch.Tensor, rank_k: int,
-                start: int = 0) -> torch.Tensor:
+                start: int = 0, targets: torch.Tensor | None = None) -> torch.Tensor:
     """counts [K, rank_k + 1]: how often the true token x_{t+k+2} was head k's rank r (last column:
-    outside the top rank_k); positions t >= start only. hidden: [B, T, E]; tokens: [B, T]."""
+    outside the top rank_k); positions t >= start only. hidden: [B, T, E]; tokens: [B, T].
+    targets: [B, T] the true token at each position when it is not ``tokens`` itself (the
+    target's greedy choices); IGNORE marks positions that are counted nowhere."""
     k_heads = heads.num_heads
     counts = torch.zeros(k_heads, rank_k + 1, dtype=torch.long)
     t = hidden.shape[1]
@@ -189,10 +204,11 @@ def rank_counts(heads: MedusaHeads, hidden: torch.Tensor, tokens: torch.Tensor, 
             if t - shift <= start:
                 continue
             top = torch.topk(logits[k, :, start : t - shift], rank_k, dim=-1).indices  # [B, T', r]
-            truth = tokens[:, start + shift :]  # [B, T']
-            hit = top == truth[..., None]  # [B, T', r]
+            truth = (tokens if targets is None else targets)[:, start + shift :]  # [B, T']
+            valid = truth != IGNORE  # [B, T']
+            hit = (top == truth[..., None]) & valid[..., None]  # [B, T', r]
             counts[k, :rank_k] += hit.sum(dim=(0, 1))
-            counts[k, rank_k] += int((~hit.any(-1)).sum())
+            counts[k, rank_k] += int((~hit.any(-1) & valid).sum())
     return counts
 
 
@@ -229,11 +245,13 @@ def frequency_shortlist(stream: torch.Tensor, size: int, vocab_size: int) -> tor
     return torch.sort(counts, descending=True, stable=True).indices[:size]
 
 
-def _lr(step: int, cfg: HeadsTrainConfig) -> float:
-    warm = min(cfg.warmup_steps, max(1, cfg.steps // 10))
+def _lr(step: int, cfg: HeadsTrainConfig, spent: float | None = None) -> float:
+    """Linear warmup, then cosine to 10% of ``cfg.lr`` over the steps, or over the time budget
+    (``spent``: the share of it used so far) when ``cfg.steps`` is None."""
+    warm = cfg.warmup_steps if cfg.steps is None else min(cfg.warmup_steps, max(1, cfg.steps // 10))
     if step < warm:
         return cfg.lr * (step + 1) / warm
-    frac = (step - warm) / max(1, cfg.steps - warm)
+    frac = spent if cfg.steps is None else (step - warm) / max(1, cfg.steps - warm)
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
@@ -287,46 +305,86 @@ def train_heads(base, heads: MedusaHeads, stream: torch.Tensor, heldout: torch.T
                          f"got shape {tuple(stream.shape)}")
     if heldout.dim() != 2 or heldout.shape[0] == 0:
         raise ValueError(f"heldout must be [M, seq_len] windows, got shape {tuple(heldout.shape)}")
-    base.eval()
-    for p in base.parameters():
-        p.requires_grad_(False)
+    if cfg.steps is None:
+        raise ValueError("training on text needs a step count (steps=None is for a time budget)")
+    freeze(base)
     gen = torch.Generator().manual_seed(cfg.seed)
     start_time = time.perf_counter()
     pool = distill_pool(base, stream, cfg, gen) if cfg.self_distill else None
+
+    def batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if pool is not None:
+            idx = torch.randint(0, pool.tokens.shape[0], (cfg.batch_size,), generator=gen)  # [B]
+            return pool.hidden[idx], pool.labels[idx], pool.tokens[idx]  # [B, T, E], [B, T], [B, T]
+        starts = torch.randint(0, stream.numel() - cfg.seq_len, (cfg.batch_size,), generator=gen)
+        tokens = stream[starts[:, None] + torch.arange(cfg.seq_len)[None]]  # [B, T]
+        return base_hidden(base, tokens), tokens, tokens
+
+    report = HeadsReport(steps=cfg.steps, wall_s=0.0)
+    report.losses = fit_heads(heads, batch, cfg)
+    measured = evaluate_heads(base, heads, heldout, cfg)
+    report.text_top1, report.text_top5 = measured.text_top1, measured.text_top5
+    finish_heads(heads, measured, report, stream if cfg.shortlist else None, cfg)
+    report.wall_s = time.perf_counter() - start_time
+    logger.info("heads trained: %s", report.to_dict())
+    return report
+
+
+def freeze(base) -> None:
+    """The base model in eval mode with no parameter learning."""
+    base.eval()
+    for p in base.parameters():
+        p.requires_grad_(False)
+
+
+def fit_heads(heads: MedusaHeads, batch, cfg: HeadsTrainConfig, *, budget_s: float | None = None,
+              desc: str = "medusa heads") -> list[float]:
+    """The optimizer loop of every mode: AdamW on the heads' parameters over ``batch()`` ->
+    (hidden [B, T, E], targets [B, T], tokens [B, T]) (as `heads_loss` takes them), for
+    ``cfg.steps`` steps or, with ``cfg.steps`` None, until ``budget_s`` seconds have passed
+    (whichever comes first when both are set); the learning rate follows `_lr`. Returns the
+    loss of every step; the heads are left in eval mode."""
+    if cfg.steps is None and budget_s is None:
+        raise ValueError("fit_heads needs cfg.steps or budget_s")
     params = [p for p in heads.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     heads.train()
-    report = HeadsReport(steps=cfg.steps, wall_s=0.0)
-    bar = tqdm(range(cfg.steps), desc="medusa heads", disable=not cfg.progress)
-    for step in bar:
-        if pool is not None:
-            idx = torch.randint(0, pool.tokens.shape[0], (cfg.batch_size,), generator=gen)  # [B]
-            hidden, targets, tokens = pool.hidden[idx], pool.labels[idx], pool.tokens[idx]  # [B, T, E], [B, T], [B, T]
-        else:
-            starts = torch.randint(0, stream.numel() - cfg.seq_len, (cfg.batch_size,), generator=gen)
-            targets = tokens = stream[starts[:, None] + torch.arange(cfg.seq_len)[None]]  # [B, T]
-            hidden = base_hidden(base, targets)
+    losses: list[float] = []
+    start = time.perf_counter()
+    bar = tqdm(total=cfg.steps, desc=desc, disable=not cfg.progress, dynamic_ncols=True)
+    step = 0
+    while cfg.steps is None or step < cfg.steps:
+        elapsed = time.perf_counter() - start
+        if budget_s is not None and step > 0 and elapsed >= budget_s:
+            break
         for group in optimizer.param_groups:
-            group["lr"] = _lr(step, cfg)
+            group["lr"] = _lr(step, cfg, None if budget_s is None else elapsed / budget_s)
+        hidden, targets, tokens = batch()
         loss = heads_loss(heads, hidden, targets, cfg.head_decay, tokens)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         optimizer.step()
-        report.losses.append(loss.item())
+        losses.append(loss.item())
         if step % 10 == 0:
-            bar.set_postfix(loss=f"{report.losses[-1]:.3f}")
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        step += 1
+        bar.update(1)
+    bar.close()
     heads.eval()
-    measured = evaluate_heads(base, heads, heldout, cfg)
-    report.text_top1, report.text_top5 = measured.text_top1, measured.text_top5
+    return losses
+
+
+def finish_heads(heads: MedusaHeads, measured: HeadsReport, report: HeadsReport, shortlist_stream: torch.Tensor | None,
+                 cfg: HeadsTrainConfig) -> None:
+    """Record the held-out measurements in ``report`` and the rank-accuracy table in the heads'
+    config (it drives the sparse tree); with ``cfg.shortlist`` the heads rank only the most
+    frequent tokens of ``shortlist_stream`` [N] at inference."""
     report.greedy_top1, report.greedy_top5 = measured.greedy_top1, measured.greedy_top5
     report.rank_accuracy = measured.rank_accuracy
     heads.with_accuracy(measured.rank_accuracy)
     if cfg.shortlist:
-        heads.set_shortlist(frequency_shortlist(stream, cfg.shortlist, heads.config.vocab_size))
-    report.wall_s = time.perf_counter() - start_time
-    logger.info("heads trained: %s", report.to_dict())
-    return report
+        heads.set_shortlist(frequency_shortlist(shortlist_stream, cfg.shortlist, heads.config.vocab_size))
 
 
 def continue_heads(heads: MedusaHeads, init: MedusaHeads) -> None:
@@ -368,6 +426,8 @@ class HeadsJob:
     init_heads: Path | None = None
     """Continue these heads (same K, layers and LM-head sharing) instead of starting at identity;
     with ``root_input`` on heads trained without it, their blocks are kept and R starts at zero."""
+    model_name: str = ""
+    """The registered model's name when ``model`` is its cached folder (recorded in the heads' config)."""
 
 
 def _find_tokenizer(model: Path, explicit: Path | None):
@@ -414,4 +474,283 @@ def run_heads_job(job: HeadsJob, cfg: HeadsTrainConfig) -> dict:
     result = {"out": str(job.out_dir), "heads": cfg.num_heads, "self_distill": cfg.self_distill,
               "train_tokens": int(stream.numel()), "heldout_windows": int(heldout.shape[0]), **report.to_dict()}
     (job.out_dir / "train_report.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+# ---------------------------------------------------------------------- chat mode
+@dataclass
+class ChatData:
+    """Chat mode (`run_chat_heads_job`): what the target writes for the heads to learn from, and the budget."""
+
+    minutes: float = 20.0
+    """Wall budget: the target's replies, training and the held-out report together."""
+    positions: int = 400_000
+    """Reply positions to collect at most."""
+    self_prompts: int = 1000
+    """User messages the target writes itself as extra prompts (`specops.train.self_distill.self_prompts`)."""
+    max_batch: int = 64
+    """Replies the serving engine writes side by side."""
+    new_tokens: int = 160
+    """Reply tokens per prompt at most."""
+    max_prompt_tokens: int = 384
+    """A longer prompt keeps its last tokens."""
+    generate_share: float = 0.5
+    """At most this share of the budget goes to writing and reading the replies."""
+    eval_prompts: int = 8
+    """Held-out prompts decoded with method medusa in the report (0: none)."""
+    eval_new_tokens: int = 48
+
+    def validate(self) -> None:
+        if isinstance(self.minutes, bool) or not isinstance(self.minutes, (int, float)) or not self.minutes > 0:
+            raise ValueError(f"minutes must be > 0, got {self.minutes!r}")
+        for name in ("positions", "max_batch", "new_tokens", "max_prompt_tokens", "eval_new_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("self_prompts", "eval_prompts"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if not 0 < self.generate_share < 1:
+            raise ValueError(f"generate_share must be in (0, 1), got {self.generate_share!r}")
+
+
+@dataclass
+class ReplyRow:
+    """One reply of the target as the heads train on it: the positions from the last prompt token
+    to the reply's end, then one more position for the target's greedy choice after the reply."""
+
+    tokens: torch.Tensor   # [R + 2] long: last prompt token, the R reply tokens, the greedy token after them
+    hidden: torch.Tensor   # [R + 2, E] bfloat16: the target's last hidden state at each (zero at the appended one)
+    targets: torch.Tensor  # [R + 2] long: the target's greedy token at each position given the text before it;
+    #                        IGNORE at the prompt's last token (a prompt position)
+    prompt: int = 0        # which prompt it replies to (a prompt's sampled repeats share it)
+
+
+def reply_row(tokens: list[int], prompt_len: int, hidden: torch.Tensor, labels: torch.Tensor,
+              prompt: int = 0) -> ReplyRow:
+    """The `ReplyRow` of a sequence of ``prompt_len`` prompt tokens then a reply. hidden [L, E] and
+    labels [L] as `specops.train.self_distill.teacher_forced` gives them: the state at every
+    position and the target's greedy choice after it. With `heads_loss`'s shift, head k (1-based)
+    at row position t learns ``targets[t + k + 1]``: the target's greedy token k + 1 positions on."""
+    n = len(tokens)
+    if not 1 <= prompt_len < n or hidden.shape[0] != n or labels.shape[0] != n:
+        raise ValueError(f"need 1 <= prompt_len < len(tokens) and a state and label per token, got prompt_len "
+                         f"{prompt_len}, {n} tokens, hidden {tuple(hidden.shape)}, labels {tuple(labels.shape)}")
+    start = prompt_len - 1
+    labels = labels.long()
+    return ReplyRow(
+        tokens=torch.cat([torch.tensor(tokens[start:], dtype=torch.long), labels[-1:]]),
+        hidden=torch.cat([hidden[start:], hidden.new_zeros(1, hidden.shape[1])]),
+        targets=torch.cat([torch.tensor([IGNORE], dtype=torch.long), labels[start:]]),
+        prompt=prompt,
+    )
+
+
+def row_batch(rows: list[ReplyRow], seq_len: int, rng=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hidden [B, T, E] float32, targets [B, T], tokens [B, T]) for `heads_loss`: a window of at most
+    ``seq_len`` positions of each row (at a random start with ``rng``, else the first), padded with
+    IGNORE targets to the longest."""
+    spans = []
+    for r in rows:
+        n = r.tokens.numel()
+        width = min(seq_len, n)
+        start = rng.randrange(0, n - width + 1) if rng is not None else 0
+        spans.append((start, width))
+    t = max(w for _, w in spans)
+    b, e = len(rows), rows[0].hidden.shape[1]
+    hidden = torch.zeros(b, t, e)
+    targets = torch.full((b, t), IGNORE, dtype=torch.long)
+    tokens = torch.zeros(b, t, dtype=torch.long)
+    for i, (r, (start, width)) in enumerate(zip(rows, spans)):
+        hidden[i, :width] = r.hidden[start : start + width].float()
+        targets[i, :width] = r.targets[start : start + width]
+        tokens[i, :width] = r.tokens[start : start + width]
+    return hidden, targets, tokens
+
+
+def evaluate_rows(heads: MedusaHeads, rows: list[ReplyRow], cfg: HeadsTrainConfig) -> HeadsReport:
+    """Held-out per-rank accuracy of each head against the target's greedy tokens on reply rows."""
+    heads.eval()
+    counts = torch.zeros(heads.num_heads, cfg.eval_rank_k + 1, dtype=torch.long)
+    longest = max((r.tokens.numel() for r in rows), default=1)
+    for i in range(0, len(rows), cfg.batch_size):
+        hidden, targets, tokens = row_batch(rows[i : i + cfg.batch_size], longest)
+        counts += rank_counts(heads, hidden, tokens, cfg.eval_rank_k, targets=targets)
+    report = HeadsReport(steps=0, wall_s=0.0)
+    report.rank_accuracy, report.greedy_top1, report.greedy_top5 = _accuracies(counts)
+    return report
+
+
+def collect_replies(decoder, prompts: list[list[int]], data: ChatData, *, eos: int | None, budget_s: float,
+                    positions: int | None, temperature: float, seed: int, desc: str, size: int | None = None,
+                    progress: bool = True) -> list[ReplyRow]:
+    """The target's replies to ``prompts`` (token ids, each cut to its last ``data.max_prompt_tokens``)
+    as `ReplyRow`s, until ``positions`` reply positions (None: no goal) or ``budget_s`` seconds; with
+    ``size``, one wave over that many prompts (the first pass: greedy). The serving engine
+    writes them ``data.max_batch`` at a time (`specops.train.self_distill.ReplyWriter`: greedy first,
+    then the prompts repeat sampled at ``temperature``), a wave of ``size`` prompts (default 4
+    batches) at a time, each wave given at most `specops.train.eagle.WAVE_SHARE` of the time left
+    so the teacher-forced forwards over what it wrote fit in the rest."""
+    from specops.train.eagle import WAVE_SHARE
+    from specops.train.self_distill import ReplyWriter, teacher_forced
+
+    start = time.perf_counter()
+    writer = ReplyWriter(decoder, [ids[-data.max_prompt_tokens:] for ids in prompts], new_tokens=data.new_tokens,
+                         temperature=temperature, max_batch=data.max_batch, seed=seed, eos=eos)
+    rows: list[ReplyRow] = []
+    total = 0
+    bar = tqdm(total=positions, desc=desc, unit="pos", disable=not progress, dynamic_ncols=True)
+    while positions is None or total < positions:
+        left = budget_s - (time.perf_counter() - start)
+        if left <= 0:
+            break
+        wave = writer.wave(budget_s=WAVE_SHARE * left, token_goal=None if positions is None else positions - total,
+                           size=size)
+        if not wave:
+            break
+        for r in wave:
+            prompt_len = len(writer.prompts[r.prompt])
+            hidden, labels = teacher_forced(decoder.target, r.tokens)
+            rows.append(reply_row(r.tokens, prompt_len, hidden, labels, r.prompt))
+            total += len(r.tokens) - prompt_len
+            bar.update(len(r.tokens) - prompt_len)
+        if size is not None:  # one wave over the given prompts
+            break
+    bar.close()
+    logger.info("collected %d reply positions in %d replies (%.0f s)", total, len(rows), time.perf_counter() - start)
+    return rows
+
+
+def medusa_decode_report(model, heads: MedusaHeads, prompts: list[list[int]], *, new_tokens: int,
+                         eos: int | None) -> dict:
+    """Greedy method medusa on ``prompts`` (the heads' measured tree): tokens per target forward
+    and whether every output equals plain decoding's."""
+    from specops.decoder import Decoder
+
+    dec = Decoder(model, medusa=heads)
+    forwards = new = exact = 0
+    for ids in prompts:
+        m = dec.generate(ids, method="medusa", max_new_tokens=new_tokens, eos_token_id=eos)
+        a = dec.generate(ids, method="ar", max_new_tokens=new_tokens, eos_token_id=eos)
+        exact += int(m.tokens == a.tokens)
+        forwards += m.stats.target_forwards - (1 if len(ids) > 1 else 0)  # decode forwards (not the prompt pass)
+        new += len(m.tokens)
+    return {"prompts": len(prompts), "new_tokens": new, "tokens_per_target_forward": round(new / max(1, forwards), 3),
+            "exact_prompts": f"{exact}/{len(prompts)}"}
+
+
+def plot_losses(losses: list[float], path: Path) -> Path:
+    """The training loss by step (and its running mean) as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    steps = range(1, len(losses) + 1)
+    ax.plot(steps, losses, lw=0.8, alpha=0.5, label="step")
+    if len(losses) >= 20:
+        k = max(5, len(losses) // 50)
+        ax.plot(steps, [sum(losses[max(0, i - k + 1) : i + 1]) / min(k, i + 1) for i in range(len(losses))],
+                lw=1.5, label=f"mean of {k}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (weighted sum over heads)")
+    ax.set_title("Medusa heads training loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+HELDOUT_SHARE = 0.1  # of the collection budget, at most: the target's greedy replies to the held-out prompts
+
+
+def run_chat_heads_job(job: HeadsJob, cfg: HeadsTrainConfig, data: ChatData) -> dict:
+    """Chat mode: write the target's replies, train and save heads on them, report; the report as a dict.
+
+    Within ``data.minutes``: the target writes user messages of its own (at most
+    `specops.train.eagle.SELF_PROMPT_SHARE` of the collection budget), its greedy replies to the
+    held-out prompts (at most `HELDOUT_SHARE`), then its replies to the training prompts (greedy,
+    then sampled) until ``data.positions`` or the collection budget (``data.generate_share``);
+    training takes what is left but a reserve for the held-out report (per-rank accuracy on the
+    held-out replies, greedy medusa decoding of ``data.eval_prompts`` held-out prompts).
+    """
+    from specops.bench.chat_suite import has_chat_template, render_messages
+    from specops.decoder import Decoder
+    from specops.train.checkpoint import load_causal_lm
+    from specops.train.eagle import SAMPLE_TEMPERATURE, SELF_PROMPT_SHARE, prompt_texts
+    from specops.train.self_distill import self_prompts
+
+    cfg.validate()
+    data.validate()
+    start = time.perf_counter()
+    budget = data.minutes * 60.0
+    torch.set_num_threads(job.threads)
+    torch.manual_seed(cfg.seed)
+    tokenizer = _find_tokenizer(job.model, job.tokenizer)
+    if not has_chat_template(tokenizer):
+        raise ValueError(f"the tokenizer of {job.model} has no chat template: chat mode trains on chat replies "
+                         "(train on text with --data or --stdlib instead)")
+    base = load_causal_lm(job.model)
+    freeze(base)
+    eos = base.config.eos_token_id if isinstance(base.config.eos_token_id, int) else tokenizer.eos_token_id
+    train_text, heldout_text = prompt_texts(tokenizer, seed=cfg.seed)
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    train_ids, heldout_ids = [encode(t) for t in train_text], [encode(t) for t in heldout_text]
+    decoder = Decoder(base, tokenizer=tokenizer)
+    collect_budget = budget * data.generate_share
+    written: list[str] = []
+    if data.self_prompts:
+        written = self_prompts(decoder, tokenizer, data.self_prompts, seed=cfg.seed,
+                               budget_s=SELF_PROMPT_SHARE * collect_budget, max_batch=data.max_batch,
+                               progress=cfg.progress)
+        train_ids += [encode(render_messages([("user", text)], tokenizer)) for text in written]
+        random.Random(cfg.seed).shuffle(train_ids)
+    held = collect_replies(decoder, heldout_ids, data, eos=eos, budget_s=HELDOUT_SHARE * collect_budget,
+                           positions=None, temperature=SAMPLE_TEMPERATURE, seed=cfg.seed,
+                           desc="medusa: held-out replies", size=len(heldout_ids), progress=cfg.progress)
+    rows = collect_replies(decoder, train_ids, data, eos=eos,
+                           budget_s=collect_budget - (time.perf_counter() - start), positions=data.positions,
+                           temperature=SAMPLE_TEMPERATURE, seed=cfg.seed, desc="medusa: target replies",
+                           progress=cfg.progress)
+    generate_s = time.perf_counter() - start
+    del decoder  # its runner's copy of the weights; the report decodes with its own
+    if not rows or not held:
+        raise ValueError(f"the budget allowed {len(rows)} training and {len(held)} held-out replies: "
+                         "give more --minutes")
+    heads = MedusaHeads.from_model(base, num_heads=cfg.num_heads, num_layers=cfg.num_layers,
+                                   shared_lm_head=cfg.shared_lm_head, root_input=cfg.root_input)
+    if cfg.shortlist > heads.config.vocab_size:
+        raise ValueError(f"--shortlist {cfg.shortlist} exceeds the vocabulary ({heads.config.vocab_size} tokens)")
+    if job.init_heads is not None:
+        continue_heads(heads, MedusaHeads.from_pretrained(job.init_heads, base=base, dtype=torch.float32))
+    heads.config = dataclasses.replace(heads.config, base_model=job.model_name or str(job.model))
+    rng = random.Random(cfg.seed)
+    eval_reserve = min(0.15 * budget, 20.0 + 0.1 * budget)
+    train_budget = max(1.0, budget - (time.perf_counter() - start) - eval_reserve)
+    report = HeadsReport(steps=0, wall_s=0.0)
+    report.losses = fit_heads(heads, lambda: row_batch(rng.choices(rows, k=cfg.batch_size), cfg.seq_len, rng), cfg,
+                              budget_s=train_budget)
+    report.steps = len(report.losses)
+    train_s = time.perf_counter() - start - generate_s
+    answers = torch.cat([r.targets[r.targets != IGNORE] for r in rows])  # [N] the target's reply tokens
+    finish_heads(heads, evaluate_rows(heads, held, cfg), report, answers, cfg)
+    prompts = [ids[-data.max_prompt_tokens:] for ids in heldout_ids if len(ids) >= 2][: data.eval_prompts]
+    decode = medusa_decode_report(base, heads, prompts, new_tokens=data.eval_new_tokens, eos=eos) if prompts else {}
+    heads.save_pretrained(job.out_dir)
+    report.wall_s = time.perf_counter() - start
+    result = {"out": str(job.out_dir), "model": job.model_name or str(job.model), "mode": "chat",
+              "heads": cfg.num_heads, "layers": cfg.num_layers, "shared_lm_head": cfg.shared_lm_head,
+              "root_input": cfg.root_input, "shortlist": cfg.shortlist,
+              "self_prompts": len(written), "replies": len(rows), "reply_positions": int(answers.numel()),
+              "heldout_replies": len(held), "heldout_positions": sum(int((r.targets != IGNORE).sum()) for r in held),
+              "generate_s": round(generate_s, 1), "train_s": round(train_s, 1), **report.to_dict(),
+              "heldout_decode": decode,
+              "artifact_bytes": sum((job.out_dir / name).stat().st_size for name in (CONFIG_NAME, WEIGHTS_NAME))}
+    result.pop("text_top1"), result.pop("text_top5")
+    (job.out_dir / "train_report.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot_losses(report.losses, job.out_dir / "loss.png")
+    logger.info("heads trained: %s", result)
     return result
