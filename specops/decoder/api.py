@@ -138,7 +138,7 @@ def _run_auto(dec: Decoder, req: DecodeRequest) -> tuple[list[int], DecodeStats]
 
     store, options = _corpus(dec, req)
     return generate_auto(dec.target, req.prompt_ids, draft=dec.draft, heads=dec.medusa, estimates=dec.auto_estimates,
-                         **req.loop_args(), store=store, **options)
+                         **req.loop_args(), store=store, eagle=dec.eagle, **options)
 
 
 EAGLE_TRAIN_COMMAND = "specops train eagle --model NAME"
@@ -517,7 +517,7 @@ class Decoder:
 
         ``prompt_ids``: list of ints or a 1-D LongTensor (or text, with a tokenizer).
         ``method``: "ar" | "draft" | "ngram" | "medusa" | "auto" (per step, whichever of
-        plain / ngram / draft / medusa the running estimates say pays most; lossless) | "eagle"
+        plain / ngram / draft / medusa / eagle the running estimates say pays most; lossless) | "eagle"
         (an EAGLE feature drafter, `specops.decoder.eagle`; ``eagle_tree=(depth, topk, tree_size)``:
         greedy requests draft EAGLE-2's dynamic tree of that shape instead of a γ chain, exact as
         the chain; sampled ones keep the chain, `specops.decoder.eagle_tree`). ``gamma`` and ``schedule``

@@ -8,7 +8,12 @@ holds all of it but the pending token). The options are
 * ``ngram``  — the prompt-lookup proposal (only when the context offers a match);
 * ``draft``  — γ tokens from the draft model (it first feeds the tokens it has not seen);
 * ``medusa`` — the Medusa heads' tree on the target's last hidden state (greedy one-call
-  steps with `medusa_decode`'s prompt-lookup branch merged into it).
+  steps with `medusa_decode`'s prompt-lookup branch merged into it);
+* ``eagle``  — γ tokens from the EAGLE drafter (`eagle.EagleProposer`). The verifier keeps the
+  target's hidden states of every settled position, and the drafter keeps those of the steps
+  other options ran and reads them in one forward when it next drafts. Medusa's steps then
+  verify through the target's tree forward, not its one-call C loop, which returns no
+  hidden states but the last.
 
 For each option the request keeps an exponentially weighted mean of the tokens a step
 emitted and of the seconds it took (measured here, so machine load, model size and
@@ -29,6 +34,7 @@ sampled request is not reproducible token for token (its distribution is).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
@@ -40,13 +46,14 @@ import torch
 from specops.decoder.chooser import ChoiceClock, ProbeRule, choose
 from specops.decoder.clock import cost_clock, device_clock
 from specops.decoder.draft import CATCHUP_FREE, DraftModelProposer, check_vocab
+from specops.decoder.eagle import EagleProposer
 from specops.decoder.errors import InvalidRequestError
 from specops.decoder.medusa_branch import LOOKUP_BRANCH
 from specops.decoder.medusa_decode import MedusaProposer, MedusaState, c_steps
 from specops.decoder.medusa_heads import HeadsLike
 from specops.decoder.ngram import NgramIndex, NgramProposer
 from specops.decoder.ngram_store import NgramStore
-from specops.decoder.runner import ModelRunner
+from specops.decoder.runner import ModelRunner, returns_layers
 from specops.decoder.sampling import SamplingConfig
 from specops.decoder.schedule import ConstantSchedule, GammaSchedule, expected_tokens
 from specops.decoder.request import prompt_list
@@ -57,7 +64,7 @@ from specops.decoder.tree_size import VerifyCostCurve, heads_overhead_s, plan_tr
 
 log = logging.getLogger(__name__)
 
-OPTIONS = ("plain", "ngram", "draft", "medusa")
+OPTIONS = ("plain", "ngram", "draft", "medusa", "eagle")
 STEP_WEIGHT = 0.2  # weight of the newest step in a request's running acceptance
 PROBE_EVERY = 24  # steps between tries of an option as good as the best; worse ones wait longer
 PROBE_BUDGET = 0.005  # time probes of one worse option may cost, as a share of the best option's
@@ -191,6 +198,7 @@ class Costs:
     draft_token_s: float  # one draft-model token, drafted as decoding drafts (`draft_token_s`)
     heads_s: float  # one Medusa proposal
     tree_nodes: int  # N of the Medusa tree
+    eagle_token_s: float = 0.0  # one EAGLE drafter forward (`eagle_token_s`)
     _memo: dict[tuple[str, int], float] = field(default_factory=dict, compare=False, repr=False)
 
     def seconds(self, option: str, drafted: int) -> float:
@@ -199,6 +207,8 @@ class Costs:
         if got is None:
             if option == "draft":
                 got = self.verify.at(drafted + 1) + drafted * self.draft_token_s
+            elif option == "eagle":  # γ - 1 chain forwards and the read of the step's accepted features
+                got = self.verify.at(drafted + 1) + drafted * self.eagle_token_s
             elif option == "medusa":
                 got = self.verify.at(self.tree_nodes) + self.heads_s
             else:
@@ -310,6 +320,36 @@ def draft_token_cost(draft: ModelRunner) -> tuple[float, str]:
     return cached
 
 
+_EAGLE_COSTS: "weakref.WeakKeyDictionary[object, float]" = weakref.WeakKeyDictionary()
+
+
+def eagle_token_s(drafter) -> float:
+    """Seconds of one EAGLE drafter forward of one entry after a short prefix, with its LM head
+    (fastest of COST_REPEATS): a drafted token, or the read of a step's accepted features.
+    Measured once per drafter, on a cache of its own."""
+    from specops.decoder.eagle import torch_single_thread
+
+    cached = _EAGLE_COSTS.get(drafter)
+    if cached is None:
+        device = drafter.fc.weight.device
+        width = drafter.fc.weight.shape[1] - drafter.config.hidden_size  # features per entry (E, or k*E)
+        cache = drafter.new_cache(32)
+        tokens = torch.zeros(16, dtype=torch.long, device=device)
+        features = torch.zeros(16, width, dtype=drafter.fc.weight.dtype, device=device)
+        clock = cost_clock(device)
+        samples = []
+        with torch.inference_mode(), torch_single_thread() if device.type == "cpu" else contextlib.nullcontext():
+            drafter.step(tokens, features, cache)
+            for _ in range(COST_REPEATS + 1):
+                t0 = clock()
+                out = drafter.step(tokens[:1], features[:1], cache)
+                int(torch.argmax(drafter.logits(out[-1])))
+                samples.append(clock() - t0)
+                cache.truncate(16)
+        cached = _EAGLE_COSTS[drafter] = min(samples[1:])
+    return cached
+
+
 def generate_auto(
     target: ModelRunner,
     prompt_ids: torch.Tensor,  # [B, T] long, B == 1
@@ -326,13 +366,15 @@ def generate_auto(
     max_ngram: int = 3,
     min_ngram: int = 1,
     store: NgramStore | None = None,
+    eagle=None,
 ) -> tuple[list[int], DecodeStats]:
     """Decode with the per-step choice of drafter; returns ``(tokens, DecodeStats)``.
 
-    ``draft`` / ``heads``: the components available (None: that option is off). γ for the
-    draft model and the n-gram lookup comes from ``schedule`` (default 4; it learns from the
-    draft model's steps); the Medusa
-    tree is `tree_size.plan_tree`'s. ``stats.auto_steps`` counts the steps per option.
+    ``draft`` / ``heads`` / ``eagle`` (an EAGLE drafter bound to the target): the components
+    available (None: that option is off; an EAGLE-3 drafter whose layers the target runner does
+    not return is left out). γ for the draft model, the EAGLE drafter and the n-gram lookup comes
+    from ``schedule`` (default 4; it learns from the draft model's steps); the Medusa tree is
+    `tree_size.plan_tree`'s. ``stats.auto_steps`` counts the steps per option.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -349,8 +391,13 @@ def generate_auto(
         medusa = MedusaState(target, heads, plan_tree(target, heads, heads.num_heads), heads.num_heads)
         heads_s = heads_overhead_s(heads, target, heads.num_heads)
         stats.heads = heads.num_heads
+    if eagle is not None and eagle.feature_layers is not None and not returns_layers(target):
+        log.info("auto leaves the EAGLE-3 drafter out: %s does not return the hidden layers it reads",
+                 type(target).__name__)
+        eagle = None
     costs = Costs(verify=verify_cost_curve(target), draft_token_s=0.0 if draft is None else draft_token_s(draft),
-                  heads_s=heads_s, tree_nodes=1 if medusa is None else medusa.spec.num_nodes)
+                  heads_s=heads_s, tree_nodes=1 if medusa is None else medusa.spec.num_nodes,
+                  eagle_token_s=0.0 if eagle is None else eagle_token_s(eagle))
     v = TargetVerifier(
         target,
         prompt,
@@ -361,6 +408,7 @@ def generate_auto(
         stats=stats,
         deadline_s=deadline_s,
         keep_hidden=medusa is not None,
+        keep_features=False if eagle is None else (True if eagle.feature_layers is None else eagle.feature_layers),
     )
     v.prefill()
     request = estimates.start(sampling.greedy)
@@ -377,9 +425,13 @@ def generate_auto(
     if medusa is not None:
         # greedy Medusa steps in one C call where the runner has them (`FastLlamaRunner.medusa_loop`); the
         # prompt-lookup branch reads the n-gram proposer's index
-        medusa_c = c_steps(target, heads, medusa.num_heads, medusa.spec, None, LOOKUP_BRANCH) if sampling.greedy \
-            else None
+        # (not beside an EAGLE drafter, which reads every step's hidden states: the C loop keeps the last only)
+        medusa_c = c_steps(target, heads, medusa.num_heads, medusa.spec, None, LOOKUP_BRANCH) \
+            if sampling.greedy and eagle is None else None
         heads_p = proposers["medusa"] = MedusaProposer(medusa, sampling, steps=medusa_c, index=index)
+    eagle_p = None
+    if eagle is not None:
+        eagle_p = proposers["eagle"] = EagleProposer(eagle, sampling, generator, target.vocab_size, v.device)
     for proposer in proposers.values():
         proposer.start(v)
 
@@ -399,6 +451,9 @@ def generate_auto(
             chooser.switch_s["draft"] = max(lag, 0) * catchup.token_s / steps_left
         if medusa is not None and room and v.has_hidden:
             available["medusa"] = min(room, medusa.spec.depth)
+        eagle_gamma = 0 if eagle_p is None or not eagle_p.ready else min(gamma, eagle_p.room(v))
+        if eagle_gamma:
+            available["eagle"] = eagle_gamma
         option = chooser.choose(available) if len(available) > 1 else "plain"
         t_step = device_clock(v.device)
         if option in proposers:

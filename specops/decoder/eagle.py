@@ -108,9 +108,13 @@ def draft_chain(drafter: EagleDrafter, last: Tensor, gamma: int, sampling: Sampl
 
 class EagleProposer:
     """The EAGLE drafter as a `step.Proposer`. It reads the prompt's hidden states after the
-    target's prefill (the verifier keeps them: ``keep_features``), drafts a chain from its
-    prediction of the pending token's feature (`draft_chain`), and after verification cuts its
-    cache back to the real entries and feeds the accepted positions with their real features."""
+    target's prefill (the verifier keeps them: ``keep_features``) and drafts a chain from its
+    prediction of the pending token's feature (`draft_chain`). After each verified step it
+    drops its drafted entries and keeps the accepted positions' real features; it reads them
+    (one drafter forward over every kept position) when it next drafts, so under ``auto`` the
+    steps other proposers ran cost it nothing until it drafts again. It falls out of step for
+    the rest of the request when a step leaves no features to read (a one-call step that does
+    not return them)."""
 
     method = "eagle"
 
@@ -123,16 +127,20 @@ class EagleProposer:
         self.sample_device = sample_device
         self.device = drafter.fc.weight.device
         self.last: Tensor | None = None  # the drafter's prediction of the pending token's feature [E]
-        self.synced = False  # the drafter holds every real entry it can
+        self.synced = False  # the drafter holds, or has waiting, every real entry
+        self.fed = 0  # real entries in the drafter's cache (drafted entries past them are dropped at `sync`)
+        self.waiting: list[tuple[list[int], Tensor]] = []  # (tokens, features) of real entries not read yet
 
     def start(self, v: TargetVerifier) -> None:
         drafter, features, prompt = self.drafter, v.features, v.tokens
         drafter.reset()
+        self.last, self.fed, self.waiting = None, 0, []
         if features is not None and draft_room(drafter.max_context, len(prompt)):
             t0 = device_clock(self.device)
             with self.threads():
                 self.last = drafter.step(torch.tensor(prompt[1:], device=self.device), features.to(self.device))[-1]
             dt = device_clock(self.device) - t0
+            self.fed = len(prompt) - 1
             v.stats.draft_forwards += 1
             v.stats.draft_s += dt
             v.stats.prefill_s += dt
@@ -141,12 +149,33 @@ class EagleProposer:
     def room(self, v: TargetVerifier) -> int:
         return draft_room(self.drafter.max_context, len(v.tokens))
 
+    @property
+    def ready(self) -> bool:
+        """Whether it can draft at the next step (in step, with a prediction made or features waiting)."""
+        return self.synced and (self.last is not None or bool(self.waiting))
+
+    def catch_up(self, v: TargetVerifier) -> bool:
+        """Read the waiting real entries (one drafter forward); whether the drafter can draft now."""
+        if not self.synced:
+            return False
+        if self.waiting:
+            tokens = [t for chunk, _ in self.waiting for t in chunk]
+            features = torch.cat([f for _, f in self.waiting]).to(self.device)
+            with self.threads():
+                self.drafter.truncate(self.fed)
+                self.last = self.drafter.step(torch.tensor(tokens, device=self.device), features)[-1]
+            self.fed += len(tokens)
+            self.waiting = []
+            v.stats.draft_forwards += 1
+        return self.last is not None
+
     def propose(self, v: TargetVerifier, gamma: int, limit: int) -> tuple[list[int], Tensor | None]:
-        if not self.synced or self.last is None:
+        if not self.catch_up(v):
             return [], None
         gamma = min(gamma, limit)
         v.stats.draft_forwards += gamma - 1
         with self.threads():
+            self.drafter.truncate(self.fed)
             return draft_chain(self.drafter, self.last, gamma, self.sampling, self.generator, self.vocab,
                                self.sample_device)
 
@@ -155,21 +184,21 @@ class EagleProposer:
         return torch_single_thread() if self.device.type == "cpu" else contextlib.nullcontext()
 
     def sync(self, v: TargetVerifier, result: StepResult) -> float:
+        """Keep the step's accepted positions (tokens and real features) for the next `catch_up`."""
         if v.done or not self.synced:
             return 0.0
-        drafter = self.drafter
-        if v.stats.fallback_reason == "deadline" or len(v.tokens) - 1 > drafter.max_context:
-            self.synced = False  # no drafting from here on: stop feeding the drafter
+        if v.stats.fallback_reason == "deadline" or len(v.tokens) - 1 > self.drafter.max_context:
+            self.synced = False  # no drafting from here on: stop keeping features
+            self.waiting = []
             return 0.0
-        # drop the drafted entries, feed the accepted positions with their real features
-        real = len(v.tokens) - len(result.emitted) - 1
-        t0 = device_clock(self.device)
-        drafter.truncate(real)
-        new = torch.tensor(v.tokens[real + 1 :], device=self.device)  # d_1 .. d_n, next token
-        with self.threads():
-            self.last = drafter.step(new, v.features.to(self.device))[-1]
-        v.stats.draft_forwards += 1
-        return device_clock(self.device) - t0
+        real = len(v.tokens) - len(result.emitted) - 1  # real entries before this step
+        if not v.features_fresh or v.features.shape[0] != len(result.emitted) or self.fed + sum(
+                len(chunk) for chunk, _ in self.waiting) != real:
+            self.synced = False  # the step left no features of its positions: the drafter cannot follow
+            self.waiting = []
+            return 0.0
+        self.waiting.append((v.tokens[real + 1 :], v.features))  # d_1 .. d_n, next token; their features
+        return 0.0
 
 
 def generate_eagle(

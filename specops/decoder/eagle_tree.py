@@ -200,8 +200,9 @@ class EagleTreeProposer(EagleProposer):
     def propose_tree(self, v: TargetVerifier, depth: int) -> DraftTree | None:
         """A tree at most ``depth`` deep and as wide as the target's context allows; None when the
         drafter is not in step with the sequence."""
-        if not self.synced or self.last is None:
+        if not self.catch_up(v):
             return None
+        self.drafter.truncate(self.fed)
         room = v.target.max_context - v.target.cache_len
         size = min(self.shape.tree_size, room)
         with self.threads():

@@ -142,7 +142,8 @@ class TargetVerifier:
         self.typical = typical
         self.feature_layers = None if isinstance(keep_features, bool) else tuple(keep_features)
         self.keep_features = bool(keep_features)
-        self.features: torch.Tensor | None = None  # [n, E | k*E] (keep_features): the last forward's settled positions
+        self._feature_rows: torch.Tensor | None = None  # [n, E | k*E] (keep_features): the last forward's settled positions
+        self._features_at = -1  # the target forward (its count in stats before it) that set them
         self._hidden: torch.Tensor | None = None  # [E] target hidden state at the last cached position (keep_hidden)
         self._hidden_source: Callable[[], torch.Tensor] | None = None  # reads it on demand (`hidden_from`)
         # greedy blocks verified in one C call where the runner has it (`FastLlamaRunner.block_verifier`)
@@ -150,6 +151,23 @@ class TargetVerifier:
         self.block = make() if make is not None else None
 
     # -- state -----------------------------------------------------------------------
+    @property
+    def features(self) -> torch.Tensor | None:
+        """The hidden states (``keep_features``) of the positions the last forward that kept them
+        settled: the prompt but its last token after the prefill, then per step the pending token
+        and the accepted drafts (a tree: its root and accepted path)."""
+        return self._feature_rows
+
+    @features.setter
+    def features(self, value: torch.Tensor | None) -> None:
+        self._feature_rows, self._features_at = value, self.stats.target_forwards
+
+    @property
+    def features_fresh(self) -> bool:
+        """Whether `features` come from the latest target forward (a one-call step that commits
+        without them leaves the previous step's in place)."""
+        return self._feature_rows is not None and self._features_at == self.stats.target_forwards - 1
+
     @property
     def hidden(self) -> torch.Tensor | None:
         """[E] the target's hidden state at the last cached position (``keep_hidden``), read from

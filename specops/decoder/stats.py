@@ -80,7 +80,7 @@ class DecodeStats:
     plain_token_s: float | None = None
     """Measured seconds of one single-token target forward, used for the speed-up estimate."""
     auto_steps: dict[str, int] = field(default_factory=dict)
-    """``auto``: steps run per option (plain, ngram, draft, medusa); empty for other methods."""
+    """``auto``: steps run per option (plain, ngram, draft, medusa, eagle); empty for other methods."""
     store_drafts: int = 0
     """``ngram``: steps whose draft came from the corpus n-gram store (`specops.decoder.ngram_store`)."""
     decode_step_s: float = 0.0

@@ -289,3 +289,84 @@ def test_the_draft_catch_up_is_measured_per_token_and_kept_across_requests(bundl
         assert kept.token_s > 0 and kept.token_s != draft_token_s(bundled.draft)
     finally:
         bundled.auto_estimates = previous
+
+
+@pytest.fixture(scope="module")
+def bundled_eagle(bundled):
+    """The bundled decoder with a (random) EAGLE drafter bound to its target."""
+    from specops.decoder.eagle_model import EagleDrafter
+
+    drafter = EagleDrafter.for_target(bundled.target.model, seed=4).eval()
+    return Decoder(bundled.target.model, draft=bundled.draft, medusa=bundled.medusa, eagle=drafter,
+                   tokenizer=bundled.tokenizer)
+
+
+def test_auto_with_an_eagle_drafter_is_exact_and_runs_it_between_the_others(bundled_eagle, monkeypatch):
+    from specops.decoder import auto
+
+    rng = random.Random(5)
+
+    def mixed(self, available):  # every option in turn, so the drafter catches up after each of the others
+        self.step += 1
+        return rng.choice(sorted(available))
+
+    monkeypatch.setattr(auto.Chooser, "choose", mixed)
+    used: dict[str, int] = {}
+    for i, prompt in enumerate(code_prompts(bundled_eagle, 4) + [[7], [3, 9]]):
+        ar = bundled_eagle.generate(prompt, method="ar", max_new_tokens=30)
+        out = bundled_eagle.generate(prompt, method="auto", max_new_tokens=30)
+        assert out.tokens == ar.tokens, f"prompt {i}"
+        for name, n in out.stats.auto_steps.items():
+            used[name] = used.get(name, 0) + n
+    assert used.get("eagle", 0) > 10 and {"ngram", "draft", "medusa", "plain"} <= set(used), used
+
+
+def _teacher_forced_prediction(target, drafter, tokens):
+    """The drafter's prediction of the pending token's feature from every real entry, fed at once."""
+    target.reset(1)
+    with torch.inference_mode():
+        features = target.forward(torch.tensor([tokens[:-1]]), need_hidden=True).hidden[0]
+        cache = drafter.new_cache(len(tokens) + 8)
+        return drafter.step(torch.tensor(tokens[1:]), features, cache)[-1]
+
+
+def test_the_eagle_drafter_reads_the_features_of_steps_other_options_ran(bundled_eagle):
+    """After plain, n-gram and its own steps, one catch-up leaves the drafter where a drafter fed
+    the whole sequence's real features is; a step that commits without features puts it out of step."""
+    from specops.decoder.eagle import EagleProposer
+    from specops.decoder.ngram import NgramIndex, NgramProposer
+    from specops.decoder.sampling import SamplingConfig, make_generator
+    from specops.decoder.speculation import TargetVerifier
+    from specops.decoder.stats import DecodeStats
+    from specops.decoder.step import step
+
+    target, drafter = bundled_eagle.target, bundled_eagle.eagle
+    prompt = code_prompts(bundled_eagle, 1)[0]
+    with torch.inference_mode():
+        v = TargetVerifier(target, prompt, sampling=SamplingConfig(), generator=make_generator(0), max_new_tokens=40,
+                           eos_token_id=None, stats=DecodeStats(method="auto"), keep_features=True)
+        v.prefill()
+        eagle_p, ngram_p = EagleProposer(drafter, v.sampling, v.generator, target.vocab_size, v.device), \
+            NgramProposer(NgramIndex(max_ngram=3))
+        for p in (eagle_p, ngram_p):
+            p.start(v)
+        for option in ("plain", "ngram", "eagle", "plain", "plain", "ngram", "eagle", "ngram", "plain"):
+            if option == "plain":
+                result = v.verify([], None)
+                ran = None
+            else:
+                ran = eagle_p if option == "eagle" else ngram_p
+                result, _ = step(v, ran, 4)
+            for p in (eagle_p, ngram_p):
+                if p is not ran:
+                    p.sync(v, result)
+        assert eagle_p.waiting and eagle_p.catch_up(v)
+        expected = _teacher_forced_prediction(target, drafter, v.tokens)
+        torch.testing.assert_close(eagle_p.last, expected, atol=2e-4, rtol=1e-3)
+        assert drafter.cache_len == len(v.tokens) - 1
+        # a step committed without its features (as a one-call C step commits): the drafter stops drafting
+        v.stats.target_forwards += 1
+        result = v.commit([], int(torch.argmax(target.forward(torch.tensor([[v.tokens[-1]]])).logits[0, -1])),
+                          drafted=0)
+        eagle_p.sync(v, result)
+        assert not eagle_p.synced and not eagle_p.ready

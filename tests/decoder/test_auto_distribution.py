@@ -1,7 +1,7 @@
 """``method="auto"`` at temperature > 0 is distributed exactly as sampling the target alone.
 
-Auto switches drafter from step to step (plain, n-gram, draft model, Medusa tree), so
-a request's output mixes all four verifications on one cache. Each is lossless on its
+Auto switches drafter from step to step (plain, n-gram, draft model, Medusa tree, EAGLE
+drafter), so a request's output mixes all five verifications on one cache. Each is lossless on its
 own; what this tests is that the mix is too: the first three tokens of many seeded
 requests on a 6-token vocabulary are compared with the target's exact (filtered)
 joint distribution, enumerated from the model itself, by Pearson's chi-square at
@@ -32,6 +32,7 @@ import torch
 from specops.decoder import auto, tree_size
 from specops.decoder import draft as draft_module
 from specops.decoder.auto import AutoEstimates, generate_auto
+from specops.decoder.eagle_model import EagleDrafter
 from specops.decoder.fast_llama import FastLlamaRunner
 from specops.decoder.medusa_heads import MedusaHeads
 from specops.decoder.sampling import SamplingConfig, make_generator, probabilities
@@ -90,13 +91,15 @@ def _sample(models, trials: int) -> tuple[dict[tuple[int, ...], int], dict[str, 
     target_model, draft_model = models
     target, draft = FastLlamaRunner(target_model), FastLlamaRunner(draft_model)
     heads = MedusaHeads.from_model(target_model, num_heads=2)
+    eagle = EagleDrafter.for_target(target_model, seed=5).eval()
     estimates = AutoEstimates()
     counts: dict[tuple[int, ...], int] = {}
     steps: dict[str, int] = {}
     accepted = 0
     for i in range(trials):
         out, stats = generate_auto(target, torch.tensor([PROMPT]), draft=draft, heads=heads, sampling=SAMPLING,
-                                   generator=make_generator(i), max_new_tokens=LENGTH, estimates=estimates)
+                                   generator=make_generator(i), max_new_tokens=LENGTH, estimates=estimates,
+                                   eagle=eagle)
         counts[tuple(out)] = counts.get(tuple(out), 0) + 1
         accepted += stats.accepted
         for name, n in stats.auto_steps.items():
@@ -108,7 +111,7 @@ def test_auto_with_random_choices_samples_the_target_distribution(models, monkey
     trials = 1500
     monkeypatch.setattr(auto.Chooser, "choose", _random_choice(seed=7))
     counts, steps, accepted = _sample(models, trials)
-    assert all(steps.get(name, 0) > trials // 4 for name in ("plain", "ngram", "draft", "medusa")), steps
+    assert all(steps.get(name, 0) > trials // 4 for name in ("plain", "ngram", "draft", "medusa", "eagle")), steps
     assert accepted > trials // 3, "drafts must actually be accepted for this test to mean anything"
     assert chi_square(counts, _exact(models[0]), trials) > ALPHA
 
@@ -124,6 +127,7 @@ def pinned_costs(monkeypatch):
         monkeypatch.setattr(module, "verify_cost_curve", lambda target: PINNED_CURVE)
         monkeypatch.setattr(module, "heads_overhead_s", lambda *args, **kwargs: PINNED_HEADS_S)
     monkeypatch.setattr(auto, "draft_token_s", lambda draft: PINNED_DRAFT_TOKEN_S)
+    monkeypatch.setattr(auto, "eagle_token_s", lambda drafter: PINNED_DRAFT_TOKEN_S)
     monkeypatch.setattr(auto, "SCALE_WEIGHT", 0.0)  # nor the measured step times' corrections
 
 
@@ -147,4 +151,22 @@ def test_the_test_rejects_auto_with_a_wrong_draft_distribution(models, monkeypat
     monkeypatch.setattr(auto.Chooser, "choose", _random_choice(seed=7, prefer="draft"))
     counts, steps, _ = _sample(models, trials)
     assert steps.get("draft", 0) >= trials, steps
+    assert chi_square(counts, _exact(models[0]), trials) < ALPHA
+
+
+def test_the_test_rejects_auto_with_a_wrong_eagle_distribution(models, monkeypatch, one_thread):
+    """Power, for the EAGLE option: its drafted tokens verified against a uniform q."""
+    from specops.decoder import eagle as eagle_module
+
+    trials = 1200
+    real_chain = eagle_module.draft_chain
+
+    def wrong_q_chain(*args, **kwargs):
+        drafted, q = real_chain(*args, **kwargs)
+        return drafted, torch.full_like(q, 1.0 / q.shape[-1])  # [1, G, V]
+
+    monkeypatch.setattr(eagle_module, "draft_chain", wrong_q_chain)
+    monkeypatch.setattr(auto.Chooser, "choose", _random_choice(seed=7, prefer="eagle"))
+    counts, steps, _ = _sample(models, trials)
+    assert steps.get("eagle", 0) >= trials, steps
     assert chi_square(counts, _exact(models[0]), trials) < ALPHA
