@@ -87,11 +87,45 @@ def test_reply_rows_train_head_k_on_the_greedy_token_k_plus_one_on_at_reply_posi
     for offset in (-1, 1):
         wrong = heads_loss(GreedyOracle(labels, prompt_len, 3, vocab, offset), batch[0], batch[1], 0.8, batch[2])
         assert float(wrong) > 10.0, offset
+        unscored = torch.zeros_like(batch[1], dtype=torch.bool)  # no position's heads are scored
+        assert float(heads_loss(GreedyOracle(labels, prompt_len, 3, vocab, offset), *batch[:2], 0.8, batch[2],
+                                unscored)) == 0.0
     # every head is scored from the last prompt token on and on reply tokens only: head k on reply - k + 1
     counts = rank_counts(GreedyOracle(labels, prompt_len, 3, vocab), *batch[:1], batch[2], 2, targets=batch[1])
     assert counts[:, 0].tolist() == [reply, reply - 1, reply - 2] and counts[:, 1:].sum() == 0
     with pytest.raises(ValueError, match="prompt_len"):
         reply_row(tokens, len(tokens), hidden, labels)
+
+
+def test_packed_batches_never_score_a_head_on_the_next_rows_tokens():
+    """Rows of different lengths packed into lines: wherever head k at t is scored (t a source with a
+    target at t + k + 2), both positions are the same row's, k + 2 apart, with the row's own
+    states and targets; the padding between rows is no source."""
+    import random
+
+    from specops.train.heads import ReplyRow, packed_batch
+
+    rows = []
+    for i, n in enumerate((3, 5, 9, 14, 30)):
+        ids = torch.arange(n) + 1000 * (i + 1)  # row i, position p -> 1000 (i + 1) + p
+        rows.append(ReplyRow(tokens=ids, hidden=ids[:, None].repeat(1, 2).to(torch.bfloat16),
+                             targets=torch.where(torch.arange(n) == 0, IGNORE, -ids), prompt=i))
+    heads = 3
+    hidden, targets, tokens, sources = packed_batch(rows, 6, 40, heads, random.Random(0))
+    assert hidden.shape == (6, 40, 2) and targets.shape == tokens.shape == sources.shape == (6, 40)
+    assert torch.equal(sources, tokens > 0)
+    scored = 0
+    for line in range(6):
+        for t in range(40):
+            for k in range(heads):
+                j = t + k + 2
+                if j < 40 and sources[line, t] and targets[line, j] != IGNORE:
+                    scored += 1
+                    assert tokens[line, j] - tokens[line, t] == k + 2 and tokens[line, t] // 1000 == tokens[line, j] // 1000
+                    assert targets[line, j] == -tokens[line, j]
+        real = tokens[line] > 0
+        assert torch.equal(hidden[line, real, 0], tokens[line, real].float().to(torch.bfloat16).float())
+    assert scored > 6 * 40  # the lines are mostly rows, not padding
 
 
 def test_greedy_replies_from_the_engine_line_up_with_the_teacher_forced_choices(tmp_path, one_thread):
