@@ -70,9 +70,10 @@ def _flag(name: str) -> str:
 @click.option("--steps", type=click.IntRange(1), default=None,
               help=f"Optimizer steps  [default: {TEXT_STEPS} with --data / --stdlib; with --chat, until the "
                    "budget is spent]")
-@click.option("--batch-size", type=click.IntRange(1), default=8, show_default=True)
+@click.option("--batch-size", type=click.IntRange(1), default=8, show_default=True,
+              help="Training sequences per optimizer step.")
 @click.option("--seq-len", type=click.IntRange(8), default=128, show_default=True,
-              help="Positions per training sequence (--chat: a window of a reply).")
+              help="Positions per training sequence (--chat: replies packed one after another).")
 @click.option("--distill-sequences", type=click.IntRange(1), default=256, show_default=True,
               help="--self-distill: greedy continuations to generate.")
 @click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=1e-3, show_default=True)
