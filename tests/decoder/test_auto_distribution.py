@@ -138,35 +138,22 @@ def test_auto_with_its_own_choices_samples_the_target_distribution(models, pinne
     assert chi_square(counts, _exact(models[0]), trials) > ALPHA
 
 
-def test_the_test_rejects_auto_with_a_wrong_draft_distribution(models, monkeypatch, one_thread):
-    """Power: draft-model tokens verified against a uniform q instead of the q they were drawn from."""
-    trials = 1200
-    real_block = draft_module._draft_block
-
-    def wrong_q_block(*args, **kwargs):
-        drafted, q = real_block(*args, **kwargs)
-        return drafted, torch.full_like(q, 1.0 / q.shape[-1])  # [1, G, V]
-
-    monkeypatch.setattr(draft_module, "_draft_block", wrong_q_block)
-    monkeypatch.setattr(auto.Chooser, "choose", _random_choice(seed=7, prefer="draft"))
-    counts, steps, _ = _sample(models, trials)
-    assert steps.get("draft", 0) >= trials, steps
-    assert chi_square(counts, _exact(models[0]), trials) < ALPHA
-
-
-def test_the_test_rejects_auto_with_a_wrong_eagle_distribution(models, monkeypatch, one_thread):
-    """Power, for the EAGLE option: its drafted tokens verified against a uniform q."""
+@pytest.mark.parametrize("option", ["draft", "eagle"])
+def test_the_test_rejects_auto_with_a_wrong_draft_distribution(models, monkeypatch, one_thread, option):
+    """Power: the draft model's (or the EAGLE drafter's) tokens verified against a uniform q
+    instead of the q they were drawn from."""
     from specops.decoder import eagle as eagle_module
 
     trials = 1200
-    real_chain = eagle_module.draft_chain
+    module, name = (draft_module, "_draft_block") if option == "draft" else (eagle_module, "draft_chain")
+    real = getattr(module, name)
 
-    def wrong_q_chain(*args, **kwargs):
-        drafted, q = real_chain(*args, **kwargs)
+    def wrong_q(*args, **kwargs):
+        drafted, q = real(*args, **kwargs)
         return drafted, torch.full_like(q, 1.0 / q.shape[-1])  # [1, G, V]
 
-    monkeypatch.setattr(eagle_module, "draft_chain", wrong_q_chain)
-    monkeypatch.setattr(auto.Chooser, "choose", _random_choice(seed=7, prefer="eagle"))
+    monkeypatch.setattr(module, name, wrong_q)
+    monkeypatch.setattr(auto.Chooser, "choose", _random_choice(seed=7, prefer=option))
     counts, steps, _ = _sample(models, trials)
-    assert steps.get("eagle", 0) >= trials, steps
+    assert steps.get(option, 0) >= trials, steps
     assert chi_square(counts, _exact(models[0]), trials) < ALPHA
