@@ -625,6 +625,8 @@ def collect_replies(decoder, prompts: list[list[int]], data: ChatData, *, eos: i
     start = time.perf_counter()
     writer = ReplyWriter(decoder, [ids[-data.max_prompt_tokens:] for ids in prompts], new_tokens=data.new_tokens,
                          temperature=temperature, max_batch=data.max_batch, seed=seed, eos=eos)
+    if size is not None:  # one pass: each prompt once (the prompts under 2 tokens the writer skips)
+        size = min(size, len(writer.prompts))
     rows: list[ReplyRow] = []
     total = 0
     bar = tqdm(total=positions, desc=desc, unit="pos", disable=not progress, dynamic_ncols=True)
