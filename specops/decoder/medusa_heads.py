@@ -125,7 +125,8 @@ class MedusaConfig:
     shortlist_size: int = 0
     """0: at inference the heads rank the whole vocabulary. F > 0: only the F tokens of their
     ``shortlist`` buffer (the most frequent in training, FR-Spec style): the shared LM head pass
-    reads F of its V rows. Training always uses the whole vocabulary."""
+    reads F of its V rows. Training on text uses the whole vocabulary; chat-mode training
+    (`specops.train.heads.run_chat_heads_job`) ranks the shortlist only, as decoding does."""
     root_input: bool = False
     """True: the heads also read the root, the token the target chose after ``h`` (known when
     they run): their input is ``h + R e(root)``, with ``e`` the base model's input embedding
@@ -412,6 +413,21 @@ class MedusaHeads(nn.Module):
                 raise MedusaError("these heads share the base model's LM head: bind(target) them first")
             return self._shared(z.to(self._shared.weight.dtype))  # [K, ..., V] one matmul for all heads
         return torch.stack([self.lm_heads[i](z[i]) for i in range(z.shape[0])])
+
+    def logits_over(self, hidden: Tensor, tokens: Tensor, num_heads: int | None = None,
+                    roots: Tensor | None = None) -> Tensor:
+        """Head logits over ``tokens`` [F] (distinct ids) only: hidden [..., E] -> [K, ..., F], with
+        gradients: training over a shortlist reads F rows of the LM head instead of V."""
+        z = self.features(hidden, num_heads, roots)  # [K, ..., E]
+        tokens = tokens.to(z.device)
+        if self.config.shared_lm_head:
+            if self._shared is None:
+                raise MedusaError("these heads share the base model's LM head: bind(target) them first")
+            weight = self._shared.weight[tokens]
+            bias = None if self._shared.bias is None else self._shared.bias[tokens]
+            return F.linear(z.to(weight.dtype), weight, bias)  # one matmul for all heads
+        return torch.stack([F.linear(z[i], lm.weight[tokens], None if lm.bias is None else lm.bias[tokens])
+                            for i, lm in enumerate(self.lm_heads[: z.shape[0]])])
 
     def candidates(self, hidden: Tensor, num_heads: int, top_k: int, roots: Tensor | None = None) -> Tensor:
         """Each head's ``top_k`` best token ids, best first: hidden [..., E] -> [K, ..., top_k] long.

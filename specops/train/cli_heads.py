@@ -15,6 +15,7 @@ from specops.models.cli import MODEL_FOLDER
 TEXT_ONLY = ("heldout_files", "self_distill", "distill_sequences")
 CHAT_ONLY = ("minutes", "tokens", "self_prompts", "max_batch")
 CHAT_MINUTES = 20.0
+CHAT_SHORTLIST = 8192
 TEXT_STEPS = 300
 
 
@@ -52,8 +53,10 @@ def _flag(name: str) -> str:
                    "each head its own copy to train  [default: shared with --chat, own otherwise]")
 @click.option("--root-input", is_flag=True,
               help="Heads also read the root (the target's own next token) through the base embedding.")
-@click.option("--shortlist", type=click.IntRange(0), default=0, show_default=True,
-              help="Heads rank only the N most frequent training tokens when decoding (0: all).")
+@click.option("--shortlist", type=click.IntRange(0), default=None,
+              help="Heads rank only the N most frequent training tokens when decoding (0: all; with --chat they "
+                   f"train ranking them too)  [default: {CHAT_SHORTLIST} with --chat (all for a smaller "
+                   "vocabulary), 0 otherwise]")
 @click.option("--init-heads", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="Continue these heads (same --layers and LM-head sharing; --heads at least theirs, extra heads "
                    "start as copies of their last) instead of starting at identity.")
@@ -119,6 +122,8 @@ def train_heads_command(model_ref, chat, data_files, stdlib, heldout_files, out_
         out_dir = default_dir(model_ref)
     if shared_lm_head is None:
         shared_lm_head = chat
+    if shortlist is None:
+        shortlist = CHAT_SHORTLIST if chat and _vocab_size(model_path) > CHAT_SHORTLIST else 0
     cfg = HeadsTrainConfig(num_heads=num_heads, num_layers=layers, shared_lm_head=shared_lm_head, root_input=root_input,
                            shortlist=shortlist, self_distill=self_distill,
                            steps=steps if steps is not None or chat else TEXT_STEPS, batch_size=batch_size,
@@ -158,6 +163,14 @@ def train_heads_command(model_ref, chat, data_files, stdlib, heldout_files, out_
                    f"exact {decode['exact_prompts']}")
     if chat:
         click.echo(f"wrote {result['out']} ({result['artifact_bytes'] / 2**20:.2f} MiB; loss plot: loss.png)")
+
+
+def _vocab_size(model: Path) -> int:
+    """The model folder's vocabulary size (0 when its config.json does not say)."""
+    try:
+        return int(json.loads((Path(model) / "config.json").read_text()).get("vocab_size") or 0)
+    except (OSError, ValueError, TypeError):
+        return 0
 
 
 def _check_chat_template(model: Path, tokenizer_dir: Path | None) -> None:

@@ -156,27 +156,44 @@ def greedy_continuations(base, prompts: torch.Tensor, new_tokens: int) -> torch.
     return seq
 
 
-def head_logits(heads: MedusaHeads, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+def head_logits(heads: MedusaHeads, hidden: torch.Tensor, tokens: torch.Tensor,
+                vocab: torch.Tensor | None = None) -> torch.Tensor:
     """Every head at every position but the last: [K, B, T-1, V]. hidden: [B, T, E];
-    tokens: [B, T] the sequence (root_input heads read x_{t+1}, the root, at position t)."""
-    if reads_root(heads):
-        return heads(hidden[:, :-1], roots=tokens[:, 1:])
-    return heads(hidden[:, :-1])
+    tokens: [B, T] the sequence (root_input heads read x_{t+1}, the root, at position t).
+    vocab: [F] token ids: the logits over those only, [K, B, T-1, F] (`MedusaHeads.logits_over`)."""
+    roots = {"roots": tokens[:, 1:]} if reads_root(heads) else {}
+    if vocab is not None:
+        return heads.logits_over(hidden[:, :-1], vocab, **roots)
+    return heads(hidden[:, :-1], **roots)
+
+
+def vocab_index(targets: torch.Tensor, vocab: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """``targets`` as indices into ``vocab`` (IGNORE where a target is not in it, or is IGNORE);
+    ``targets`` itself for ``vocab`` None."""
+    if vocab is None:
+        return targets
+    lookup = torch.full((vocab_size,), IGNORE, dtype=torch.long)
+    lookup[vocab] = torch.arange(vocab.numel())
+    return torch.where(targets == IGNORE, IGNORE, lookup[targets.clamp_min(0)])
 
 
 def heads_loss(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tensor, decay: float,
-               tokens: torch.Tensor | None = None, sources: torch.Tensor | None = None) -> torch.Tensor:
+               tokens: torch.Tensor | None = None, sources: torch.Tensor | None = None,
+               vocab: torch.Tensor | None = None) -> torch.Tensor:
     """Weighted sum over heads of the cross-entropy of head k (1-based) at t against token t+k+1.
 
     hidden: [B, T, E]. targets: [B, T] long token ids; IGNORE marks positions that are
     no target (the prompt part of a self-distilled sequence). tokens: [B, T] the sequence
     itself (default ``targets``; needed where targets has IGNOREs and the heads read the root).
     sources: [B, T] bool, the positions whose heads are scored (default: all; False at the
-    padding between packed rows).
+    padding between packed rows). vocab: [F] token ids: the heads rank only these (a
+    shortlist), targets outside it are no target.
     """
     t = hidden.shape[1]
     total = hidden.new_zeros((), dtype=torch.float32)
-    logits = head_logits(heads, hidden, targets if tokens is None else tokens)  # [K, B, T-1, V]
+    logits = head_logits(heads, hidden, targets if tokens is None else tokens, vocab)  # [K, B, T-1, V or F]
+    if vocab is not None:
+        targets = vocab_index(targets, vocab, heads.config.vocab_size)
     for k in range(heads.num_heads):
         shift = k + 2  # head k (0-based) at t predicts x_{t+k+2}
         if t <= shift:
@@ -193,21 +210,25 @@ def heads_loss(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tensor, 
 
 
 def rank_counts(heads: MedusaHeads, hidden: torch.Tensor, tokens: torch.Tensor, rank_k: int,
-                start: int = 0, targets: torch.Tensor | None = None) -> torch.Tensor:
+                start: int = 0, targets: torch.Tensor | None = None,
+                vocab: torch.Tensor | None = None) -> torch.Tensor:
     """counts [K, rank_k + 1]: how often the true token x_{t+k+2} was head k's rank r (last column:
     outside the top rank_k); positions t >= start only. hidden: [B, T, E]; tokens: [B, T].
     targets: [B, T] the true token at each position when it is not ``tokens`` itself (the
-    target's greedy choices); IGNORE marks positions that are counted nowhere."""
+    target's greedy choices); IGNORE marks positions that are counted nowhere. vocab: [F] token
+    ids the heads rank (a shortlist; a true token outside it counts as outside the top rank_k)."""
     k_heads = heads.num_heads
     counts = torch.zeros(k_heads, rank_k + 1, dtype=torch.long)
     t = hidden.shape[1]
     with torch.no_grad():
-        logits = head_logits(heads, hidden, tokens)  # [K, B, T-1, V]
+        logits = head_logits(heads, hidden, tokens, vocab)  # [K, B, T-1, V or F]
         for k in range(k_heads):
             shift = k + 2
             if t - shift <= start:
                 continue
             top = torch.topk(logits[k, :, start : t - shift], rank_k, dim=-1).indices  # [B, T', r]
+            if vocab is not None:
+                top = vocab[top]
             truth = (tokens if targets is None else targets)[:, start + shift :]  # [B, T']
             valid = truth != IGNORE  # [B, T']
             hit = (top == truth[..., None]) & valid[..., None]  # [B, T', r]
@@ -342,14 +363,14 @@ def freeze(base) -> None:
 
 
 def fit_heads(heads: MedusaHeads, batch, cfg: HeadsTrainConfig, *, budget_s: float | None = None,
-              bf16: bool = False, desc: str = "medusa heads") -> list[float]:
+              bf16: bool = False, vocab: torch.Tensor | None = None, desc: str = "medusa heads") -> list[float]:
     """The optimizer loop of every mode: AdamW on the heads' parameters over ``batch()`` ->
     (hidden [B, T, E], targets [B, T], tokens [B, T], sources [B, T] or None) (as `heads_loss`
     takes them), for
     ``cfg.steps`` steps or, with ``cfg.steps`` None, until ``budget_s`` seconds have passed
     (whichever comes first when both are set); the learning rate follows `_lr`. ``bf16``: the
-    forward runs under bf16 autocast (fp32 weights and loss). Returns the loss of every step;
-    the heads are left in eval mode."""
+    forward runs under bf16 autocast (fp32 weights and loss). ``vocab``: the heads rank only
+    these token ids (`heads_loss`). Returns the loss of every step; the heads are left in eval mode."""
     if cfg.steps is None and budget_s is None:
         raise ValueError("fit_heads needs cfg.steps or budget_s")
     params = [p for p in heads.parameters() if p.requires_grad]
@@ -367,7 +388,7 @@ def fit_heads(heads: MedusaHeads, batch, cfg: HeadsTrainConfig, *, budget_s: flo
             group["lr"] = _lr(step, cfg, None if budget_s is None else elapsed / budget_s)
         hidden, targets, tokens, sources = batch()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = heads_loss(heads, hidden, targets, cfg.head_decay, tokens, sources)
+            loss = heads_loss(heads, hidden, targets, cfg.head_decay, tokens, sources, vocab)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -597,13 +618,15 @@ def packed_batch(rows: list[ReplyRow], batch_size: int, seq_len: int, num_heads:
     return hidden, targets, tokens, sources
 
 
-def evaluate_rows(heads: MedusaHeads, rows: list[ReplyRow], cfg: HeadsTrainConfig) -> HeadsReport:
-    """Held-out per-rank accuracy of each head against the target's greedy tokens on reply rows."""
+def evaluate_rows(heads: MedusaHeads, rows: list[ReplyRow], cfg: HeadsTrainConfig,
+                  vocab: torch.Tensor | None = None) -> HeadsReport:
+    """Held-out per-rank accuracy of each head against the target's greedy tokens on reply rows
+    (ranking only ``vocab``'s tokens when given, as decoding with that shortlist does)."""
     heads.eval()
     counts = torch.zeros(heads.num_heads, cfg.eval_rank_k + 1, dtype=torch.long)
     for i in range(0, len(rows), cfg.batch_size):
         hidden, targets, tokens = row_batch(rows[i : i + cfg.batch_size])
-        counts += rank_counts(heads, hidden, tokens, cfg.eval_rank_k, targets=targets)
+        counts += rank_counts(heads, hidden, tokens, cfg.eval_rank_k, targets=targets, vocab=vocab)
     report = HeadsReport(steps=0, wall_s=0.0)
     report.rank_accuracy, report.greedy_top1, report.greedy_top5 = _accuracies(counts)
     return report
@@ -704,7 +727,9 @@ def run_chat_heads_job(job: HeadsJob, cfg: HeadsTrainConfig, data: ChatData) -> 
     held-out prompts (at most `HELDOUT_SHARE`), then its replies to the training prompts (greedy,
     then sampled) until ``data.positions`` or the collection budget (``data.generate_share``);
     training takes what is left but a reserve for the held-out report (per-rank accuracy on the
-    held-out replies, greedy medusa decoding of ``data.eval_prompts`` held-out prompts).
+    held-out replies, greedy medusa decoding of ``data.eval_prompts`` held-out prompts). With
+    ``cfg.shortlist`` F the heads are trained, measured and saved ranking only the F most frequent
+    tokens of the replies (decoding then reads F rows of the LM head, and so does each step).
     """
     from specops.bench.chat_suite import has_chat_template, render_messages
     from specops.decoder import Decoder
@@ -756,17 +781,19 @@ def run_chat_heads_job(job: HeadsJob, cfg: HeadsTrainConfig, data: ChatData) -> 
     if job.init_heads is not None:
         continue_heads(heads, MedusaHeads.from_pretrained(job.init_heads, base=base, dtype=torch.float32))
     heads.config = dataclasses.replace(heads.config, base_model=job.model_name or str(job.model))
+    answers = torch.cat([r.targets[r.targets != IGNORE] for r in rows])  # [N] the target's reply tokens
+    vocab = frequency_shortlist(answers, cfg.shortlist, heads.config.vocab_size) if cfg.shortlist else None
     rng = random.Random(cfg.seed)
     eval_reserve = min(0.15 * budget, 20.0 + 0.1 * budget)
     train_budget = max(1.0, budget - (time.perf_counter() - start) - eval_reserve)
     report = HeadsReport(steps=0, wall_s=0.0)
     bf16 = inference_dtype("cpu") == torch.bfloat16  # native bf16 matmuls: the LM head pass ~1.7x as fast
     report.losses = fit_heads(heads, lambda: packed_batch(rows, cfg.batch_size, cfg.seq_len, cfg.num_heads, rng),
-                              cfg, budget_s=train_budget, bf16=bf16)
+                              cfg, budget_s=train_budget, bf16=bf16, vocab=vocab)
     report.steps = len(report.losses)
     train_s = time.perf_counter() - start - generate_s
-    answers = torch.cat([r.targets[r.targets != IGNORE] for r in rows])  # [N] the target's reply tokens
-    finish_heads(heads, evaluate_rows(heads, held, cfg), report, answers, cfg)
+    finish_heads(heads, evaluate_rows(heads, held, cfg, vocab), report, answers, cfg)  # the shortlist is vocab
+    held_answers = torch.cat([r.targets[r.targets != IGNORE] for r in held])  # what the shortlist should hold
     prompts = [ids[-data.max_prompt_tokens:] for ids in heldout_ids if len(ids) >= 2][: data.eval_prompts]
     decode = medusa_decode_report(base, heads, prompts, new_tokens=data.eval_new_tokens, eos=eos) if prompts else {}
     heads.save_pretrained(job.out_dir)
@@ -774,6 +801,7 @@ def run_chat_heads_job(job: HeadsJob, cfg: HeadsTrainConfig, data: ChatData) -> 
     result = {"out": str(job.out_dir), "model": job.model_name or str(job.model), "mode": "chat",
               "heads": cfg.num_heads, "layers": cfg.num_layers, "shared_lm_head": cfg.shared_lm_head,
               "root_input": cfg.root_input, "shortlist": cfg.shortlist,
+              "shortlist_coverage": None if vocab is None else round(torch.isin(held_answers, vocab).float().mean().item(), 4),
               "self_prompts": len(written), "replies": len(rows), "reply_positions": int(answers.numel()),
               "heldout_replies": len(held), "heldout_positions": sum(int((r.targets != IGNORE).sum()) for r in held),
               "generate_s": round(generate_s, 1), "train_s": round(train_s, 1), **report.to_dict(),

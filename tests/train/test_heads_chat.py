@@ -128,6 +128,46 @@ def test_packed_batches_never_score_a_head_on_the_next_rows_tokens():
     assert scored > 6 * 40  # the lines are mostly rows, not padding
 
 
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_shortlist_scores_the_heads_on_its_tokens_only(shared):
+    """Over a shortlist the loss is the cross-entropy of the full logits' shortlist columns, targets
+    outside it count nowhere, and the rank counts map the shortlist back to token ids."""
+    from specops.decoder.medusa_heads import MedusaHeads
+
+    model = tiny_model("llama", vocab=48, seed=2)
+    heads = MedusaHeads.from_model(model, num_heads=2, shared_lm_head=shared)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.2)
+    hidden = torch.randn(2, 12, 32, generator=gen)
+    targets = torch.randint(0, 48, (2, 12), generator=gen)
+    targets[:, :3] = IGNORE
+    vocab = torch.randperm(48, generator=gen)[:20]
+    with torch.no_grad():
+        full = heads(hidden[:, :-1])  # [K, B, T-1, V]
+    lookup = {int(v): i for i, v in enumerate(vocab)}
+    expected = 0.0
+    for k in range(2):
+        shift = k + 2
+        rows = [(b, t) for b in range(2) for t in range(12 - shift) if int(targets[b, t + shift]) in lookup]
+        pred = torch.stack([full[k, b, t, vocab] for b, t in rows])
+        labels = torch.tensor([lookup[int(targets[b, t + shift])] for b, t in rows])
+        expected += 0.8**k * float(torch.nn.functional.cross_entropy(pred, labels))
+    with torch.no_grad():
+        assert float(heads_loss(heads, hidden, targets, 0.8, vocab=vocab)) == pytest.approx(expected, rel=1e-5)
+        assert float(heads_loss(heads, hidden, targets, 0.8, vocab=torch.arange(48))) == pytest.approx(
+            float(heads_loss(heads, hidden, targets, 0.8)), rel=1e-5)
+    tokens = targets.clamp_min(0)
+    counts = rank_counts(heads, hidden, tokens, 3, targets=targets, vocab=vocab)
+    for k in range(2):
+        shift = k + 2
+        hits = sum(int(targets[b, t + shift]) in vocab[full[k, b, t, vocab].topk(3).indices].tolist()
+                   for b in range(2) for t in range(12 - shift) if targets[b, t + shift] != IGNORE)
+        assert int(counts[k, :3].sum()) == hits
+        assert int(counts[k].sum()) == int((targets[:, shift:] != IGNORE).sum())
+
+
 def test_greedy_replies_from_the_engine_line_up_with_the_teacher_forced_choices(tmp_path, one_thread):
     from specops.decoder import Decoder
     from specops.train.tokenizer import load_tokenizer
@@ -167,13 +207,14 @@ def test_chat_training_into_the_cache_is_found_by_from_pretrained_and_the_bench(
     monkeypatch.setattr(heads_module, "collect_replies", spy)
     result = CliRunner().invoke(train_heads_command, [
         "--model", NAME, "--chat", "--minutes", "1", "--tokens", "2000", "--self-prompts", "0", "--steps", "4",
-        "--batch-size", "2", "--seq-len", "16", "--threads", "1", "--quiet"])
+        "--batch-size", "2", "--seq-len", "16", "--shortlist", "64", "--threads", "1", "--quiet"])
     assert result.exit_code == 0, result.output
     out = default_dir(NAME)
     assert out == tmp_path / "cache" / "medusa" / NAME
     report = json.loads((out / "train_report.json").read_text())
     assert report["mode"] == "chat" and report["steps"] == 4 and report["shared_lm_head"] is True
     assert len(report["greedy_top1"]) == 3 and report["replies"] > 0 and report["heldout_replies"] > 0
+    assert report["shortlist"] == 64 and 0 < report["shortlist_coverage"] <= 1
     assert report["artifact_bytes"] < 3 * 4 * (32 * 32 + 32) + 4096  # residual blocks only (fp16), no LM head
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "held-out replies: vs base greedy top-1" in result.output
@@ -189,6 +230,7 @@ def test_chat_training_into_the_cache_is_found_by_from_pretrained_and_the_bench(
     # found where decoding looks for a registered model's heads
     dec = Decoder.from_pretrained(NAME)
     assert dec.medusa is not None and dec.medusa.config.head_topk_accuracy == report_rank(out)
+    assert dec.medusa.config.shortlist_size == 64
     ids = tok.encode("<|user|>def add(a, b)\n<|assistant|>")
     assert dec.generate(ids, method="medusa", max_new_tokens=12).tokens == \
         dec.generate(ids, method="ar", max_new_tokens=12).tokens
