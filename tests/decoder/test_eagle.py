@@ -148,6 +148,7 @@ def test_deadline_mid_request_continues_plainly_and_exactly(bundled, monkeypatch
 def test_unrolled_training_forward_matches_cached_chain_drafting():
     model = tiny_llama(seed=5)
     drafter = EagleDrafter.for_target(model, seed=1, input_layernorm=True).eval()
+    drafter.kernel_weights = "fp32"  # the module's training forward against the packed inference path
     with torch.no_grad():
         for p in drafter.parameters():
             if p.dim() > 1:
@@ -325,6 +326,7 @@ def test_packed_inference_copies_compute_what_the_module_computes():
     assert cpu_linear.available(), cpu_linear.unavailable_reason()  # CI builds the kernels: never a skip
     model = tiny_llama()
     drafter = EagleDrafter.for_target(model, shortlist=list(range(0, 64, 2)), seed=3).eval()
+    drafter.kernel_weights = "fp32"
     tokens, feats = torch.randint(0, 64, (9,)), torch.randn(9, model.config.hidden_size)
 
     def run(packed: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -350,6 +352,14 @@ def test_packed_inference_copies_compute_what_the_module_computes():
     torch.testing.assert_close(c, d, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(c, a)
     assert drafter.packed() is None  # autograd on
+    drafter.kernel_weights = "bf16"  # half the bytes per product: the same values to bf16 rounding
+    (e, le), (f, lf) = run(True), run(False)
+    torch.testing.assert_close(e, f, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(le, lf, atol=3e-2, rtol=3e-2)
+    with torch.inference_mode():
+        assert drafter.packed().head.weight.dtype == (torch.bfloat16 if cpu_linear.bf16_weights() else torch.float32)
+    with pytest.raises(EagleError, match="kernel_weights"):
+        drafter.kernel_weights = "fp16"
     drafter.train()
     with torch.inference_mode():
         assert drafter.packed() is None  # training

@@ -227,6 +227,7 @@ def _state_after_a_tree_step(dec: Decoder, spy: Spy):
     rows; then feed its drafter what that step left (`EagleProposer.catch_up`). Returns the
     sequence's cache entries and prediction of the pending token's feature, and those of a fresh
     drafter fed the sequence's tokens with the target's real features."""
+    dec.eagle.kernel_weights = "fp32"  # fed step by step against fed at once: fp32 rounding only
     eng = full_speculation(Engine(dec, max_batch=2, kv_cache_mb=4, calibrate=False, eos_token_id=None))
     prompt = random_prompts(dec.target.vocab_size, (11,), seed=4)[0]
     eng.add("s", prompt, SamplingParams(max_tokens=80), SpecSettings(**TREE))
