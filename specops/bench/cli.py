@@ -62,7 +62,8 @@ def _model_ref(ctx: click.Context, param: click.Parameter, value: str | None) ->
               help="Medusa heads (methods medusa and auto; default: the bundled heads with the bundled target, the "
                    "ones `specops train heads --model NAME --chat` cached for a registered --model).")
 @click.option("--eagle", type=click.Path(exists=True, file_okay=False), default=None,
-              help="EAGLE drafter folder (method eagle; default: the one `specops train eagle --model NAME` cached).")
+              help="EAGLE drafter folder (methods eagle, eagle-tree and auto; default: the one `specops train eagle "
+                   "--model NAME` cached, which auto uses when there is one).")
 @click.option("--eagle-tree", "eagle_tree", default="5,4,16", show_default=True, callback=_tree_shape,
               metavar="DEPTH,TOPK,SIZE",
               help="Method eagle-tree's dynamic draft tree: levels drafted, nodes expanded per level (and "

@@ -199,7 +199,9 @@ def load_models(cfg: BenchConfig) -> Models:
     medusa_path = heads_path(cfg)
     if "medusa" in cfg.methods or ("auto" in cfg.methods and medusa_path is not None):
         medusa = load_heads(cfg, medusa_path, target)
-    eagle = load_eagle(cfg, target) if {"eagle", "eagle-tree"} & set(cfg.methods) else None
+    wants_eagle = {"eagle", "eagle-tree"} & set(cfg.methods)
+    # auto uses an EAGLE drafter when there is one (--eagle, or the one cached for a registered --model)
+    eagle = load_eagle(cfg, target) if wants_eagle or ("auto" in cfg.methods and eagle_at_hand(cfg)) else None
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
     eos = tokenizer.eos_token_id
     max_context = int(getattr(target.config, "max_position_embeddings", 0) or 0) or 1 << 30
@@ -251,6 +253,16 @@ def load_heads(cfg: BenchConfig, path: Path | None, target):
         return MedusaHeads.from_pretrained(path, base=target, device=cfg.device)
     except MedusaError as exc:
         raise BenchError(f"cannot load the Medusa heads: {exc}") from None
+
+
+def eagle_at_hand(cfg: BenchConfig) -> bool:
+    """Whether an EAGLE drafter is given (``cfg.eagle``) or cached for a registered ``cfg.model``."""
+    from specops.decoder.eagle_io import default_dir, is_drafter_dir
+    from specops.models.resolve import is_registered
+
+    if cfg.eagle is not None:
+        return True
+    return cfg.model is not None and is_registered(cfg.model) and is_drafter_dir(default_dir(cfg.model))
 
 
 def load_eagle(cfg: BenchConfig, target):

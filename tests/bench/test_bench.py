@@ -273,3 +273,20 @@ def test_the_ar_chain_reference_emits_ar_tokens_and_gets_its_own_column(tiny_mod
     sampled = chain.run(ids, max_new_tokens=8, temperature=1.0, seed=3)
     assert sampled.tokens == plain.run(ids, max_new_tokens=8, temperature=1.0, seed=3).tokens
     assert "FastLlamaRunner" in ChainedAR.unavailable_reason(object())
+
+
+def test_auto_takes_an_eagle_drafter_when_one_is_at_hand(tmp_path, monkeypatch):
+    """`bench decode --methods auto`: the drafter given with --eagle, or the one cached for a
+    registered --model, joins auto's options; with none, auto runs without it (no error)."""
+    from specops.bench import decode
+    from specops.decoder import eagle_io
+    from specops.models import resolve
+
+    assert decode.eagle_at_hand(BenchConfig(methods=["auto"], eagle=str(tmp_path)))
+    assert not decode.eagle_at_hand(BenchConfig(methods=["auto"]))  # the bundled models: no drafter
+    monkeypatch.setattr(resolve, "is_registered", lambda ref: ref == "some-model")
+    monkeypatch.setattr(eagle_io, "default_dir", lambda ref: tmp_path / "eagle" / ref)
+    cfg = BenchConfig(methods=["auto"], model="some-model")
+    assert not decode.eagle_at_hand(cfg)  # registered, nothing cached
+    monkeypatch.setattr(eagle_io, "is_drafter_dir", lambda path: path == tmp_path / "eagle" / "some-model")
+    assert decode.eagle_at_hand(cfg)
