@@ -382,22 +382,24 @@ def decode_report(model, drafter: EagleDrafter, prompts: list[list[int]], cfg: E
             "acceptance_rate": round(accepted / max(1, drafted), 4), "exact_prompts": f"{exact}/{len(prompts)}"}
 
 
-def plot_losses(losses_: list[float], path: Path) -> Path:
+def plot_losses(losses: list[float], path: Path, *, title: str = "EAGLE drafter training loss",
+                ylabel: str = "loss") -> Path:
+    """The training loss by step (and its running mean) as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.2))
-    ax.plot(range(1, len(losses_) + 1), losses_, lw=0.8, alpha=0.5, label="step")
-    if len(losses_) >= 20:
-        k = max(5, len(losses_) // 50)
-        smooth = [sum(losses_[max(0, i - k + 1) : i + 1]) / len(losses_[max(0, i - k + 1) : i + 1])
-                  for i in range(len(losses_))]
-        ax.plot(range(1, len(losses_) + 1), smooth, lw=1.5, label=f"mean of {k}")
+    steps = range(1, len(losses) + 1)
+    ax.plot(steps, losses, lw=0.8, alpha=0.5, label="step")
+    if len(losses) >= 20:
+        k = max(5, len(losses) // 50)
+        ax.plot(steps, [sum(losses[max(0, i - k + 1) : i + 1]) / min(k, i + 1) for i in range(len(losses))],
+                lw=1.5, label=f"mean of {k}")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title("EAGLE drafter training loss")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -694,30 +694,6 @@ def medusa_decode_report(model, heads: MedusaHeads, prompts: list[list[int]], *,
             "exact_prompts": f"{exact}/{len(prompts)}"}
 
 
-def plot_losses(losses: list[float], path: Path) -> Path:
-    """The training loss by step (and its running mean) as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.2))
-    steps = range(1, len(losses) + 1)
-    ax.plot(steps, losses, lw=0.8, alpha=0.5, label="step")
-    if len(losses) >= 20:
-        k = max(5, len(losses) // 50)
-        ax.plot(steps, [sum(losses[max(0, i - k + 1) : i + 1]) / min(k, i + 1) for i in range(len(losses))],
-                lw=1.5, label=f"mean of {k}")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (weighted sum over heads)")
-    ax.set_title("Medusa heads training loss")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 HELDOUT_SHARE = 0.1  # of the collection budget, at most: the target's greedy replies to the held-out prompts
 
 
@@ -736,7 +712,7 @@ def run_chat_heads_job(job: HeadsJob, cfg: HeadsTrainConfig, data: ChatData) -> 
     from specops.bench.chat_suite import has_chat_template, render_messages
     from specops.decoder import Decoder
     from specops.train.checkpoint import load_causal_lm
-    from specops.train.eagle import SAMPLE_TEMPERATURE, SELF_PROMPT_SHARE, prompt_texts
+    from specops.train.eagle import SAMPLE_TEMPERATURE, SELF_PROMPT_SHARE, plot_losses, prompt_texts
     from specops.train.self_distill import self_prompts
 
     cfg.validate()
@@ -811,6 +787,7 @@ def run_chat_heads_job(job: HeadsJob, cfg: HeadsTrainConfig, data: ChatData) -> 
               "artifact_bytes": sum((job.out_dir / name).stat().st_size for name in (CONFIG_NAME, WEIGHTS_NAME))}
     result.pop("text_top1"), result.pop("text_top5")
     (job.out_dir / "train_report.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot_losses(report.losses, job.out_dir / "loss.png")
+    plot_losses(report.losses, job.out_dir / "loss.png", title="Medusa heads training loss",
+                ylabel="loss (weighted sum over heads)")
     logger.info("heads trained: %s", result)
     return result
