@@ -490,19 +490,25 @@ def run_heads_job(job: HeadsJob, cfg: HeadsTrainConfig) -> dict:
         raise ValueError(f"held-out text has {held.numel()} tokens, fewer than --seq-len {cfg.seq_len}")
     heldout = held[: n_windows * cfg.seq_len].view(n_windows, cfg.seq_len)  # [M, T]
     heldout = heldout[torch.randperm(n_windows, generator=torch.Generator().manual_seed(cfg.seed))]
-    heads = MedusaHeads.from_model(base, num_heads=cfg.num_heads, num_layers=cfg.num_layers,
-                                   shared_lm_head=cfg.shared_lm_head, root_input=cfg.root_input)
-    if cfg.shortlist > heads.config.vocab_size:
-        raise ValueError(f"--shortlist {cfg.shortlist} exceeds the vocabulary ({heads.config.vocab_size} tokens)")
-    if job.init_heads is not None:
-        continue_heads(heads, MedusaHeads.from_pretrained(job.init_heads, base=base, dtype=torch.float32))
-    heads.config = dataclasses.replace(heads.config, base_model=str(job.model))
+    heads = new_heads(base, cfg, job, str(job.model))
     report = train_heads(base, heads, stream, heldout, cfg)
     heads.save_pretrained(job.out_dir)
     result = {"out": str(job.out_dir), "heads": cfg.num_heads, "self_distill": cfg.self_distill,
               "train_tokens": int(stream.numel()), "heldout_windows": int(heldout.shape[0]), **report.to_dict()}
     (job.out_dir / "train_report.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def new_heads(base, cfg: HeadsTrainConfig, job: HeadsJob, base_model: str) -> MedusaHeads:
+    """The heads to train on ``base``: new ones of ``cfg``'s shape, or ``job.init_heads`` continued."""
+    heads = MedusaHeads.from_model(base, num_heads=cfg.num_heads, num_layers=cfg.num_layers,
+                                   shared_lm_head=cfg.shared_lm_head, root_input=cfg.root_input)
+    if cfg.shortlist > heads.config.vocab_size:
+        raise ValueError(f"--shortlist {cfg.shortlist} exceeds the vocabulary ({heads.config.vocab_size} tokens)")
+    if job.init_heads is not None:
+        continue_heads(heads, MedusaHeads.from_pretrained(job.init_heads, base=base, dtype=torch.float32))
+    heads.config = dataclasses.replace(heads.config, base_model=base_model)
+    return heads
 
 
 # ---------------------------------------------------------------------- chat mode
@@ -752,13 +758,7 @@ def run_chat_heads_job(job: HeadsJob, cfg: HeadsTrainConfig, data: ChatData) -> 
     if not rows or not held:
         raise ValueError(f"the budget allowed {len(rows)} training and {len(held)} held-out replies: "
                          "give more --minutes")
-    heads = MedusaHeads.from_model(base, num_heads=cfg.num_heads, num_layers=cfg.num_layers,
-                                   shared_lm_head=cfg.shared_lm_head, root_input=cfg.root_input)
-    if cfg.shortlist > heads.config.vocab_size:
-        raise ValueError(f"--shortlist {cfg.shortlist} exceeds the vocabulary ({heads.config.vocab_size} tokens)")
-    if job.init_heads is not None:
-        continue_heads(heads, MedusaHeads.from_pretrained(job.init_heads, base=base, dtype=torch.float32))
-    heads.config = dataclasses.replace(heads.config, base_model=job.model_name or str(job.model))
+    heads = new_heads(base, cfg, job, job.model_name or str(job.model))
     answers = torch.cat([r.targets[r.targets != IGNORE] for r in rows])  # [N] the target's reply tokens
     vocab = frequency_shortlist(answers, cfg.shortlist, heads.config.vocab_size) if cfg.shortlist else None
     rng = random.Random(cfg.seed)
