@@ -274,7 +274,7 @@ def test_train_commands_take_a_registered_model_name_or_a_folder(registered, tmp
     assert MODEL_FOLDER.convert(registered.name, None, None) == model_dir(registered.name)
     assert MODEL_FOLDER.convert(str(tmp_path), None, None) == tmp_path
     runner = CliRunner()
-    for command in (["train", "ngram-store"], ["train", "heads"]):
+    for command in (["train", "ngram-store"], ["train", "heads", "--stdlib"], ["train", "heads", "--chat"]):
         bad = runner.invoke(main, command + ["--model", "no-such-model", "--out", str(tmp_path / "o")])
         assert bad.exit_code == 2 and "neither a folder nor a registered model" in bad.output, bad.output
 
