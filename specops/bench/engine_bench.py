@@ -119,15 +119,15 @@ def meters(eng: Engine, c: int) -> str:
     parts = [f"verify(B={c},T={c})={ms(eng.cost.predict(c, c))}", f"verify(B={c},T={5 * c})={ms(eng.cost.predict(c, 5 * c))}"]
     if eng.draft is not None:
         parts.append(f"draft_round(B={c})={ms(eng.draft_cost.predict(c, c))}")
-    parts += [f"overhead[{m}]={ms(v.value())}" for m, v in eng.overhead.items()]
-    parts.append(f"fixed(B={c})={ms(eng._fixed_s(c))}")
+    parts += [f"overhead[{m}]={ms(v.value())}" for m, v in eng.accounts.overhead.items()]
+    parts.append(f"fixed(B={c})={ms(eng.accounts.fixed_s(c))}")
     return "planner ms: " + " ".join(parts)
 
 
 def planner_line(eng: Engine) -> str:
     """What the planner did over every run of an engine (warm-up included): the share of
     decode steps where some sequence speculated, vetoes, probes and plain probes."""
-    plain, spec = eng.decode_steps[False], eng.decode_steps[True]
+    plain, spec = eng.accounts.decode_steps[False], eng.accounts.decode_steps[True]
     return (f"spec steps {100 * spec / max(plain + spec, 1):.1f}% of {plain + spec}, vetoes {eng.schedule.vetoes}, "
             f"probes {eng.schedule.probes}, plain probes {eng.schedule.plain_probes}")
 

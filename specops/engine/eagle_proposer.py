@@ -83,7 +83,7 @@ class EagleState:
     shape: EagleTree | None = None
     """The EAGLE-2 tree a greedy request drafts each step (`SpecSettings.eagle_tree`); None: the chain."""
     hits: float = 0.0
-    """Trees: decayed tokens the target accepted of them (the planner's calibration, `Engine._observe_tree`)."""
+    """Trees: decayed tokens the target accepted of them (the planner's calibration, `TreePlans.observe_tree`)."""
     expected: float = 0.0
     """Trees: decayed tokens the drafter expected of them (the sum of the kept nodes' estimates)."""
     cache: Any = None

@@ -23,6 +23,11 @@ sequence with `specops.decoder.verify` / `tree_verify` (greedy, or lossless reje
 with the request's own seeded generator; a sampled Medusa request whose settings ask for it,
 `SpecSettings.typical`, takes LOSSY typical acceptance instead) → commit, roll both caches
 back to the accepted prefix (or compact the accepted tree path) and give surplus blocks back.
+Two collaborators hold their own parts of it: `tree_plans.TreePlans` (``Engine.trees``) offers
+the plan Medusa trees with their prompt-lookup branches and EAGLE-2 trees, settles what a chosen
+tree proposes and calibrates the estimates on every verified tree; `step_accounts.StepAccounts`
+(``Engine.accounts``) meters the step's times the planner charges (per-method overhead, fixed
+host time), counts plain and speculative decode steps and keeps the speed-up estimate.
 
 Requests join and leave between steps. Not thread-safe: one thread calls add / abort /
 step (`specops.engine.async_engine` runs it on its own thread). `step` returns one
@@ -45,15 +50,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
 
 from specops.decoder.clock import cost_clock
-from specops.decoder.medusa_branch import branch_accepted, branch_tokens, context_index
-from specops.decoder.medusa_branch import LOOKUP_BRANCH
+from specops.decoder.medusa_branch import context_index
 from specops.decoder.medusa_decode import head_accuracy
 from specops.decoder.ngram import NgramIndex
 from specops.decoder.request import eos_set
@@ -76,7 +79,6 @@ from specops.engine.eagle_proposer import EagleProposer
 from specops.engine.proposers import (DraftGroup, EagleGroup, GroupProposer, MedusaGroup, MedusaProposer, NgramGroup)
 from specops.engine.scheduler import Scheduler
 from specops.engine.sequence import (
-    DEFAULT_TREE_SIZE,
     EngineStats,
     PromptTooLongError,
     SamplingParams,
@@ -84,42 +86,13 @@ from specops.engine.sequence import (
     SpecSettings,
     StepOutput,
 )
-from specops.engine.speedup_estimate import PlainTimeEstimate
-from specops.engine.spec_planner import (
-    DEFAULT_MARGIN,
-    Candidate,
-    CostModel,
-    Meter,
-    SpecCalibration,
-    isotonic,
-    plan,
-)
+from specops.engine.spec_planner import DEFAULT_MARGIN, Candidate, CostModel, SpecCalibration, plan
+from specops.engine.step_accounts import StepAccounts, overhead_kind
+from specops.engine.tree_plans import TreePlans
 
 log = logging.getLogger(__name__)
 
-PLAIN_STEP_WINDOW = 64  # plain steps per batch size behind the speed-up estimate of batched requests
 TYPICAL = TypicalAcceptance()  # the rule of sampled Medusa requests that ask for typical acceptance (lossy)
-BRANCH_KIND = "medusa_branch"  # the acceptance kind of Medusa's prompt-lookup branches (`AcceptancePriors`)
-
-
-@dataclass
-class BranchOffer:
-    """A greedy Medusa sequence's prompt-lookup branch this step, as its `Candidate` offers it."""
-
-    tokens: list[int]  # the branch (`medusa_branch.branch_tokens`)
-    heads: list[float]  # the heads' nodes' expected acceptance, best first (the tree's gains alone)
-    branch: list[float]  # each branch token's expected acceptance beyond the heads' tree
-    mix: list[bool]  # the candidate's gains in order: True where the gain is the branch's next token
-
-    def gains(self) -> list[float]:
-        """The candidate's gains: the heads' nodes and the branch's tokens in ``mix`` order."""
-        heads, branch = iter(self.heads), iter(self.branch)
-        return [next(branch) if take else next(heads) for take in self.mix]
-
-    def split(self, extra: int) -> tuple[int, list[int]]:
-        """The heads' nodes and the branch tokens of a plan that takes ``extra`` of the gains."""
-        branch = sum(self.mix[:extra])
-        return extra - branch, self.tokens[:branch]
 
 
 class Engine:
@@ -183,33 +156,22 @@ class Engine:
             self.proposers["eagle"] = EagleGroup(self.eagle, self.cost_clock)
         if self.medusa is not None:
             self.proposers["medusa"] = MedusaGroup(self.medusa, self.cost_clock)
-        # per speculating sequence, outside the forwards; per method, and EAGLE-2 trees apart from eagle chains
-        self.overhead = {m: Meter() for m in (*ALPHA_PRIOR, EAGLE_TREE)}
-        self.fixed: dict[int, Meter] = {}  # per batch size: the step's host time outside forwards and proposals
-        self._plain_commit = Meter()  # verification + commit of a plain decoding step, per sequence
-        # the speed-up estimate (`speedup_estimate`): per batch size, wall seconds of the last
-        # PLAIN_STEP_WINDOW steps where all decoded plainly (their mean: it stands in for a sum of such steps)
-        self.plain_time = PlainTimeEstimate(PLAIN_STEP_WINDOW)
-        self.plain_step: dict[int, deque[float]] = self.plain_time.windows
+        # overhead meters, fixed host time, proposal seconds, decode-step counts, speed-up estimate
+        self.accounts = StepAccounts(lambda: self.cost)  # the engine's verify cost looked up per call
         self.margin = DEFAULT_MARGIN
         self.schedule = PlanSchedule()  # veto, plain probes, quiet stretches, probes (`plan_schedule`)
         # the plan's misses, per batch size, from the steps' record; None: plans as the models predict, no
         # veto (tests that give the engine a synthetic cost model, which real step times cannot calibrate)
         self.calibration: SpecCalibration | None = SpecCalibration()
-        self.decode_steps = [0, 0]  # steps that emitted tokens: [all plain, some sequence speculated]
         self._step_pred: tuple[float, float] | None = None  # this step's plan: (predicted s, plain predicted s)
-        self._propose_s = 0.0  # this step's proposal seconds (n-gram lookups, draft rounds, Medusa trees)
         # this step's one-time draft-cache catch-up beyond FULL_CATCH_UP tokens (planner clock, wall)
         self._catch_up = (0.0, 0.0)
-        self._propose_share: dict[str, float] = {}  # request -> its share of them, beyond the draft forwards
-        self._ngram_s: dict[str, float] = {}
-        self._branches: dict[str, BranchOffer] = {}  # this step's Medusa prompt-lookup branches, per request
-        self._tree_depth: dict[str, int] = {}  # this step's EAGLE-2 tree levels, per request
-        self.medusa_branches = 0  # greedy Medusa steps whose tree carried a prompt-lookup branch
-        self.medusa_branch_tokens = 0  # tokens they accepted on the branch's own nodes
         self.seqs: dict[str, Sequence] = {}
         self.auto: dict[tuple[str | None, bool], MethodChooser] = {}  # method="auto": per (auto_key, sampled)
         self.priors = AcceptancePriors()
+        # Medusa trees and their prompt-lookup branches, EAGLE-2 trees: offers, settled plans, calibration
+        self.trees = TreePlans(self.priors, self.medusa, self.max_model_len,
+                               lambda request_id, seconds: self.accounts.note_lookup(request_id, seconds))
         self._last_batch = 0
         if calibrate:
             calibrate_costs(self)
@@ -271,12 +233,12 @@ class Engine:
             seq.ngram = NgramIndex(store=self.ngram_store if params.temperature == 0 else None)  # greedy only:
             # see `specops.decoder.api._corpus`
             seq.ngram.extend(ids)
-        if spec.method == "medusa" and sampling.greedy and self._lookup_branch(seq):
+        if spec.method == "medusa" and sampling.greedy and self.trees.lookup_branch(seq):
             seq.ngram = context_index(ids)  # the prompt-lookup branch's index
         if spec.method == "eagle":
             seq.eagle = self.eagle.start(seq)
             if seq.eagle.shape is not None:
-                seq.accept_scale = self.priors.tree_scale(self._tree_key(seq))
+                seq.accept_scale = self.priors.tree_scale(self.trees.tree_key(seq))
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -308,9 +270,10 @@ class Engine:
             kv_blocks_used=self.pool.num_used, kv_blocks_free=self.pool.num_free,
             kv_blocks_total=self.pool.num_blocks, preemptions=self.scheduler.preemptions,
             prefix_cache_hit_blocks=self.pool.cache_hits, prefix_deferrals=self.scheduler.deferrals,
-            plain_steps=self.decode_steps[0], spec_steps=self.decode_steps[1], vetoes=self.schedule.vetoes, probes=self.schedule.probes,
-            plain_probes=self.schedule.plain_probes, medusa_branches=self.medusa_branches,
-            medusa_branch_tokens=self.medusa_branch_tokens,
+            plain_steps=self.accounts.decode_steps[0], spec_steps=self.accounts.decode_steps[1],
+            vetoes=self.schedule.vetoes, probes=self.schedule.probes,
+            plain_probes=self.schedule.plain_probes, medusa_branches=self.trees.medusa_branches,
+            medusa_branch_tokens=self.trees.medusa_branch_tokens,
             attention_kernel="cpu-paged" if getattr(getattr(self.target, "model", None), "cpu_kernel", False) else "sdpa")
 
     def _release(self, seq: Sequence) -> None:
@@ -331,7 +294,7 @@ class Engine:
         self._last_batch = len(batch)
         if not batch:
             return outputs
-        self._propose_s = 0.0
+        self.accounts.start_step()
         self._catch_up = (0.0, 0.0)
         self._step_pred = None
         w_plan = time.perf_counter()
@@ -357,7 +320,8 @@ class Engine:
         prefilling = [seq.target.computed - len(it.tokens) < len(seq.tokens) - 1 for seq, it in zip(batch, items)]
         if self.schedule.probing:
             self.schedule.after_probe(self.cost.predict(len(items), total), forward_cost)
-        plain_pred = (self._fixed_s(len(items)) + self.cost.predict(len(items), total)  # before this step counts
+        # the plain prediction before this step counts
+        plain_pred = (self.accounts.fixed_s(len(items)) + self.cost.predict(len(items), total)
                       if self.calibration is not None and self._step_pred is None else 0.0)
         if not any(prefilling):
             self.cost.observe(len(items), total, forward_cost)  # decode / verify steps only: what the planner predicts
@@ -396,47 +360,12 @@ class Engine:
                 self.schedule.judge(len(batch), self.calibration.losing)
             elif not spec_commit:
                 self.calibration.observe_plain(len(batch), t1 - t_step, plain_pred, tokens=tokens, wall_s=wall)
-        self._measure_overheads(len(batch), t1 - t_step - forward_cost, plain_commit, spec_commit)
-        self._count_plain_time(len(batch), time.perf_counter() - w_step, emitted, bool(spec_commit), any(prefilling),
-                               spec_s=plan_wall + dt * verified / total)
+        self.accounts.measure_overheads(len(batch), t1 - t_step - forward_cost, plain_commit, spec_commit)
+        self.accounts.count_plain_time(len(batch), time.perf_counter() - w_step, emitted, bool(spec_commit),
+                                       any(prefilling), spec_s=plan_wall + dt * verified / total)
         if emitted:
-            self.decode_steps[bool(spec_commit)] += 1
+            self.accounts.count_step(bool(spec_commit))
         return outputs
-
-    def _count_plain_time(self, b: int, step_s: float, emitted: list[tuple[Sequence, int]], speculated: bool,
-                          prefilled: bool, spec_s: float = 0.0) -> None:
-        """The speed-up estimate of batched requests (`PlainTimeEstimate.count`); ``spec_s``: the
-        step's speculation work in wall seconds. (A request that finished in this step has its wall
-        time already closed: the rest of the step's commits count on the plain side too.)"""
-        self.plain_time.count(b, step_s, emitted, speculated=speculated, prefilled=prefilled, spec_s=spec_s,
-                              cost=self.cost)
-
-    def _plain_step_s(self, b: int) -> float | None:
-        """Wall seconds of a plain decoding step of ``b`` sequences (`PlainTimeEstimate.plain_step_s`)."""
-        return self.plain_time.plain_step_s(b, self.cost)
-
-    def _measure_overheads(self, b: int, host_s: float, plain_commit: list[float],
-                           spec_commit: list[tuple[Sequence, float]]) -> None:
-        """Feed the planner's meters: each speculating sequence's proposal plus the verification
-        time it took beyond a plain sequence's; the rest of the step's host time is fixed cost."""
-        if plain_commit:
-            self._plain_commit.observe(sorted(plain_commit)[len(plain_commit) // 2])
-        plain = self._plain_commit.value()
-        extra = 0.0
-        by_method: dict[str, list[float]] = {}
-        for seq, spent in spec_commit:
-            share = self._propose_share.get(seq.request_id, 0.0)
-            by_method.setdefault(self._overhead_kind(seq), []).append(share + max(spent - plain, 0.0))
-            extra += max(spent - plain, 0.0)
-        for method, values in by_method.items():
-            self.overhead[method].observe(sorted(values)[len(values) // 2])
-        self.fixed.setdefault(b, Meter()).observe(max(host_s - self._propose_s - extra, 0.0))
-
-    def _fixed_s(self, b: int) -> float:
-        if not self.fixed:
-            return 0.0
-        near = min(self.fixed, key=lambda x: (abs(x - b), x))
-        return self.fixed[near].value() * b / near  # host time grows with the batch
 
     def _verify_greedy_batch(self, batch: list[Sequence], plans: dict[str, dict], outs) -> dict[str, tuple[int, int]]:
         """(accepted, next token) of every greedy linear sequence, from ONE argmax over all their
@@ -471,7 +400,8 @@ class Engine:
     def _plan(self, batch: list[Sequence]) -> dict[str, dict]:
         """Choose every decoding sequence's speculation, grant its blocks, and propose."""
         cands, owners = [], []
-        self._ngram_s, self._propose_share, self._branches, self._tree_depth = {}, {}, {}, {}
+        self.accounts.start_plan()
+        self.trees.start_plan()
         if sum(len(seq.tokens) - 1 - seq.target.computed for seq in batch) > PLAN_PREFILL_LIMIT:
             # a long prefill shares this forward: its cost is outside the measured (B, T) curves (they are
             # fitted on decode / verify steps), so the planner's marginal verify cost here is a guess
@@ -505,7 +435,7 @@ class Engine:
         base = sum(len(s.tokens) - s.target.computed for s in batch)
         scale, predicted = self.calibration.scale(b) if self.calibration is not None else 1.0, {}
         chosen = plan(cands, self.cost, batch=len(batch), base_tokens=base, draft_cost=self.draft_cost,
-                      fixed_s=self._fixed_s(len(batch)), margin=self.margin, spec_scale=scale, out=predicted)
+                      fixed_s=self.accounts.fixed_s(len(batch)), margin=self.margin, spec_scale=scale, out=predicted)
         # quiet only after the planner weighed real proposals and said no (an n-gram index with no
         # match now may have one next step)
         if self.schedule.planned(b, offered=any(c.gains for c in cands), speculates=any(chosen)):
@@ -517,7 +447,7 @@ class Engine:
                                    cands[j].gains[0] if cands[j].gains else -1.0))
             probe = [0] * len(cands)
             probe[i] = plan([cands[i]], self.cost, batch=len(batch), base_tokens=base, draft_cost=self.draft_cost,
-                            fixed_s=self._fixed_s(len(batch)), margin=-1.0, spec_scale=scale, out=predicted)[0]
+                            fixed_s=self.accounts.fixed_s(len(batch)), margin=-1.0, spec_scale=scale, out=predicted)[0]
             chosen = probe
             self.schedule.probed(bool(chosen[i]))
         if any(chosen) and "step_s" in predicted and not self.schedule.probing:  # a probe's catch-up is its own cost
@@ -530,17 +460,8 @@ class Engine:
             if extra == 0 or not self.scheduler.grant(seq, extra, extra - 1 if method == "draft" else None):
                 plans[seq.request_id] = {"drafts": [], "q": None}
                 continue
-            settled: dict = {}
-            if method == "ngram":
-                settled = {"drafts": c.proposal}
-            elif seq.request_id in self._tree_depth:  # an EAGLE-2 tree: its levels (`_tree_candidate`)
-                settled = {"depth": self._tree_depth[seq.request_id]}
-            elif method == "medusa":
-                offer = self._branches.get(seq.request_id)
-                nodes, branch = offer.split(extra) if offer is not None else (extra, [])
-                heads = offer.heads if offer is not None else c.gains
-                settled = {"tree": self.medusa.spec(seq.heads, c.max_nodes, nodes + 1),
-                           "expected": sum(heads[:nodes]) / max(seq.accept_scale, 1e-3), "branch": branch}
+            # an n-gram draft as the plan weighed it; a tree's levels or nodes and branch (`TreePlans.settle`)
+            settled = {"drafts": c.proposal} if method == "ngram" else self.trees.settle(seq, c, extra)
             group = groups.setdefault(method, ([], [], []))
             group[0].append(seq)
             group[1].append(extra)
@@ -548,13 +469,14 @@ class Engine:
         for method, (seqs, sizes, settled) in groups.items():  # each method's proposer, one call for its group
             c0 = self.cost_clock()
             made = self.proposers[method].propose(seqs, sizes, settled)
-            self._propose_s += self.cost_clock() - c0
+            self.accounts.note_proposal(self.cost_clock() - c0)
             for seq, known, m in zip(seqs, settled, made):
                 plans[seq.request_id] = {**known, **m.plan}
                 seq.stats.draft_s += m.draft_s
                 seq.stats.draft_forwards += m.forwards
-                # its share of the proposal, and its n-gram lookup (an n-gram draft, a Medusa branch: `_candidate`)
-                self._propose_share[seq.request_id] = m.share_s + self._ngram_s.get(seq.request_id, 0.0)
+                # its share of the proposal, and its n-gram lookup (an n-gram draft, a Medusa branch: `_candidate`,
+                # `TreePlans.branch_offer`)
+                self.accounts.note_share(seq.request_id, m.share_s)
         return plans
 
     def _note_catch_up(self, drafting: list[Sequence], before: list[int], forwards: list[float], wall_s: float,
@@ -590,15 +512,13 @@ class Engine:
 
     def _candidate(self, seq: Sequence, bound: int) -> Candidate | None:
         method = seq.spec.method
-        overhead = self.overhead[self._overhead_kind(seq)].value()
+        overhead = self.accounts.overhead_s(seq)
         if method == "ngram":
             # a lookup takes ~10 us: timed with the cheap wall clock (cost_clock can be a ~5 us syscall,
             # which would be a third of what it measures); the median over steps drops a preempted one
             t0 = time.perf_counter()
             proposal = seq.ngram.step_drafts(seq.spec.gamma, bound)
-            spent = time.perf_counter() - t0
-            self._ngram_s[seq.request_id] = spent
-            self._propose_s += spent
+            self.accounts.note_lookup(seq.request_id, time.perf_counter() - t0)
             return Candidate(gains=self.priors.gains(seq.prior_key, method, seq.alpha, len(proposal)),
                              overhead_s=overhead, proposal=proposal)
         if method == "draft":
@@ -627,116 +547,12 @@ class Engine:
             if not self.eagle.ready(seq):
                 return None
             if seq.eagle.shape is not None:
-                return self._tree_candidate(seq, min(bound, room), overhead)
+                return self.trees.tree_candidate(seq, min(bound, room), overhead)
             gamma = max(0, min(seq.spec.gamma, bound, room))
             return Candidate(gains=self.priors.gains(seq.prior_key, method, seq.alpha, gamma), overhead_s=overhead)
         if seq.hidden is None:
             return None
-        max_nodes = seq.spec.tree_size or DEFAULT_TREE_SIZE
-        room = max(0, self.max_model_len - len(seq.tokens))
-        gains = self.medusa.gains(seq.heads, max_nodes, max_depth=bound)[:room]
-        gains = [min(g * seq.accept_scale, 1.0) for g in gains]  # this request's own acceptance so far
-        if seq.ngram is not None:  # a greedy request with a prompt-lookup branch
-            offer = self._branch_offer(seq, gains, bound, min(room, max_nodes - 1), max_nodes)
-            if offer is not None:
-                self._branches[seq.request_id] = offer
-                gains = offer.gains()
-        return Candidate(gains=gains, overhead_s=overhead, max_nodes=max_nodes)
-
-    @staticmethod
-    def _overhead_kind(seq: Sequence) -> str:
-        """Whose measured overhead a speculating sequence's is: its method's, EAGLE-2 trees' apart."""
-        return EAGLE_TREE if seq.eagle is not None and seq.eagle.shape is not None else seq.spec.method
-
-    @staticmethod
-    def _tree_key(seq: Sequence) -> tuple:
-        """The acceptance kind of an EAGLE-2 tree sequence: its class's greedy trees of its depth and width."""
-        shape = seq.eagle.shape
-        return (*seq.prior_key, EAGLE_TREE, shape.depth, shape.topk)
-
-    def _tree_candidate(self, seq: Sequence, bound: int, overhead: float) -> Candidate:
-        """A greedy eagle sequence's EAGLE-2 tree offer: ``bound`` (budget, target and drafter context)
-        cuts its levels, the context its nodes. The k-th node's gain is what the drafter estimated of
-        the k-th best node of the kind's recent trees (`AcceptancePriors.profile`) times what such
-        trees really accepted per estimated token (``accept_scale``: the sequence's own, shrunk toward
-        the kind's `AcceptancePriors.tree_scale`); before the kind drafted a tree, its first ``depth``
-        nodes are offered at what a chain's tokens would gain. The plan takes a prefix of them (the
-        tree's best nodes, as `eagle_tree.keep_best` keeps them) or none, and charges the trees' own
-        measured drafting overhead, not the chains'. A tree cut shallower than the kind's (near the budget's end) is
-        offered no more nodes than its levels draft, at the kind's estimates."""
-        shape = seq.eagle.shape
-        depth = min(shape.depth, bound)
-        room = max(0, self.max_model_len - len(seq.tokens))
-        nodes = min(shape.tree_size - 1, shape.topk + (depth - 1) * shape.topk * shape.topk, room) if depth else 0
-        profile = self.priors.profile(self._tree_key(seq))
-        if profile is None:
-            gains = self.priors.gains(seq.prior_key, "eagle", seq.alpha, depth)
-        else:
-            gains = [min(g * seq.accept_scale, 1.0) for g in profile]
-        self._tree_depth[seq.request_id] = depth
-        return Candidate(gains=gains[:nodes], overhead_s=overhead)
-
-    def _observe_tree(self, seq: Sequence, accepted: int, p: dict) -> None:
-        """Calibrate the drafter's estimates on a verified EAGLE-2 tree: its kind's profile (a tree
-        drafted to its shape's depth), the kind's and the sequence's accepted per estimated token."""
-        key, expected = self._tree_key(seq), p["expected"]
-        if p["full"]:
-            self.priors.observe_profile(key, p["estimates"])
-        self.priors.observe_tree(key, accepted, expected)
-        state = seq.eagle
-        state.hits = SEQ_DECAY * state.hits + accepted
-        state.expected = SEQ_DECAY * state.expected + expected
-        self._update_tree_scale(seq)
-
-    def _update_tree_scale(self, seq: Sequence) -> None:
-        """An EAGLE-2 tree sequence's own accepted per estimated token, shrunk toward its kind's
-        (`SEQ_PRIOR_TRIALS` estimated tokens' worth), as a linear draft's α is."""
-        state = seq.eagle
-        kind = self.priors.tree_scale(self._tree_key(seq))
-        seq.accept_scale = (state.hits + SEQ_PRIOR_TRIALS * kind) / (state.expected + SEQ_PRIOR_TRIALS)
-
-    def _lookup_branch(self, seq: Sequence) -> int:
-        """The usual length of ``seq``'s prompt-lookup branch (`SpecSettings.lookup_branch`)."""
-        return LOOKUP_BRANCH if seq.spec.lookup_branch is None else seq.spec.lookup_branch
-
-    @staticmethod
-    def _branch_key(seq: Sequence) -> tuple:
-        """The acceptance kind of ``seq``'s branches: its class's (greedy) branches."""
-        return (seq.spec.auto_key, BRANCH_KIND, False)
-
-    def _branch_offer(self, seq: Sequence, heads: list[float], bound: int, limit: int,
-                      max_nodes: int) -> BranchOffer | None:
-        """The prompt-lookup branch a greedy Medusa sequence offers this step beside the heads' nodes
-        (``heads``: their gains, best first), or None without one. The branch is at most ``bound``
-        tokens (the step's drafts: budget and context) and, with the heads' nodes, ``limit`` gains
-        (the tree's node bound). Its k-th token is expected to be accepted as the branches of the
-        request's class were at depth k (`AcceptancePriors`, n-gram's prior before any), and to add
-        a token where the heads' tree would not reach depth k (taken as independent: at most one
-        node per depth is accepted, the walk keeps the longer path). Deep tokens, past the heads,
-        can add more than shallow ones: the branch's gains are pooled into a non-increasing list
-        (`isotonic`, what a plan taking a prefix of them expects in all), and the branch and the
-        heads' nodes are offered in one list, best first."""
-        t0 = time.perf_counter()
-        branch = branch_tokens(seq.ngram, self._lookup_branch(seq), bound, limit)
-        spent = time.perf_counter() - t0  # a lookup: ~10 us, the cheap wall clock (see the n-gram candidate)
-        self._ngram_s[seq.request_id] = spent
-        self._propose_s += spent
-        if branch is None:
-            return None
-        key = self._branch_key(seq)
-        hit = self.priors.gains(key, "ngram", self.priors.alpha(key, "ngram"), len(branch))
-        reach = [0.0] * (len(branch) + 1)  # P(the heads' tree accepts a node at depth d)
-        for (path, _), g in zip(self.medusa.ranked(seq.heads, max_nodes), heads):
-            if len(path) <= len(branch):
-                reach[len(path)] += g
-        marginal = [-g for g in isotonic([-p * max(0.0, 1.0 - reach[d]) for d, p in enumerate(hit, start=1)])]
-        mix: list[bool] = []
-        i = j = 0
-        while len(mix) < limit and (i < len(heads) or j < len(marginal)):
-            take = j < len(marginal) and (i == len(heads) or marginal[j] > heads[i])
-            mix.append(take)
-            j, i = (j + 1, i) if take else (j, i + 1)
-        return BranchOffer(tokens=branch, heads=heads, branch=marginal, mix=mix)
+        return self.trees.medusa_candidate(seq, bound, overhead)
 
     def _feed(self, seq: Sequence, p: dict | None) -> tuple[FeedItem, bool]:
         """The target tokens this sequence feeds; whether the step needs hidden states for it."""
@@ -778,16 +594,7 @@ class Engine:
             # the heads' tree alone would have accepted the path's own nodes: the walk leaves them only for a
             # branch node, which was appended where none of the tree's children carried its token
             heads_accepted = sum(1 for node in path[1:] if node < buffers.spec.num_nodes)
-            if seq.eagle is not None:  # an EAGLE-2 tree: what its drafter expected of it vs what came
-                self._observe_tree(seq, accepted, p)
-            elif p.get("expected"):  # what the accuracy table expected of this tree vs what came
-                seq.accept_scale = 0.8 * seq.accept_scale + 0.2 * heads_accepted / p["expected"]
-                self.priors.observe_scale(seq.prior_key, heads_accepted / p["expected"])
-            if branch:
-                hit = branch_accepted(branch, new[:-1])
-                self.priors.observe_alpha(self._branch_key(seq), hit, hit + (1 if hit < len(branch) else 0))
-                self.medusa_branches += 1
-                self.medusa_branch_tokens += accepted - heads_accepted
+            self.trees.observe(seq, p, new, accepted, heads_accepted)  # what the estimates expected vs what came
             self.target.compact(seq.target, old_len - 1, path)
             if seq.spec.method == "medusa":
                 seq.hidden = out.hidden[path[-1]]
@@ -839,10 +646,8 @@ class Engine:
                 seq.acc_hits *= 1.0 - ALPHA_RECOVERY
                 seq.acc_trials *= 1.0 - ALPHA_RECOVERY
                 self._update_alpha(seq)
-                if self._overhead_kind(seq) == EAGLE_TREE:
-                    seq.eagle.hits *= 1.0 - ALPHA_RECOVERY
-                    seq.eagle.expected *= 1.0 - ALPHA_RECOVERY
-                    self._update_tree_scale(seq)
+                if overhead_kind(seq) == EAGLE_TREE:
+                    self.trees.recover_tree(seq)
                 else:
                     seq.accept_scale += ALPHA_RECOVERY * (self.priors.scale(seq.prior_key) - seq.accept_scale)
         stats.record_emitted(len(new))

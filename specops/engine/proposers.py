@@ -204,7 +204,7 @@ class Proposed:
     """Wall seconds counted in the request's ``draft_s``."""
     share_s: float = 0.0
     """Cost-clock seconds of the proposal charged to this sequence (the planner's per-sequence
-    speculation overhead, `Engine._measure_overheads`)."""
+    speculation overhead, `StepAccounts.measure_overheads`)."""
     forwards: int = 0
     """Drafter forwards counted in the request's ``draft_forwards``."""
 

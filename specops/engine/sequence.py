@@ -161,7 +161,7 @@ class Sequence:
     accept_scale: float = 1.0
     """Medusa: running ratio of accepted tokens to the tree's expected accepted tokens (the
     heads' accuracy table is an average; this request may do better or worse). EAGLE-2 trees:
-    accepted tokens per token the drafter expected (`Engine._observe_tree`)."""
+    accepted tokens per token the drafter expected (`TreePlans.observe_tree`)."""
     prior_key: tuple = ()
     """(request class, method, sampled): its kind in the engine's `AcceptancePriors`."""
     hidden: Any = None

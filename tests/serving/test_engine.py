@@ -44,7 +44,7 @@ class NoOverhead(Meter):
 
 def full_speculation(eng: Engine) -> Engine:
     eng.cost = FlatCost()
-    eng.overhead = {method: NoOverhead() for method in eng.overhead}  # no measured time steers the plan
+    eng.accounts.overhead = {method: NoOverhead() for method in eng.accounts.overhead}  # no measured time steers the plan
     eng.calibration = None  # a synthetic cost model: real step times would "calibrate" it
     eng.schedule.quiet_after_decline = 0  # plan every step
     return eng
@@ -309,7 +309,7 @@ def test_planning_backs_off_while_a_steady_batch_keeps_declining(qwen2, monkeypa
             stretches.append(eng.schedule.quiet[0])
     assert stretches[:5] == [7, 15, 31, 31, 31], stretches
     assert plans <= 8  # against 140 / 8 with a fixed stretch of 7
-    assert eng.decode_steps[1] == 0  # all declined
+    assert eng.accounts.decode_steps[1] == 0  # all declined
 
     # the stretch covers its batch size and larger ones; a smaller batch plans
     weighed[0] = False

@@ -312,7 +312,7 @@ def test_the_planner_declines_trees_whose_measured_overhead_does_not_pay(bigram,
     (a forward costs 1 s) the plan declines every tree, while a chain (no overhead) speculates."""
     spy = Spy(monkeypatch)
     eng = full_speculation(Engine(bigram, max_batch=4, kv_cache_mb=4, calibrate=False, eos_token_id=None))
-    eng.overhead[EAGLE_TREE] = Fixed(100.0)
+    eng.accounts.overhead[EAGLE_TREE] = Fixed(100.0)
     eng.schedule.probe_every = 10**9  # no cost probe runs a declined plan
     prompts = random_prompts(bigram.target.vocab_size, (9, 13, 17))
     chain, chained = run(eng, [("c", prompts[2], SamplingParams(max_tokens=30), SpecSettings(method="eagle", gamma=3))])
@@ -332,7 +332,7 @@ def test_trees_measure_their_own_overhead(bigram):
     got, records = run(eng, [("m", prompt, SamplingParams(max_tokens=30), SpecSettings(**TREE))])
     assert got["m"] == bigram.generate(prompt, method="ar", max_new_tokens=30).tokens
     assert records["m"].drafted > 0
-    assert len(eng.overhead[EAGLE_TREE].values) > 0 and len(eng.overhead["eagle"].values) == 0
+    assert len(eng.accounts.overhead[EAGLE_TREE].values) > 0 and len(eng.accounts.overhead["eagle"].values) == 0
 
 
 def test_a_tree_is_offered_the_drafters_calibrated_estimates(bigram):
@@ -344,20 +344,20 @@ def test_a_tree_is_offered_the_drafters_calibrated_estimates(bigram):
     eng.add("a", prompts[0], SamplingParams(max_tokens=60), SpecSettings(**TREE))
     eng.step()  # the prompt pass
     seq = eng.seqs["a"]
-    key = eng._tree_key(seq)
+    key = eng.trees.tree_key(seq)
     assert eng.priors.profile(key) is None
-    first = eng._tree_candidate(seq, 10, 0.0)
+    first = eng.trees.tree_candidate(seq, 10, 0.0)
     assert first.gains == eng.priors.gains(seq.prior_key, "eagle", seq.alpha, TREE["gamma"])
     for _ in range(6):
         eng.step()
     profile = eng.priors.profile(key)
     assert len(profile) == TREE["tree_size"] - 1 and profile == sorted(profile, reverse=True)
     assert seq.accept_scale != 1.0  # calibrated on what the trees accepted
-    offer = eng._tree_candidate(seq, 10, 0.0)
+    offer = eng.trees.tree_candidate(seq, 10, 0.0)
     assert offer.gains == [min(g * seq.accept_scale, 1.0) for g in profile]
-    assert eng._tree_depth["a"] == TREE["gamma"]
-    short = eng._tree_candidate(seq, 1, 0.0)  # one level: the root's topk children at most
-    assert eng._tree_depth["a"] == 1 and short.gains == offer.gains[: TREE["eagle_topk"]]
+    assert eng.trees.tree_depth["a"] == TREE["gamma"]
+    short = eng.trees.tree_candidate(seq, 1, 0.0)  # one level: the root's topk children at most
+    assert eng.trees.tree_depth["a"] == 1 and short.gains == offer.gains[: TREE["eagle_topk"]]
 
 
 def test_tree_calibration_is_a_ratio_of_sums():

@@ -144,7 +144,7 @@ def test_the_plan_offers_the_branch_beside_the_heads_nodes(qwen2):
     seq.hidden = torch.zeros(1)  # as after its prefill: the heads may propose
     heads = [min(g * seq.accept_scale, 1.0) for g in eng.medusa.gains(seq.heads, 6, max_depth=30)]
     candidate = eng._candidate(seq, bound=30)
-    offer = eng._branches["r"]
+    offer = eng.trees.branches["r"]
     assert offer.tokens == [10, 11, 7, 8] and offer.heads == heads  # LOOKUP_BRANCH tokens after a 3-token match
     assert len(candidate.gains) == 5 and candidate.gains == offer.gains()  # a tree of 6 nodes holds 5 more
     assert candidate.gains == sorted(candidate.gains, reverse=True)
@@ -154,15 +154,15 @@ def test_the_plan_offers_the_branch_beside_the_heads_nodes(qwen2):
         assert nodes + len(branch) == extra and branch == offer.tokens[: len(branch)]
         assert nodes == sum(1 for take in offer.mix[:extra] if not take)
     eng._candidate(seq, bound=2)
-    assert eng._branches["r"].tokens == [10, 11]  # no more than the step may draft
+    assert eng.trees.branches["r"].tokens == [10, 11]  # no more than the step may draft
     # once the class's branches were accepted deep, the branch outbids the heads' weaker nodes
-    key = eng._branch_key(seq)
+    key = eng.trees.branch_key(seq)
     for _ in range(40):
         eng.priors.observe_alpha(key, 4, 4)
-    assert sum(eng._candidate(seq, bound=30) and eng._branches["r"].mix) > sum(offer.mix)
-    eng._branches.clear()
+    assert sum(eng._candidate(seq, bound=30) and eng.trees.branches["r"].mix) > sum(offer.mix)
+    eng.trees.branches.clear()
     seq.ngram = engine_module.context_index([1, 2, 3, 4])  # no match: the heads' nodes alone
-    assert eng._candidate(seq, bound=30).gains == heads and "r" not in eng._branches
+    assert eng._candidate(seq, bound=30).gains == heads and "r" not in eng.trees.branches
 
 
 def test_lookup_branch_zero_and_sampled_requests_keep_no_index(qwen2):

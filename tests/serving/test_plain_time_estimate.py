@@ -90,13 +90,13 @@ def test_the_engine_reports_speculation_work_of_steps_that_shared_a_prefill():
         dec = Decoder.from_pretrained("bundled")
         eng = Engine(dec, max_batch=4, kv_cache_mb=16)
         seen = []
-        count = eng.plain_time.count
+        count = eng.accounts.plain_time.count
 
         def spy(b, step_s, emitted, *, speculated, prefilled, spec_s=0.0, cost=None):
             seen.append((speculated, prefilled, spec_s, step_s, sum(n for _, n in emitted)))
             return count(b, step_s, emitted, speculated=speculated, prefilled=prefilled, spec_s=spec_s, cost=cost)
 
-        eng.plain_time.count = spy
+        eng.accounts.plain_time.count = spy
         prompts = [p[:16] for p in code_prompts(dec, 6)]  # short: their prefill leaves the step's plan on
         spec = SpecSettings(method="draft", gamma=4, observed=True)
         for i, p in enumerate(prompts[:2]):

@@ -5,7 +5,7 @@ the batch, so the decoder's per-forward estimate (tokens x one forward's share) 
 batched request near 1 / batch size: at 16 plain requests the records said 0.05x, and
 the controller reads these to decide fallbacks. The engine now replaces each of a
 request's decode steps by plain steps at the same batch size (see
-`Engine._count_plain_time`)."""
+`StepAccounts.count_plain_time`)."""
 
 from __future__ import annotations
 
@@ -52,17 +52,17 @@ def test_count_plain_time_replaces_decode_steps_by_plain_steps_at_the_same_batch
             self.stats = DecodeStats(method="ngram")
 
     a, b = Seq(), Seq()
-    eng._count_plain_time(2, 0.010, [(a, 1), (b, 1)], speculated=True, prefilled=False)
+    eng.accounts.count_plain_time(2, 0.010, [(a, 1), (b, 1)], speculated=True, prefilled=False)
     assert a.stats.plain_decode_s == pytest.approx(0.010)  # nothing measured yet: neutral
     for s in (0.004, 0.006):  # two all-plain steps of 2 sequences: 5 ms on average
-        eng._count_plain_time(2, s, [], speculated=False, prefilled=False)
-    eng._count_plain_time(2, 0.007, [(a, 3), (b, 1)], speculated=True, prefilled=False)
+        eng.accounts.count_plain_time(2, s, [], speculated=False, prefilled=False)
+    eng.accounts.count_plain_time(2, 0.007, [(a, 3), (b, 1)], speculated=True, prefilled=False)
     assert a.stats.decode_step_s == pytest.approx(0.017)
     assert a.stats.plain_decode_s == pytest.approx(0.010 + 3 * 0.005)  # 3 tokens: 3 plain steps
     assert b.stats.plain_decode_s == pytest.approx(0.010 + 0.005)
-    eng._count_plain_time(2, 0.030, [(a, 2)], speculated=True, prefilled=True)  # another request's prefill ran too
+    eng.accounts.count_plain_time(2, 0.030, [(a, 2)], speculated=True, prefilled=True)  # another request's prefill ran too
     assert a.stats.plain_decode_s == pytest.approx(0.025 + 0.030 + 0.005)
-    assert list(eng.plain_step) == [2]  # only the all-plain, prefill-free steps were measured
+    assert list(eng.accounts.plain_step) == [2]  # only the all-plain, prefill-free steps were measured
 
     a.stats.new_tokens, a.stats.wall_s = 7, 0.100  # 0.053 of it outside decode steps (queue, prefill)
     record = a.stats.to_record("code")
