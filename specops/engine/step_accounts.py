@@ -111,7 +111,3 @@ class StepAccounts:
         time already closed: the rest of the step's commits count on the plain side too.)"""
         self.plain_time.count(b, step_s, emitted, speculated=speculated, prefilled=prefilled, spec_s=spec_s,
                               cost=self.cost())
-
-    def plain_step_s(self, b: int) -> float | None:
-        """Wall seconds of a plain decoding step of ``b`` sequences (`PlainTimeEstimate.plain_step_s`)."""
-        return self.plain_time.plain_step_s(b, self.cost())

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from specops.models.cli import MODEL_FOLDER
+from specops.train.cli_options import reply_data_options
 
 
 @click.command("eagle")
@@ -20,12 +21,7 @@ from specops.models.cli import MODEL_FOLDER
                    "where `Decoder.from_pretrained(NAME)` finds it; required for a folder]")
 @click.option("--minutes", type=click.FloatRange(min=0, min_open=True), default=40.0, show_default=True,
               help="Wall budget: target data generation, training and the held-out report together.")
-@click.option("--tokens", type=click.IntRange(1), default=400_000, show_default=True,
-              help="Positions of target data (prompt and generated tokens) to collect at most.")
-@click.option("--self-prompts", type=click.IntRange(0), default=1000, show_default=True,
-              help="User messages the target writes itself as extra prompts (chat models; 0: shipped prompts only).")
-@click.option("--batch", "max_batch", type=click.IntRange(1, 256), default=64, show_default=True,
-              help="Sequences generated side by side while collecting the target's data.")
+@reply_data_options("Positions of target data (prompt and generated tokens) to collect at most.")
 @click.option("--steps", type=click.IntRange(1), default=None,
               help="Stop training after this many steps (default: when the budget is spent).")
 @click.option("--shortlist", type=click.IntRange(0), default=8192, show_default=True,

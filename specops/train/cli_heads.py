@@ -11,6 +11,7 @@ import click
 from click.core import ParameterSource
 
 from specops.models.cli import MODEL_FOLDER
+from specops.train.cli_options import reply_data_options
 
 TEXT_ONLY = ("heldout_files", "self_distill", "distill_sequences")
 CHAT_ONLY = ("minutes", "tokens", "self_prompts", "max_batch")
@@ -64,12 +65,7 @@ def _flag(name: str) -> str:
               help="K: heads to train (head k predicts k tokens beyond the next).")
 @click.option("--minutes", type=click.FloatRange(min=0, min_open=True), default=CHAT_MINUTES, show_default=True,
               help="--chat: wall budget for the replies, training and the held-out report together.")
-@click.option("--tokens", type=click.IntRange(1), default=400_000, show_default=True,
-              help="--chat: reply positions to collect at most.")
-@click.option("--self-prompts", type=click.IntRange(0), default=1000, show_default=True,
-              help="--chat: user messages the model writes itself as extra prompts (0: the shipped prompts only).")
-@click.option("--batch", "max_batch", type=click.IntRange(1, 256), default=64, show_default=True,
-              help="--chat: replies the serving engine writes side by side.")
+@reply_data_options("Reply positions to collect at most.", scope="--chat: ")
 @click.option("--steps", type=click.IntRange(1), default=None,
               help=f"Optimizer steps  [default: {TEXT_STEPS} with --data / --stdlib; with --chat, until the "
                    "budget is spent]")
