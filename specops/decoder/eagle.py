@@ -12,14 +12,20 @@ the target's frozen LM head turns that into the token ``x_{i+2}``. Drafting a ch
 tokens runs the layer on its own predicted features (argmax at temperature 0; at
 temperature > 0 a sample from the drafter's filtered distribution q, which the sampling
 verification of `speculation.TargetVerifier` receives, so the output is distributed as the
-target's). A greedy request may draft EAGLE-2's dynamic tree instead (`specops.decoder.eagle_tree`). After a verification the target's hidden states at the accepted positions
-replace the drafted features: the drafter's cache is cut back to the real entries and
-the accepted positions are fed with their real features in one forward.
+target's). A greedy request may draft EAGLE-2's dynamic tree instead
+(`specops.decoder.eagle_tree`). After a verification the target's hidden states at the
+accepted positions replace the drafted features: the drafter's cache is cut back to the real
+entries and the accepted positions are fed with their real features in one forward.
 
 Cache bookkeeping, for a sequence ``x_0 .. x_{N-1}`` whose last token is pending in the
 target: the drafter holds entries ``0 .. N-2`` (all real features), and its output at
 entry ``N-2`` predicts ``f_{N-1}`` and so the first drafted token. A drafted chain adds
-entries ``N-1 ..`` on predicted features; they are dropped after the verification.
+entries ``N-1 ..`` on predicted features; they are dropped right after drafting. One
+sequence's side of this is an `EagleCursor`: its own drafter cache (`EagleDrafter.new_cache`,
+sized for the request), the real entries fed and those waiting to be fed, and the last
+prediction. `EagleProposer` here keeps one per request and the serving engine one per
+sequence (`specops.engine.eagle_proposer`); they differ only in where the real features come
+from (the verifier's ``features`` here, the engine's batched hidden rows there).
 
 The embedding and LM head are the target's (`EagleDrafter.bind`), never stored with the
 drafter. With a *shortlist* (the most frequent tokens of its training data) the drafter
@@ -54,8 +60,10 @@ from specops.decoder.step import run_steps
 
 if TYPE_CHECKING:
     from specops.decoder.eagle_tree import EagleTree
+    from specops.decoder.step import DraftTree
 
-__all__ = ["EagleConfig", "EagleDrafter", "EagleError", "EagleProposer", "draft_chain", "generate_eagle"]
+__all__ = ["EagleConfig", "EagleCursor", "EagleDrafter", "EagleError", "EagleProposer", "draft_chain",
+           "generate_eagle"]
 
 log = logging.getLogger(__name__)
 
@@ -106,17 +114,115 @@ def draft_chain(drafter: EagleDrafter, last: Tensor, gamma: int, sampling: Sampl
     return drafted, (torch.stack(q_rows)[None] if q_rows else None)
 
 
+class EagleCursor:
+    """One sequence's state in an EAGLE drafter (see the module docstring's cache bookkeeping).
+
+    It owns the sequence's drafter KV cache (`EagleDrafter.new_cache` of ``max_len`` entries,
+    allocated at the first `catch_up`), the count of real entries the cache holds (``fed``), the
+    drafter's prediction of the pending token's feature (``last``), the real entries kept but not
+    fed yet (``waiting``: (tokens, features) chunks in order) and whether it is still in step with
+    the sequence (``in_step``). Outside `chain` and `tree` the cache holds exactly the ``fed`` real
+    entries: drafted entries rest on predicted features and are cut off before those return.
+    The caller runs it under the drafter's thread setting (`torch_single_thread`) and grad mode."""
+
+    def __init__(self, drafter, max_len: int) -> None:
+        self.drafter = drafter
+        self.max_len = max_len  # entries the cache is allocated for (`new_cache` caps it at the drafter's context)
+        self.cache = None
+        self.fed = 0
+        self.last: Tensor | None = None
+        self.waiting: list[tuple[list[int], Tensor]] = []
+        self.in_step = True
+
+    @property
+    def unfed(self) -> int:
+        """Real entries kept and not fed yet."""
+        return sum(len(tokens) for tokens, _ in self.waiting)
+
+    @property
+    def known(self) -> int:
+        """Real entries fed or waiting."""
+        return self.fed + self.unfed
+
+    @property
+    def ready(self) -> bool:
+        """Whether it can draft once it has caught up (in step, with a prediction made or entries waiting)."""
+        return self.in_step and (self.last is not None or bool(self.waiting))
+
+    def keep(self, tokens: list[int], features: Tensor) -> None:
+        """Append real entries: entry ``i`` reads ``tokens[i]`` (the token after the position whose
+        target hidden state is ``features[i]``); features [len(tokens), E] (or [., k*E], EAGLE-3)."""
+        self.waiting.append((tokens, features))
+
+    def catch_up(self) -> bool:
+        """Feed every waiting entry in one drafter step (its last output is the new ``last``);
+        whether it can draft now (in step, with a prediction)."""
+        if not self.in_step:
+            return False
+        if self.waiting:
+            drafter = self.drafter
+            device = drafter.fc.weight.device
+            if self.cache is None:
+                self.cache = drafter.new_cache(self.max_len)
+            tokens = [t for chunk, _ in self.waiting for t in chunk]
+            chunks = [f for _, f in self.waiting]
+            features = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+            self.last = drafter.step(torch.tensor(tokens, dtype=torch.long, device=device), features.to(device),
+                                     self.cache)[-1]
+            self.fed += len(tokens)
+            self.waiting = []
+        return self.last is not None
+
+    def chain(self, gamma: int, sampling: SamplingConfig, generator: torch.Generator, vocab: int,
+              device: torch.device) -> tuple[list[int], Tensor | None]:
+        """`draft_chain` of γ tokens from ``last`` on the cache (after a `catch_up` that returned
+        True); the cache is cut back to the real entries after."""
+        try:
+            return draft_chain(self.drafter, self.last, gamma, sampling, generator, vocab, device, self.cache)
+        finally:
+            self.cache.truncate(self.fed)
+
+    def depth_room(self, depth: int, topk: int) -> int:
+        """``depth`` cut to the tree levels the cache holds past the real entries: ``topk`` entries
+        per level but the last (after a `catch_up`)."""
+        return min(depth, 1 + (self.cache.max_len - self.fed) // topk)
+
+    def tree(self, shape: EagleTree, depth: int, size: int, root: int, device: torch.device,
+             estimates: list[float] | None = None) -> tuple[DraftTree, int]:
+        """`eagle_tree.draft_tree` after the pending token ``root`` from ``last`` on the cache (after a
+        `catch_up` that returned True; ``depth`` within `depth_room`): the tree and the drafter
+        forwards it ran. The cache is cut back to the real entries after."""
+        from specops.decoder import eagle_tree
+
+        try:
+            return eagle_tree.draft_tree(self.drafter, self.last, root, shape, depth, size, device, self.cache,
+                                         estimates)
+        finally:
+            self.cache.truncate(self.fed)
+
+    def clear(self) -> None:
+        """Drop the cache, the prediction and every real entry (the sequence is fed again from its start)."""
+        self.cache, self.fed, self.last, self.waiting = None, 0, None, []
+
+    def stop(self) -> None:
+        """Out of step for good: `clear`, and `catch_up` never drafts again."""
+        self.clear()
+        self.in_step = False
+
+
 class EagleProposer:
     """The EAGLE drafter as a `step.Proposer`. It reads the prompt's hidden states after the
     target's prefill (the verifier keeps them: ``keep_features``) and drafts a chain from its
-    prediction of the pending token's feature (`draft_chain`). After each verified step it
-    drops its drafted entries and keeps the accepted positions' real features; it reads them
-    (one drafter forward over every kept position) when it next drafts, so under ``auto`` the
-    steps other proposers ran cost it nothing until it drafts again. It falls out of step for
+    prediction of the pending token's feature (`draft_chain`), on the request's `EagleCursor`.
+    After each verified step its cursor keeps the accepted positions' real features; it reads
+    them (one drafter forward over every kept position) when it next drafts, so under ``auto``
+    the steps other proposers ran cost it nothing until it drafts again. It falls out of step for
     the rest of the request when a step leaves no features to read (a one-call step that does
     not return them)."""
 
     method = "eagle"
+    extra_entries = 0
+    """Drafter cache entries a drafting needs past the sequence's own (a tree's expanded levels)."""
 
     def __init__(self, drafter: EagleDrafter, sampling: SamplingConfig, generator: torch.Generator,
                  vocab: int, sample_device: torch.device) -> None:
@@ -126,25 +232,24 @@ class EagleProposer:
         self.vocab = vocab
         self.sample_device = sample_device
         self.device = drafter.fc.weight.device
-        self.last: Tensor | None = None  # the drafter's prediction of the pending token's feature [E]
-        self.synced = False  # the drafter holds, or has waiting, every real entry
-        self.fed = 0  # real entries in the drafter's cache (drafted entries past them are dropped at `sync`)
-        self.waiting: list[tuple[list[int], Tensor]] = []  # (tokens, features) of real entries not read yet
+        self.cursor: EagleCursor | None = None  # the request's drafter state (`start`)
 
     def start(self, v: TargetVerifier) -> None:
-        drafter, features, prompt = self.drafter, v.features, v.tokens
-        drafter.reset()
-        self.last, self.fed, self.waiting = None, 0, []
-        if features is not None and draft_room(drafter.max_context, len(prompt)):
+        """A cursor sized for the request (prompt, budget and a tree's levels) that reads the prompt's
+        features when the drafter has room for it; out of step when the prefill kept none."""
+        features, prompt = v.features, v.tokens
+        self.cursor = cursor = EagleCursor(self.drafter, v.prompt_len + v.budget + self.extra_entries)
+        if features is not None and draft_room(self.drafter.max_context, len(prompt)):
             t0 = device_clock(self.device)
+            cursor.keep(prompt[1:], features)
             with self.threads():
-                self.last = drafter.step(torch.tensor(prompt[1:], device=self.device), features.to(self.device))[-1]
+                cursor.catch_up()
             dt = device_clock(self.device) - t0
-            self.fed = len(prompt) - 1
             v.stats.draft_forwards += 1
             v.stats.draft_s += dt
             v.stats.prefill_s += dt
-        self.synced = features is not None or len(prompt) == 1
+        if features is None and len(prompt) > 1:
+            cursor.stop()
 
     def room(self, v: TargetVerifier) -> int:
         return draft_room(self.drafter.max_context, len(v.tokens))
@@ -152,22 +257,15 @@ class EagleProposer:
     @property
     def ready(self) -> bool:
         """Whether it can draft at the next step (in step, with a prediction made or features waiting)."""
-        return self.synced and (self.last is not None or bool(self.waiting))
+        return self.cursor is not None and self.cursor.ready
 
     def catch_up(self, v: TargetVerifier) -> bool:
         """Read the waiting real entries (one drafter forward); whether the drafter can draft now."""
-        if not self.synced:
-            return False
-        if self.waiting:
-            tokens = [t for chunk, _ in self.waiting for t in chunk]
-            features = torch.cat([f for _, f in self.waiting]).to(self.device)
-            with self.threads():
-                self.drafter.truncate(self.fed)
-                self.last = self.drafter.step(torch.tensor(tokens, device=self.device), features)[-1]
-            self.fed += len(tokens)
-            self.waiting = []
+        cursor = self.cursor
+        if cursor.in_step and cursor.waiting:
             v.stats.draft_forwards += 1
-        return self.last is not None
+        with self.threads():
+            return cursor.catch_up()
 
     def propose(self, v: TargetVerifier, gamma: int, limit: int) -> tuple[list[int], Tensor | None]:
         if not self.catch_up(v):
@@ -175,9 +273,7 @@ class EagleProposer:
         gamma = min(gamma, limit)
         v.stats.draft_forwards += gamma - 1
         with self.threads():
-            self.drafter.truncate(self.fed)
-            return draft_chain(self.drafter, self.last, gamma, self.sampling, self.generator, self.vocab,
-                               self.sample_device)
+            return self.cursor.chain(gamma, self.sampling, self.generator, self.vocab, self.sample_device)
 
     def threads(self):
         """Where the drafter runs on the CPU: its torch ops on the calling thread (`torch_single_thread`)."""
@@ -185,19 +281,17 @@ class EagleProposer:
 
     def sync(self, v: TargetVerifier, result: StepResult) -> float:
         """Keep the step's accepted positions (tokens and real features) for the next `catch_up`."""
-        if v.done or not self.synced:
+        cursor = self.cursor
+        if v.done or not cursor.in_step:
             return 0.0
         if v.stats.fallback_reason == "deadline" or len(v.tokens) - 1 > self.drafter.max_context:
-            self.synced = False  # no drafting from here on: stop keeping features
-            self.waiting = []
+            cursor.stop()  # no drafting from here on: stop keeping features
             return 0.0
         real = len(v.tokens) - len(result.emitted) - 1  # real entries before this step
-        if not v.features_fresh or v.features.shape[0] != len(result.emitted) or self.fed + sum(
-                len(chunk) for chunk, _ in self.waiting) != real:
-            self.synced = False  # the step left no features of its positions: the drafter cannot follow
-            self.waiting = []
+        if not v.features_fresh or v.features.shape[0] != len(result.emitted) or cursor.known != real:
+            cursor.stop()  # the step left no features of its positions: the drafter cannot follow
             return 0.0
-        self.waiting.append((v.tokens[real + 1 :], v.features))  # d_1 .. d_n, next token; their features
+        cursor.keep(v.tokens[real + 1 :], v.features)  # d_1 .. d_n, next token; their features
         return 0.0
 
 

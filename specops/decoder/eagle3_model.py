@@ -18,10 +18,10 @@ target token ``k + d2t[k]``; ``t2d`` marks the target tokens that have one. The 
 names are EAGLE-3's (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``), so
 `specops.decoder.eagle_io` loads a published state dict one to one.
 
-The drafter offers `specops.decoder.eagle.draft_chain` and `EagleProposer` what an EAGLE-1
-drafter offers (`logits`, `step`, `reset`, `truncate`, `max_context`, and ``shortlist``: the
-target ids of its draft tokens, None when they are the whole vocabulary in order), so both
-kinds run through one code path; `feature_layers` says which target hidden states `step`
+The drafter offers `specops.decoder.eagle.draft_chain`, `EagleCursor` and `EagleProposer` what
+an EAGLE-1 drafter offers (`logits`, `step`, `new_cache`, `reset`, `truncate`, `max_context`,
+and ``shortlist``: the target ids of its draft tokens, None when they are the whole vocabulary
+in order), so both kinds run through one code path; `feature_layers` says which target hidden states `step`
 reads (`specops.decoder.speculation.TargetVerifier` keeps them: ``keep_features``).
 """
 

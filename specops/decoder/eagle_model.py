@@ -128,8 +128,10 @@ class DrafterCache:
 
     def new_cache(self, max_len: int | None = None):
         """An empty KV cache of one sequence for ``step(..., cache=)``, of ``max_len`` entries
-        (default and most: `max_context`). The drafter keeps one of its own (`reset`); the
-        serving engine keeps one per sequence (`specops.engine.eagle_proposer`)."""
+        (default and most: `max_context`). Decoding keeps one per sequence in its
+        `specops.decoder.eagle.EagleCursor` (the library's requests and the serving engine's
+        sequences alike); the drafter also keeps one of its own (`reset`), which `step` uses by
+        default."""
         from specops.decoder.kv_cache import KVCache
 
         c = self.config

@@ -18,8 +18,9 @@ root (here its logarithm, a sum), the drafter's estimate that the target accepts
    (`speculation.TargetVerifier.verify_tree`): the greedy walk (`tree_verify.judge_tree`) keeps
    the longest path of the target's argmaxes, the target's cache is compacted to it, and the
    target's hidden states along it are the features the drafter reads next.
-4. Roll back: the drafter drops every drafted entry and reads the accepted positions' real
-   features (`EagleProposer.sync`), as after a chain.
+4. Roll back: the drafter drops every drafted entry (`eagle.EagleCursor.tree` cuts its cache back
+   to the real entries) and reads the accepted positions' real features (`EagleProposer.sync`),
+   as after a chain.
 
 Greedy output equals plain greedy decoding: the walk emits only the target's argmaxes. Sampled
 requests (temperature > 0) keep the chain, whose rejection sampling against the drafter's q is
@@ -180,18 +181,19 @@ def draft_tree(drafter, last: Tensor, root: int, shape: EagleTree, depth: int, s
 
 
 class EagleTreeProposer(EagleProposer):
-    """The EAGLE drafter drafting a dynamic tree per step (`draft_tree`); its start, room and
-    roll back are the chain proposer's."""
+    """The EAGLE drafter drafting a dynamic tree per step (`draft_tree`, through the request's
+    `eagle.EagleCursor`, whose cache also holds the ``(depth - 1) * topk`` expanded entries); its
+    start, room and roll back are the chain proposer's."""
 
     def __init__(self, drafter, shape: EagleTree, sampling: SamplingConfig, generator: torch.Generator, vocab: int,
                  sample_device: torch.device) -> None:
         super().__init__(drafter, sampling, generator, vocab, sample_device)
         self.shape = shape
+        self.extra_entries = (shape.depth - 1) * shape.topk
 
     def depth_room(self, depth: int) -> int:
-        """``depth`` cut to what the drafter's cache holds: ``topk`` entries per level but the last."""
-        free = self.drafter.max_context - self.drafter.cache_len
-        return min(depth, 1 + free // self.shape.topk)
+        """``depth`` cut to what the request's drafter cache holds: ``topk`` entries per level but the last."""
+        return self.cursor.depth_room(depth, self.shape.topk)
 
     def propose(self, v: TargetVerifier, gamma: int, limit: int) -> DraftTree | None:
         """A tree as deep as the shape, the budget, the deadline and the drafter's context let it (``limit``)."""
@@ -202,11 +204,9 @@ class EagleTreeProposer(EagleProposer):
         drafter is not in step with the sequence."""
         if not self.catch_up(v):
             return None
-        self.drafter.truncate(self.fed)
         room = v.target.max_context - v.target.cache_len
         size = min(self.shape.tree_size, room)
         with self.threads():
-            tree, forwards = draft_tree(self.drafter, self.last, v.tokens[-1], self.shape, self.depth_room(depth),
-                                        size, v.device)
+            tree, forwards = self.cursor.tree(self.shape, self.depth_room(depth), size, v.tokens[-1], v.device)
         v.stats.draft_forwards += forwards
         return tree

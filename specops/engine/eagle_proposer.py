@@ -1,37 +1,33 @@
 """EAGLE feature drafting in the serving engine: one drafter cache per sequence.
 
 The drafter (`specops.decoder.eagle_model.EagleDrafter`, the model `Decoder(eagle=...)`
-loaded) is shared; each sequence keeps its own `EagleState`: a KV cache of the drafter's
-one layer (`EagleDrafter.new_cache`, sized to the sequence's most tokens and allocated at
-its first drafting) and the target's hidden states of its positions the cache has not
-been fed yet. The drafting runs `specops.decoder.eagle.draft_chain` on that cache, or, for a
-greedy request whose settings ask for one (`SpecSettings.eagle_tree`), EAGLE-2's dynamic tree
-`specops.decoder.eagle_tree.draft_tree`, so a sequence proposes what
-`Decoder.generate(method="eagle")` (``eagle_tree=``) proposes from the same state.
+loaded) is shared; each sequence's `EagleState` holds a `specops.decoder.eagle.EagleCursor`,
+the same per-sequence drafter state `Decoder.generate(method="eagle")` drives: its own drafter
+KV cache (sized to the sequence's most tokens and a tree's expanded levels, allocated at its
+first drafting), the real entries fed and those waiting, and the drafter's prediction of the
+pending token's feature. The cursor drafts `draft_chain`, or, for a greedy request whose
+settings ask for one (`SpecSettings.eagle_tree`), EAGLE-2's dynamic tree (`draft_tree`), and
+cuts its cache back to the real entries after; so a sequence proposes what the library
+proposes from the same state.
 
-Cache bookkeeping (as in `specops.decoder.eagle`): for a sequence ``x_0 .. x_{N-1}`` with
-``x_{N-1}`` pending in the target, the drafter's entry ``i`` reads ``(x_{i+1}, f_i)``, and
-entries ``0 .. N-2`` are real. The engine feeds them lazily:
+What is the engine's own is where the real features come from:
 
 * every target forward of an active sequence returns its hidden rows (the forward asks for
-  hidden states whenever one is in the batch); `observe` keeps them and `commit` appends the
-  rows of the positions the step committed (pending token, accepted drafts) to the
-  sequence's unfed features — on a plain step one row, on a speculative one the accepted
-  prefix's, so a step the planner declined costs no drafter forward;
+  hidden states whenever one is in the batch); `observe` keeps them and `commit` hands the
+  cursor the rows of the positions the step committed (pending token, accepted drafts) — on a
+  plain step one row, on a speculative one the accepted prefix's — which wait there until the
+  sequence next drafts (`catch_up`, one drafter step), so a step the planner declined costs no
+  drafter forward;
 * a prefill or a recompute (after preemption) feeds the whole sequence, and its item asks
   for the hidden states of every row and the logits of the last (`FeedItem.hidden_only`: the
-  C stack skips the LM head for the others); `observe` keeps the hidden rows and hands the
-  verification only the last row. An active sequence never reuses cached prompt
+  C stack skips the LM head for the others, `full_rows`); `observe` keeps the hidden rows and
+  hands the verification only the last row. An active sequence never reuses cached prompt
   blocks (`Sequence.needs_all_hidden`): their hidden states were never computed here;
-* `propose` / `propose_tree` first feed the unfed entries in one drafter step (`catch_up`: its
-  last output predicts the pending token's feature), then draft the chain or the tree, then cut
-  the cache back to the real entries: the drafted entries rest on predicted features and are
-  never kept;
 * a tree is verified as a Medusa tree is (the engine's batched forward with its tree mask,
   `tree_verify.judge_tree`, the target's cache compacted to the accepted path). Its item returns
   every node's hidden row; `commit` keeps the rows of the accepted path, root first, in path order
   (tree rows, not a block of positions): the features of the positions the step committed, as the
-  library's `EagleProposer.sync` feeds them after a tree step.
+  library's `EagleProposer.sync` keeps them after a tree step.
 
 A preempted sequence loses its drafter state with its target blocks (`release`) and is
 rebuilt from its recompute's hidden rows. A sequence stops drafting for good once it outgrows
@@ -57,15 +53,15 @@ from __future__ import annotations
 import contextlib
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from specops.decoder.eagle import draft_chain, torch_single_thread
+from specops.decoder.eagle import EagleCursor, torch_single_thread
 from specops.decoder.eagle_model import EagleError
-from specops.decoder.eagle_tree import EagleTree, draft_tree
+from specops.decoder.eagle_tree import EagleTree
 from specops.decoder.speculation import draft_room
 from specops.decoder.step import DraftTree
 from specops.engine.batch_forward import FeedItem, ItemOutput
@@ -78,31 +74,33 @@ log = logging.getLogger(__name__)
 class EagleState:
     """One sequence's drafter state (see the module docstring)."""
 
-    active: bool = True
-    """False once the sequence can never draft again (outgrew the drafter, deadline): nothing is kept."""
+    cursor: EagleCursor
+    """The drafter cache and the real entries fed and waiting (`EagleCursor`); out of step once the
+    sequence can never draft again (outgrew the drafter, deadline), holding nothing."""
     shape: EagleTree | None = None
     """The EAGLE-2 tree a greedy request drafts each step (`SpecSettings.eagle_tree`); None: the chain."""
     hits: float = 0.0
     """Trees: decayed tokens the target accepted of them (the planner's calibration, `TreePlans.observe_tree`)."""
     expected: float = 0.0
     """Trees: decayed tokens the drafter expected of them (the sum of the kept nodes' estimates)."""
-    cache: Any = None
-    """The drafter's KV cache of this sequence (`EagleDrafter.new_cache`); None until the first drafting."""
-    features: list[Tensor] = field(default_factory=list)
-    """Target hidden rows [k, E] of the entries after the cache's, in order, not yet fed."""
-    unfed: int = 0
-    """Rows in ``features``."""
     rows: tuple[int, Tensor] | None = None
     """This step's hidden rows: (position of the first, [r, E]), until `EagleProposer.commit`; a
     tree step's are its nodes' rows in the tree's order, the root's first."""
 
     @property
-    def known(self) -> int:
-        """Entries whose features are in the cache or in ``features``."""
-        return (0 if self.cache is None else self.cache.length) + self.unfed
+    def active(self) -> bool:
+        """False once the sequence can never draft again: nothing is kept."""
+        return self.cursor.in_step
 
     def clear(self) -> None:
-        self.cache, self.features, self.unfed, self.rows = None, [], 0, None
+        """Drop the drafter cache and every kept feature (a preempted sequence is fed again from its recompute)."""
+        self.cursor.clear()
+        self.rows = None
+
+    def stop(self) -> None:
+        """The sequence never drafts again: its state is freed."""
+        self.cursor.stop()
+        self.rows = None
 
 
 def eagle3_refusal(what: str = "an EAGLE-3 drafter") -> str:
@@ -127,16 +125,21 @@ class EagleProposer:
         return self.drafter.max_context
 
     def start(self, seq: Sequence) -> EagleState:
-        """The state of a new sequence: inactive from the start when its prompt leaves no draft room;
-        a greedy one whose settings ask for it drafts EAGLE-2 trees (`SpecSettings.eagle_tree`)."""
-        shape = seq.spec.eagle_tree() if seq.sampling.greedy else None
-        return EagleState(active=draft_room(self.max_context, len(seq.tokens)) > 0,
-                          shape=None if shape is None else EagleTree(*shape))
+        """The state of a new sequence, its cursor sized to its most tokens and a tree's expanded
+        levels: out of step from the start when its prompt leaves no draft room; a greedy one whose
+        settings ask for it drafts EAGLE-2 trees (`SpecSettings.eagle_tree`)."""
+        spec = seq.spec.eagle_tree() if seq.sampling.greedy else None
+        shape = None if spec is None else EagleTree(*spec)
+        extra = 0 if shape is None else (shape.depth - 1) * shape.topk
+        state = EagleState(cursor=EagleCursor(self.drafter, seq.prompt_len + seq.budget + extra), shape=shape)
+        if draft_room(self.max_context, len(seq.tokens)) == 0:
+            state.stop()
+        return state
 
     def ready(self, seq: Sequence) -> bool:
-        """Whether the sequence can draft now: active, every real entry known."""
-        state = seq.eagle
-        return state.active and state.unfed > 0 and state.known == len(seq.tokens) - 1
+        """Whether the sequence can draft now: active, every real entry known, some waiting to be fed."""
+        cursor = seq.eagle.cursor
+        return cursor.in_step and cursor.unfed > 0 and cursor.known == len(seq.tokens) - 1
 
     def full_rows(self, seq: Sequence) -> bool:
         """Whether the sequence's target item must return every row (a prefill / recompute of an active one)."""
@@ -174,23 +177,21 @@ class EagleProposer:
         if path is not None and rows is not None:
             rows = (rows[0], rows[1][path])  # [len(path), E]: root, then the accepted nodes
         if deadline_passed or draft_room(self.max_context, len(seq.tokens)) == 0:
-            state.clear()
-            state.active = False
+            state.stop()
             return
-        start, want = state.known, len(seq.tokens) - 1  # entries start .. want - 1 are new
+        start, want = state.cursor.known, len(seq.tokens) - 1  # entries start .. want - 1 are new
         if want <= start:
             return
         if rows is None or start < rows[0] or want - rows[0] > rows[1].shape[0]:
             # the step's rows do not cover the new entries (a state/forward mismatch): the drafter
             # cannot be made exact again without the missing features, so the sequence decodes plainly
             log.warning("eagle sequence %s lost its drafter state; it decodes plainly", seq.request_id)
-            state.clear()
-            state.active = False
+            state.stop()
             return
         first, hidden = rows
-        # a copy: a view would keep the step's whole [R, E] hidden states alive while the rows wait
-        state.features.append(hidden[start - first : want - first].clone())
-        state.unfed += want - start
+        # entry i reads (x_{i+1}, f_i); a copy of the rows: a view would keep the step's whole [R, E]
+        # hidden states alive while they wait
+        state.cursor.keep(seq.tokens[start + 1 : want + 1], hidden[start - first : want - first].clone())
 
     def _threads(self):
         """Where the drafter runs on the CPU: its torch ops on the calling thread (`torch_single_thread`)."""
@@ -198,31 +199,17 @@ class EagleProposer:
         return torch_single_thread() if dev.type == "cpu" else contextlib.nullcontext()
 
     def catch_up(self, seq: Sequence) -> Tensor:
-        """Feed a `ready` sequence's unfed entries in one drafter step (call it under
-        ``torch.no_grad``); its output at the last one, the drafter's prediction of the pending
-        token's feature [E]. The cache (allocated here at first) holds the sequence's most tokens,
-        and a tree's expanded levels beyond them."""
-        drafter, state = self.drafter, seq.eagle
-        dev = drafter.fc.weight.device
-        if state.cache is None:
-            shape = state.shape
-            extra = 0 if shape is None else (shape.depth - 1) * shape.topk
-            state.cache = drafter.new_cache(seq.prompt_len + seq.budget + extra)
-        fed = state.cache.length
-        tokens = torch.tensor(seq.tokens[fed + 1 : fed + 1 + state.unfed], dtype=torch.long, device=dev)
-        features = state.features[0] if len(state.features) == 1 else torch.cat(state.features)
-        state.features, state.unfed = [], 0
-        return drafter.step(tokens, features.to(dev), state.cache)[-1]
+        """Feed a `ready` sequence's waiting entries in one drafter step (`EagleCursor.catch_up`; call
+        it under ``torch.no_grad``); the drafter's prediction of the pending token's feature [E]."""
+        cursor = seq.eagle.cursor
+        cursor.catch_up()
+        return cursor.last
 
     def propose(self, seq: Sequence, gamma: int) -> tuple[list[int], Tensor | None]:
         """γ drafted tokens of a `ready` sequence and their q rows [γ, V] (None when greedy)."""
-        state = seq.eagle
         with torch.no_grad(), self._threads():
-            last = self.catch_up(seq)
-            real = state.cache.length
-            drafted, q = draft_chain(self.drafter, last, gamma, seq.sampling, seq.generator, self.vocab_size,
-                                      self.device, state.cache)
-            state.cache.truncate(real)  # the drafted entries rest on predicted features
+            self.catch_up(seq)
+            drafted, q = seq.eagle.cursor.chain(gamma, seq.sampling, seq.generator, self.vocab_size, self.device)
         return drafted, None if q is None else q[0]
 
     def propose_tree(self, seq: Sequence, depth: int, size: int) -> tuple[DraftTree, list[float], int, bool]:
@@ -232,19 +219,17 @@ class EagleProposer:
         drafter forwards run (the feed, then one per level but the last), and whether the tree was
         drafted as deep as its shape (only then do the estimates describe the shape's nodes)."""
         state = seq.eagle
-        shape = state.shape
+        shape, cursor = state.shape, state.cursor
         with torch.no_grad(), self._threads():
-            last = self.catch_up(seq)
-            real = state.cache.length
-            depth = min(depth, 1 + (state.cache.max_len - real) // shape.topk)
+            self.catch_up(seq)
+            depth = cursor.depth_room(depth, shape.topk)
             estimates: list[float] = []
-            tree, forwards = draft_tree(self.drafter, last, seq.tokens[-1], shape, depth, min(size, shape.tree_size),
-                                        self.device, state.cache, estimates)
-            state.cache.truncate(real)  # the expanded nodes rest on predicted features
+            tree, forwards = cursor.tree(shape, depth, min(size, shape.tree_size), seq.tokens[-1], self.device,
+                                         estimates)
         return tree, estimates, forwards + 1, depth == shape.depth
 
     def release(self, seq: Sequence) -> None:
-        """Drop a finished, aborted or preempted sequence's drafter cache and features (a preempted
-        one is rebuilt from its recompute)."""
+        """Drop a finished, aborted or preempted sequence's drafter cache and kept features (a
+        preempted one is rebuilt from its recompute)."""
         if seq.eagle is not None:
             seq.eagle.clear()

@@ -361,13 +361,13 @@ def test_the_eagle_drafter_reads_the_features_of_steps_other_options_ran(bundled
             for p in (eagle_p, ngram_p):
                 if p is not ran:
                     p.sync(v, result)
-        assert eagle_p.waiting and eagle_p.catch_up(v)
+        assert eagle_p.cursor.waiting and eagle_p.catch_up(v)
         expected = _teacher_forced_prediction(target, drafter, v.tokens)
-        torch.testing.assert_close(eagle_p.last, expected, atol=2e-4, rtol=1e-3)
-        assert drafter.cache_len == len(v.tokens) - 1
+        torch.testing.assert_close(eagle_p.cursor.last, expected, atol=2e-4, rtol=1e-3)
+        assert eagle_p.cursor.cache.length == len(v.tokens) - 1
         # a step committed without its features (as a one-call C step commits): the drafter stops drafting
         v.stats.target_forwards += 1
         result = v.commit([], int(torch.argmax(target.forward(torch.tensor([[v.tokens[-1]]])).logits[0, -1])),
                           drafted=0)
         eagle_p.sync(v, result)
-        assert not eagle_p.synced and not eagle_p.ready
+        assert not eagle_p.cursor.in_step and not eagle_p.ready

@@ -4,9 +4,10 @@ Greedy output equals plain decoding token for token (several prompts and γ, an 
 an accepted chain, ``max_new_tokens`` landing inside a chain, a deadline that passes
 mid-request); sampled output follows the target's distribution (chi-square on the joint
 distribution of the first tokens, tiny 6-token model); the training forward's unrolled
-chain steps compute what cached drafting computes; the EAGLE-1 checkpoint layout loads (an
-EAGLE-1 file with EAGLE-3 markers is read as a malformed EAGLE-3 one, see test_eagle3.py);
-bad input gets clear errors. The drafter that accepts is trained for 120 steps on the
+chain steps compute what cached drafting computes; a sequence's `EagleCursor` feeds the real
+entries kept in several chunks in one drafter step and drafts on the real entries only; the
+EAGLE-1 checkpoint layout loads (an EAGLE-1 file with EAGLE-3 markers is read as a malformed
+EAGLE-3 one, see test_eagle3.py); bad input gets clear errors. The drafter that accepts is trained for 120 steps on the
 bundled target's own continuations (a few seconds, once per test process).
 """
 
@@ -165,6 +166,92 @@ def test_unrolled_training_forward_matches_cached_chain_drafting():
     torch.testing.assert_close(whole, outs[0][0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(first[0], outs[1][0, 6], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(second[0], outs[2][0, 7], atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------- the per-sequence cursor
+def check_cursor(drafter, width: int, monkeypatch) -> None:
+    """An `eagle.EagleCursor` on ``drafter`` (features ``width`` wide): entries kept in several chunks
+    are fed in one drafter step and predict what one feed of them all predicts (and, to rounding,
+    what feeding them chunk by chunk predicts); a chain and a tree leave its cache at the real
+    entries and draft what a cache fed at once drafts; the tree's depth is cut to its cache; `stop`
+    and `clear` drop its state."""
+    from specops.decoder.eagle_tree import EagleTree, draft_tree
+
+    g = torch.Generator().manual_seed(0)
+    vocab, cpu, greedy = drafter.config.vocab_size, torch.device("cpu"), SamplingConfig()
+    tokens = torch.randint(vocab, (13,), generator=g).tolist()  # x_0 .. x_12, x_12 pending
+    features = torch.randn(12, width, generator=g)  # f_0 .. f_11: entry i reads (x_{i+1}, f_i)
+    chunks = ((0, 5), (5, 6), (6, 12))
+    steps = []
+    real_step = drafter.step
+
+    def counted(*args, **kwargs):
+        steps.append(args[0].shape[0])
+        return real_step(*args, **kwargs)
+
+    with torch.no_grad():
+        whole = eagle.EagleCursor(drafter, 40)
+        whole.keep(tokens[1:], features)
+        assert whole.catch_up()
+        stepwise = eagle.EagleCursor(drafter, 40)
+        for a, b in chunks:
+            stepwise.keep(tokens[a + 1 : b + 1], features[a:b])
+            assert stepwise.catch_up() and stepwise.fed == b
+        cursor = eagle.EagleCursor(drafter, 40)
+        assert not cursor.ready and not cursor.catch_up() and cursor.cache is None
+        for a, b in chunks:
+            cursor.keep(tokens[a + 1 : b + 1], features[a:b])
+        assert cursor.ready and (cursor.fed, cursor.unfed, cursor.known) == (0, 12, 12) and cursor.cache is None
+        monkeypatch.setattr(drafter, "step", counted)
+        assert cursor.catch_up()
+        assert steps == [12] and cursor.waiting == [] and (cursor.fed, cursor.cache.length) == (12, 12)
+        assert cursor.catch_up() and steps == [12]  # nothing waiting: no drafter forward
+        monkeypatch.undo()
+        assert torch.equal(cursor.last, whole.last)
+        assert torch.equal(cursor.cache.data[..., :12, :], whole.cache.data[..., :12, :])
+        torch.testing.assert_close(stepwise.last, whole.last, atol=1e-4, rtol=1e-4)
+
+        reference = drafter.new_cache(40)
+        last = drafter.step(torch.tensor(tokens[1:]), features, reference)[-1]
+        want, _ = eagle.draft_chain(drafter, last, 4, greedy, g, vocab, cpu, reference)
+        assert reference.length == 12 + 3  # draft_chain left its drafted entries
+        drafted, q = cursor.chain(4, greedy, g, vocab, cpu)
+        assert drafted == want and q is None and (cursor.fed, cursor.cache.length) == (12, 12)
+        assert cursor.chain(4, greedy, g, vocab, cpu)[0] == want  # the drafted entries were cut off
+
+        shape = EagleTree(depth=3, topk=2, tree_size=6)
+        reference.truncate(12)
+        want_tree, want_forwards = draft_tree(drafter, last, tokens[-1], shape, 3, 6, cpu, reference)
+        estimates: list[float] = []
+        assert cursor.depth_room(3, shape.topk) == 3
+        tree, forwards = cursor.tree(shape, 3, 6, tokens[-1], cpu, estimates)
+        assert forwards == want_forwards == 2 and torch.equal(tree.tokens, want_tree.tokens)
+        assert len(estimates) == 5 and cursor.cache.length == 12
+
+        small = eagle.EagleCursor(drafter, 15)  # 3 entries past the 12 real ones: one expanded level
+        small.keep(tokens[1:], features)
+        assert small.catch_up() and small.depth_room(3, shape.topk) == 2 and small.depth_room(1, shape.topk) == 1
+        small.tree(shape, 2, 6, tokens[-1], cpu)
+        assert small.cache.length == 12
+
+        small.clear()
+        assert (small.cache, small.fed, small.last, small.waiting, small.in_step) == (None, 0, None, [], True)
+        cursor.keep(tokens[1:2], features[:1])
+        cursor.stop()
+        assert cursor.cache is None and cursor.waiting == [] and not cursor.in_step
+        cursor.keep(tokens[1:], features)
+        assert not cursor.ready and not cursor.catch_up() and cursor.cache is None
+
+
+def test_the_cursor_feeds_kept_entries_in_one_step_and_drafts_on_the_real_entries_only(monkeypatch):
+    model = tiny_llama(seed=5)
+    drafter = EagleDrafter.for_target(model, seed=1, input_layernorm=True).eval()
+    drafter.kernel_weights = "fp32"  # one feed against chunk by chunk: fp32 rounding only
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.3)
+    check_cursor(drafter, model.config.hidden_size, monkeypatch)
 
 
 # ---------------------------------------------------------------------- sampling

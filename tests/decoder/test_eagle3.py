@@ -6,9 +6,10 @@ vocabulary, ``d2t`` / ``t2d``) for tiny random Llama targets. They load (safeten
 pytorch_model.bin); the drafter reads the target's hidden states of the layers EAGLE-3 fuses
 (its default for the target's depth, or those its config names), at the positions EAGLE-1's
 features would be; greedy output equals plain decoding; sampled output follows the target's
-distribution; a drafter built to draft the target's own choices has its chains accepted;
-malformed checkpoints get an `EagleError` naming the problem; the fast runner refuses such a
-drafter while ``impl="auto"`` runs the target through transformers.
+distribution; it runs through the per-sequence `EagleCursor` as an EAGLE-1 drafter does; a
+drafter built to draft the target's own choices has its chains accepted; malformed
+checkpoints get an `EagleError` naming the problem; the fast runner refuses such a drafter
+while ``impl="auto"`` runs the target through transformers.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from specops.decoder.hf_runner import HFRunner
 from specops.decoder.loading import load_runner
 from specops.decoder.sampling import SamplingConfig, make_generator
 from tests.decoder.medusa_models import tiny_model
-from tests.decoder.test_eagle import ALPHA, LENGTH, PROMPT, SAMPLING, VOCAB, _exact
+from tests.decoder.test_eagle import ALPHA, LENGTH, PROMPT, SAMPLING, VOCAB, _exact, check_cursor
 from tests.decoder.test_tree_sampling import chi_square
 from tests.decoder.tiny_models import tiny_llama
 
@@ -125,6 +126,11 @@ def test_eagle3_checkpoint_in_the_published_layout_loads(target, tmp_path, legac
     assert tuple(drafter.logits(feats).shape) == (2, 48)
 
 
+def test_an_eagle3_drafter_runs_through_the_per_sequence_cursor(target, drafter, monkeypatch):
+    """Its `new_cache` and `step` on fused target features serve `eagle.EagleCursor` as an EAGLE-1 drafter's do."""
+    check_cursor(drafter, 3 * target.config.hidden_size, monkeypatch)
+
+
 def test_save_drafter_writes_eagle1_drafters_only(drafter, tmp_path):
     from specops.decoder.eagle_io import save_drafter
 
@@ -165,7 +171,7 @@ def test_the_drafter_reads_the_fused_hidden_states_of_its_layers_at_the_settled_
 
     def spy(tokens, features, cache=None):
         if features.shape[-1] == 3 * target.config.hidden_size:
-            fed.append((drafter.cache_len, tokens.tolist(), features.clone()))
+            fed.append((cache.length, tokens.tolist(), features.clone()))
         return real_step(tokens, features, cache)
 
     drafter.step = spy

@@ -50,8 +50,8 @@ def collect_trees(monkeypatch) -> list[tuple[DraftTree, EagleTree, int]]:
     trees = []
     real = eagle_tree.draft_tree
 
-    def spy(drafter, last, root, shape, depth, size, device, cache=None):
-        tree, forwards = real(drafter, last, root, shape, depth, size, device, cache)
+    def spy(drafter, last, root, shape, depth, size, device, cache=None, estimates=None):
+        tree, forwards = real(drafter, last, root, shape, depth, size, device, cache, estimates)
         trees.append((tree, shape, depth, size))
         return tree, forwards
 

@@ -21,11 +21,11 @@ import pytest
 import torch
 
 from specops.decoder import Decoder
+from specops.decoder import eagle as eagle_module
 from specops.decoder.eagle import draft_chain
 from specops.decoder.eagle_model import EagleDrafter
 from specops.decoder.runner import prompt_forward
 from specops.decoder.sampling import SamplingConfig
-from specops.engine import eagle_proposer
 from specops.engine.engine import Engine
 from specops.engine.sequence import SamplingParams, SpecSettings
 from tests.decoder.test_distribution import ALPHA, STEPS, TINY_V, _exact_joint, chi_square_pvalue
@@ -111,7 +111,7 @@ def test_preempted_eagle_sequences_rebuild_their_drafter_cache_and_stay_exact(bu
                 records[out.request_id] = out.record
         check_blocks(eng)
         for seq in eng.seqs.values():  # a preempted sequence's drafter state goes with its blocks
-            assert seq.target.blocks or (seq.eagle.cache is None and seq.eagle.unfed == 0)
+            assert seq.target.blocks or (seq.eagle.cursor.cache is None and seq.eagle.cursor.unfed == 0)
     assert eng.stats().preemptions > 0  # the budget really overflowed
     assert got == want
     assert sum(r.accepted for r in records.values()) > 0
@@ -132,7 +132,7 @@ def test_past_the_deadline_eagle_decodes_plainly_and_frees_its_drafter_state(bun
             got.extend(out.new_token_ids)
             record = out.record
         if drafted_at_deadline is not None and eng.has_unfinished():
-            assert not seq.eagle.active and seq.eagle.cache is None and seq.eagle.features == []
+            assert not seq.eagle.active and seq.eagle.cursor.cache is None and seq.eagle.cursor.waiting == []
     assert got == want
     assert record.fallback_reason == "deadline"
     assert 0 < drafted_at_deadline == record.drafted  # it speculated, then nothing past the deadline
@@ -167,10 +167,10 @@ def _check_engine_cache_equals_the_library_state(dec, prompts, drafter):
     for _ in range(6):
         eng.step()
     seq = eng.seqs["a"]
-    assert seq.eagle.cache is not None and eng.eagle.ready(seq) and seq.num_output > 6
+    assert seq.eagle.cursor.cache is not None and eng.eagle.ready(seq) and seq.num_output > 6
     drafted, _ = eng.eagle.propose(seq, 5)
     n = len(seq.tokens)
-    assert seq.eagle.cache.length == n - 1 and seq.eagle.unfed == 0
+    assert seq.eagle.cursor.cache.length == n - 1 and seq.eagle.cursor.unfed == 0
     # the library's state: features of x_0 .. x_{N-2} from the target's own prompt pass
     with torch.no_grad():
         dec.target.reset(1)
@@ -180,7 +180,7 @@ def _check_engine_cache_equals_the_library_state(dec, prompts, drafter):
         want, _ = draft_chain(drafter, last, 5, SamplingConfig(), torch.Generator(), drafter.config.vocab_size,
                                torch.device("cpu"))
     assert drafted == want
-    mine = seq.eagle.cache.data[..., : n - 1, :]
+    mine = seq.eagle.cursor.cache.data[..., : n - 1, :]
     theirs = drafter._cache.data[..., : n - 1, :]
     torch.testing.assert_close(mine, theirs, atol=2e-4, rtol=2e-4)
 
@@ -241,13 +241,13 @@ def test_sampled_eagle_follows_the_target_distribution(monkeypatch):
     assert drafted > n // 2 and accepted > n // 10  # speculation really ran and was accepted
     assert chi_square_pvalue(counts, exact) > ALPHA
     # the check's power: drafts verified against the wrong q (uniform) are caught
-    real = eagle_proposer.draft_chain
+    real = eagle_module.draft_chain
 
     def uniform_q(*args, **kwargs):
         tokens, q = real(*args, **kwargs)
         return tokens, torch.full_like(q, 1.0 / q.shape[-1])
 
-    monkeypatch.setattr(eagle_proposer, "draft_chain", uniform_q)
+    monkeypatch.setattr(eagle_module, "draft_chain", uniform_q)
     counts, _, _ = _sample_counts(target, drafter, n)
     assert chi_square_pvalue(counts, exact) < ALPHA
 
@@ -259,12 +259,13 @@ def test_abort_mid_request_frees_the_drafter_state(bundled, dec):
     for _ in range(5):
         eng.step()
     victim = eng.seqs["a"]
-    assert victim.eagle.cache is not None and victim.eagle.cache.length > 0
+    assert victim.eagle.cursor.cache is not None and victim.eagle.cursor.cache.length > 0
     eng.abort("a")
     outs = eng.step()
     assert [o.finish_reason for o in outs if o.request_id == "a"] == ["abort"]
     assert "a" not in eng.seqs and victim.target.blocks == []
-    assert victim.eagle.cache is None and victim.eagle.features == [] and victim.eagle.unfed == 0
+    cursor = victim.eagle.cursor
+    assert cursor.cache is None and cursor.waiting == [] and cursor.unfed == 0
     while eng.has_unfinished():
         eng.step()
     assert eng.stats().kv_blocks_used == 0

@@ -240,17 +240,17 @@ def _state_after_a_tree_step(dec: Decoder, spy: Spy):
             break
     else:
         pytest.fail("no tree step accepted a path of tree rows")
-    assert seq.eagle.unfed == len(path)  # the root's and the accepted nodes' rows wait for the next drafting
+    assert seq.eagle.cursor.unfed == len(path)  # the root's and the accepted nodes' rows wait for the next drafting
     drafter = dec.eagle
     n = len(seq.tokens)
     with torch.no_grad():
         mine_last = eng.eagle.catch_up(seq)
-        assert seq.eagle.cache.length == n - 1
+        assert seq.eagle.cursor.cache.length == n - 1
         dec.target.reset(1)
         feats = prompt_forward(dec.target, torch.tensor([seq.tokens[:-1]]), logits=False, need_hidden=True).hidden[0]
         cache = drafter.new_cache()
         theirs_last = drafter.step(torch.tensor(seq.tokens[1:]), feats, cache)[-1]
-    return seq.eagle.cache.data[..., : n - 1, :], mine_last, cache.data[..., : n - 1, :], theirs_last
+    return seq.eagle.cursor.cache.data[..., : n - 1, :], mine_last, cache.data[..., : n - 1, :], theirs_last
 
 
 def test_after_a_tree_step_the_drafter_holds_the_accepted_paths_real_features(bigram, monkeypatch):
@@ -285,7 +285,7 @@ def test_preempted_tree_sequences_rebuild_their_drafter_state_and_stay_exact(big
         for out in eng.step():
             got.setdefault(out.request_id, []).extend(out.new_token_ids)
         for seq in eng.seqs.values():  # a preempted sequence's drafter state goes with its blocks
-            assert seq.target.blocks or (seq.eagle.cache is None and seq.eagle.unfed == 0)
+            assert seq.target.blocks or (seq.eagle.cursor.cache is None and seq.eagle.cursor.unfed == 0)
     assert eng.stats().preemptions > 0
     assert got == want
     assert sum(len(w["path"]) - 1 for w in spy.walks) > 40
