@@ -57,19 +57,21 @@ bench: $(STAMP)
 	$(VENV)/bin/specops bench kernels
 	$(VENV)/bin/specops simulate --pods 200 --classes 5 --json out/simulate.json --plot out/simulate.png
 
-# The real model (SmolLM2-135M-Instruct, pulled from the package index): its EAGLE drafter trained
-# once (~25 min, cached), every method's greedy output checked against transformers' on all 174
-# prompts of the chat-model mixed suite (sampled kinds decoded greedily), then the timed comparison
-# with llama.cpp's own llama-server (`make peers` first).
+# The real model (SmolLM2-135M-Instruct, pulled from the package index): its EAGLE drafter
+# (~40 min) and Medusa heads (~20 min) trained once and cached, every method's greedy output
+# checked against transformers' on all 174 prompts of the chat-model mixed suite (sampled kinds
+# decoded greedily), then the timed comparison with llama.cpp's own llama-server (`make peers` first).
 REAL_MODEL ?= smollm2-135m-instruct
 bench-real: $(STAMP)
 	$(VENV)/bin/specops models pull $(REAL_MODEL)
 	@$(PY) -c "import sys; from specops.decoder.eagle_io import default_dir, is_drafter_dir; sys.exit(0 if is_drafter_dir(default_dir('$(REAL_MODEL)')) else 1)" \
 	  || $(VENV)/bin/specops train eagle --model $(REAL_MODEL)
+	@$(PY) -c "import sys; from specops.decoder.medusa_heads import default_dir, is_heads_dir; sys.exit(0 if is_heads_dir(default_dir('$(REAL_MODEL)')) else 1)" \
+	  || $(VENV)/bin/specops train heads --model $(REAL_MODEL) --chat
 	$(VENV)/bin/specops bench decode --model $(REAL_MODEL) --suite mixed --greedy --repeats 1 --max-new-tokens 48 \
-	  --methods hf-greedy,ar,ngram,auto,eagle --json out/bench_real_exactness.json
+	  --methods hf-greedy,ar,ngram,medusa,auto,eagle,eagle-tree --json out/bench_real_exactness.json
 	$(VENV)/bin/specops bench decode --model $(REAL_MODEL) --suite mixed --max-new-tokens 64 --limit 8 --repeats 3 \
-	  --methods ar,ngram,auto,eagle,llama.cpp,llama.cpp-spec,llama.cpp-q4 --json out/bench_real.json
+	  --methods ar,ngram,medusa,auto,eagle,llama.cpp,llama.cpp-spec,llama.cpp-q4 --json out/bench_real.json
 
 # Failure scenarios against real local processes (redis-server needed); `specops chaos --quick` runs in `make test`.
 chaos: $(STAMP)
