@@ -64,9 +64,9 @@ bench: $(STAMP)
 REAL_MODEL ?= smollm2-135m-instruct
 bench-real: $(STAMP)
 	$(VENV)/bin/specops models pull $(REAL_MODEL)
-	@$(PY) -c "import sys; from specops.decoder.eagle_io import default_dir, is_drafter_dir; sys.exit(0 if is_drafter_dir(default_dir('$(REAL_MODEL)')) else 1)" \
+	@$(PY) -c "import sys; from specops.models.eagle_io import default_dir, is_drafter_dir; sys.exit(0 if is_drafter_dir(default_dir('$(REAL_MODEL)')) else 1)" \
 	  || $(VENV)/bin/specops train eagle --model $(REAL_MODEL)
-	@$(PY) -c "import sys; from specops.decoder.medusa_heads import default_dir, is_heads_dir; sys.exit(0 if is_heads_dir(default_dir('$(REAL_MODEL)')) else 1)" \
+	@$(PY) -c "import sys; from specops.models.medusa_heads import default_dir, is_heads_dir; sys.exit(0 if is_heads_dir(default_dir('$(REAL_MODEL)')) else 1)" \
 	  || $(VENV)/bin/specops train heads --model $(REAL_MODEL) --chat
 	$(VENV)/bin/specops bench decode --model $(REAL_MODEL) --suite mixed --greedy --repeats 1 --max-new-tokens 48 \
 	  --methods hf-greedy,ar,ngram,medusa,auto,eagle,eagle-tree --json out/bench_real_exactness.json

@@ -73,7 +73,7 @@ def demo_model(ref: str, *, progress: bool = True) -> DemoModel:
     from specops.bench.chat_suite import has_chat_template
     from specops.bench.decode import BenchError
     from specops.decoder.api import EAGLE_TRAIN_COMMAND
-    from specops.decoder.eagle_io import default_dir, is_drafter_dir
+    from specops.models.eagle_io import default_dir, is_drafter_dir
     from specops.models import ModelsError, is_registered, resolve_model
 
     registered = is_registered(ref)

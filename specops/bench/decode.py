@@ -47,7 +47,7 @@ from specops.bench.peers import (ALL_METHODS, HF_METHODS, LLAMA_CPP_METHODS, Ben
 from specops.bench.llamacpp_peer import build_llama_cpp_methods, llama_cpp_version
 from specops.bench.llamacpp_server_peer import LlamaServerMethod, build_server_methods, tune_spec
 from specops.bench.suites import SUITES, BenchPrompt, builtin_suite, load_prompts_file
-from specops.decoder.heap import frozen_heap
+from specops.models.heap import frozen_heap
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class BenchConfig:
         if self.limit is not None and self.limit < 1:
             raise BenchError(f"limit must be >= 1, got {self.limit}")
         if "eagle-tree" in self.methods:
-            from specops.decoder.eagle_tree import tree_shape
+            from specops.spec.eagle_tree import tree_shape
 
             try:
                 tree_shape(tuple(self.eagle_tree))
@@ -206,7 +206,7 @@ def load_models(cfg: BenchConfig) -> Models:
     eos = tokenizer.eos_token_id
     max_context = int(getattr(target.config, "max_position_embeddings", 0) or 0) or 1 << 30
     from specops.decoder.api import draft_vocab_in
-    from specops.decoder.ngram_store import store_in
+    from specops.spec.ngram_store import store_in
 
     return Models(target, draft, medusa, tokenizer, eos, max_context, target_dir=target_path,
                   draft_vocab=draft_vocab_in(draft_path) if draft is not None else None,
@@ -218,7 +218,7 @@ def heads_path(cfg: BenchConfig) -> Path | None:
     bundled target, else the heads `specops train heads --model NAME --chat` cached for a registered
     ``cfg.model``; None when there are none."""
     from specops.assets import MEDUSA_DIR
-    from specops.decoder.medusa_heads import default_dir, is_heads_dir
+    from specops.models.medusa_heads import default_dir, is_heads_dir
     from specops.models.resolve import is_registered
 
     if cfg.medusa is not None:
@@ -234,7 +234,7 @@ def load_heads(cfg: BenchConfig, path: Path | None, target):
     """The heads at ``path`` (from `heads_path`) bound to ``target``; a `BenchError` saying how to get
     heads when there are none."""
     from specops.decoder import MedusaHeads
-    from specops.decoder.medusa_heads import TRAIN_COMMAND, MedusaError, default_dir
+    from specops.models.medusa_heads import TRAIN_COMMAND, MedusaError, default_dir
     from specops.models.resolve import is_registered
 
     if path is None:
@@ -257,7 +257,7 @@ def load_heads(cfg: BenchConfig, path: Path | None, target):
 
 def eagle_at_hand(cfg: BenchConfig) -> bool:
     """Whether an EAGLE drafter is given (``cfg.eagle``) or cached for a registered ``cfg.model``."""
-    from specops.decoder.eagle_io import default_dir, is_drafter_dir
+    from specops.models.eagle_io import default_dir, is_drafter_dir
     from specops.models.resolve import is_registered
 
     if cfg.eagle is not None:
@@ -268,8 +268,8 @@ def eagle_at_hand(cfg: BenchConfig) -> bool:
 def load_eagle(cfg: BenchConfig, target):
     """The EAGLE drafter for method eagle: ``cfg.eagle``, else the one `specops train eagle` cached for
     a registered ``cfg.model``."""
-    from specops.decoder.eagle_io import default_dir, is_drafter_dir, load_drafter
-    from specops.decoder.eagle_model import EagleError
+    from specops.models.eagle_io import default_dir, is_drafter_dir, load_drafter
+    from specops.models.eagle_model import EagleError
     from specops.models.resolve import is_registered
 
     path = cfg.eagle
@@ -472,8 +472,8 @@ def measure_costs(methods: Sequence[BenchMethod]) -> dict | None:
     decoder = next((m.decoder for m in methods if isinstance(m, DecoderMethod)), None)
     if decoder is None:
         return None
-    from specops.decoder.auto import draft_token_cost
-    from specops.decoder.tree_size import measure_verify_cost
+    from specops.spec.auto import draft_token_cost
+    from specops.spec.tree_size import measure_verify_cost
 
     target = decoder.target
     prefix = min(COST_PREFIX, target.max_context - COST_SIZES[-1])

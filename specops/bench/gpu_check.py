@@ -111,8 +111,8 @@ def decode_random(dry_run: bool, device: str) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from specops.decoder import Decoder
-    from specops.decoder.clock import device_clock
-    from specops.decoder.tree_size import measure_verify_cost
+    from specops.spec.clock import device_clock
+    from specops.spec.tree_size import measure_verify_cost
 
     torch.manual_seed(0)
     shape = TOY if dry_run else ONE_B

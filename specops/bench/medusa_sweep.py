@@ -17,8 +17,8 @@ from typing import Sequence
 
 import click
 
-from specops.decoder.tree_size import plan_tree
-from specops.decoder.tree import preset, sparse_tree
+from specops.spec.tree_size import plan_tree
+from specops.spec.tree import preset, sparse_tree
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ def bench_medusa_command(model, medusa_path, suite, limit, heads_list, tree_size
 
     from specops.bench.suites import builtin_suite
     from specops.decoder import Decoder
-    from specops.decoder.tree import PRESETS
+    from specops.spec.tree import PRESETS
 
     names = [p.strip() for p in presets.split(",") if p.strip()]
     unknown = [p for p in names if p not in PRESETS]

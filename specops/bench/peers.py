@@ -38,12 +38,12 @@ from typing import Protocol, Sequence
 
 import torch
 
-from specops.decoder.clock import device_clock
+from specops.spec.clock import device_clock
 
 HF_METHODS = ("hf-greedy", "hf-assisted", "hf-lookup")
 OUR_METHODS = ("ar", "draft", "ngram", "ngram-prompt", "medusa", "auto", "eagle", "eagle-tree")
 # bench names that run one of the Decoder's methods with options: prompt lookup without the
-# target's corpus n-gram store (`specops.decoder.ngram_store`), as ``ngram`` ran before it had one;
+# target's corpus n-gram store (`specops.spec.ngram_store`), as ``ngram`` ran before it had one;
 # eagle drafting EAGLE-2's dynamic tree, whose ``eagle_tree`` shape is `BenchConfig.eagle_tree`
 VARIANTS: dict[str, tuple[str, dict]] = {"ngram-prompt": ("ngram", {"corpus": False}), "eagle-tree": ("eagle", {})}
 LLAMA_CPP_PYTHON_METHODS = ("llama-cpp-python", "llama-cpp-python-lookup")  # specops.bench.llamacpp_peer
@@ -194,8 +194,8 @@ class ChainedAR:
     def run(self, prompt_ids: Sequence[int], *, max_new_tokens: int, temperature: float, seed: int) -> MethodRun:
         if temperature > 0:
             return self.plain.run(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-        from specops.decoder.request import check_room, eos_set
-        from specops.decoder.runner import prompt_forward
+        from specops.spec.request import check_room, eos_set
+        from specops.models.runner import prompt_forward
 
         target = self.decoder.target
         eos = eos_set(self.eos_token_id)

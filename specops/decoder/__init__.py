@@ -1,14 +1,17 @@
-"""specops.decoder: lossless speculative decoding on transformers models.
+"""specops.decoder: lossless speculative decoding on transformers models (the public API).
 
-Public API: `Decoder` (``generate`` with methods ar / draft / ngram / medusa),
-`GenerateOutput`, `DecodeStats`, `SamplingConfig` and the errors in
-`specops.decoder.errors`. Submodules are one concept each: ``sampling`` (filters),
-``verify`` (acceptance rules), ``schedule`` (γ schedules), ``autoregressive``,
-``draft``, ``ngram`` (the methods), ``runner`` (models behind one interface).
+Public API: `Decoder` (``generate`` with methods ar / draft / ngram / medusa / eagle / auto),
+`GenerateOutput`, `DecodeStats`, `SamplingConfig`, `MedusaHeads` and the errors
+(defined in `specops.spec.errors`), all importable from here.
+
+`Decoder` (``api``) loads the models and dispatches each request; the speculative step,
+its proposers and its acceptance rules are in `specops.spec`, and how a model runs
+(runners, KV cache, drafter and heads modules with their checkpoint IO) in `specops.models`.
 """
 
 from specops.decoder.api import Decoder, GenerateOutput
-from specops.decoder.errors import (
+from specops.models.medusa_heads import MedusaHeads
+from specops.spec.errors import (
     ContextLengthError,
     DecoderError,
     InvalidRequestError,
@@ -17,9 +20,8 @@ from specops.decoder.errors import (
     UnknownMethodError,
     VocabMismatchError,
 )
-from specops.decoder.medusa_heads import MedusaHeads
-from specops.decoder.sampling import SamplingConfig
-from specops.decoder.stats import DecodeStats
+from specops.spec.sampling import SamplingConfig
+from specops.spec.stats import DecodeStats
 
 __all__ = [
     "ContextLengthError",

@@ -25,7 +25,9 @@ from typing import Any, Callable
 
 import torch
 
-from specops.decoder.errors import (
+from specops.models.loading import load_runner
+from specops.models.runner import IMPLS, ModelRunner, UnsupportedModelError, returns_layers
+from specops.spec.errors import (
     ContextLengthError,
     InvalidRequestError,
     MissingComponentError,
@@ -33,11 +35,9 @@ from specops.decoder.errors import (
     UnknownMethodError,
     VocabMismatchError,
 )
-from specops.decoder.runner import IMPLS, ModelRunner, UnsupportedModelError, returns_layers
-from specops.decoder.loading import load_runner
-from specops.decoder.sampling import SamplingConfig, make_generator
-from specops.decoder.schedule import GammaSchedule, make_schedule
-from specops.decoder.stats import DecodeStats
+from specops.spec.sampling import SamplingConfig, make_generator
+from specops.spec.schedule import GammaSchedule, make_schedule
+from specops.spec.stats import DecodeStats
 
 log = logging.getLogger(__name__)
 
@@ -88,18 +88,18 @@ class DecodeRequest:
 
 
 def _run_ar(dec: Decoder, req: DecodeRequest) -> tuple[list[int], DecodeStats]:
-    from specops.decoder.autoregressive import generate_ar
+    from specops.spec.autoregressive import generate_ar
 
     return generate_ar(dec.target, req.prompt_ids, **req.loop_args(speculative=False))
 
 
 def _run_draft(dec: Decoder, req: DecodeRequest) -> tuple[list[int], DecodeStats]:
-    from specops.decoder.draft import generate_draft
+    from specops.spec.draft import generate_draft
 
     if dec.draft is None:
         raise MissingComponentError("method 'draft' needs a draft model: Decoder(target, draft=...)")
     if req.options.get("pipeline", "sync") == "async":
-        from specops.decoder.async_draft import generate_draft_async
+        from specops.spec.async_draft import generate_draft_async
 
         return generate_draft_async(dec.target, dec.draft, req.prompt_ids, **req.loop_args(),
                                     draft_threads=req.options.get("draft_threads", 1))
@@ -120,21 +120,21 @@ def _corpus(dec: Decoder, req: DecodeRequest) -> tuple[Any, dict[str, Any]]:
 
 
 def _run_ngram(dec: Decoder, req: DecodeRequest) -> tuple[list[int], DecodeStats]:
-    from specops.decoder.ngram import generate_ngram
+    from specops.spec.ngram import generate_ngram
 
     store, options = _corpus(dec, req)
     return generate_ngram(dec.target, req.prompt_ids, **req.loop_args(), store=store, **options)
 
 
 def _run_medusa(dec: Decoder, req: DecodeRequest) -> tuple[list[int], DecodeStats]:
-    from specops.decoder.medusa_decode import generate_medusa
+    from specops.spec.medusa_decode import generate_medusa
 
     return generate_medusa(dec.target, req.prompt_ids, heads=dec.medusa, **req.loop_args(speculative=False),
                            num_heads=req.heads, tree=req.tree, deadline_s=req.deadline_s, **req.options)
 
 
 def _run_auto(dec: Decoder, req: DecodeRequest) -> tuple[list[int], DecodeStats]:
-    from specops.decoder.auto import generate_auto
+    from specops.spec.auto import generate_auto
 
     store, options = _corpus(dec, req)
     return generate_auto(dec.target, req.prompt_ids, draft=dec.draft, heads=dec.medusa, estimates=dec.auto_estimates,
@@ -145,8 +145,8 @@ EAGLE_TRAIN_COMMAND = "specops train eagle --model NAME"
 
 
 def _run_eagle(dec: Decoder, req: DecodeRequest) -> tuple[list[int], DecodeStats]:
-    from specops.decoder.eagle import generate_eagle
-    from specops.decoder.eagle_tree import tree_shape
+    from specops.spec.eagle import generate_eagle
+    from specops.spec.eagle_tree import tree_shape
 
     return generate_eagle(dec.target, dec.eagle, req.prompt_ids, **req.loop_args(),
                           tree=tree_shape(req.options.get("eagle_tree")))
@@ -165,11 +165,11 @@ METHODS: dict[str, Callable[[Decoder, DecodeRequest], tuple[list[int], DecodeSta
 REQUIRES: dict[str, str] = {"draft": "draft", "medusa": "medusa", "eagle": "eagle"}
 # method-specific keyword options `generate(**options)` may pass through
 OPTIONS: dict[str, frozenset[str]] = {
-    "draft": frozenset({"pipeline", "draft_threads"}),  # pipeline "sync" | "async" (specops.decoder.async_draft)
+    "draft": frozenset({"pipeline", "draft_threads"}),  # pipeline "sync" | "async" (specops.spec.async_draft)
     "ngram": frozenset({"max_ngram", "min_ngram", "by_match", "corpus"}),  # corpus: use the decoder's ngram_store
     "medusa": frozenset({"typical", "lookup_branch"}),
     "auto": frozenset({"max_ngram", "min_ngram", "corpus"}),
-    "eagle": frozenset({"eagle_tree"}),  # (depth, topk, tree_size): EAGLE-2's dynamic tree (specops.decoder.eagle_tree)
+    "eagle": frozenset({"eagle_tree"}),  # (depth, topk, tree_size): EAGLE-2's dynamic tree (specops.spec.eagle_tree)
 }
 
 
@@ -207,7 +207,7 @@ def _bf16_kernel_target(model: Any, *, impl: str, max_context: int | None) -> Mo
     and accumulates in fp32, where transformers' bf16 CPU matmuls run far from the memory's
     speed. None where that does not apply or the fast runner cannot take the model (it then
     runs in bf16 as loaded)."""
-    from specops.decoder.fast_llama import FastLlamaRunner
+    from specops.models.fast_llama import FastLlamaRunner
     from specops.kernels import cpu_linear
 
     weight = getattr(getattr(model, "lm_head", None), "weight", None)
@@ -277,14 +277,14 @@ class Decoder:
         ``fallback=True``: a draft that cannot be used (a vocabulary mismatch, a model no
         runner can run; in `from_pretrained` also one that fails to load) is dropped with a warning and
         ``method="draft"`` then runs plain decoding, with the reason in the stats.
-        ``impl``: "auto" | "fast" | "hf" (see `specops.decoder.loading.load_runner`); "auto" runs
+        ``impl``: "auto" | "fast" | "hf" (see `specops.models.loading.load_runner`); "auto" runs
         the target through transformers (`HFRunner`) when ``eagle`` is an EAGLE-3 drafter, which
         reads intermediate hidden states the fast runner does not return ("fast" refuses one).
-        ``ngram_store``: a `specops.decoder.ngram_store.NgramStore` for the target's tokenizer: the
+        ``ngram_store``: a `specops.spec.ngram_store.NgramStore` for the target's tokenizer: the
         n-gram drafter (methods "ngram" and "auto") drafts its corpus chains where the context has
         no match (``generate(..., corpus=False)``: prompt lookup only).
-        ``eagle``: an `specops.decoder.eagle_model.EagleDrafter` or an
-        `specops.decoder.eagle3_model.Eagle3Drafter` for method "eagle" (bound here to ``target``
+        ``eagle``: an `specops.models.eagle_model.EagleDrafter` or an
+        `specops.models.eagle3_model.Eagle3Drafter` for method "eagle" (bound here to ``target``
         when it is a transformers model; one passed with a runner must be bound).
         """
         if impl not in IMPLS:
@@ -299,12 +299,12 @@ class Decoder:
         self.eagle = None if eagle is None else _check_eagle(eagle, self.target_model, self.target)
         self.tokenizer = tokenizer
         self.plain_token_s: float | None = None
-        from specops.decoder.auto import AutoEstimates
+        from specops.spec.auto import AutoEstimates
 
         self.auto_estimates = AutoEstimates()  # method "auto": running estimates across requests
         self.ngram_store = None
         if ngram_store is not None:
-            from specops.decoder.ngram_store import NgramStore
+            from specops.spec.ngram_store import NgramStore
 
             if not isinstance(ngram_store, NgramStore):
                 raise InvalidRequestError(f"ngram_store must be an NgramStore, got {type(ngram_store).__name__}")
@@ -319,7 +319,7 @@ class Decoder:
                 "pass the model (each gets its own runner) or a second runner"
             )
         if draft is not None:
-            from specops.decoder.draft import check_vocab
+            from specops.spec.draft import check_vocab
 
             try:
                 runner = _as_runner(draft, impl=impl, max_context=max_context, role="draft")
@@ -373,11 +373,11 @@ class Decoder:
         heads, when present) load unless ``draft`` / ``medusa`` name others. A draft folder
         may hold ``draft_vocab.json`` (``{"tokens": [ids]}``): the tokens its greedy drafting
         ranks (``draft_vocab`` of `Decoder`; the bundled draft ships the 1024 most frequent).
-        A target folder may hold ``ngram_store.npz`` (`specops.decoder.ngram_store`; the
+        A target folder may hold ``ngram_store.npz`` (`specops.spec.ngram_store`; the
         bundled target ships one): the n-gram drafter's corpus table.
         A registered model's name (``specops models list``) loads its cached folder, pulled
         on first use (`specops.models.resolve_model`; bfloat16 loads its ``bf16/`` copy).
-        ``eagle``: an EAGLE drafter folder (`specops.decoder.eagle_io`) for method "eagle"; for
+        ``eagle``: an EAGLE drafter folder (`specops.models.eagle_io`) for method "eagle"; for
         a registered model's name, the drafter ``specops train eagle --model NAME`` cached
         (``$SPECOPS_CACHE_DIR/eagle/NAME``) loads when there is one, and so do the Medusa heads
         ``specops train heads --model NAME --chat`` cached (``$SPECOPS_CACHE_DIR/medusa/NAME``)
@@ -387,7 +387,7 @@ class Decoder:
         from specops.models.resolve import is_registered
 
         if is_registered(path):
-            from specops.decoder import eagle_io, medusa_heads
+            from specops.models import eagle_io, medusa_heads
 
             if eagle is None:
                 cached = eagle_io.default_dir(str(path))
@@ -431,14 +431,14 @@ class Decoder:
                 log.warning("bundled Medusa heads not loaded: %s", exc)
         drafter = None
         if eagle is not None:
-            from specops.decoder.eagle_io import load_drafter
+            from specops.models.eagle_io import load_drafter
 
             try:
                 drafter = load_drafter(eagle, base=target_model, device=device)
             except Exception as exc:  # a bad artifact must name itself
                 raise ModelLoadError(f"cannot load the EAGLE drafter from {str(eagle)!r}: {exc}") from exc
         draft_vocab = draft_vocab_in(draft) if draft_model is not None else None
-        from specops.decoder.ngram_store import store_in
+        from specops.spec.ngram_store import store_in
 
         ngram_store = store_in(path) if Path(path).is_dir() else None
         dec = cls(
@@ -518,9 +518,9 @@ class Decoder:
         ``prompt_ids``: list of ints or a 1-D LongTensor (or text, with a tokenizer).
         ``method``: "ar" | "draft" | "ngram" | "medusa" | "auto" (per step, whichever of
         plain / ngram / draft / medusa / eagle the running estimates say pays most; lossless) | "eagle"
-        (an EAGLE feature drafter, `specops.decoder.eagle`; ``eagle_tree=(depth, topk, tree_size)``:
+        (an EAGLE feature drafter, `specops.spec.eagle`; ``eagle_tree=(depth, topk, tree_size)``:
         greedy requests draft EAGLE-2's dynamic tree of that shape instead of a γ chain, exact as
-        the chain; sampled ones keep the chain, `specops.decoder.eagle_tree`). ``gamma`` and ``schedule``
+        the chain; sampled ones keep the chain, `specops.spec.eagle_tree`). ``gamma`` and ``schedule``
         ("constant" | "heuristic" | "goodput", bounded by ``gamma_min``..``gamma_max``)
         set the draft length of speculative methods. ``temperature == 0`` is greedy;
         otherwise top-k / top-p filter target and draft alike. ``seed`` makes sampling
@@ -545,11 +545,11 @@ class Decoder:
             allowed = ", ".join(sorted(OPTIONS.get(method, ()))) or "none"
             raise InvalidRequestError(f"unknown option(s) {', '.join(unknown)} for method {method!r} (allowed: {allowed})")
         if method == "draft" and options:
-            from specops.decoder.async_draft import check_pipeline
+            from specops.spec.async_draft import check_pipeline
 
             check_pipeline(options.get("pipeline", "sync"), options.get("draft_threads", 1), "draft_threads" in options)
         if deadline_s is not None:
-            from specops.decoder.request import check_deadline
+            from specops.spec.request import check_deadline
 
             check_deadline(deadline_s)
         ids = self._prompt_tensor(prompt_ids)
@@ -580,7 +580,7 @@ class Decoder:
                     "from_pretrained(NAME)), or pass Decoder(target, eagle=...) / from_pretrained(..., eagle=PATH)"
                 )
             elif method == "medusa":
-                from specops.decoder.medusa_heads import TRAIN_COMMAND
+                from specops.models.medusa_heads import TRAIN_COMMAND
 
                 raise MissingComponentError(
                     f"method 'medusa' needs Medusa heads: train them with `{TRAIN_COMMAND}` (cached for "
@@ -606,7 +606,7 @@ class Decoder:
 
     def _calibrate(self, prompt: torch.Tensor) -> None:  # prompt: [1, T]
         """Time a few plain single-token forwards once, for the speed-up estimate."""
-        from specops.decoder.autoregressive import generate_ar
+        from specops.spec.autoregressive import generate_ar
 
         room = self.target.max_context - prompt.shape[1]
         with torch.inference_mode():
@@ -623,12 +623,12 @@ class Decoder:
 def _check_eagle(drafter: Any, model: Any, runner: ModelRunner):
     """``drafter`` bound to ``model`` (the target's transformers model; None when the target came
     as a runner, then it must be bound already) and checked against the target's vocabulary."""
-    from specops.decoder.eagle3_model import Eagle3Drafter
-    from specops.decoder.eagle_model import EagleDrafter, EagleError
+    from specops.models.eagle3_model import Eagle3Drafter
+    from specops.models.eagle_model import EagleDrafter, EagleError
 
     if not isinstance(drafter, (EagleDrafter, Eagle3Drafter)):
         raise InvalidRequestError(f"eagle must be an EagleDrafter or Eagle3Drafter "
-                                  f"(specops.decoder.eagle_io.load_drafter), got {type(drafter).__name__}")
+                                  f"(specops.models.eagle_io.load_drafter), got {type(drafter).__name__}")
     if drafter.config.vocab_size != runner.vocab_size:
         raise VocabMismatchError(f"EAGLE drafter vocabulary ({drafter.config.vocab_size} tokens) differs from the "
                                  f"target's ({runner.vocab_size} tokens)")
@@ -648,7 +648,7 @@ def _check_eagle(drafter: Any, model: Any, runner: ModelRunner):
 
 
 def _load_medusa(path: str | Path, base, *, device: str | torch.device):
-    from specops.decoder.medusa_heads import MedusaHeads
+    from specops.models.medusa_heads import MedusaHeads
 
     try:  # heads pick their fastest dtype (they only propose; the output stays exact)
         return MedusaHeads.from_pretrained(path, base=base, device=device)

@@ -1,9 +1,9 @@
 """``method="auto"`` in the serving engine: which speculation a request runs, from live results.
 
 `Decoder.generate(method="auto")` switches drafter step by step inside one request
-(`specops.decoder.auto`). In the engine a request keeps one proposer for its life (its
+(`specops.spec.auto`). In the engine a request keeps one proposer for its life (its
 KV caches and proposal state are per method), so ``auto`` is decided at admission, by the
-same rule (`specops.decoder.chooser.choose`) over what the engine can measure: it keeps one
+same rule (`specops.spec.chooser.choose`) over what the engine can measure: it keeps one
 chooser per request class and greedy/sampled (what pays for code at temperature 0 is not what
 pays for prose at temperature 1), and each keeps, per available method, a running estimate
 of the tokens committed per target forward by the requests that ran it. Methods without
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specops.decoder.chooser import ChoiceClock, ProbeRule, choose
+from specops.spec.chooser import ChoiceClock, ProbeRule, choose
 
 ADMISSION_RULE = ProbeRule(every=4, budget=0.02, max_wait=50)
 """The probe rule of admissions: a worse method is tried again every 4..50 admissions of its kind."""

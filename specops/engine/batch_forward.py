@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specops.decoder.hf_runner import HFRunner
-from specops.decoder.paged_llama import AttnGroup, PagedBatch, PagedLlama, kv_bytes_per_token
+from specops.models.hf_runner import HFRunner
+from specops.models.paged_llama import AttnGroup, PagedBatch, PagedLlama, kv_bytes_per_token
 from specops.kernels import cpu_linear
 from specops.kernels.cpu_linear import MAX_MASK_NODES
 from specops.engine.kv_pool import BlockPool, blocks_for

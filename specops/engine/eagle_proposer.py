@@ -1,7 +1,7 @@
 """EAGLE feature drafting in the serving engine: one drafter cache per sequence.
 
-The drafter (`specops.decoder.eagle_model.EagleDrafter`, the model `Decoder(eagle=...)`
-loaded) is shared; each sequence's `EagleState` holds a `specops.decoder.eagle.EagleCursor`,
+The drafter (`specops.models.eagle_model.EagleDrafter`, the model `Decoder(eagle=...)`
+loaded) is shared; each sequence's `EagleState` holds a `specops.spec.eagle.EagleCursor`,
 the same per-sequence drafter state `Decoder.generate(method="eagle")` drives: its own drafter
 KV cache (sized to the sequence's most tokens and a tree's expanded levels, allocated at its
 first drafting), the real entries fed and those waiting, and the drafter's prediction of the
@@ -43,7 +43,7 @@ as it does n-gram lookups and Medusa trees, trees apart from chains. The per-seq
 live outside the paged KV budget (one layer: ``2 * kv_heads * head_dim`` values per token of
 the sequence, and a tree's expanded levels).
 
-The engine runs EAGLE-1 drafters: an EAGLE-3 drafter (`specops.decoder.eagle3_model`) reads
+The engine runs EAGLE-1 drafters: an EAGLE-3 drafter (`specops.models.eagle3_model`) reads
 intermediate target hidden states its batched forwards do not return, and is refused when the
 engine is built (``specops serve --eagle PATH`` refuses such a folder before loading anything).
 """
@@ -59,11 +59,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from specops.decoder.eagle import EagleCursor, torch_single_thread
-from specops.decoder.eagle_model import EagleError
-from specops.decoder.eagle_tree import EagleTree
-from specops.decoder.speculation import draft_room
-from specops.decoder.step import DraftTree
+from specops.spec.eagle import EagleCursor, torch_single_thread
+from specops.models.eagle_model import EagleError
+from specops.spec.eagle_tree import EagleTree
+from specops.spec.speculation import draft_room
+from specops.spec.step import DraftTree
 from specops.engine.batch_forward import FeedItem, ItemOutput
 from specops.engine.sequence import Sequence
 

@@ -17,9 +17,9 @@ verification overhead, the step's fixed host time) → grant lookahead blocks �
 (n-gram lookup, one batched draft-model pass, an EAGLE drafter chain per sequence or a greedy
 request's EAGLE-2 dynamic tree (`eagle_proposer`), or Medusa heads on the batch's hidden
 states, a greedy request's prompt-lookup branch merged into its tree:
-`specops.decoder.medusa_branch`) → ONE target forward over every sequence's new tokens
+`specops.spec.medusa_branch`) → ONE target forward over every sequence's new tokens
 (prefills, plain steps, linear drafts and trees side by side; `batch_forward`) → verify each
-sequence with `specops.decoder.verify` / `tree_verify` (greedy, or lossless rejection sampling
+sequence with `specops.spec.verify` / `tree_verify` (greedy, or lossless rejection sampling
 with the request's own seeded generator; a sampled Medusa request whose settings ask for it,
 `SpecSettings.typical`, takes LOSSY typical acceptance instead) → commit, roll both caches
 back to the accepted prefix (or compact the accepted tree path) and give surplus blocks back.
@@ -55,16 +55,16 @@ from typing import Any, Callable
 
 import torch
 
-from specops.decoder.clock import cost_clock
-from specops.decoder.medusa_branch import context_index
-from specops.decoder.medusa_decode import head_accuracy
-from specops.decoder.ngram import NgramIndex
-from specops.decoder.request import eos_set
-from specops.decoder.sampling import make_generator
-from specops.decoder.stats import DecodeStats
-from specops.decoder.speculation import DRAFT_CONTEXT, draft_room, judge_block, step_tokens
-from specops.decoder.tree_verify import TypicalAcceptance, judge_tree
-from specops.decoder.verify import accept_greedy
+from specops.spec.clock import cost_clock
+from specops.spec.medusa_branch import context_index
+from specops.spec.medusa_decode import head_accuracy
+from specops.spec.ngram import NgramIndex
+from specops.spec.request import eos_set
+from specops.spec.sampling import make_generator
+from specops.spec.stats import DecodeStats
+from specops.spec.speculation import DRAFT_CONTEXT, draft_room, judge_block, step_tokens
+from specops.spec.tree_verify import TypicalAcceptance, judge_tree
+from specops.spec.verify import accept_greedy
 from specops.kernels import cpu_linear
 from specops.engine.acceptance import (ALPHA_PRIOR, ALPHA_RECOVERY, EAGLE_TREE, SEQ_DECAY, SEQ_PRIOR_TRIALS,
                                        AcceptancePriors)

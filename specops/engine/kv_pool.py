@@ -1,7 +1,7 @@
 """Fixed-budget block bookkeeping for a paged KV cache.
 
 The cache of one model is ``num_blocks`` blocks of ``block_size`` token slots each (the
-storage tensor lives with the model, `specops.decoder.paged_llama`); a sequence owns a
+storage tensor lives with the model, `specops.models.paged_llama`); a sequence owns a
 *block table*, the list of its block ids in position order, so position ``p`` lives in
 slot ``table[p // block_size] * block_size + p % block_size``.
 

@@ -107,7 +107,7 @@ class ServedRequest:
     canary: bool
     probe: bool            # speculated although the class is fallen back
     fallback_reason: str | None
-    stats: Any             # specops.decoder.stats.DecodeStats
+    stats: Any             # specops.spec.stats.DecodeStats
     turn: int | None = None          # conversation turn used for classification (None: unknown)
     turn_label: str | None = None    # bounded telemetry label (1 / 2 / 3+) when the policy asks for it
 

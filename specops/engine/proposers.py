@@ -6,14 +6,14 @@ method's proposer for the whole group at once (`NgramGroup`, `DraftGroup`, `Eagl
 it cost. The drafting rules themselves are the library's (`NgramIndex.step_drafts`,
 `eagle.draft_chain`, `eagle_tree.draft_tree`, `medusa_decode.propose_trees`), so a method
 proposes the same tokens in `Decoder.generate` and in the engine. N-gram proposals need no model (each sequence's
-`specops.decoder.ngram.NgramIndex`, asked when the plan weighs them). The model-based ones:
+`specops.spec.ngram.NgramIndex`, asked when the plan weighs them). The model-based ones:
 
 * `draft_blocks`: the draft model drafts γ_i tokens for every sequence i in
   max(γ_i) batched rounds. Round 0 feeds each sequence what the draft cache lacks (its
   pending token, ``[d_G, bonus]`` after a fully accepted block, or the whole sequence
   after admission or preemption); later rounds feed one token each, and a sequence
   leaves the batch once it has its γ_i tokens (ragged speculation). Its distributions
-  q are filtered exactly like the target's (`specops.decoder.sampling`). When every
+  q are filtered exactly like the target's (`specops.spec.sampling`). When every
   drafting sequence is greedy or samples from softmax(logits / T) alone (no top-k / top-p)
   and the draft model runs the paged C stack (fp32 CPU), all rounds run in one C call
   (`PagedBackend.draft_chain`; greedy: the same tokens and cache as the loop; sampled: draws
@@ -21,11 +21,11 @@ proposes the same tokens in `Decoder.generate` and in the engine. N-gram proposa
   the per-round Python work (the items, the batch arrays, the argmax, ~1 ms a round at
   batch 1) cost several times the bundled 1-layer draft's forward.
 * `EagleGroup`: each sequence's EAGLE chain, or a greedy request's EAGLE-2 dynamic tree
-  (`specops.decoder.eagle_tree.draft_tree`), on its own drafter cache (`specops.engine.eagle_proposer`).
+  (`specops.spec.eagle_tree.draft_tree`), on its own drafter cache (`specops.engine.eagle_proposer`).
 * `MedusaProposer`: the heads read every sequence's hidden state in one call and each
   sequence gets its own tree (the best ``n_i`` nodes of the sparse tree built from the
-  heads' measured accuracy, `specops.decoder.tree.ranked_nodes`), a greedy sequence's
-  prompt-lookup branch merged into it (`specops.decoder.medusa_branch`).
+  heads' measured accuracy, `specops.spec.tree.ranked_nodes`), a greedy sequence's
+  prompt-lookup branch merged into it (`specops.spec.medusa_branch`).
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specops.decoder.sampling import probabilities, sample
-from specops.decoder.medusa_branch import merge_branch
-from specops.decoder.medusa_decode import propose_trees
-from specops.decoder.tree import TreeBuffers, TreeSpec, make_spec, preset, ranked_nodes
+from specops.spec.sampling import probabilities, sample
+from specops.spec.medusa_branch import merge_branch
+from specops.spec.medusa_decode import propose_trees
+from specops.spec.tree import TreeBuffers, TreeSpec, make_spec, preset, ranked_nodes
 from specops.engine.batch_forward import FeedItem
 from specops.engine.sequence import Sequence
 
@@ -84,7 +84,7 @@ def draft_blocks(backend, seqs: list[Sequence], gammas: list[int],
         inv_temps, uniforms = None, None
         if not all(seqs[i].sampling.greedy for i in active):
             # one float64 uniform per drafted token from the request's own generator, as the
-            # single-request chain (`specops.decoder.draft`) takes them; q = softmax(logits / T). Where
+            # single-request chain (`specops.spec.draft`) takes them; q = softmax(logits / T). Where
             # the chain then declines (a catch-up above its token limit), the loop below draws afresh:
             # the unused uniforms are independent of everything, so the output distribution is the same
             # and a seeded request still repeats itself
@@ -178,9 +178,9 @@ class MedusaProposer:
     def propose(self, seqs: list[Sequence], specs: list[TreeSpec],
                 branches: list[list[int]] | None = None) -> list[tuple[Tensor, TreeBuffers]]:
         """Per sequence: tree tokens [N] (root = pending token first) and the tree's buffers
-        (`specops.decoder.medusa_decode.propose_trees`, which ``Decoder.generate`` runs too), with
+        (`specops.spec.medusa_decode.propose_trees`, which ``Decoder.generate`` runs too), with
         its prompt-lookup branch (``branches``, tokens after the root; empty: none) merged in
-        (`specops.decoder.medusa_branch.merge_branch`, as the library's greedy steps merge it)."""
+        (`specops.spec.medusa_branch.merge_branch`, as the library's greedy steps merge it)."""
         hidden = torch.stack([s.hidden for s in seqs]) if any(s.depth for s in specs) else None  # [B, E]
         out = []
         for i, (seq, (tokens, buffers, guesses)) in enumerate(zip(seqs, propose_trees(

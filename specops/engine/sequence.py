@@ -20,8 +20,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from specops.decoder.sampling import SamplingConfig
-from specops.decoder.stats import DecodeStats
+from specops.spec.sampling import SamplingConfig
+from specops.spec.stats import DecodeStats
 from specops.engine.spec_settings import DEFAULT_TREE_SIZE, SpecSettings  # DEFAULT_TREE_SIZE: re-exported
 
 FINISH_REASONS = ("stop", "length", "abort")

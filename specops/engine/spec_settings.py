@@ -15,7 +15,7 @@ METHODS = ("ar", "draft", "ngram", "medusa", "eagle", "auto")
 DEFAULT_TREE_SIZE = 16
 """A tree's node bound when ``tree_size`` is None."""
 MAX_EAGLE_TOPK = 32
-"""The widest EAGLE-2 expansion (`specops.decoder.eagle_tree.MAX_TOPK`)."""
+"""The widest EAGLE-2 expansion (`specops.spec.eagle_tree.MAX_TOPK`)."""
 
 
 @dataclass(slots=True)
@@ -34,13 +34,13 @@ class SpecSettings:
     """Upper bound on tree nodes, root included (None: `DEFAULT_TREE_SIZE`): a Medusa tree's (a
     prompt-lookup branch's nodes count against it) and an EAGLE-2 tree's (``eagle_topk``)."""
     eagle_topk: int | None = None
-    """Eagle, greedy requests: draft EAGLE-2's dynamic tree (`specops.decoder.eagle_tree`) instead
+    """Eagle, greedy requests: draft EAGLE-2's dynamic tree (`specops.spec.eagle_tree`) instead
     of a chain, expanding this many nodes per level and drafting this many children of each, at
     most ``gamma`` levels deep and ``tree_size`` nodes (`eagle_tree`); None: the chain. Sampled
     requests keep the chain (its rejection sampling is lossless), other methods ignore it."""
     lookup_branch: int | None = None
     """Medusa, greedy requests: the usual length of the prompt-lookup branch a step adds to its tree
-    where the context's last three tokens occurred before (`specops.decoder.medusa_branch`; longer
+    where the context's last three tokens occurred before (`specops.spec.medusa_branch`; longer
     after a match that runs back further); None: the library's `medusa_branch.LOOKUP_BRANCH`; 0:
     the heads' tree alone. Exact either way."""
     typical: bool = False
@@ -88,7 +88,7 @@ class SpecSettings:
 
     def eagle_tree(self) -> tuple[int, int, int] | None:
         """The EAGLE-2 tree a greedy request of these settings drafts, as (depth, topk, tree_size)
-        (`specops.decoder.eagle_tree.EagleTree`), or None for the chain: ``gamma`` levels, ``eagle_topk``
+        (`specops.spec.eagle_tree.EagleTree`), or None for the chain: ``gamma`` levels, ``eagle_topk``
         wide, ``tree_size`` nodes cut to what such a tree drafts (``topk`` children of the root,
         ``topk * topk`` per level below). None too when the settings leave no drafts: ``gamma`` 0, or
         a ``tree_size`` of 1 (the root alone)."""

@@ -1,7 +1,7 @@
 """The batching engine's plain-decoding time estimate (the telemetry's speed-up, per request).
 
 A request's ``plain_s_estimate`` is its wall time with each of its decode steps replaced by
-what plain decoding would have spent there (`specops.decoder.stats.DecodeStats.to_record`:
+what plain decoding would have spent there (`specops.spec.stats.DecodeStats.to_record`:
 ``wall_s − decode_step_s + plain_decode_s``). `PlainTimeEstimate.count` adds one engine step
 to every sequence that emitted tokens in it:
 

@@ -1,7 +1,7 @@
 """Tree planning of the serving engine: what tree-shaped speculation offers the plan, and its calibration.
 
 `TreePlans` builds the planner's `Candidate` of a Medusa tree (the heads' nodes, and for a greedy
-request its prompt-lookup branch beside them: `BranchOffer`, `specops.decoder.medusa_branch`) and
+request its prompt-lookup branch beside them: `BranchOffer`, `specops.spec.medusa_branch`) and
 of a greedy eagle request's EAGLE-2 tree (the drafter's calibrated estimates of its best nodes),
 settles what a chosen plan proposes (the Medusa tree and branch, the EAGLE-2 tree's levels), and
 calibrates the estimates on every verified tree: the kind's and the sequence's accepted tokens per
@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from specops.decoder.medusa_branch import LOOKUP_BRANCH, branch_accepted, branch_tokens
+from specops.spec.medusa_branch import LOOKUP_BRANCH, branch_accepted, branch_tokens
 from specops.engine.acceptance import ALPHA_RECOVERY, EAGLE_TREE, SEQ_DECAY, SEQ_PRIOR_TRIALS, AcceptancePriors
 from specops.engine.sequence import DEFAULT_TREE_SIZE, Sequence
 from specops.engine.spec_planner import Candidate, isotonic

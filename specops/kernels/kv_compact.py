@@ -20,7 +20,7 @@ head, a slice of D) of every kept row, loads a block of rows into registers,
 synchronises the program's threads, then writes them, block by block in
 increasing order.
 
-Why the runtime does not call it: `specops.decoder.kv_cache.KVCache.compact` keeps all
+Why the runtime does not call it: `specops.models.kv_cache.KVCache.compact` keeps all
 layers' keys and values in one tensor ``[NL, 2, B, Hkv, S, D]`` and compacts every layer
 at once with one ``index_select`` and one copy — two launches per verification step,
 whatever the depth. This kernel works on one (k, v) pair of ``[B, Hkv, Lmax, D]`` caches,

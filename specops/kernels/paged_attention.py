@@ -1,7 +1,7 @@
 """Varlen attention over a paged KV store, on the GPU: one Triton kernel for every sequence of a
 ragged batch, each with its own key count, query count and (optionally) a tree mask.
 
-The serving engine's paged model (`specops.decoder.paged_llama.PagedLlama`) keeps every
+The serving engine's paged model (`specops.models.paged_llama.PagedLlama`) keeps every
 layer's keys and values slot-major in one store, and a batch step puts each sequence's
 new tokens (one for plain decoding, γ+1 for a chain draft, a Medusa tree's nodes, a
 short prefill) after its cached prefix. Without a kernel, every layer gathers a padded

@@ -66,7 +66,7 @@ class IntRange(_Model):
 
 LOOKUP_BRANCH = 4
 """The prompt-lookup branch's usual length when a class does not set one (the decoder's own
-default, `specops.decoder.medusa_branch.LOOKUP_BRANCH`; this layer does not import the decoder)."""
+default, `specops.spec.medusa_branch.LOOKUP_BRANCH`; this layer does not import the runtime)."""
 
 CHARS_PER_TOKEN = 4
 """Characters per token where a prompt's length must be estimated without a tokenizer (the

@@ -170,7 +170,7 @@ def _lifespan(load: Callable[[], AsyncEngine], model_name: str,
                 app.state.client = client
                 log.info("engine ready: %s", model_name)
             except BaseException as exc:  # report, and let the owner decide (the CLI exits)
-                from specops.decoder.errors import DecoderError
+                from specops.spec.errors import DecoderError
 
                 if isinstance(exc, (OSError, ValueError, DecoderError)):  # a bad path / model: one line is enough
                     log.error("loading the engine failed: %s: %s", type(exc).__name__, exc)

@@ -97,7 +97,7 @@ def serve_command(model, draft, medusa, eagle, policy_file, redis_url, state_dir
     from specops.server.server import ServeConfig, ServeError, run_server
 
     if eagle is not None:
-        from specops.decoder.eagle_io import is_eagle3_dir
+        from specops.models.eagle_io import is_eagle3_dir
         from specops.engine.eagle_proposer import eagle3_refusal
 
         if is_eagle3_dir(eagle):

@@ -114,7 +114,7 @@ def build_engine_client(cfg: ServeConfig, serving_client: Any, policy: Any, regi
 
     from specops.controller.rollout_driver import canary_namespace
     from specops.decoder import Decoder
-    from specops.decoder.heap import freeze_loaded
+    from specops.models.heap import freeze_loaded
     from specops.policies.store import PolicyStore
     from specops.engine.async_engine import AsyncEngine, core_rule
     from specops.engine.engine import Engine
@@ -132,7 +132,7 @@ def build_engine_client(cfg: ServeConfig, serving_client: Any, policy: Any, regi
     if decoder.tokenizer is None:
         raise ServeError(f"no tokenizer found with the model {cfg.model!r}")
     engine = Engine(decoder, max_batch=cfg.max_batch, kv_cache_mb=cfg.kv_cache_mb, block_size=BLOCK_SIZE)
-    frozen = freeze_loaded()  # full GC passes would stall every running request (specops.decoder.heap)
+    frozen = freeze_loaded()  # full GC passes would stall every running request (specops.models.heap)
     log.info("models loaded; %d startup objects kept out of garbage collection", frozen)
     store = PolicyStore(serving_client, namespace=cfg.namespace)
     pod = cfg.pod or f"{socket.gethostname()}-{os.getpid()}"

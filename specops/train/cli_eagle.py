@@ -35,7 +35,7 @@ from specops.train.cli_options import reply_data_options
 def train_eagle_command(model_ref, out_dir, minutes, tokens, self_prompts, max_batch, steps, shortlist, unroll, seed,
                         threads, quiet, verbose):
     """Train an EAGLE drafter for method `eagle` on the target's own continuations (self-distilled)."""
-    from specops.decoder.eagle_io import default_dir
+    from specops.models.eagle_io import default_dir
     from specops.models.resolve import is_registered
     from specops.train.eagle import EagleJob, EagleTrainConfig, run_eagle_job
 

@@ -95,7 +95,7 @@ def train_heads_command(model_ref, chat, data_files, stdlib, heldout_files, out_
     On text:
       specops train heads --model PATH --data FILES --self-distill --out DIR
     """
-    from specops.decoder.medusa_heads import default_dir
+    from specops.models.medusa_heads import default_dir
     from specops.models.resolve import is_registered
     from specops.train.heads import ChatData, HeadsJob, HeadsTrainConfig, run_chat_heads_job, run_heads_job
 

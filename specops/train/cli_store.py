@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from specops.decoder.ngram_store import DEFAULT_MIN_COUNT, DEFAULT_MIN_PROB, STORE_FILE
+from specops.spec.ngram_store import DEFAULT_MIN_COUNT, DEFAULT_MIN_PROB, STORE_FILE
 from specops.models.cli import MODEL_FOLDER
 
 
@@ -31,8 +31,8 @@ from specops.models.cli import MODEL_FOLDER
               help=f"File or folder to write (default: MODEL/{STORE_FILE}, which `Decoder.from_pretrained` loads).")
 def train_store_command(model_path, data_files, stdlib, orders, min_count, min_prob, tokenizer_dir, out_path):
     """Count a corpus into the n-gram drafter's store: the most frequent next token after each
-    2- and 3-token context (`specops.decoder.ngram_store`)."""
-    from specops.decoder.ngram_store import NgramStore, tokenizer_digest
+    2- and 3-token context (`specops.spec.ngram_store`)."""
+    from specops.spec.ngram_store import NgramStore, tokenizer_digest
     from specops.train.data import encode_stream, read_texts, split_stdlib
     from specops.train.heads import _find_tokenizer
 

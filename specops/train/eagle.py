@@ -1,4 +1,4 @@
-"""Training an EAGLE drafter (`specops.decoder.eagle_model`) by self-distillation.
+"""Training an EAGLE drafter (`specops.models.eagle_model`) by self-distillation.
 
 No dataset is downloaded: the frozen target continues prompts the project ships (the
 chat-model suites' prompts of `specops.bench.chat_prompts`, rendered with the model's chat
@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from specops.decoder.eagle_model import EagleDrafter
+from specops.models.eagle_model import EagleDrafter
 
 log = logging.getLogger(__name__)
 
@@ -300,7 +300,7 @@ def losses(drafter: EagleDrafter, batch: dict[str, torch.Tensor], cfg: EagleTrai
 
 
 def _cpu_bf16() -> bool:
-    from specops.decoder.medusa_heads import inference_dtype
+    from specops.models.medusa_heads import inference_dtype
 
     return inference_dtype("cpu") == torch.bfloat16
 
@@ -419,7 +419,7 @@ def run_eagle_job(job: EagleJob, cfg: EagleTrainConfig) -> dict:
     """Load the target, collect its data, train, report and save the drafter; the report as a dict."""
     from specops.bench.chat_suite import render_messages
     from specops.decoder import Decoder
-    from specops.decoder.eagle_io import save_drafter
+    from specops.models.eagle_io import save_drafter
     from specops.train.checkpoint import load_causal_lm
     from specops.train.self_distill import self_prompts
     from specops.train.tokenizer import load_tokenizer

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from specops.decoder.medusa_heads import CONFIG_NAME, WEIGHTS_NAME, MedusaHeads, inference_dtype, reads_root
+from specops.models.medusa_heads import CONFIG_NAME, WEIGHTS_NAME, MedusaHeads, inference_dtype, reads_root
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ def greedy_continuations(base, prompts: torch.Tensor, new_tokens: int) -> torch.
     """Base model's greedy continuation of each prompt. prompts: [B, P] -> [B, P + new_tokens]."""
     from transformers import DynamicCache
 
-    from specops.decoder.hf_runner import cache_argument
+    from specops.models.hf_runner import cache_argument
 
     seq = prompts
     cache = {cache_argument(base): DynamicCache(config=base.config)}  # `cache=` or, before 5.2x, `past_key_values=`

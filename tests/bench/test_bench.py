@@ -126,7 +126,7 @@ def test_summary_flags_a_mismatch_and_computes_speedup():
 
 
 def test_eagle_tree_runs_beside_the_chain_and_both_are_exact(tiny_models):
-    from specops.decoder.eagle_model import EagleDrafter
+    from specops.models.eagle_model import EagleDrafter
 
     models = dataclasses.replace(tiny_models, eagle=EagleDrafter.for_target(tiny_models.target, seed=0))
     cfg = BenchConfig(methods=["hf-greedy", "eagle", "eagle-tree"], eagle_tree=(3, 2, 6), max_new_tokens=10,
@@ -279,7 +279,7 @@ def test_auto_takes_an_eagle_drafter_when_one_is_at_hand(tmp_path, monkeypatch):
     """`bench decode --methods auto`: the drafter given with --eagle, or the one cached for a
     registered --model, joins auto's options; with none, auto runs without it (no error)."""
     from specops.bench import decode
-    from specops.decoder import eagle_io
+    from specops.models import eagle_io
     from specops.models import resolve
 
     assert decode.eagle_at_hand(BenchConfig(methods=["auto"], eagle=str(tmp_path)))

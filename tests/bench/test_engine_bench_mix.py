@@ -49,7 +49,7 @@ def test_policy_needs_mix(monkeypatch, capsys):
 
 
 def test_forward_split_charges_prompts_per_request_and_decode_per_later_token():
-    from specops.decoder.stats import DecodeStats
+    from specops.spec.stats import DecodeStats
 
     a, b = DecodeStats(method="ar"), DecodeStats(method="ar")
     a.verify_s, a.prefill_s, a.new_tokens = 0.050, 0.020, 11  # 10 later tokens, 3 ms each

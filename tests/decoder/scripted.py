@@ -31,7 +31,7 @@ class TableRunner:
         return self._len
 
     def forward(self, input_ids, *, position_ids=None, tree_mask=None, need_hidden=False):
-        from specops.decoder.runner import RunnerOutput
+        from specops.models.runner import RunnerOutput
 
         b, t = input_ids.shape
         if self._len + t > self.max_context:

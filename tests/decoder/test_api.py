@@ -173,7 +173,7 @@ def test_stats_become_a_telemetry_record(dec):
 
 
 def test_runners_can_be_passed_directly(models):
-    from specops.decoder.loading import load_runner
+    from specops.models.loading import load_runner
 
     target, draft = models
     dec = Decoder(load_runner(target, impl="hf"), draft=load_runner(draft, impl="fast"))

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from specops.decoder import Decoder
-from specops.decoder import async_draft
-from specops.decoder.errors import InvalidRequestError
-from specops.decoder.sampling import SamplingConfig, probabilities
+from specops.spec import async_draft
+from specops.spec.errors import InvalidRequestError
+from specops.spec.sampling import SamplingConfig, probabilities
 from tests.decoder.test_distribution import ALPHA, chi_square_pvalue
 from tests.decoder.test_exactness import GAMMAS, SCHEDULES, random_prompt
 from tests.decoder.tiny_models import perturbed, tiny_gpt2, tiny_llama

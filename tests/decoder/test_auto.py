@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from specops.decoder import Decoder
-from specops.decoder.auto import AutoEstimates, Chooser, Costs, OptionEstimate
-from specops.decoder.tree_size import VerifyCostCurve
+from specops.spec.auto import AutoEstimates, Chooser, Costs, OptionEstimate
+from specops.spec.tree_size import VerifyCostCurve
 from tests.decoder.test_medusa_bundled import code_prompts
 
 
@@ -51,7 +51,7 @@ def test_auto_past_deadline_decodes_plainly(bundled):
 
 
 def test_auto_rejects_medusa_only_options(bundled):
-    from specops.decoder.errors import InvalidRequestError
+    from specops.spec.errors import InvalidRequestError
 
     with pytest.raises(InvalidRequestError, match="heads"):
         bundled.generate([5, 6, 7], method="auto", heads=2)
@@ -84,7 +84,7 @@ def test_an_estimate_from_one_unlucky_block_is_measured_again_soon():
     Medusa looks 2.6x better: its budgeted wait alone was ~320 steps. Read at its upper bound the
     estimate is a guess, so it is tried again within PROBE_EVERY steps; after blocks that really
     are accepted it wins the choice."""
-    from specops.decoder.auto import PROBE_EVERY
+    from specops.spec.auto import PROBE_EVERY
 
     est = {name: OptionEstimate() for name in ("plain", "ngram", "draft", "medusa")}
     est["draft"].update(drafted=4, accepted=0, emitted=1)
@@ -107,7 +107,7 @@ def test_plain_decoding_is_probed_only_every_max_wait_steps():
     """Plain decoding has no acceptance to learn: while a drafter is clearly best, a plain step
     comes at most once per PROBE_MAX_WAIT steps (its probes re-measure its cost scale only),
     where a budgeted wait would have tried it every ~30."""
-    from specops.decoder.auto import PROBE_MAX_WAIT
+    from specops.spec.auto import PROBE_MAX_WAIT
 
     est = {name: OptionEstimate() for name in ("plain", "ngram", "draft", "medusa")}
     for _ in range(30):  # the draft model ~1.17x plain on the model's costs: a budgeted wait of ~35 steps
@@ -127,9 +127,9 @@ def test_plain_decoding_is_probed_only_every_max_wait_steps():
 def test_the_hidden_state_is_read_only_when_a_step_asks_for_it(bundled):
     """`TargetVerifier.hidden_from`: the verifier keeps where the hidden state is, not a copy;
     the first read takes it, and a newer step's state replaces an unread one."""
-    from specops.decoder.sampling import SamplingConfig
-    from specops.decoder.speculation import TargetVerifier
-    from specops.decoder.stats import DecodeStats
+    from specops.spec.sampling import SamplingConfig
+    from specops.spec.speculation import TargetVerifier
+    from specops.spec.stats import DecodeStats
 
     target = bundled.target
     prompt = code_prompts(bundled, 1)[0]
@@ -186,7 +186,7 @@ def test_one_requests_end_moves_where_the_next_starts_only_by_the_carry_weight()
     """A request whose Medusa steps ended poorly (1.8 tokens per step, after requests at 4.0)
     moves the starting estimate by CARRY_WEIGHT of the difference, not all the way: the next
     request (maybe of another kind) does not start from one request's end."""
-    from specops.decoder.auto import CARRY_WEIGHT
+    from specops.spec.auto import CARRY_WEIGHT
 
     estimates = AutoEstimates()
     first = estimates.start(greedy=True)
@@ -230,7 +230,7 @@ def test_measured_step_times_correct_the_cost_model():
     """The model says an n-gram step costs 1.2 plain steps, but its steps really take 3x
     that (cache misses, bookkeeping): after a few measured steps auto stops choosing it,
     although its acceptance alone would make it look worth 2x."""
-    from specops.decoder.speculation import StepResult
+    from specops.spec.speculation import StepResult
 
     est = {name: OptionEstimate() for name in ("plain", "ngram", "draft", "medusa")}
     for _ in range(30):
@@ -269,7 +269,7 @@ def test_a_lagging_draft_cache_is_a_switch_cost_spread_over_the_steps_left():
 
 
 def test_the_draft_catch_up_is_measured_per_token_and_kept_across_requests(bundled):
-    from specops.decoder.auto import CATCHUP_WEIGHT, CatchUp
+    from specops.spec.auto import CATCHUP_WEIGHT, CatchUp
 
     catch = CatchUp(token_s=1.0)
     catch.observe(10, 2.0)  # 0.2 s per token
@@ -277,7 +277,7 @@ def test_the_draft_catch_up_is_measured_per_token_and_kept_across_requests(bundl
     catch.observe(0, 1.0)  # nothing read: no measurement
     catch.observe(5, 0.0)
     assert catch.token_s == pytest.approx(1.0 + CATCHUP_WEIGHT * (0.2 - 1.0))
-    from specops.decoder.auto import draft_token_s
+    from specops.spec.auto import draft_token_s
 
     previous, bundled.auto_estimates = bundled.auto_estimates, AutoEstimates()  # every option untried: draft runs
     try:
@@ -294,7 +294,7 @@ def test_the_draft_catch_up_is_measured_per_token_and_kept_across_requests(bundl
 @pytest.fixture(scope="module")
 def bundled_eagle(bundled):
     """The bundled decoder with a (random) EAGLE drafter bound to its target."""
-    from specops.decoder.eagle_model import EagleDrafter
+    from specops.models.eagle_model import EagleDrafter
 
     drafter = EagleDrafter.for_target(bundled.target.model, seed=4).eval()
     return Decoder(bundled.target.model, draft=bundled.draft, medusa=bundled.medusa, eagle=drafter,
@@ -302,7 +302,7 @@ def bundled_eagle(bundled):
 
 
 def test_auto_with_an_eagle_drafter_is_exact_and_runs_it_between_the_others(bundled_eagle, monkeypatch):
-    from specops.decoder import auto
+    from specops.spec import auto
 
     rng = random.Random(5)
 
@@ -333,12 +333,12 @@ def _teacher_forced_prediction(target, drafter, tokens):
 def test_the_eagle_drafter_reads_the_features_of_steps_other_options_ran(bundled_eagle):
     """After plain, n-gram and its own steps, one catch-up leaves the drafter where a drafter fed
     the whole sequence's real features is; a step that commits without features puts it out of step."""
-    from specops.decoder.eagle import EagleProposer
-    from specops.decoder.ngram import NgramIndex, NgramProposer
-    from specops.decoder.sampling import SamplingConfig, make_generator
-    from specops.decoder.speculation import TargetVerifier
-    from specops.decoder.stats import DecodeStats
-    from specops.decoder.step import step
+    from specops.spec.eagle import EagleProposer
+    from specops.spec.ngram import NgramIndex, NgramProposer
+    from specops.spec.sampling import SamplingConfig, make_generator
+    from specops.spec.speculation import TargetVerifier
+    from specops.spec.stats import DecodeStats
+    from specops.spec.step import step
 
     target, drafter = bundled_eagle.target, bundled_eagle.eagle
     drafter.kernel_weights = "fp32"  # fed step by step against fed at once: fp32 rounding only

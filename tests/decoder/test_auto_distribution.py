@@ -29,14 +29,14 @@ import random
 import pytest
 import torch
 
-from specops.decoder import auto, tree_size
-from specops.decoder import draft as draft_module
-from specops.decoder.auto import AutoEstimates, generate_auto
-from specops.decoder.eagle_model import EagleDrafter
-from specops.decoder.fast_llama import FastLlamaRunner
-from specops.decoder.medusa_heads import MedusaHeads
-from specops.decoder.sampling import SamplingConfig, make_generator, probabilities
-from specops.decoder.tree_size import VerifyCostCurve
+from specops.spec import auto, tree_size
+from specops.spec import draft as draft_module
+from specops.spec.auto import AutoEstimates, generate_auto
+from specops.models.eagle_model import EagleDrafter
+from specops.models.fast_llama import FastLlamaRunner
+from specops.models.medusa_heads import MedusaHeads
+from specops.spec.sampling import SamplingConfig, make_generator, probabilities
+from specops.spec.tree_size import VerifyCostCurve
 from tests.decoder.medusa_models import one_thread, tiny_model  # noqa: F401 (fixture)
 from tests.decoder.test_tree_sampling import chi_square
 
@@ -142,7 +142,7 @@ def test_auto_with_its_own_choices_samples_the_target_distribution(models, pinne
 def test_the_test_rejects_auto_with_a_wrong_draft_distribution(models, monkeypatch, one_thread, option):
     """Power: the draft model's (or the EAGLE drafter's) tokens verified against a uniform q
     instead of the q they were drawn from."""
-    from specops.decoder import eagle as eagle_module
+    from specops.spec import eagle as eagle_module
 
     trials = 1200
     module, name = (draft_module, "_draft_block") if option == "draft" else (eagle_module, "draft_chain")

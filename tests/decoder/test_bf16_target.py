@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specops.decoder import Decoder
-from specops.decoder.fast_llama import FastLlamaRunner
+from specops.models.fast_llama import FastLlamaRunner
 from specops.kernels import cpu_linear
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="needs the C kernels (a C compiler)")

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specops.decoder.hf_runner import HFRunner, cache_argument
-from specops.decoder.runner import UnsupportedModelError
+from specops.models.hf_runner import HFRunner, cache_argument
+from specops.models.runner import UnsupportedModelError
 from specops.train.heads import greedy_continuations
 from tests.train.tiny_assets import tiny_llama
 

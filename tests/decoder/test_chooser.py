@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specops.decoder.chooser import ChoiceClock, ProbeRule, choose
+from specops.spec.chooser import ChoiceClock, ProbeRule, choose
 
 
 def _run(rates: dict[str, float], rule: ProbeRule, n: int, **kw) -> list[str]:

@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 
 from specops.decoder import Decoder
-from specops.decoder.medusa_heads import MedusaHeads
-from specops.decoder.ngram import NgramIndex
-from specops.decoder.loading import load_runner
+from specops.models.medusa_heads import MedusaHeads
+from specops.spec.ngram import NgramIndex
+from specops.models.loading import load_runner
 from tests.decoder.clocked import ClockedRunner, FakeClock, Forward
 from tests.decoder.tiny_models import VOCAB, hf_greedy, perturbed, tiny_llama
 
@@ -115,7 +115,7 @@ def test_slow_draft_past_the_deadline_does_not_crash_auto_or_async(models, monke
     """The same reproduction for the other drafters that verify a model-drafted block: `auto`
     (made to take its draft option whenever it can) and the asynchronous pipeline. Past the
     deadline the step runs plainly."""
-    from specops.decoder import auto
+    from specops.spec import auto
 
     choose = auto.Chooser.choose
     monkeypatch.setattr(auto.Chooser, "choose", lambda self, available: "draft" if "draft" in available

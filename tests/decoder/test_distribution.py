@@ -16,8 +16,8 @@ import torch
 from scipy.stats import chisquare
 
 from specops.decoder import Decoder
-from specops.decoder.sampling import SamplingConfig, probabilities
-from specops.decoder.verify import verify_sampling
+from specops.spec.sampling import SamplingConfig, probabilities
+from specops.spec.verify import verify_sampling
 from tests.decoder.tiny_models import perturbed, tiny_llama
 
 ALPHA = 1e-3

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from specops.decoder import Decoder
-from specops.decoder.medusa_heads import MedusaHeads
-from specops.decoder.sampling import SamplingConfig
+from specops.models.medusa_heads import MedusaHeads
+from specops.spec.sampling import SamplingConfig
 from tests.decoder.test_distribution import ALPHA, STEPS, TINY_V, _exact_joint, chi_square_pvalue
 from tests.decoder.tiny_models import perturbed, tiny_gpt2, tiny_other
 

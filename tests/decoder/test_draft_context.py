@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from specops.decoder import Decoder
-from specops.decoder.loading import load_runner
-from specops.decoder.speculation import DRAFT_CONTEXT, draft_room
+from specops.models.loading import load_runner
+from specops.spec.speculation import DRAFT_CONTEXT, draft_room
 from specops.engine.engine import Engine
 from specops.engine.sequence import SamplingParams, SpecSettings
 from tests.decoder.tiny_models import perturbed, tiny_other

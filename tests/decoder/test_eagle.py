@@ -21,11 +21,11 @@ import pytest
 import torch
 
 from specops.decoder import Decoder, InvalidRequestError, MissingComponentError, VocabMismatchError
-from specops.decoder import eagle, speculation
-from specops.decoder.eagle_io import EagleError, drafter_from_state, load_drafter, save_drafter
-from specops.decoder.eagle_model import EagleDrafter
-from specops.decoder.loading import load_runner
-from specops.decoder.sampling import SamplingConfig, probabilities
+from specops.spec import eagle, speculation
+from specops.models.eagle_io import EagleError, drafter_from_state, load_drafter, save_drafter
+from specops.models.eagle_model import EagleDrafter
+from specops.models.loading import load_runner
+from specops.spec.sampling import SamplingConfig, probabilities
 from tests.decoder.clocked import ClockedRunner, FakeClock
 from tests.decoder.medusa_models import tiny_model
 from tests.decoder.test_tree_sampling import chi_square
@@ -175,7 +175,7 @@ def check_cursor(drafter, width: int, monkeypatch) -> None:
     what feeding them chunk by chunk predicts); a chain and a tree leave its cache at the real
     entries and draft what a cache fed at once drafts; the tree's depth is cut to its cache; `stop`
     and `clear` drop its state."""
-    from specops.decoder.eagle_tree import EagleTree, draft_tree
+    from specops.spec.eagle_tree import EagleTree, draft_tree
 
     g = torch.Generator().manual_seed(0)
     vocab, cpu, greedy = drafter.config.vocab_size, torch.device("cpu"), SamplingConfig()
@@ -454,7 +454,7 @@ def test_packed_inference_copies_compute_what_the_module_computes():
 
 def test_the_drafter_runs_its_torch_ops_on_one_thread_and_restores_the_count(bundled, monkeypatch):
     """torch's OpenMP team would spin on the cores the target's next forward needs (`torch_single_thread`)."""
-    from specops.decoder import eagle
+    from specops.spec import eagle
 
     model, _, prompts, _, drafter = bundled
     seen = []

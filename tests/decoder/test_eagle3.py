@@ -1,4 +1,4 @@
-"""Method ``eagle`` with a published EAGLE-3 checkpoint (`specops.decoder.eagle3_model`).
+"""Method ``eagle`` with a published EAGLE-3 checkpoint (`specops.models.eagle3_model`).
 
 Synthetic checkpoints are written with EAGLE-3's tensor names and config keys (``fc`` over
 three fused target layers, ``midlayer.*``, its own ``norm`` and ``lm_head`` over a reduced
@@ -20,12 +20,12 @@ import pytest
 import torch
 
 from specops.decoder import Decoder, InvalidRequestError
-from specops.decoder.eagle import generate_eagle
-from specops.decoder.eagle3_model import Eagle3Drafter
-from specops.decoder.eagle_io import EagleError, drafter_from_state, is_eagle3_dir, load_drafter
-from specops.decoder.hf_runner import HFRunner
-from specops.decoder.loading import load_runner
-from specops.decoder.sampling import SamplingConfig, make_generator
+from specops.spec.eagle import generate_eagle
+from specops.models.eagle3_model import Eagle3Drafter
+from specops.models.eagle_io import EagleError, drafter_from_state, is_eagle3_dir, load_drafter
+from specops.models.hf_runner import HFRunner
+from specops.models.loading import load_runner
+from specops.spec.sampling import SamplingConfig, make_generator
 from tests.decoder.medusa_models import tiny_model
 from tests.decoder.test_eagle import ALPHA, LENGTH, PROMPT, SAMPLING, VOCAB, _exact, check_cursor
 from tests.decoder.test_tree_sampling import chi_square
@@ -132,7 +132,7 @@ def test_an_eagle3_drafter_runs_through_the_per_sequence_cursor(target, drafter,
 
 
 def test_save_drafter_writes_eagle1_drafters_only(drafter, tmp_path):
-    from specops.decoder.eagle_io import save_drafter
+    from specops.models.eagle_io import save_drafter
 
     with pytest.raises(EagleError, match="save_drafter writes EAGLE-1 drafters"):
         save_drafter(drafter, tmp_path / "out")

@@ -1,4 +1,4 @@
-"""EAGLE-2's dynamic draft tree (`specops.decoder.eagle_tree`) behind ``eagle_tree=``.
+"""EAGLE-2's dynamic draft tree (`specops.spec.eagle_tree`) behind ``eagle_tree=``.
 
 Greedy output equals plain decoding token for token on the fast and the transformers runner
 (held-out code prompts and random ones, several tree shapes, the context's end); a drafter that
@@ -20,12 +20,12 @@ import pytest
 import torch
 
 from specops.decoder import Decoder, InvalidRequestError
-from specops.decoder import eagle_tree
-from specops.decoder.eagle_model import EagleDrafter
-from specops.decoder.eagle_io import drafter_from_state
-from specops.decoder.eagle_tree import EagleTree, draft_tree, keep_best
-from specops.decoder.step import DraftTree
-from specops.decoder.hf_runner import HFRunner
+from specops.spec import eagle_tree
+from specops.models.eagle_model import EagleDrafter
+from specops.models.eagle_io import drafter_from_state
+from specops.spec.eagle_tree import EagleTree, draft_tree, keep_best
+from specops.spec.step import DraftTree
+from specops.models.hf_runner import HFRunner
 from tests.decoder.test_eagle import bundled_setup, spy_eos_cuts
 from tests.decoder.test_eagle3 import bigram_target, draft_ids_of, eagle3_checkpoint
 from tests.decoder.test_eagle3 import copying_drafter as eagle3_copying_drafter

@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specops.decoder.autoregressive import generate_ar
-from specops.decoder.draft import generate_draft
-from specops.decoder.ngram import generate_ngram
-from specops.decoder.sampling import SamplingConfig, make_generator
-from specops.decoder.schedule import ConstantSchedule, make_schedule
+from specops.spec.autoregressive import generate_ar
+from specops.spec.draft import generate_draft
+from specops.spec.ngram import generate_ngram
+from specops.spec.sampling import SamplingConfig, make_generator
+from specops.spec.schedule import ConstantSchedule, make_schedule
 from tests.decoder.scripted import TableRunner, chain_table
 
 V = 16
@@ -166,7 +166,7 @@ def test_per_step_stats_are_consistent_on_real_models(schedule, temperature):
     from tests.decoder.tiny_models import perturbed, tiny_llama
 
     target_model = tiny_llama(seed=21)
-    from specops.decoder.loading import load_runner
+    from specops.models.loading import load_runner
 
     target = load_runner(target_model, impl="fast")
     draft = load_runner(perturbed(target_model, noise=0.3, seed=22), impl="fast")

@@ -1,10 +1,10 @@
-"""`specops.decoder.heap`: the loaded models kept out of full garbage-collection passes."""
+"""`specops.models.heap`: the loaded models kept out of full garbage-collection passes."""
 
 from __future__ import annotations
 
 import gc
 
-from specops.decoder.heap import frozen_heap
+from specops.models.heap import frozen_heap
 
 
 class _Node:

@@ -19,13 +19,13 @@ import random
 import pytest
 import torch
 
-from specops.decoder.autoregressive import generate_ar
-from specops.decoder.fast_llama import FastLlamaRunner
-from specops.decoder.hf_runner import HFRunner
-from specops.decoder.medusa_decode import generate_medusa
-from specops.decoder.medusa_heads import MedusaHeads
-from specops.decoder.sampling import SamplingConfig, make_generator
-from specops.decoder.tree import PRESETS
+from specops.spec.autoregressive import generate_ar
+from specops.models.fast_llama import FastLlamaRunner
+from specops.models.hf_runner import HFRunner
+from specops.spec.medusa_decode import generate_medusa
+from specops.models.medusa_heads import MedusaHeads
+from specops.spec.sampling import SamplingConfig, make_generator
+from specops.spec.tree import PRESETS
 from specops.train.heads import HeadsTrainConfig, train_heads
 from tests.decoder.medusa_models import one_thread, tiny_model  # noqa: F401 (fixture)
 from tests.decoder.tiny_models import hf_greedy, transformers_greedy_violations
@@ -152,7 +152,7 @@ def test_eos_inside_accepted_path_is_cut(one_thread):
 
 
 def test_bad_requests_raise(one_thread):
-    from specops.decoder.errors import InvalidRequestError
+    from specops.spec.errors import InvalidRequestError
 
     runner, heads, _, _ = make_case("gpt_neox-hf-untrained")
     prompt = torch.tensor([[1, 2]])

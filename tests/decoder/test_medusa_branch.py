@@ -1,4 +1,4 @@
-"""The prompt-lookup branch of a Medusa step (`specops.decoder.medusa_branch`): its trie merge
+"""The prompt-lookup branch of a Medusa step (`specops.spec.medusa_branch`): its trie merge
 into the heads' tree against a brute-force construction, and the library's step-by-step greedy
 loop taking the same branch as the one-call C step (same tokens, statistics and cache bits)."""
 
@@ -9,14 +9,14 @@ import random
 import pytest
 import torch
 
-import specops.decoder.medusa_decode as medusa_decode
-from specops.decoder.autoregressive import generate_ar
-from specops.decoder.fast_llama import FastLlamaRunner, MedusaSteps
-from specops.decoder.medusa_branch import branch_accepted, branch_tokens, context_index, merge_branch
-from specops.decoder.medusa_decode import generate_medusa
-from specops.decoder.sampling import SamplingConfig, make_generator
-from specops.decoder.tree import build_buffers, make_spec, preset
-from specops.decoder.tree_verify import verify_tree_greedy
+import specops.spec.medusa_decode as medusa_decode
+from specops.spec.autoregressive import generate_ar
+from specops.models.fast_llama import FastLlamaRunner, MedusaSteps
+from specops.spec.medusa_branch import branch_accepted, branch_tokens, context_index, merge_branch
+from specops.spec.medusa_decode import generate_medusa
+from specops.spec.sampling import SamplingConfig, make_generator
+from specops.spec.tree import build_buffers, make_spec, preset
+from specops.spec.tree_verify import verify_tree_greedy
 from specops.kernels import cpu_linear
 from tests.decoder.medusa_models import tiny_model
 from tests.decoder.test_medusa import distilled_heads

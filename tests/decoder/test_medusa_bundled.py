@@ -10,7 +10,7 @@ import torch
 
 from specops.assets import MEDUSA_DIR, TARGET_DIR, assets_size_bytes
 from specops.decoder import Decoder
-from specops.decoder.medusa_heads import CONFIG_NAME, WEIGHTS_NAME, model_fingerprint
+from specops.models.medusa_heads import CONFIG_NAME, WEIGHTS_NAME, model_fingerprint
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from specops.decoder import Decoder, MedusaHeads
-from specops.decoder.errors import InvalidRequestError, MissingComponentError
-from specops.decoder.medusa_heads import CONFIG_NAME, WEIGHTS_NAME, MedusaError, inference_dtype, model_fingerprint
+from specops.spec.errors import InvalidRequestError, MissingComponentError
+from specops.models.medusa_heads import CONFIG_NAME, WEIGHTS_NAME, MedusaError, inference_dtype, model_fingerprint
 from specops.kernels import cpu_linear
 from tests.decoder.medusa_models import one_thread, tiny_model  # noqa: F401 (fixture)
 
@@ -82,7 +82,7 @@ def test_bad_artifacts_and_mismatched_bases(tmp_path, caplog):
     heads.save_pretrained(tmp_path / "h")
     with pytest.raises(MedusaError, match="hidden=32, vocab=64.*hidden=32, vocab=80"):
         heads.bind(tiny_model("llama", vocab=80))
-    with caplog.at_level(logging.WARNING, logger="specops.decoder.medusa_heads"):
+    with caplog.at_level(logging.WARNING, logger="specops.models.medusa_heads"):
         MedusaHeads.from_pretrained(tmp_path / "h", base=tiny_model("llama", seed=9))
     assert "not this one" in caplog.text
     config = json.loads((tmp_path / "h" / CONFIG_NAME).read_text())

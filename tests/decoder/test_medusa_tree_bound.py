@@ -7,13 +7,13 @@ import random
 import pytest
 import torch
 
-from specops.decoder.autoregressive import generate_ar
-from specops.decoder.errors import InvalidRequestError
-from specops.decoder.fast_llama import FastLlamaRunner
-from specops.decoder.medusa_decode import generate_medusa
-from specops.decoder.tree_size import plan_tree
-from specops.decoder.medusa_heads import MedusaHeads
-from specops.decoder.sampling import SamplingConfig, make_generator
+from specops.spec.autoregressive import generate_ar
+from specops.spec.errors import InvalidRequestError
+from specops.models.fast_llama import FastLlamaRunner
+from specops.spec.medusa_decode import generate_medusa
+from specops.spec.tree_size import plan_tree
+from specops.models.medusa_heads import MedusaHeads
+from specops.spec.sampling import SamplingConfig, make_generator
 from tests.decoder.medusa_models import one_thread, tiny_model  # noqa: F401 (fixture)
 
 GREEDY = SamplingConfig()
@@ -53,7 +53,7 @@ def test_planned_trees_learn_from_the_steps_they_run(one_thread):
     """A planned tree (none given, or a bound) times each whole step into the runner's live
     planner, which every later request of the same runner and heads shares; the output stays
     `ar`'s whatever size each step took."""
-    from specops.decoder.tree_size import tree_planner
+    from specops.spec.tree_size import tree_planner
 
     runner, heads = _case([[0.7, 0.15, 0.08, 0.05]] * 3)
     prompt = torch.tensor([[5, 9, 11, 2]])

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specops.decoder.errors import InvalidRequestError
+from specops.spec.errors import InvalidRequestError
 from specops.decoder import Decoder
-from specops.decoder.ngram import MATCH_SPAN, NgramIndex, lookup, match_gamma
+from specops.spec.ngram import MATCH_SPAN, NgramIndex, lookup, match_gamma
 from tests.decoder.tiny_models import VOCAB, tiny_llama
 
 
@@ -170,7 +170,7 @@ def test_generate_by_match_drafts_past_gamma_after_long_matches_and_stays_exact(
 
 @pytest.mark.parametrize("usual, length, expected", [(4, 3, 4), (4, 7, 4), (4, 8, 8), (4, 15, 8), (4, 16, 12), (2, 40, 6)])
 def test_medusa_lookup_branch_length_grows_with_the_match(usual, length, expected):
-    from specops.decoder.medusa_branch import branch_length
+    from specops.spec.medusa_branch import branch_length
 
     assert branch_length(usual, length) == expected
 
@@ -180,7 +180,7 @@ def test_medusa_lookup_branch_takes_full_matches_only_and_fits_the_step():
     length, bounded by the budget, the context's space and the step loop's nodes beside the tree."""
     from types import SimpleNamespace
 
-    from specops.decoder.medusa_decode import c_branch
+    from specops.spec.medusa_decode import c_branch
 
     steps, spec = SimpleNamespace(max_nodes=16), SimpleNamespace(num_nodes=4)
     short = NgramIndex()

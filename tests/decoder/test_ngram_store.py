@@ -10,9 +10,9 @@ import pytest
 from click.testing import CliRunner
 
 from specops.decoder import Decoder
-from specops.decoder.errors import InvalidRequestError, ModelLoadError
-from specops.decoder.ngram import NgramIndex
-from specops.decoder.ngram_store import STORE_FILE, NgramStore, store_in, tokenizer_digest
+from specops.spec.errors import InvalidRequestError, ModelLoadError
+from specops.spec.ngram import NgramIndex
+from specops.spec.ngram_store import STORE_FILE, NgramStore, store_in, tokenizer_digest
 from tests.decoder import test_medusa_bundled
 
 bundled = test_medusa_bundled.bundled  # the bundled Decoder, module-scoped, on one torch thread

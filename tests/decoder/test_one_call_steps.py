@@ -16,15 +16,15 @@ import random
 import pytest
 import torch
 
-import specops.decoder.medusa_decode as medusa_decode
-from specops.decoder.autoregressive import generate_ar
-from specops.decoder.draft import generate_draft
-from specops.decoder.fast_llama import BlockVerifier, FastLlamaRunner, MedusaSteps
-from specops.decoder.ngram import generate_ngram
-from specops.decoder.medusa_decode import generate_medusa
-from specops.decoder.medusa_heads import MedusaHeads
-from specops.decoder.sampling import SamplingConfig, make_generator
-from specops.decoder.tree import PRESETS, preset
+import specops.spec.medusa_decode as medusa_decode
+from specops.spec.autoregressive import generate_ar
+from specops.spec.draft import generate_draft
+from specops.models.fast_llama import BlockVerifier, FastLlamaRunner, MedusaSteps
+from specops.spec.ngram import generate_ngram
+from specops.spec.medusa_decode import generate_medusa
+from specops.models.medusa_heads import MedusaHeads
+from specops.spec.sampling import SamplingConfig, make_generator
+from specops.spec.tree import PRESETS, preset
 from specops.kernels import cpu_linear
 from tests.decoder.medusa_models import tiny_model
 from tests.decoder.test_medusa import distilled_heads
@@ -291,7 +291,7 @@ def test_auto_runs_its_greedy_medusa_steps_in_one_call(case, monkeypatch):
     """`generate_auto`'s Medusa steps on the fast runner are the one-call step (the heads run
     first only after another option's step): its output stays ar's, EOS and budgets included,
     and the step-by-step Medusa step is not used."""
-    from specops.decoder.auto import AutoEstimates, generate_auto
+    from specops.spec.auto import AutoEstimates, generate_auto
 
     runner, heads = case
     counter = Counting(monkeypatch)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from specops.decoder.fast_llama import FastLlamaRunner
-from specops.decoder.paged_llama import PagedLlama
+from specops.models.fast_llama import FastLlamaRunner
+from specops.models.paged_llama import PagedLlama
 from specops.kernels import cpu_linear
 from specops.engine.batch_forward import FeedItem, PagedBackend
 from specops.engine.kv_pool import BlockPool

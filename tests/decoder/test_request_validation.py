@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from specops.decoder import ContextLengthError, Decoder, InvalidRequestError, SamplingConfig
-from specops.decoder.sampling import make_generator
-from specops.decoder.tree import TreeError, TreeSpec, build_buffers, make_spec
-from specops.decoder.tree_verify import verify_tree_sampling
+from specops.spec.sampling import make_generator
+from specops.spec.tree import TreeError, TreeSpec, build_buffers, make_spec
+from specops.spec.tree_verify import verify_tree_sampling
 from tests.decoder.tiny_models import tiny_llama
 
 
@@ -39,7 +39,7 @@ def test_tiny_temperature_and_huge_seed_name_the_field(decoder):
 
 
 def test_medusa_validates_max_new_tokens_and_context_like_the_others():
-    from specops.decoder.medusa_decode import generate_medusa
+    from specops.spec.medusa_decode import generate_medusa
     from tests.decoder.test_medusa import random_heads
 
     model = tiny_llama(0)

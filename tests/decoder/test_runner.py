@@ -12,10 +12,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specops.decoder.hf_runner import HFRunner
-from specops.decoder.kv_cache import KVCache
-from specops.decoder.runner import ModelRunner, RunnerOutput, UnsupportedModelError
-from specops.decoder.loading import load_runner
+from specops.models.hf_runner import HFRunner
+from specops.models.kv_cache import KVCache
+from specops.models.runner import ModelRunner, RunnerOutput, UnsupportedModelError
+from specops.models.loading import load_runner
 
 VOCAB = 64
 ATOL = 1e-4
@@ -223,7 +223,7 @@ def test_hf_runner_batch_of_two():
 
 
 def test_load_runner_picks_the_implementation():
-    from specops.decoder.fast_llama import FastLlamaRunner
+    from specops.models.fast_llama import FastLlamaRunner
 
     for model_type in ("llama", "mistral", "qwen2"):
         assert isinstance(load_runner(build(model_type)), FastLlamaRunner), model_type
@@ -239,7 +239,7 @@ def test_load_runner_picks_the_implementation():
 
 
 def test_load_runner_falls_back_to_hf_for_what_the_fast_path_cannot_run():
-    from specops.decoder.fast_llama import FastLlamaRunner
+    from specops.models.fast_llama import FastLlamaRunner
 
     windowed = build("mistral", sliding_window=16)
     # default context stops at the window, where sliding-window attention is plain causal

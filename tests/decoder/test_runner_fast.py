@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specops.decoder.fast_llama import FastLlamaRunner
-from specops.decoder.runner import UnsupportedModelError
+from specops.models.fast_llama import FastLlamaRunner
+from specops.models.runner import UnsupportedModelError
 from tests.decoder.test_runner import (  # noqa: F401  (one_thread: autouse fixture)
     VOCAB,
     build,
@@ -118,7 +118,7 @@ def test_kernel_tree_attention_call_site_matches_sdpa():
 
 
 def test_default_context_is_capped_for_long_context_models():
-    from specops.decoder.fast_llama import DEFAULT_MAX_CONTEXT
+    from specops.models.fast_llama import DEFAULT_MAX_CONTEXT
 
     model = build("llama", max_position_embeddings=4 * DEFAULT_MAX_CONTEXT)
     assert FastLlamaRunner(model).max_context == DEFAULT_MAX_CONTEXT
@@ -162,7 +162,7 @@ def test_fast_runner_without_onednn_matches_transformers():
 
 def test_fast_runner_without_precomputed_head_tables_matches_transformers(monkeypatch):
     """Models whose per-head rotary tables would be too big assemble them per forward."""
-    import specops.decoder.fast_llama as fast_llama
+    import specops.models.fast_llama as fast_llama
 
     monkeypatch.setattr(fast_llama, "ROPE_HEAD_TABLE_BYTES", 0)
     model_type, overrides = CONFIGS["llama-gqa-theta"]
@@ -176,7 +176,7 @@ def test_fast_runner_without_precomputed_head_tables_matches_transformers(monkey
 @pytest.mark.parametrize("impl", ["fast", "hf"])
 def test_runners_on_cuda_match_transformers(impl):
     """On a GPU the fast path's tree forwards go through the Triton tree-attention kernel."""
-    from specops.decoder.loading import load_runner
+    from specops.models.loading import load_runner
 
     model_type, overrides = CONFIGS["qwen2-gqa-bias"]
     model = build(model_type, seed=59, **overrides).cuda()
@@ -190,8 +190,8 @@ def test_a_prompt_pass_on_the_c_stack_reads_only_its_last_logits():
     row (or none); the same logits and hidden states as transformers' forward, the cache as a
     plain forward leaves it (the decoding steps after it agree), and runners without their own
     prompt pass return `forward`'s output."""
-    from specops.decoder.hf_runner import HFRunner
-    from specops.decoder.runner import prompt_forward
+    from specops.models.hf_runner import HFRunner
+    from specops.models.runner import prompt_forward
 
     model = build("llama", seed=5)
     runner = FastLlamaRunner(model)
@@ -229,8 +229,8 @@ def test_the_c_stack_returns_each_logit_rows_argmax_with_its_logits():
     pass's last row, a step, a block, a tree), equal to torch.argmax of those logits, so greedy
     decoders read their choice without another call; `choices` / `last_choice` give the same
     for runners that do not compute it (transformers here), and a logit-free pass has none."""
-    from specops.decoder.hf_runner import HFRunner
-    from specops.decoder.runner import RunnerOutput, prompt_forward
+    from specops.models.hf_runner import HFRunner
+    from specops.models.runner import RunnerOutput, prompt_forward
 
     model = build("llama", seed=7)
     runner = FastLlamaRunner(model)

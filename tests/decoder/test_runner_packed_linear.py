@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specops.decoder.packed_linear import ONEDNN_ROW_LADDER, PackedLinear, onednn_rows, onednn_usable
+from specops.models.packed_linear import ONEDNN_ROW_LADDER, PackedLinear, onednn_rows, onednn_usable
 from tests.decoder.test_runner import one_thread  # noqa: F401  (autouse fixture)
 
 ONEDNN = onednn_usable(torch.device("cpu"), torch.float32)

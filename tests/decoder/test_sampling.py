@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specops.decoder.errors import InvalidRequestError
-from specops.decoder.sampling import (
+from specops.spec.errors import InvalidRequestError
+from specops.spec.sampling import (
     SamplingConfig,
     filter_logits,
     make_generator,

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from specops.decoder.errors import InvalidRequestError
-from specops.decoder.schedule import (
+from specops.spec.errors import InvalidRequestError
+from specops.spec.schedule import (
     ConstantSchedule,
     GoodputSchedule,
     HeuristicSchedule,

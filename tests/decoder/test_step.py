@@ -1,4 +1,4 @@
-"""The one speculative step (`specops.decoder.step`) with proposers written for the test: any
+"""The one speculative step (`specops.spec.step`) with proposers written for the test: any
 proposer's output is the target's own, the step clamps what it asks for, and it keeps the
 proposer in step with what was verified."""
 
@@ -8,11 +8,11 @@ import random
 
 import torch
 
-from specops.decoder.sampling import SamplingConfig, make_generator
-from specops.decoder.schedule import ConstantSchedule
-from specops.decoder.speculation import DRAFT_CONTEXT, StepResult, TargetVerifier
-from specops.decoder.stats import DecodeStats
-from specops.decoder.step import run_steps
+from specops.spec.sampling import SamplingConfig, make_generator
+from specops.spec.schedule import ConstantSchedule
+from specops.spec.speculation import DRAFT_CONTEXT, StepResult, TargetVerifier
+from specops.spec.stats import DecodeStats
+from specops.spec.step import run_steps
 from tests.decoder.scripted import TableRunner, chain_table
 
 V = 16

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from specops.decoder.tree import (
+from specops.spec.tree import (
     PRESETS,
     TreeError,
     build_buffers,
@@ -19,7 +19,7 @@ from specops.decoder.tree import (
     resolve_tree,
     sparse_tree,
 )
-from specops.decoder.tree_size import VerifyCostCurve, choose_tree, measure_verify_cost
+from specops.spec.tree_size import VerifyCostCurve, choose_tree, measure_verify_cost
 from tests.decoder.medusa_models import one_thread, tiny_model  # noqa: F401 (fixture)
 
 
@@ -170,7 +170,7 @@ def test_measure_verify_cost_on_a_runner(tiny_llama_runner):
 
 @pytest.fixture
 def tiny_llama_runner(one_thread):
-    from specops.decoder.hf_runner import HFRunner
+    from specops.models.hf_runner import HFRunner
 
     return HFRunner(tiny_model("llama"))
 
@@ -182,8 +182,8 @@ def test_the_live_planner_starts_from_the_curve_and_follows_measured_step_times(
     """`TreePlanner` begins at the size the startup curve favours; when whole steps at that size
     measure slow it moves to the size with the best measured tokens per second; one step in
     EXPLORE_EVERY tries a neighbouring size, so a size that got cheaper is seen again."""
-    from specops.decoder import tree_size
-    from specops.decoder.tree_size import EXPLORE_EVERY, TreePlanner
+    from specops.spec import tree_size
+    from specops.spec.tree_size import EXPLORE_EVERY, TreePlanner
 
     flat = VerifyCostCurve(sizes=(1, 32), seconds=(1.0, 1.0))  # at startup, every size costs one forward
     planner = TreePlanner(ACCURACY, flat, overhead_s=0.1)
@@ -211,7 +211,7 @@ def test_the_live_planner_starts_from_the_curve_and_follows_measured_step_times(
 
 
 def test_the_live_planner_keeps_a_bound_and_plain_decoding_when_nothing_pays():
-    from specops.decoder.tree_size import TreePlanner
+    from specops.spec.tree_size import TreePlanner
 
     steep = VerifyCostCurve(sizes=(1, 32), seconds=(1.0, 63.0))  # every node doubles the step
     planner = TreePlanner(ACCURACY, steep, overhead_s=0.0, max_nodes=5)
@@ -224,8 +224,8 @@ def test_the_live_planner_keeps_a_bound_and_plain_decoding_when_nothing_pays():
 def test_measure_verify_cost_times_the_one_call_verification_where_decoding_uses_it(one_thread, monkeypatch):
     """``one_call=True`` on the fast runner times `BlockVerifier.verify` (what greedy decoding
     runs) for every size; elsewhere, or by default, it times `forward`."""
-    from specops.decoder.fast_llama import BlockVerifier, FastLlamaRunner
-    from specops.decoder.hf_runner import HFRunner
+    from specops.models.fast_llama import BlockVerifier, FastLlamaRunner
+    from specops.models.hf_runner import HFRunner
     from specops.kernels import cpu_linear
 
     assert cpu_linear.available(), cpu_linear.unavailable_reason()  # CI builds the kernels: never a skip

@@ -16,11 +16,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specops.decoder.medusa_decode import generate_medusa
-from specops.decoder.medusa_heads import MedusaHeads
-from specops.decoder.sampling import SamplingConfig, make_generator, probabilities
-from specops.decoder.tree import build_buffers, preset
-from specops.decoder.tree_verify import verify_tree_sampling, verify_tree_typical, TypicalAcceptance
+from specops.spec.medusa_decode import generate_medusa
+from specops.models.medusa_heads import MedusaHeads
+from specops.spec.sampling import SamplingConfig, make_generator, probabilities
+from specops.spec.tree import build_buffers, preset
+from specops.spec.tree_verify import verify_tree_sampling, verify_tree_typical, TypicalAcceptance
 from tests.decoder.medusa_models import one_thread, tiny_model  # noqa: F401 (fixture)
 
 ALPHA = 0.001
@@ -151,7 +151,7 @@ def test_medusa_sampling_matches_target_distribution(one_thread):
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(4.0)  # sharper distributions, so the heads' candidates are often accepted
-    from specops.decoder.fast_llama import FastLlamaRunner
+    from specops.models.fast_llama import FastLlamaRunner
 
     runner = FastLlamaRunner(model)
     heads = MedusaHeads.from_model(model, num_heads=2)

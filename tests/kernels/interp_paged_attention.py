@@ -43,7 +43,7 @@ def test_fp16_inputs_accumulate_in_fp32():
 def test_the_paged_model_on_the_kernel_matches_sdpa():
     """`PagedLlama.forward` with `gpu_kernel` on (the path CUDA takes; here the interpreter runs
     the kernel on CPU tensors) gives the SDPA path's logits: plain steps, a chain draft, a tree."""
-    from specops.decoder.fast_llama import FastLlamaRunner
+    from specops.models.fast_llama import FastLlamaRunner
     from specops.engine.batch_forward import PagedBackend
     from specops.engine.kv_pool import BlockPool
     from tests.decoder.tiny_models import tiny_llama

@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from specops.decoder.packed_linear import PackedLinear
+from specops.models.packed_linear import PackedLinear
 from specops.kernels import cpu_linear
 from tests.kernels.trees import mask_from_parents
 
@@ -435,7 +435,7 @@ def test_greedy_drafting_in_one_call_equals_the_loop_of_forwards(fed, count):
     loop of forwards and argmaxes does, and leaves the same cache bits and length (neither
     feeds the last token), on the bf16 draft and the fp32 target."""
     from specops.assets import DRAFT_DIR, TARGET_DIR
-    from specops.decoder.fast_llama import FastLlamaRunner
+    from specops.models.fast_llama import FastLlamaRunner
     from transformers import AutoModelForCausalLM
 
     gen = torch.Generator().manual_seed(fed * 10 + count)
@@ -459,7 +459,7 @@ def test_greedy_drafting_over_a_draft_vocabulary_ranks_only_its_rows(fed, count)
     listed tokens (first in list order on ties): the rows' logits are the full head's bit for
     bit. Sampled chains keep the whole vocabulary; None restores it; bad lists are refused."""
     from specops.assets import DRAFT_DIR
-    from specops.decoder.fast_llama import FastLlamaRunner
+    from specops.models.fast_llama import FastLlamaRunner
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(DRAFT_DIR), dtype=torch.float32).eval()
@@ -498,7 +498,7 @@ def test_a_decoder_applies_a_draft_vocabulary_and_stays_exact():
 
     from specops.assets import DRAFT_DIR, TARGET_DIR
     from specops.decoder import Decoder
-    from specops.decoder.errors import InvalidRequestError
+    from specops.spec.errors import InvalidRequestError
     from transformers import AutoModelForCausalLM
 
     bundled = Decoder.from_pretrained("bundled")
@@ -621,7 +621,7 @@ def test_bf16_weights_are_widened_exactly_and_keep_the_row_and_thread_invariance
 
 def test_a_runner_with_bf16_kernel_weights_runs_the_c_stack_and_stays_close():
     from specops.assets import DRAFT_DIR
-    from specops.decoder.fast_llama import FastLlamaRunner
+    from specops.models.fast_llama import FastLlamaRunner
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(DRAFT_DIR), dtype=torch.float32).eval()
@@ -659,7 +659,7 @@ def test_sampled_verification_in_one_call_makes_verify_samplings_choices():
     same prefix and draws the same next token (a row's softmax rounds differently in C, so a
     uniform landing within a rounding step of a boundary may differ: none did in 600 cases
     when this was written), with drafted tokens from q, off q, and a deterministic drafter."""
-    from specops.decoder.verify import verify_sampling
+    from specops.spec.verify import verify_sampling
 
     gen = torch.Generator().manual_seed(123)
     differ, accepted_total = 0, 0

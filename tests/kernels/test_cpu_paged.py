@@ -119,7 +119,7 @@ def test_no_compiler_means_sdpa_not_an_error(monkeypatch, tmp_path):
         assert not fresh.available()
         assert "no-such-cc" in (fresh.unavailable_reason() or "")
         from specops.decoder import Decoder
-        from specops.decoder.paged_llama import PagedLlama
+        from specops.models.paged_llama import PagedLlama
 
         model = PagedLlama(Decoder.from_pretrained("bundled").target, num_blocks=4, block_size=16)
         assert model.cpu_kernel is False and not model.kernel_group(1, tree=False)

@@ -63,7 +63,7 @@ def test_the_triton_kernel_on_cuda_matches_the_reference(dtype, tree):
 def test_the_paged_model_runs_its_attention_on_the_kernel_on_cuda():
     """On CUDA the serving engine's paged forward reads the KV in place through the Triton kernel
     (plain steps, chain drafts and trees) and matches its SDPA path."""
-    from specops.decoder.fast_llama import FastLlamaRunner
+    from specops.models.fast_llama import FastLlamaRunner
     from specops.engine.batch_forward import PagedBackend
     from specops.engine.kv_pool import BlockPool
     from tests.decoder.tiny_models import tiny_llama

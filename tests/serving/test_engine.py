@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specops.decoder import Decoder
-from specops.decoder.medusa_heads import MedusaHeads
+from specops.models.medusa_heads import MedusaHeads
 from specops.engine.batch_forward import GenericBackend, PagedBackend
 from specops.engine.engine import Engine
 from specops.engine.sequence import PromptTooLongError, SamplingParams, SpecSettings
@@ -364,7 +364,7 @@ def test_batched_greedy_verification_is_verify_greedy():
     all accepted, rejected at once, ties in the logits) gives `verify_greedy`'s (accepted, next)."""
     from types import SimpleNamespace
 
-    from specops.decoder.verify import verify_greedy
+    from specops.spec.verify import verify_greedy
     from specops.engine.batch_forward import ItemOutput
 
     eng = Engine(Decoder.from_pretrained("bundled"), max_batch=8, kv_cache_mb=4, calibrate=False)
@@ -549,7 +549,7 @@ def test_the_c_drafting_chain_ranks_the_draft_vocabulary_in_greedy_calls(qwen2):
     token, with the same KV counters. A call that samples keeps the whole vocabulary (q has V
     columns). Before, the engine's rounds ran the full LM head: 0.72 ms of CPU per bundled draft
     round at batch 1 against 0.25 with the draft vocabulary."""
-    from specops.decoder.sampling import SamplingConfig
+    from specops.spec.sampling import SamplingConfig
     from specops.kernels import cpu_linear
     from specops.engine.batch_forward import FeedItem
     from specops.engine.kv_pool import BlockPool
@@ -599,7 +599,7 @@ def test_the_c_drafting_chain_samples_a_mixed_batch_from_the_q_it_returns(qwen2)
     uniform, from the q row returned for it; q is softmax(logits / T) of the logits the per-round
     loop computes over the same tokens; the greedy sequence's tokens, every KV counter and the
     paged store equal the loop's. A top-k request sends the batch to the loop."""
-    from specops.decoder.sampling import SamplingConfig
+    from specops.spec.sampling import SamplingConfig
     from specops.kernels import cpu_linear
     from specops.engine.batch_forward import FeedItem
     from specops.engine.kv_pool import BlockPool

@@ -21,11 +21,11 @@ import pytest
 import torch
 
 from specops.decoder import Decoder
-from specops.decoder import eagle as eagle_module
-from specops.decoder.eagle import draft_chain
-from specops.decoder.eagle_model import EagleDrafter
-from specops.decoder.runner import prompt_forward
-from specops.decoder.sampling import SamplingConfig
+from specops.spec import eagle as eagle_module
+from specops.spec.eagle import draft_chain
+from specops.models.eagle_model import EagleDrafter
+from specops.models.runner import prompt_forward
+from specops.spec.sampling import SamplingConfig
 from specops.engine.engine import Engine
 from specops.engine.sequence import SamplingParams, SpecSettings
 from tests.decoder.test_distribution import ALPHA, STEPS, TINY_V, _exact_joint, chi_square_pvalue
@@ -308,7 +308,7 @@ def test_serve_eagle_option_reaches_the_decoder(bundled, tmp_path, monkeypatch):
     from click.testing import CliRunner
 
     import specops.server.server as server
-    from specops.decoder.eagle_io import save_drafter
+    from specops.models.eagle_io import save_drafter
     from specops.server.cli import serve_command
 
     save_drafter(bundled[4], tmp_path / "eagle")

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from specops.decoder import Decoder
-from specops.decoder.eagle_io import drafter_from_state
-from specops.decoder.eagle_model import EagleError
+from specops.models.eagle_io import drafter_from_state
+from specops.models.eagle_model import EagleError
 from specops.engine.engine import Engine
 from tests.decoder.test_eagle3 import LAYERS, draft_ids_of, eagle3_checkpoint, write_checkpoint
 from tests.decoder.tiny_models import tiny_llama

@@ -22,10 +22,10 @@ import torch
 
 import specops.engine.engine as engine_module
 from specops.decoder import Decoder
-from specops.decoder.eagle_model import EagleDrafter
-from specops.decoder.eagle_tree import EagleTree
-from specops.decoder.runner import prompt_forward
-from specops.decoder.tree_verify import TreeVerification
+from specops.models.eagle_model import EagleDrafter
+from specops.spec.eagle_tree import EagleTree
+from specops.models.runner import prompt_forward
+from specops.spec.tree_verify import TreeVerification
 from specops.engine.acceptance import EAGLE_TREE, KIND_PRIOR_TRIALS, AcceptancePriors
 from specops.engine.eagle_proposer import EagleProposer
 from specops.engine.engine import Engine

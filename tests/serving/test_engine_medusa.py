@@ -12,9 +12,10 @@ import torch
 from prometheus_client import CollectorRegistry
 
 import specops.engine.engine as engine_module
-from specops.decoder import Decoder, tree_verify
-from specops.decoder.medusa_branch import LOOKUP_BRANCH
-from specops.decoder.medusa_heads import MedusaHeads
+from specops.decoder import Decoder
+from specops.spec import tree_verify
+from specops.spec.medusa_branch import LOOKUP_BRANCH
+from specops.models.medusa_heads import MedusaHeads
 from specops.engine.engine import Engine
 from specops.engine.metrics import ServingMetrics
 from specops.engine.proposers import MedusaProposer

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from specops.decoder import Decoder
-from specops.decoder.medusa_heads import MedusaHeads
+from specops.models.medusa_heads import MedusaHeads
 from specops.engine.engine import Engine
 from specops.engine.sequence import SamplingParams, SpecSettings
 from tests.decoder.tiny_models import perturbed, tiny_other

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from specops.decoder import Decoder
-from specops.decoder.medusa_heads import MedusaHeads
-from specops.decoder.sampling import SamplingConfig
+from specops.models.medusa_heads import MedusaHeads
+from specops.spec.sampling import SamplingConfig
 from specops.engine import engine as engine_module
 from specops.engine.engine import Engine
 from specops.engine.sequence import SamplingParams, SpecSettings
@@ -80,7 +80,7 @@ def test_batched_speculative_sampling_matches_the_target(dec, method, n, cfg):
 
 def test_the_test_rejects_a_biased_engine(dec, monkeypatch):
     def accept_everything(logits, drafted, draft_probs, sampling, generator, choice=None):  # biased: no rejection
-        from specops.decoder.sampling import probabilities
+        from specops.spec.sampling import probabilities
 
         g = len(drafted)
         nxt = torch.multinomial(probabilities(logits[g], sampling), 1, generator=generator)

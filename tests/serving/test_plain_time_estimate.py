@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specops.decoder.stats import DecodeStats
+from specops.spec.stats import DecodeStats
 from specops.engine.speedup_estimate import PlainTimeEstimate
 
 

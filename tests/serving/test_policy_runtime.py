@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from specops.decoder import Decoder
-from specops.decoder.medusa_heads import MedusaHeads
+from specops.models.medusa_heads import MedusaHeads
 from specops.policies.live import LivePolicy
 from specops.engine.policy_runtime import REASON_FALLBACK, REASON_OFF, REASON_TEMPERATURE, PolicyRuntime
 from specops.policies import load_policy
@@ -132,7 +132,7 @@ def test_class_deadline_ends_the_request_in_plain_decoding(monkeypatch, redis_cl
     target forward, 0.25 s per draft forward) a 24-token request outlives the code class's
     4.6 s, so it ends in plain steps with the same tokens and publishes the fallback; the
     class without a deadline speculates to the end."""
-    from specops.decoder.loading import load_runner
+    from specops.models.loading import load_runner
     from tests.decoder.clocked import ClockedRunner, FakeClock
     from tests.decoder.test_deadline import check_tail_is_plain
 
@@ -426,7 +426,7 @@ classes:
 def test_medusa_classes_carry_their_lookup_branch_and_typical_acceptance_to_the_engine_and_the_decoder(monkeypatch):
     """A class's ``lookup_branch`` reaches every Medusa request (the engine's settings, the
     decoder's keyword); its LOSSY ``typical`` only a sampled one's, and the response says so."""
-    from specops.decoder.medusa_branch import LOOKUP_BRANCH
+    from specops.spec.medusa_branch import LOOKUP_BRANCH
     from specops.policies.schema import LOOKUP_BRANCH as POLICY_DEFAULT
     from specops.engine.async_engine import AsyncEngine
 

@@ -22,7 +22,7 @@ from scipy.stats import binomtest
 from specops.controller.controller import Controller
 from specops.controller.sources import RedisWindowSource
 from specops.decoder import Decoder
-from specops.decoder.loading import load_runner
+from specops.models.loading import load_runner
 from specops.policies import load_policy
 from specops.policies import rollout as machine
 from specops.policies.store import PolicyStore

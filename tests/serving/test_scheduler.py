@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from specops.decoder.sampling import SamplingConfig
-from specops.decoder.stats import DecodeStats
+from specops.spec.sampling import SamplingConfig
+from specops.spec.stats import DecodeStats
 from specops.engine.kv_pool import BlockPool
 from specops.engine.scheduler import Scheduler
 from specops.engine.sequence import SamplingParams, Sequence, SeqStatus, SpecSettings

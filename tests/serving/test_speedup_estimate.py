@@ -13,7 +13,7 @@ import statistics
 
 import pytest
 
-from specops.decoder.stats import DecodeStats
+from specops.spec.stats import DecodeStats
 from specops.engine.engine import Engine
 from specops.engine.sequence import SamplingParams, SpecSettings
 from specops.telemetry import WindowStats

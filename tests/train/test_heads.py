@@ -8,7 +8,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from specops.decoder.medusa_heads import MedusaHeads
+from specops.models.medusa_heads import MedusaHeads
 from specops.train.heads import IGNORE, HeadsTrainConfig, evaluate_heads, heads_loss, rank_counts, train_heads
 from tests.decoder.medusa_models import one_thread, tiny_model  # noqa: F401 (fixture)
 

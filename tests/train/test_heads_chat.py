@@ -132,7 +132,7 @@ def test_packed_batches_never_score_a_head_on_the_next_rows_tokens():
 def test_a_shortlist_scores_the_heads_on_its_tokens_only(shared):
     """Over a shortlist the loss is the cross-entropy of the full logits' shortlist columns, targets
     outside it count nowhere, and the rank counts map the shortlist back to token ids."""
-    from specops.decoder.medusa_heads import MedusaHeads
+    from specops.models.medusa_heads import MedusaHeads
 
     model = tiny_model("llama", vocab=48, seed=2)
     heads = MedusaHeads.from_model(model, num_heads=2, shared_lm_head=shared)
@@ -190,7 +190,7 @@ def test_chat_training_into_the_cache_is_found_by_from_pretrained_and_the_bench(
     from specops.bench.chat_suite import chat_model_suite
     from specops.bench.decode import BenchConfig, BenchError, load_models
     from specops.decoder import Decoder
-    from specops.decoder.medusa_heads import default_dir
+    from specops.models.medusa_heads import default_dir
     from specops.train.eagle import prompt_texts
     from specops.train.tokenizer import load_tokenizer
 

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from specops.assets import TARGET_DIR
 from specops.decoder import Decoder
-from specops.decoder.eagle_model import EagleDrafter
+from specops.models.eagle_model import EagleDrafter
 from specops.train.cli_eagle import train_eagle_command
 from specops.train.eagle import EagleTrainConfig, decode_report, prompt_texts
 from tests.decoder.test_eagle import bundled_setup

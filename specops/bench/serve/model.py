@@ -52,7 +52,7 @@ def lone_target_policy(text: str, drafter: bool) -> tuple[str, dict[str, str]]:
 def cached_drafter(ref: str, folder: Path) -> tuple[Path | None, str | None]:
     """(the EAGLE drafter cached for the registered model ``ref`` names or whose cached folder
     ``folder`` is, or None; that registered name, or None for another folder)."""
-    from specops.decoder.eagle_io import default_dir, is_drafter_dir
+    from specops.models.eagle_io import default_dir, is_drafter_dir
     from specops.models.registry import REGISTRY, model_dir
     from specops.models.resolve import is_registered
 

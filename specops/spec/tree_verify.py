@@ -4,7 +4,7 @@ The target has scored every tree node in one pass, so row ``i`` of its output is
 target's distribution for the token *after* node ``i``. Verification walks down from
 the root: at the current node it decides which child (if any) the target accepts,
 moves there, and repeats; when no child is accepted it emits one more token from
-the current node's distribution. Terms as in `specops.decoder.verify`:
+the current node's distribution. Terms as in `specops.spec.verify`:
 
 accepted path
     root, then every accepted node, in order. The root is the token the target itself
@@ -42,8 +42,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specops.decoder.sampling import SamplingConfig, draw, probabilities
-from specops.decoder.tree import TreeBuffers
+from specops.spec.sampling import SamplingConfig, draw, probabilities
+from specops.spec.tree import TreeBuffers
 from specops.kernels import cpu_linear
 
 

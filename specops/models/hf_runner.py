@@ -21,7 +21,7 @@ import inspect
 import torch
 from torch import Tensor
 
-from specops.decoder.runner import (
+from specops.models.runner import (
     RunnerOutput,
     UnsupportedModelError,
     check_batch_size,
@@ -51,7 +51,7 @@ class HFRunner:
     """A transformers causal LM plus a `DynamicCache`, behind the `ModelRunner` interface."""
 
     returns_layers = True
-    """`forward` takes ``hidden_layers`` (`specops.decoder.runner.returns_layers`)."""
+    """`forward` takes ``hidden_layers`` (`specops.models.runner.returns_layers`)."""
 
     def __init__(self, model, *, max_context: int | None = None) -> None:
         from transformers import DynamicCache

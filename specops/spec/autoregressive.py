@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from specops.decoder.errors import InvalidRequestError
-from specops.decoder.runner import ModelRunner, prompt_forward
-from specops.decoder.sampling import SamplingConfig, next_token
-from specops.decoder.clock import device_clock
-from specops.decoder.request import check_room, eos_set, prompt_list, stop_reason
-from specops.decoder.stats import DecodeStats
+from specops.spec.errors import InvalidRequestError
+from specops.models.runner import ModelRunner, prompt_forward
+from specops.spec.sampling import SamplingConfig, next_token
+from specops.spec.clock import device_clock
+from specops.spec.request import check_room, eos_set, prompt_list, stop_reason
+from specops.spec.stats import DecodeStats
 
 
 def generate_ar(

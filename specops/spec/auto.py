@@ -43,24 +43,24 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specops.decoder.chooser import ChoiceClock, ProbeRule, choose
-from specops.decoder.clock import cost_clock, device_clock
-from specops.decoder.draft import CATCHUP_FREE, DraftModelProposer, check_vocab
-from specops.decoder.eagle import EagleProposer
-from specops.decoder.errors import InvalidRequestError
-from specops.decoder.medusa_branch import LOOKUP_BRANCH
-from specops.decoder.medusa_decode import MedusaProposer, MedusaState, c_steps
-from specops.decoder.medusa_heads import HeadsLike
-from specops.decoder.ngram import NgramIndex, NgramProposer
-from specops.decoder.ngram_store import NgramStore
-from specops.decoder.runner import ModelRunner, returns_layers
-from specops.decoder.sampling import SamplingConfig
-from specops.decoder.schedule import ConstantSchedule, GammaSchedule, expected_tokens
-from specops.decoder.request import prompt_list
-from specops.decoder.speculation import StepResult, TargetVerifier
-from specops.decoder.stats import DecodeStats
-from specops.decoder.step import Proposer, step
-from specops.decoder.tree_size import VerifyCostCurve, heads_overhead_s, plan_tree, verify_cost_curve
+from specops.spec.chooser import ChoiceClock, ProbeRule, choose
+from specops.spec.clock import cost_clock, device_clock
+from specops.spec.draft import CATCHUP_FREE, DraftModelProposer, check_vocab
+from specops.spec.eagle import EagleProposer
+from specops.spec.errors import InvalidRequestError
+from specops.spec.medusa_branch import LOOKUP_BRANCH
+from specops.spec.medusa_decode import MedusaProposer, MedusaState, c_steps
+from specops.models.medusa_heads import HeadsLike
+from specops.spec.ngram import NgramIndex, NgramProposer
+from specops.spec.ngram_store import NgramStore
+from specops.models.runner import ModelRunner, returns_layers
+from specops.spec.sampling import SamplingConfig
+from specops.spec.schedule import ConstantSchedule, GammaSchedule, expected_tokens
+from specops.spec.request import prompt_list
+from specops.spec.speculation import StepResult, TargetVerifier
+from specops.spec.stats import DecodeStats
+from specops.spec.step import Proposer, step
+from specops.spec.tree_size import VerifyCostCurve, heads_overhead_s, plan_tree, verify_cost_curve
 
 log = logging.getLogger(__name__)
 
@@ -327,7 +327,7 @@ def eagle_token_s(drafter) -> float:
     """Seconds of one EAGLE drafter forward of one entry after a short prefix, with its LM head
     (fastest of COST_REPEATS): a drafted token, or the read of a step's accepted features.
     Measured once per drafter, on a cache of its own."""
-    from specops.decoder.eagle import torch_single_thread
+    from specops.spec.eagle import torch_single_thread
 
     cached = _EAGLE_COSTS.get(drafter)
     if cached is None:

@@ -2,7 +2,7 @@
 
 Two callers ask it, each with the estimates it can measure:
 
-* `Decoder.generate(method="auto")` (`specops.decoder.auto`) every step: its options are
+* `Decoder.generate(method="auto")` (`specops.spec.auto`) every step: its options are
   plain decoding, n-gram, the draft model and Medusa, rated in expected tokens per modelled
   second of this step;
 * the serving engine at each admission of an ``auto`` request (`specops.engine.auto_method`):

@@ -35,14 +35,14 @@ from dataclasses import dataclass
 
 import torch
 
-from specops.decoder.clock import device_clock
-from specops.decoder.request import check_deadline, check_room, eos_cut, eos_set, stop_reason
-from specops.decoder.runner import ModelRunner, prompt_forward
-from specops.decoder.sampling import SamplingConfig, next_token
-from specops.decoder.stats import DecodeStats
-from specops.decoder.tree import TreeBuffers
-from specops.decoder.tree_verify import TypicalAcceptance, judge_tree
-from specops.decoder.verify import accept_greedy, verify_block_sampled
+from specops.spec.clock import device_clock
+from specops.spec.request import check_deadline, check_room, eos_cut, eos_set, stop_reason
+from specops.models.runner import ModelRunner, prompt_forward
+from specops.spec.sampling import SamplingConfig, next_token
+from specops.spec.stats import DecodeStats
+from specops.spec.tree import TreeBuffers
+from specops.spec.tree_verify import TypicalAcceptance, judge_tree
+from specops.spec.verify import accept_greedy, verify_block_sampled
 from specops.kernels import cpu_linear
 
 
@@ -117,7 +117,7 @@ class TargetVerifier:
         typical: TypicalAcceptance | None = None,
     ) -> None:
         """``keep_hidden``: keep the target's last hidden state after every forward (``hidden``),
-        for a Medusa step that follows (`specops.decoder.auto`). ``keep_features``: keep the hidden
+        for a Medusa step that follows (`specops.spec.auto`). ``keep_features``: keep the hidden
         states of every position a forward settled (``features``): the prompt's cached tokens after
         `prefill`, ``[pending, d_1 .. d_n]`` after `verify`, which an EAGLE drafter reads next;
         True: the last hidden state (EAGLE-1), a tuple of ``hidden_states`` indices: those layers'

@@ -5,7 +5,7 @@ forward slower; on a CPU in fp32 a forward over 8 positions costs roughly twice 
 position. ``measure_verify_cost`` times the actual runner at startup (a forward over
 T tree positions on top of a prefix, for several T) into a ``VerifyCostCurve``;
 ``tree_options`` lists, for every tree size n, the sparse tree of
-`specops.decoder.tree.ranked_nodes`, and ``choose_tree`` keeps the n that maximises
+`specops.spec.tree.ranked_nodes`, and ``choose_tree`` keeps the n that maximises
 
     expected tokens per step / (verify_cost(n) + per-step overhead)
 
@@ -30,10 +30,10 @@ from typing import Sequence
 
 import torch
 
-from specops.decoder.clock import cost_clock
-from specops.decoder.medusa_heads import HeadsLike, head_candidates
-from specops.decoder.runner import ModelRunner
-from specops.decoder.tree import TreeError, TreeSpec, make_spec, preset, ranked_nodes
+from specops.spec.clock import cost_clock
+from specops.models.medusa_heads import HeadsLike, head_candidates
+from specops.models.runner import ModelRunner
+from specops.spec.tree import TreeError, TreeSpec, make_spec, preset, ranked_nodes
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ bonus token
     when greedy) for free.
 
 Every verification step therefore emits ``accepted + 1`` tokens. With the same
-sampling filters applied to ``p`` and ``q`` (`specops.decoder.sampling`) the output is
+sampling filters applied to ``p`` and ``q`` (`specops.spec.sampling`) the output is
 distributed exactly as sampling the filtered target alone, which is the theorem of
 
 * Y. Leviathan, M. Kalman, Y. Matias. *Fast Inference from Transformers via
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specops.decoder.sampling import SamplingConfig, draw, probabilities
+from specops.spec.sampling import SamplingConfig, draw, probabilities
 from specops.kernels import cpu_linear
 
 

@@ -4,7 +4,7 @@
 exporter): the loops fill it while decoding, `DecodeStats.to_record` turns it into the
 torch-free `specops.telemetry.DecodeRecord` that the Prometheus exporter and the Redis
 publisher consume. Terms (drafted, accepted, recovered, bonus) are defined in
-`specops.decoder.verify`.
+`specops.spec.verify`.
 
 Invariants the loops keep (and the tests check):
 
@@ -82,7 +82,7 @@ class DecodeStats:
     auto_steps: dict[str, int] = field(default_factory=dict)
     """``auto``: steps run per option (plain, ngram, draft, medusa, eagle); empty for other methods."""
     store_drafts: int = 0
-    """``ngram``: steps whose draft came from the corpus n-gram store (`specops.decoder.ngram_store`)."""
+    """``ngram``: steps whose draft came from the corpus n-gram store (`specops.spec.ngram_store`)."""
     decode_step_s: float = 0.0
     """Batched serving: wall seconds of the engine steps this request decoded in (its
     prefill steps excluded), whatever else the batch held."""

@@ -1,4 +1,4 @@
-"""One model behind one interface: the `ModelRunner` protocol (`specops.decoder.loading.load_runner` picks one).
+"""One model behind one interface: the `ModelRunner` protocol (`specops.models.loading.load_runner` picks one).
 
 A runner owns a model and its KV cache. Every decoding algorithm (plain decoding,
 draft-model speculation, n-gram drafting, Medusa tree verification) talks to models

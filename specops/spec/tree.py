@@ -192,7 +192,7 @@ class TreeBuffers:
     """Everything one tree verification needs, built once per topology.
 
     The first ``spec.num_nodes`` nodes are the heads' (``spec``'s topology); a tree with a
-    prompt-lookup branch merged into it (`specops.decoder.medusa_branch.merge_branch`) has
+    prompt-lookup branch merged into it (`specops.spec.medusa_branch.merge_branch`) has
     ``appended`` more after them, nodes of explicit tokens that no head ranked."""
 
     spec: TreeSpec

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from specops.decoder.errors import ContextLengthError, InvalidRequestError
+from specops.spec.errors import ContextLengthError, InvalidRequestError
 
 
 def prompt_list(prompt_ids: torch.Tensor) -> list[int]:  # prompt_ids: [B, T] long, B == 1

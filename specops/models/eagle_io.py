@@ -13,9 +13,9 @@ An EAGLE-1 drafter folder holds ``config.json`` (a LlamaConfig-style dict with
     shortlist                                       (specops: token ids drafted over, optional)
 
 An ``embed_tokens.weight`` in an EAGLE-1 file is ignored: the drafter reads the target's
-embedding and LM head (`specops.decoder.eagle_model.EagleDrafter`).
+embedding and LM head (`specops.models.eagle_model.EagleDrafter`).
 
-An EAGLE-3 folder (`specops.decoder.eagle3_model.Eagle3Drafter`; recognised by
+An EAGLE-3 folder (`specops.models.eagle3_model.Eagle3Drafter`; recognised by
 ``draft_vocab_size`` in its config.json or by ``midlayer.*`` / ``d2t`` / ``t2d`` tensors) holds
 the same two files with EAGLE-3's names::
 
@@ -48,8 +48,8 @@ from typing import Any
 
 import torch
 
-from specops.decoder.eagle3_model import FUSED_LAYERS, Eagle3Config, Eagle3Drafter
-from specops.decoder.eagle_model import FORMAT_VERSION, EagleConfig, EagleDrafter, EagleError
+from specops.models.eagle3_model import FUSED_LAYERS, Eagle3Config, Eagle3Drafter
+from specops.models.eagle_model import FORMAT_VERSION, EagleConfig, EagleDrafter, EagleError
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"

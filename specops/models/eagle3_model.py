@@ -1,6 +1,6 @@
 """The EAGLE-3 drafter module (Li et al. 2025, arXiv 2503.01840), for published EAGLE-3 checkpoints.
 
-Where an EAGLE-1 drafter (`specops.decoder.eagle_model`) reads the target's last hidden
+Where an EAGLE-1 drafter (`specops.models.eagle_model`) reads the target's last hidden
 state, an EAGLE-3 drafter reads three of the target's intermediate hidden states side by side
 (a low, a middle and a high layer; by EAGLE's default the inputs of layers ``2``, ``L // 2``
 and ``L - 3`` of an ``L``-layer target, i.e. transformers' ``hidden_states[2]``,
@@ -16,13 +16,13 @@ Inside a drafted chain the layer reads its own previous output as ``h`` (E wide:
 skipped, as EAGLE's drafter does when the feature is already E wide). Draft token ``k`` is
 target token ``k + d2t[k]``; ``t2d`` marks the target tokens that have one. The parameter
 names are EAGLE-3's (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``), so
-`specops.decoder.eagle_io` loads a published state dict one to one.
+`specops.models.eagle_io` loads a published state dict one to one.
 
-The drafter offers `specops.decoder.eagle.draft_chain`, `EagleCursor` and `EagleProposer` what
+The drafter offers `specops.spec.eagle.draft_chain`, `EagleCursor` and `EagleProposer` what
 an EAGLE-1 drafter offers (`logits`, `step`, `new_cache`, `reset`, `truncate`, `max_context`,
 and ``shortlist``: the target ids of its draft tokens, None when they are the whole vocabulary
 in order), so both kinds run through one code path; `feature_layers` says which target hidden states `step`
-reads (`specops.decoder.speculation.TargetVerifier` keeps them: ``keep_features``).
+reads (`specops.spec.speculation.TargetVerifier` keeps them: ``keep_features``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specops.decoder.eagle_model import DrafterCache, RMSNorm, EagleError, _MLP, _rotate
+from specops.models.eagle_model import DrafterCache, RMSNorm, EagleError, _MLP, _rotate
 
 FUSED_LAYERS = 3  # target hidden states an EAGLE-3 drafter fuses
 

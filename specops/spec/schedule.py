@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from specops.decoder.errors import InvalidRequestError
+from specops.spec.errors import InvalidRequestError
 
 SCHEDULES = ("constant", "heuristic", "goodput")
 

@@ -41,12 +41,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from specops.decoder.eagle import EagleProposer
-from specops.decoder.errors import InvalidRequestError
-from specops.decoder.sampling import SamplingConfig
-from specops.decoder.speculation import TargetVerifier
-from specops.decoder.step import DraftTree
-from specops.decoder.tree import TreeBuffers, TreeSpec, build_buffers, make_spec
+from specops.spec.eagle import EagleProposer
+from specops.spec.errors import InvalidRequestError
+from specops.spec.sampling import SamplingConfig
+from specops.spec.speculation import TargetVerifier
+from specops.spec.step import DraftTree
+from specops.spec.tree import TreeBuffers, TreeSpec, build_buffers, make_spec
 
 MAX_DEPTH = 32
 MAX_TOPK = 32

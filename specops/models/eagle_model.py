@@ -1,7 +1,7 @@
-"""The EAGLE drafter module: one decoder layer over the target's features (see `specops.decoder.eagle`).
+"""The EAGLE drafter module: one decoder layer over the target's features (see `specops.spec.eagle`).
 
 Parameter names follow EAGLE's checkpoints (``fc``, ``layers.0.self_attn.q_proj``, ...), so
-`specops.decoder.eagle_io` maps a published EAGLE-1 state dict onto it one to one.
+`specops.models.eagle_io` maps a published EAGLE-1 state dict onto it one to one.
 """
 
 from __future__ import annotations
@@ -129,10 +129,10 @@ class DrafterCache:
     def new_cache(self, max_len: int | None = None):
         """An empty KV cache of one sequence for ``step(..., cache=)``, of ``max_len`` entries
         (default and most: `max_context`). Decoding keeps one per sequence in its
-        `specops.decoder.eagle.EagleCursor` (the library's requests and the serving engine's
+        `specops.spec.eagle.EagleCursor` (the library's requests and the serving engine's
         sequences alike); the drafter also keeps one of its own (`reset`), which `step` uses by
         default."""
-        from specops.decoder.kv_cache import KVCache
+        from specops.models.kv_cache import KVCache
 
         c = self.config
         size = c.max_position_embeddings if max_len is None else min(max_len, c.max_position_embeddings)
@@ -210,7 +210,7 @@ class EagleDrafter(DrafterCache, nn.Module):
     def for_target(cls, model: nn.Module, *, shortlist: Tensor | list[int] | None = None,
                    input_layernorm: bool = True, seed: int | None = None) -> EagleDrafter:
         """A randomly initialised drafter with ``model``'s sizes, bound to it."""
-        from specops.decoder.medusa_heads import model_fingerprint
+        from specops.models.medusa_heads import model_fingerprint
 
         cfg = model.config
         heads = cfg.num_attention_heads
@@ -254,7 +254,7 @@ class EagleDrafter(DrafterCache, nn.Module):
                 raise EagleError(f"the drafter needs a [{c.vocab_size}, {c.hidden_size}] {name}; "
                                  f"{type(model).__name__} has {shape}")
         if c.base_model_hash:
-            from specops.decoder.medusa_heads import model_fingerprint
+            from specops.models.medusa_heads import model_fingerprint
 
             if model_fingerprint(model) != c.base_model_hash:
                 log.warning("EAGLE drafter was trained for %r, not this model: output stays exact, "
@@ -331,7 +331,7 @@ class EagleDrafter(DrafterCache, nn.Module):
 
     def packed(self) -> _PackedDrafter | None:
         """Inference copies of the drafter's matrices and the bound (shortlisted) LM head in the C
-        kernels' layout (`specops.decoder.packed_linear.PackedLinear`), made on first use; None where
+        kernels' layout (`specops.models.packed_linear.PackedLinear`), made on first use; None where
         they do not apply (training, autograd on, not fp32 on a CPU, no C kernel). A drafted token
         is a handful of one-row products, which the C kernel streams at about twice MKL's speed at
         one row; the LM head over the shortlist was half the drafter's time through `F.linear`.
@@ -446,7 +446,7 @@ class EagleDrafter(DrafterCache, nn.Module):
         the entries' RoPE positions (default: their slots, L .. L + T - 1); ``mask`` [T, L + T]
         bool: entry i attends to slot j where True (default: causal). A draft tree's nodes of
         one depth share a position and see the real entries and their own ancestors
-        (`specops.decoder.eagle_tree`)."""
+        (`specops.spec.eagle_tree`)."""
         cache = self._cache if cache is None else cache
         t = tokens.shape[0]
         positions, mask = self._layout(cache, t, positions, mask, self.fc.weight.device)
@@ -482,7 +482,7 @@ class _PackedDrafter:
     into the products that end each block; the same arithmetic as the module's forward."""
 
     def __init__(self, d: EagleDrafter, bf16: bool = False) -> None:
-        from specops.decoder.packed_linear import PackedLinear
+        from specops.models.packed_linear import PackedLinear
 
         layer = d.layers[0]
         attn, mlp = layer.self_attn, layer.mlp

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 
 class DecoderError(Exception):
-    """Base class of every error raised by `specops.decoder`."""
+    """Base class of every error `specops.decoder` and `specops.spec` raise."""
 
 
 class InvalidRequestError(DecoderError, ValueError):

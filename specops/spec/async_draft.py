@@ -35,15 +35,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from specops.decoder.draft import _draft_block, check_vocab
-from specops.decoder.errors import InvalidRequestError
-from specops.decoder.runner import ModelRunner, prompt_forward
-from specops.decoder.sampling import SamplingConfig
-from specops.decoder.schedule import ConstantSchedule, GammaSchedule
-from specops.decoder.clock import device_clock
-from specops.decoder.request import prompt_list
-from specops.decoder.speculation import DRAFT_CONTEXT, TargetVerifier, draft_room
-from specops.decoder.stats import DecodeStats
+from specops.spec.draft import _draft_block, check_vocab
+from specops.spec.errors import InvalidRequestError
+from specops.models.runner import ModelRunner, prompt_forward
+from specops.spec.sampling import SamplingConfig
+from specops.spec.schedule import ConstantSchedule, GammaSchedule
+from specops.spec.clock import device_clock
+from specops.spec.request import prompt_list
+from specops.spec.speculation import DRAFT_CONTEXT, TargetVerifier, draft_room
+from specops.spec.stats import DecodeStats
 
 PIPELINES = ("sync", "async")
 

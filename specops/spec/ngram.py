@@ -19,7 +19,7 @@ tokens drafted, a 3-gram match's continuation was accepted 3.7 tokens deep on av
 pay on the bundled models: past ~5 positions a CPU verify forward is compute-bound and each
 extra position costs ~12% of a step.
 
-**Corpus fallback** (``store``, an `specops.decoder.ngram_store.NgramStore`): where the
+**Corpus fallback** (``store``, an `specops.spec.ngram_store.NgramStore`): where the
 context has no match, or only a 1-token one, the index drafts the store's chain instead
 when it is longer (what usually follows the text's last 2-3 tokens in a corpus); the
 models' own folder may carry one (`Decoder.from_pretrained` loads it).
@@ -33,15 +33,15 @@ from __future__ import annotations
 
 import torch
 
-from specops.decoder.errors import InvalidRequestError
-from specops.decoder.ngram_store import NgramStore
-from specops.decoder.runner import ModelRunner
-from specops.decoder.sampling import SamplingConfig
-from specops.decoder.schedule import ConstantSchedule, GammaSchedule
-from specops.decoder.request import prompt_list
-from specops.decoder.speculation import StepResult, TargetVerifier
-from specops.decoder.stats import DecodeStats
-from specops.decoder.step import run_steps
+from specops.spec.errors import InvalidRequestError
+from specops.spec.ngram_store import NgramStore
+from specops.models.runner import ModelRunner
+from specops.spec.sampling import SamplingConfig
+from specops.spec.schedule import ConstantSchedule, GammaSchedule
+from specops.spec.request import prompt_list
+from specops.spec.speculation import StepResult, TargetVerifier
+from specops.spec.stats import DecodeStats
+from specops.spec.step import run_steps
 
 
 class NgramIndex:

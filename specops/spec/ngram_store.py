@@ -1,6 +1,6 @@
 """A corpus n-gram table for the n-gram drafter: what usually follows, where the context has no match.
 
-Prompt lookup (`specops.decoder.ngram`) drafts only where the request's own text repeats;
+Prompt lookup (`specops.spec.ngram`) drafts only where the request's own text repeats;
 elsewhere its step is one plain forward. An `NgramStore` fills those steps from a corpus
 (retrieval-based drafting, as in REST, He et al. 2023): for every 2- and 3-token context
 seen at least ``min_count`` times in the corpus it keeps the most frequent next token and
@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from specops.decoder.errors import InvalidRequestError, ModelLoadError
+from specops.spec.errors import InvalidRequestError, ModelLoadError
 
 STORE_FILE = "ngram_store.npz"
 """A model folder's store, loaded with the model (`Decoder.from_pretrained`)."""

@@ -24,9 +24,9 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from specops.decoder.fast_llama import C_LAYERS_MAX_T
-from specops.decoder.ngram import MATCH_SPAN, NgramIndex
-from specops.decoder.tree import TreeBuffers, TreeSpec, leaf_paths
+from specops.models.fast_llama import C_LAYERS_MAX_T
+from specops.spec.ngram import MATCH_SPAN, NgramIndex
+from specops.spec.tree import TreeBuffers, TreeSpec, leaf_paths
 
 LOOKUP_BRANCH = 4  # default length of the prompt-lookup branch a greedy step adds to its tree
 BRANCH_MAX_SCALE = 3  # a long match's branch is up to this many times ``lookup_branch`` (`branch_length`)

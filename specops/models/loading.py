@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import logging
 
-from specops.decoder.fast_llama import FastLlamaRunner
-from specops.decoder.hf_runner import HFRunner
-from specops.decoder.runner import FAST_MODEL_TYPES, IMPLS, ModelRunner, UnsupportedModelError
+from specops.models.fast_llama import FastLlamaRunner
+from specops.models.hf_runner import HFRunner
+from specops.models.runner import FAST_MODEL_TYPES, IMPLS, ModelRunner, UnsupportedModelError
 
 log = logging.getLogger(__name__)
 

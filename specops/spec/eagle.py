@@ -13,7 +13,7 @@ tokens runs the layer on its own predicted features (argmax at temperature 0; at
 temperature > 0 a sample from the drafter's filtered distribution q, which the sampling
 verification of `speculation.TargetVerifier` receives, so the output is distributed as the
 target's). A greedy request may draft EAGLE-2's dynamic tree instead
-(`specops.decoder.eagle_tree`). After a verification the target's hidden states at the
+(`specops.spec.eagle_tree`). After a verification the target's hidden states at the
 accepted positions replace the drafted features: the drafter's cache is cut back to the real
 entries and the accepted positions are fed with their real features in one forward.
 
@@ -30,9 +30,9 @@ from (the verifier's ``features`` here, the engine's batched hidden rows there).
 The embedding and LM head are the target's (`EagleDrafter.bind`), never stored with the
 drafter. With a *shortlist* (the most frequent tokens of its training data) the drafter
 ranks only those rows of the LM head: a drafted token is one of them, outputs stay exact.
-Checkpoints (`specops.decoder.eagle_io`) use EAGLE's published tensor names.
+Checkpoints (`specops.models.eagle_io`) use EAGLE's published tensor names.
 
-An EAGLE-3 drafter (`specops.decoder.eagle3_model.Eagle3Drafter`) runs through the same
+An EAGLE-3 drafter (`specops.models.eagle3_model.Eagle3Drafter`) runs through the same
 code: its ``f_i`` are three intermediate target hidden states side by side (its
 `feature_layers`, which the verifier keeps: ``keep_features``), it has its own LM head over a
 reduced vocabulary, and its ``shortlist`` holds the target ids of those tokens (``d2t``).
@@ -47,20 +47,20 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from specops.decoder.clock import device_clock
-from specops.decoder.eagle_model import EagleConfig, EagleDrafter, EagleError
-from specops.decoder.errors import InvalidRequestError
-from specops.decoder.request import prompt_list
-from specops.decoder.runner import ModelRunner, returns_layers
-from specops.decoder.sampling import SamplingConfig, probabilities, sample
-from specops.decoder.schedule import ConstantSchedule, GammaSchedule
-from specops.decoder.speculation import StepResult, TargetVerifier, draft_room
-from specops.decoder.stats import DecodeStats
-from specops.decoder.step import run_steps
+from specops.spec.clock import device_clock
+from specops.models.eagle_model import EagleConfig, EagleDrafter, EagleError
+from specops.spec.errors import InvalidRequestError
+from specops.spec.request import prompt_list
+from specops.models.runner import ModelRunner, returns_layers
+from specops.spec.sampling import SamplingConfig, probabilities, sample
+from specops.spec.schedule import ConstantSchedule, GammaSchedule
+from specops.spec.speculation import StepResult, TargetVerifier, draft_room
+from specops.spec.stats import DecodeStats
+from specops.spec.step import run_steps
 
 if TYPE_CHECKING:
-    from specops.decoder.eagle_tree import EagleTree
-    from specops.decoder.step import DraftTree
+    from specops.spec.eagle_tree import EagleTree
+    from specops.spec.step import DraftTree
 
 __all__ = ["EagleConfig", "EagleCursor", "EagleDrafter", "EagleError", "EagleProposer", "draft_chain",
            "generate_eagle"]
@@ -192,7 +192,7 @@ class EagleCursor:
         """`eagle_tree.draft_tree` after the pending token ``root`` from ``last`` on the cache (after a
         `catch_up` that returned True; ``depth`` within `depth_room`): the tree and the drafter
         forwards it ran. The cache is cut back to the real entries after."""
-        from specops.decoder import eagle_tree
+        from specops.spec import eagle_tree
 
         try:
             return eagle_tree.draft_tree(self.drafter, self.last, root, shape, depth, size, device, self.cache,
@@ -311,7 +311,7 @@ def generate_eagle(
     """Speculative decoding with an EAGLE drafter; γ per step from ``schedule`` (default 4).
 
     ``tree``: greedy requests draft EAGLE-2's dynamic tree of that shape each step instead of a
-    chain (`specops.decoder.eagle_tree`; ``schedule`` then unused); sampled requests keep the
+    chain (`specops.spec.eagle_tree`; ``schedule`` then unused); sampled requests keep the
     chain, whose rejection sampling against the drafter's q is lossless. Past ``deadline_s``
     the rest is plain decoding; once the sequence outgrows the drafter's context (`draft_room`)
     too (``fallback_reason`` "draft_context")."""
@@ -330,7 +330,7 @@ def generate_eagle(
                        max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, stats=stats, deadline_s=deadline_s,
                        keep_features=True if layers is None else layers)
     if tree is not None and sampling.greedy:
-        from specops.decoder.eagle_tree import EagleTreeProposer
+        from specops.spec.eagle_tree import EagleTreeProposer
 
         run_steps(v, EagleTreeProposer(drafter, tree, sampling, generator, target.vocab_size, target.device),
                   ConstantSchedule(tree.depth))

@@ -32,10 +32,10 @@ from typing import Protocol, Union
 import torch
 from torch import Tensor
 
-from specops.decoder.clock import device_clock
-from specops.decoder.schedule import GammaSchedule
-from specops.decoder.speculation import DRAFT_CONTEXT, StepResult, TargetVerifier
-from specops.decoder.tree import TreeBuffers
+from specops.spec.clock import device_clock
+from specops.spec.schedule import GammaSchedule
+from specops.spec.speculation import DRAFT_CONTEXT, StepResult, TargetVerifier
+from specops.spec.tree import TreeBuffers
 
 
 @dataclass

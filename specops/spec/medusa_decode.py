@@ -4,11 +4,11 @@ One step (Cai et al. 2024, arXiv 2401.10774, with SpecInfer-style lossless sampl
 
 1. The *root* is the token the target chose last (not yet in the KV cache); the
    target's hidden state at the node before it feeds the K heads, whose top-k
-   tokens fill the tree's nodes (`specops.decoder.tree`).
+   tokens fill the tree's nodes (`specops.spec.tree`).
 2. The flattened tree ``[root, candidates...]`` goes through ONE target forward on
    top of the cached prefix, with the tree attention mask (each node sees the prefix,
    its ancestors and itself) and position ids ``prefix_len + depth``.
-3. `specops.decoder.tree_verify` walks the tree: the longest path the target agrees
+3. `specops.spec.tree_verify` walks the tree: the longest path the target agrees
    with (greedy), or recursive rejection sampling over siblings (exact sampling), and
    one recovered/bonus token after it, which becomes the next root.
 4. ``runner.compact(prefix_len, path)`` keeps only the accepted path's KV entries.
@@ -46,20 +46,20 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from specops.decoder.errors import InvalidRequestError
-from specops.decoder.runner import ModelRunner, prompt_forward
-from specops.decoder.sampling import SamplingConfig, next_token
-from specops.decoder.clock import device_clock
-from specops.decoder.medusa_heads import HeadsLike, head_candidates
-from specops.decoder.medusa_branch import LOOKUP_BRANCH, branch_room, branch_tokens, context_index, merge_branch
-from specops.decoder.ngram import NgramIndex
-from specops.decoder.request import check_deadline, check_room, eos_set, prompt_list, stop_reason
-from specops.decoder.speculation import StepResult, TargetVerifier
-from specops.decoder.step import DraftTree, StepTimes, run_steps
-from specops.decoder.stats import DecodeStats
-from specops.decoder.tree import TreeBuffers, TreeError, TreeSpec, build_buffers, resolve_tree
-from specops.decoder.tree_size import TreePlanner, plan_tree, tree_planner
-from specops.decoder.tree_verify import (
+from specops.spec.errors import InvalidRequestError
+from specops.models.runner import ModelRunner, prompt_forward
+from specops.spec.sampling import SamplingConfig, next_token
+from specops.spec.clock import device_clock
+from specops.models.medusa_heads import HeadsLike, head_candidates
+from specops.spec.medusa_branch import LOOKUP_BRANCH, branch_room, branch_tokens, context_index, merge_branch
+from specops.spec.ngram import NgramIndex
+from specops.spec.request import check_deadline, check_room, eos_set, prompt_list, stop_reason
+from specops.spec.speculation import StepResult, TargetVerifier
+from specops.spec.step import DraftTree, StepTimes, run_steps
+from specops.spec.stats import DecodeStats
+from specops.spec.tree import TreeBuffers, TreeError, TreeSpec, build_buffers, resolve_tree
+from specops.spec.tree_size import TreePlanner, plan_tree, tree_planner
+from specops.spec.tree_verify import (
     TreeVerification,
     TypicalAcceptance,
     judge_tree,

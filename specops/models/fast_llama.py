@@ -41,9 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specops.decoder.kv_cache import KVCache
-from specops.decoder.packed_linear import PackedLinear, onednn_usable
-from specops.decoder.runner import (
+from specops.models.kv_cache import KVCache
+from specops.models.packed_linear import PackedLinear, onednn_usable
+from specops.models.runner import (
     FAST_MODEL_TYPES,
     RunnerOutput,
     UnsupportedModelError,

@@ -11,7 +11,7 @@ recomputed:
   fully accepted block, ``[d_G, bonus]`` (``d_G`` was sampled but never fed back).
 
 The draft's distributions ``q`` are filtered exactly like the target's ``p``
-(`specops.decoder.sampling`), which makes the output distribution the filtered
+(`specops.spec.sampling`), which makes the output distribution the filtered
 target distribution.
 """
 
@@ -21,15 +21,15 @@ from collections.abc import Callable
 
 import torch
 
-from specops.decoder.clock import device_clock
-from specops.decoder.errors import InvalidRequestError, VocabMismatchError
-from specops.decoder.request import prompt_list
-from specops.decoder.runner import ModelRunner, prompt_forward
-from specops.decoder.sampling import SamplingConfig, probabilities, sample
-from specops.decoder.schedule import ConstantSchedule, GammaSchedule
-from specops.decoder.speculation import StepResult, TargetVerifier, draft_room
-from specops.decoder.stats import DecodeStats
-from specops.decoder.step import run_steps
+from specops.spec.clock import device_clock
+from specops.spec.errors import InvalidRequestError, VocabMismatchError
+from specops.spec.request import prompt_list
+from specops.models.runner import ModelRunner, prompt_forward
+from specops.spec.sampling import SamplingConfig, probabilities, sample
+from specops.spec.schedule import ConstantSchedule, GammaSchedule
+from specops.spec.speculation import StepResult, TargetVerifier, draft_room
+from specops.spec.stats import DecodeStats
+from specops.spec.step import run_steps
 from specops.kernels import cpu_linear
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specops.decoder.errors import InvalidRequestError
+from specops.spec.errors import InvalidRequestError
 from specops.kernels import cpu_linear
 
 
