@@ -28,6 +28,7 @@ step on held-out sequences and greedy ``eagle`` decoding on held-out prompts.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import random
@@ -419,7 +420,7 @@ def run_eagle_job(job: EagleJob, cfg: EagleTrainConfig) -> dict:
     """Load the target, collect its data, train, report and save the drafter; the report as a dict."""
     from specops.bench.chat_suite import render_messages
     from specops.decoder import Decoder
-    from specops.models.eagle_io import save_drafter
+    from specops.models.eagle_io import REPORT_NAME, save_drafter
     from specops.train.checkpoint import load_causal_lm
     from specops.train.self_distill import self_prompts
     from specops.train.tokenizer import load_tokenizer
@@ -463,13 +464,19 @@ def run_eagle_job(job: EagleJob, cfg: EagleTrainConfig) -> dict:
     train_budget = max(1.0, budget - (time.perf_counter() - start) - eval_reserve)
     train_drafter(drafter, train, cfg, budget_s=train_budget, report=report)
     report.heldout_top1 = heldout_top1(drafter, held, cfg)
+
+    def summary() -> dict:
+        return {"model": job.model_name or str(job.model), **report.to_dict(),
+                "shortlist": drafter.config.shortlist_size, "unroll": cfg.unroll,
+                "wall_s": round(time.perf_counter() - start, 1)}
+
+    # the trained drafter is written before the decode report, so a failing report loses no training
+    out = save_drafter(drafter, job.out_dir, report=summary())
+    plot_losses(report.losses, out / "loss.png")
     prompts = [p for p in heldout_ids if len(p) >= 2][: cfg.eval_prompts]
     report.decode = decode_report(model, drafter, prompts, cfg, eos) if prompts else {}
-    result = {"model": job.model_name or str(job.model), **report.to_dict(),
-              "shortlist": drafter.config.shortlist_size, "unroll": cfg.unroll,
-              "wall_s": round(time.perf_counter() - start, 1)}
-    out = save_drafter(drafter, job.out_dir, report=result)
-    plot_losses(report.losses, out / "loss.png")
+    result = summary()
+    (out / REPORT_NAME).write_text(json.dumps(result, indent=2) + "\n")
     result["out_dir"] = str(out)
     result["checkpoint_bytes"] = sum(f.stat().st_size for f in out.iterdir() if f.name == "model.safetensors")
     return result

@@ -773,8 +773,8 @@ def run_chat_heads_job(job: HeadsJob, cfg: HeadsTrainConfig, data: ChatData) -> 
     finish_heads(heads, evaluate_rows(heads, held, cfg, vocab), report, answers, cfg)  # the shortlist is vocab
     held_answers = torch.cat([r.targets[r.targets != IGNORE] for r in held])  # what the shortlist should hold
     prompts = [ids[-data.max_prompt_tokens:] for ids in heldout_ids if len(ids) >= 2][: data.eval_prompts]
+    heads.save_pretrained(job.out_dir)  # before the decode report: a failing report loses no training
     decode = medusa_decode_report(base, heads, prompts, new_tokens=data.eval_new_tokens, eos=eos) if prompts else {}
-    heads.save_pretrained(job.out_dir)
     report.wall_s = time.perf_counter() - start
     result = {"out": str(job.out_dir), "model": job.model_name or str(job.model), "mode": "chat",
               "heads": cfg.num_heads, "layers": cfg.num_layers, "shared_lm_head": cfg.shared_lm_head,

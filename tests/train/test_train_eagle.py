@@ -38,7 +38,7 @@ def test_trained_drafter_accepts_more_than_a_random_one_on_heldout_prompts():
 def test_train_eagle_command_writes_a_drafter_that_decodes(tmp_path):
     out = tmp_path / "eagle"
     result = CliRunner().invoke(train_eagle_command, [
-        "--model", str(TARGET_DIR), "--out", str(out), "--minutes", "0.5", "--tokens", "500", "--steps", "6",
+        "--model", str(TARGET_DIR), "--out", str(out), "--minutes", "2", "--tokens", "500", "--steps", "6",
         "--shortlist", "256", "--unroll", "2", "--quiet"])
     assert result.exit_code == 0, result.output
     assert "held-out top-1 by chain step" in result.output
@@ -53,6 +53,29 @@ def test_train_eagle_command_writes_a_drafter_that_decodes(tmp_path):
     dec = Decoder.from_pretrained("bundled", eagle=out)
     ref = dec.generate([5, 6, 7, 8], method="ar", max_new_tokens=12).tokens
     assert dec.generate([5, 6, 7, 8], method="eagle", max_new_tokens=12).tokens == ref
+
+
+def test_a_failing_decode_report_keeps_the_trained_drafter(tmp_path, monkeypatch):
+    """The drafter is written before the held-out decode report runs: a report that fails
+    (here: raises) leaves the trained checkpoint, its config and its training report behind."""
+    import specops.train.eagle as eagle_train
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("decode report failed")
+
+    monkeypatch.setattr(eagle_train, "decode_report", broken)
+    out = tmp_path / "eagle"
+    result = CliRunner().invoke(train_eagle_command, [
+        "--model", str(TARGET_DIR), "--out", str(out), "--minutes", "2", "--tokens", "300", "--steps", "2",
+        "--shortlist", "128", "--unroll", "1", "--quiet"])
+    assert result.exit_code != 0 and isinstance(result.exception, RuntimeError)
+    for name in ("config.json", "model.safetensors", "eagle_report.json", "loss.png"):
+        assert (out / name).is_file(), name
+    report = json.loads((out / "eagle_report.json").read_text())
+    assert report["steps"] == 2 and "heldout_decode" in report and not report["heldout_decode"]
+    dec = Decoder.from_pretrained("bundled", eagle=out)
+    ref = dec.generate([5, 6, 7, 8], method="ar", max_new_tokens=8).tokens
+    assert dec.generate([5, 6, 7, 8], method="eagle", max_new_tokens=8).tokens == ref
 
 
 def test_train_eagle_command_rejects_bad_options(tmp_path):
