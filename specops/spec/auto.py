@@ -11,9 +11,14 @@ holds all of it but the pending token). The options are
   steps with `medusa_decode`'s prompt-lookup branch merged into it);
 * ``eagle``  — γ tokens from the EAGLE drafter (`eagle.EagleProposer`). The verifier keeps the
   target's hidden states of every settled position, and the drafter keeps those of the steps
-  other options ran and reads them in one forward when it next drafts. Medusa's steps then
-  verify through the target's tree forward, not its one-call C loop, which returns no
-  hidden states but the last.
+  other options ran and reads them in one forward when it next drafts.
+
+With an EAGLE drafter in use the Medusa heads are left out (``medusa_beside_eagle`` keeps
+them): both draft from the target's features, beside the drafter Medusa's steps lose their
+one-call C loop (it returns no hidden states but the last, and the drafter reads every
+step's), and a third drafter splits the probes of a short request further. On SmolLM2-135M's
+mixed suite `auto` with both read below EAGLE alone and without the heads on par with it
+(docs/benchmarks.md, real model).
 
 For each option the request keeps an exponentially weighted mean of the tokens a step
 emitted and of the seconds it took (measured here, so machine load, model size and
@@ -367,6 +372,7 @@ def generate_auto(
     min_ngram: int = 1,
     store: NgramStore | None = None,
     eagle=None,
+    medusa_beside_eagle: bool = False,
 ) -> tuple[list[int], DecodeStats]:
     """Decode with the per-step choice of drafter; returns ``(tokens, DecodeStats)``.
 
@@ -375,6 +381,8 @@ def generate_auto(
     not return is left out). γ for the draft model, the EAGLE drafter and the n-gram lookup comes
     from ``schedule`` (default 4; it learns from the draft model's steps); the Medusa tree is
     `tree_size.plan_tree`'s. ``stats.auto_steps`` counts the steps per option.
+    ``medusa_beside_eagle``: keep ``heads`` as an option beside an EAGLE drafter in use (default:
+    leave them out, see the module docstring).
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InvalidRequestError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -385,16 +393,19 @@ def generate_auto(
     stats = DecodeStats(method="auto")
     stats.start()
     index = NgramIndex(max_ngram=max_ngram, min_ngram=min_ngram, store=store)
+    if eagle is not None and eagle.feature_layers is not None and not returns_layers(target):
+        log.info("auto leaves the EAGLE-3 drafter out: %s does not return the hidden layers it reads",
+                 type(target).__name__)
+        eagle = None
+    if eagle is not None and heads is not None and not medusa_beside_eagle:
+        log.info("auto leaves the Medusa heads out beside the EAGLE drafter (medusa_beside_eagle keeps them)")
+        heads = None
     medusa = None
     heads_s = 0.0
     if heads is not None:
         medusa = MedusaState(target, heads, plan_tree(target, heads, heads.num_heads), heads.num_heads)
         heads_s = heads_overhead_s(heads, target, heads.num_heads)
         stats.heads = heads.num_heads
-    if eagle is not None and eagle.feature_layers is not None and not returns_layers(target):
-        log.info("auto leaves the EAGLE-3 drafter out: %s does not return the hidden layers it reads",
-                 type(target).__name__)
-        eagle = None
     costs = Costs(verify=verify_cost_curve(target), draft_token_s=0.0 if draft is None else draft_token_s(draft),
                   heads_s=heads_s, tree_nodes=1 if medusa is None else medusa.spec.num_nodes,
                   eagle_token_s=0.0 if eagle is None else eagle_token_s(eagle))

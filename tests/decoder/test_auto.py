@@ -57,6 +57,41 @@ def test_auto_rejects_medusa_only_options(bundled):
         bundled.generate([5, 6, 7], method="auto", heads=2)
 
 
+def _offered(monkeypatch, **kwargs) -> set[str]:
+    """The options auto offered its chooser over a few greedy requests on tiny models with Medusa
+    heads and an EAGLE drafter loaded (the chooser picks uniformly, so every offered drafter runs)."""
+    from specops.models.eagle_model import EagleDrafter
+    from specops.models.fast_llama import FastLlamaRunner
+    from specops.models.medusa_heads import MedusaHeads
+    from specops.spec import auto
+    from specops.spec.sampling import SamplingConfig, make_generator
+    from tests.decoder.medusa_models import tiny_model
+
+    model = tiny_model("llama", vocab=6, seed=3)
+    heads = MedusaHeads.from_model(model, num_heads=2)
+    eagle = EagleDrafter.for_target(model, seed=5).eval()
+    offered: set[str] = set()
+    rng = random.Random(1)
+
+    def choose(self, available: dict[str, int]) -> str:
+        self.step += 1
+        offered.update(available)
+        return rng.choice(sorted(available))
+
+    monkeypatch.setattr(auto.Chooser, "choose", choose)
+    for i in range(4):
+        out, stats = auto.generate_auto(FastLlamaRunner(model), torch.tensor([[1, 4, 2, 1, 4]]), draft=None,
+                                        heads=heads, sampling=SamplingConfig(), generator=make_generator(i),
+                                        max_new_tokens=12, estimates=AutoEstimates(), eagle=eagle, **kwargs)
+        assert set(stats.auto_steps) <= offered
+    return offered
+
+
+def test_auto_leaves_medusa_out_beside_an_eagle_drafter(monkeypatch):
+    assert "eagle" in (offered := _offered(monkeypatch)) and "medusa" not in offered, offered
+    assert {"eagle", "medusa"} <= (offered := _offered(monkeypatch, medusa_beside_eagle=True)), offered
+
+
 def _costs() -> Costs:
     curve = VerifyCostCurve(sizes=(1, 2, 4, 8), seconds=(1.0, 1.1, 1.2, 1.4))
     return Costs(verify=curve, draft_token_s=0.1, heads_s=0.05, tree_nodes=8)
@@ -310,14 +345,22 @@ def test_auto_with_an_eagle_drafter_is_exact_and_runs_it_between_the_others(bund
         self.step += 1
         return rng.choice(sorted(available))
 
+    from specops.spec.sampling import SamplingConfig, make_generator
+
     monkeypatch.setattr(auto.Chooser, "choose", mixed)
     used: dict[str, int] = {}
-    for i, prompt in enumerate(code_prompts(bundled_eagle, 4) + [[7], [3, 9]]):
-        ar = bundled_eagle.generate(prompt, method="ar", max_new_tokens=30)
-        out = bundled_eagle.generate(prompt, method="auto", max_new_tokens=30)
-        assert out.tokens == ar.tokens, f"prompt {i}"
-        for name, n in out.stats.auto_steps.items():
+    dec = bundled_eagle
+    for i, prompt in enumerate(code_prompts(dec, 4) + [[7], [3, 9]]):
+        ar = dec.generate(prompt, method="ar", max_new_tokens=30)
+        # the Medusa heads stay an option beside the drafter (`Decoder.generate` leaves them out)
+        tokens, stats = auto.generate_auto(dec.target, torch.tensor([prompt]), draft=dec.draft, heads=dec.medusa,
+                                           sampling=SamplingConfig(), generator=make_generator(i), max_new_tokens=30,
+                                           estimates=AutoEstimates(), eagle=dec.eagle, medusa_beside_eagle=True)
+        assert tokens == ar.tokens, f"prompt {i}"
+        for name, n in stats.auto_steps.items():
             used[name] = used.get(name, 0) + n
+        out = dec.generate(prompt, method="auto", max_new_tokens=30)
+        assert out.tokens == ar.tokens and "medusa" not in out.stats.auto_steps, f"prompt {i}"
     assert used.get("eagle", 0) > 10 and {"ngram", "draft", "medusa", "plain"} <= set(used), used
 
 

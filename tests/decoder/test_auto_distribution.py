@@ -99,7 +99,7 @@ def _sample(models, trials: int) -> tuple[dict[tuple[int, ...], int], dict[str, 
     for i in range(trials):
         out, stats = generate_auto(target, torch.tensor([PROMPT]), draft=draft, heads=heads, sampling=SAMPLING,
                                    generator=make_generator(i), max_new_tokens=LENGTH, estimates=estimates,
-                                   eagle=eagle)
+                                   eagle=eagle, medusa_beside_eagle=True)
         counts[tuple(out)] = counts.get(tuple(out), 0) + 1
         accepted += stats.accepted
         for name, n in stats.auto_steps.items():
