@@ -398,7 +398,7 @@ def generate_auto(
                  type(target).__name__)
         eagle = None
     if eagle is not None and heads is not None and not medusa_beside_eagle:
-        log.info("auto leaves the Medusa heads out beside the EAGLE drafter (medusa_beside_eagle keeps them)")
+        log.debug("auto leaves the Medusa heads out beside the EAGLE drafter (medusa_beside_eagle keeps them)")
         heads = None
     medusa = None
     heads_s = 0.0

@@ -80,9 +80,9 @@ def _offered(monkeypatch, **kwargs) -> set[str]:
 
     monkeypatch.setattr(auto.Chooser, "choose", choose)
     for i in range(4):
-        out, stats = auto.generate_auto(FastLlamaRunner(model), torch.tensor([[1, 4, 2, 1, 4]]), draft=None,
-                                        heads=heads, sampling=SamplingConfig(), generator=make_generator(i),
-                                        max_new_tokens=12, estimates=AutoEstimates(), eagle=eagle, **kwargs)
+        _, stats = auto.generate_auto(FastLlamaRunner(model), torch.tensor([[1, 4, 2, 1, 4]]), draft=None,
+                                      heads=heads, sampling=SamplingConfig(), generator=make_generator(i),
+                                      max_new_tokens=12, estimates=AutoEstimates(), eagle=eagle, **kwargs)
         assert set(stats.auto_steps) <= offered
     return offered
 
@@ -338,14 +338,13 @@ def bundled_eagle(bundled):
 
 def test_auto_with_an_eagle_drafter_is_exact_and_runs_it_between_the_others(bundled_eagle, monkeypatch):
     from specops.spec import auto
+    from specops.spec.sampling import SamplingConfig, make_generator
 
     rng = random.Random(5)
 
     def mixed(self, available):  # every option in turn, so the drafter catches up after each of the others
         self.step += 1
         return rng.choice(sorted(available))
-
-    from specops.spec.sampling import SamplingConfig, make_generator
 
     monkeypatch.setattr(auto.Chooser, "choose", mixed)
     used: dict[str, int] = {}
