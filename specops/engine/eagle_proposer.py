@@ -21,8 +21,14 @@ What is the engine's own is where the real features come from:
 * a prefill or a recompute (after preemption) feeds the whole sequence, and its item asks
   for the hidden states of every row and the logits of the last (`FeedItem.hidden_only`: the
   C stack skips the LM head for the others, `full_rows`); `observe` keeps the hidden rows and
-  hands the verification only the last row. An active sequence never reuses cached prompt
-  blocks (`Sequence.needs_all_hidden`): their hidden states were never computed here;
+  hands the verification only the last row;
+* the hidden rows of every block an active sequence publishes to the prefix cache are kept beside
+  it, by the block's chain hash (`store`, at most one entry per pool block, least recently used
+  out first: about ``hidden / (2 * layers * kv_heads * head_dim)`` of the KV it caches, 5% on
+  SmolLM2-135M). A later active sequence reuses the cached blocks whose rows are kept
+  (`has_features`, the scheduler's match) and its cursor is fed those rows (`observe`), so an
+  EAGLE request finds its prompt in the prefix cache as any other does; blocks other methods
+  published carry no rows, and the sequence computes them itself;
 * a tree is verified as a Medusa tree is (the engine's batched forward with its tree mask,
   `tree_verify.judge_tree`, the target's cache compacted to the accepted path). Its item returns
   every node's hidden row; `commit` keeps the rows of the accepted path, root first, in path order
@@ -50,10 +56,10 @@ engine is built (``specops serve --eagle PATH`` refuses such a folder before loa
 
 from __future__ import annotations
 
+import collections
 import contextlib
-
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -65,6 +71,7 @@ from specops.spec.eagle_tree import EagleTree
 from specops.spec.speculation import draft_room
 from specops.spec.step import DraftTree
 from specops.engine.batch_forward import FeedItem, ItemOutput
+from specops.engine.kv_pool import BlockPool
 from specops.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -86,6 +93,11 @@ class EagleState:
     rows: tuple[int, Tensor] | None = None
     """This step's hidden rows: (position of the first, [r, E]), until `EagleProposer.commit`; a
     tree step's are its nodes' rows in the tree's order, the root's first."""
+    unstored: list[Tensor] | None = field(default_factory=list)
+    """Committed positions' rows not yet stored with their block ([r, E] chunks in order, from
+    ``stored``; `EagleProposer.store`); None once the sequence stopped drafting."""
+    stored: int = 0
+    """The first position whose rows are not stored with its block (a block boundary)."""
 
     @property
     def active(self) -> bool:
@@ -95,12 +107,12 @@ class EagleState:
     def clear(self) -> None:
         """Drop the drafter cache and every kept feature (a preempted sequence is fed again from its recompute)."""
         self.cursor.clear()
-        self.rows = None
+        self.rows, self.unstored, self.stored = None, [], 0
 
     def stop(self) -> None:
         """The sequence never drafts again: its state is freed."""
         self.cursor.stop()
-        self.rows = None
+        self.rows = self.unstored = None
 
 
 def eagle3_refusal(what: str = "an EAGLE-3 drafter") -> str:
@@ -113,12 +125,20 @@ def eagle3_refusal(what: str = "an EAGLE-3 drafter") -> str:
 class EagleProposer:
     """An EAGLE drafter shared by the engine's ``eagle`` sequences, each with its own `EagleState`."""
 
-    def __init__(self, drafter: Any, device: torch.device) -> None:
+    def __init__(self, drafter: Any, device: torch.device, pool: BlockPool | None = None) -> None:
+        """``pool``: the target's block pool, whose published blocks' hidden rows are kept for
+        later sequences when it caches prefixes (`store`)."""
         if getattr(drafter, "reads_layers", False):
             raise EagleError(eagle3_refusal())
         self.drafter = drafter
         self.device = device  # the target's: q rows go where the verification runs
         self.vocab_size = drafter.config.vocab_size
+        self.pool = pool if pool is not None and pool.prefix_caching else None
+        self.features: collections.OrderedDict[int, Tensor] = collections.OrderedDict()  # chain hash -> [bs, E]
+
+    def has_features(self, block_hash: int) -> bool:
+        """Whether the hidden rows of the published block with this chain hash are kept."""
+        return block_hash in self.features
 
     @property
     def max_context(self) -> int:
@@ -157,6 +177,8 @@ class EagleProposer:
             state.rows = (len(seq.tokens) - 1, out.hidden)
             return out
         first = item.kv.computed - len(item.tokens) + item.rows[0]  # the backend advanced kv.computed
+        if state.cursor.known < first:  # a prefill after reused cached blocks: their kept rows come first
+            self._reuse(seq, first)
         state.rows = (first, out.hidden)
         keep = drafted + 1
         r, h = out.logits.shape[0], out.hidden.shape[0]  # r == keep where the backend skipped the head (`hidden_only`)
@@ -191,7 +213,57 @@ class EagleProposer:
         first, hidden = rows
         # entry i reads (x_{i+1}, f_i); a copy of the rows: a view would keep the step's whole [R, E]
         # hidden states alive while they wait
-        state.cursor.keep(seq.tokens[start + 1 : want + 1], hidden[start - first : want - first].clone())
+        kept = hidden[start - first : want - first].clone()
+        state.cursor.keep(seq.tokens[start + 1 : want + 1], kept)
+        if self.pool is not None and state.unstored is not None:
+            state.unstored.append(kept)
+
+    def _reuse(self, seq: Sequence, first: int) -> None:
+        """Feed the cursor of a sequence that reused ``first`` positions of cached blocks their kept
+        rows (the scheduler matched only blocks whose rows are kept); it stops drafting if they are gone."""
+        state, bs = seq.eagle, self.pool.block_size if self.pool is not None else 0
+        start = state.cursor.known
+        rows = []
+        if self.pool is not None and start % bs == 0 and first % bs == 0:
+            for block in seq.target.blocks[start // bs : first // bs]:
+                kept = self.features.get(self.pool.block_hash(block))
+                if kept is None:
+                    break
+                rows.append(kept)
+        if len(rows) * bs != first - start:
+            log.warning("eagle sequence %s reused cached blocks without their hidden states; it decodes plainly",
+                        seq.request_id)
+            state.stop()
+            return
+        state.cursor.keep(seq.tokens[start + 1 : first + 1], torch.cat(rows))
+        state.unstored, state.stored = [], first
+
+    def store(self, seq: Sequence) -> None:
+        """Keep the hidden rows of the blocks ``seq`` has published since the last call, by chain
+        hash, for later sequences that reuse those blocks (at most one entry per pool block, the
+        least recently used dropped first)."""
+        state = seq.eagle
+        if self.pool is None or state is None or state.unstored is None:
+            return
+        bs, kv = self.pool.block_size, seq.target
+        have = sum(r.shape[0] for r in state.unstored)
+        done = state.stored // bs
+        if kv.published <= done or have < bs:
+            return
+        rows = torch.cat(state.unstored) if len(state.unstored) > 1 else state.unstored[0]
+        used = 0
+        while done < kv.published and used + bs <= have:
+            h = self.pool.block_hash(kv.blocks[done])
+            if h is not None:
+                if h in self.features:
+                    self.features.move_to_end(h)
+                else:
+                    self.features[h] = rows[used : used + bs].clone()
+                    while len(self.features) > self.pool.num_blocks:
+                        self.features.popitem(last=False)
+            done, used = done + 1, used + bs
+        state.stored = done * bs
+        state.unstored = [rows[used:]] if used < have else []
 
     def _threads(self):
         """Where the drafter runs on the CPU: its torch ops on the calling thread (`torch_single_thread`)."""

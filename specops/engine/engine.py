@@ -136,13 +136,14 @@ class Engine:
         self.device = runner.device
         self.medusa = MedusaProposer(decoder.medusa, runner.device) if decoder.medusa is not None else None
         eagle = getattr(decoder, "eagle", None)
-        self.eagle = EagleProposer(eagle, runner.device) if eagle is not None else None
+        self.eagle = EagleProposer(eagle, runner.device, self.pool) if eagle is not None else None
         self.ngram_store = getattr(decoder, "ngram_store", None)  # the n-gram drafter's corpus fallback
         if eos_token_id == "model":
             eos_token_id = getattr(getattr(getattr(runner, "model", None), "config", None), "eos_token_id", None)
         self.eos = eos_set(eos_token_id)
         self.scheduler = Scheduler(self.pool, max_batch=max_batch, max_step_tokens=max_step_tokens,
-                                   draft_pool=self.draft_pool, release=self._release)
+                                   draft_pool=self.draft_pool, release=self._release,
+                                   features=self.eagle.has_features if self.eagle is not None and self.eagle.pool else None)
         self.cost_clock = cost_clock(self.device)
         self.cost = CostModel(warmup=1)  # target forwards (verify)
         self.draft_cost = CostModel(warmup=1)  # draft-model forwards (one drafting round)
@@ -626,6 +627,8 @@ class Engine:
             self.target.truncate(seq.target, len(seq.tokens) - 1)
         kv = seq.target
         kv.published = self.pool.publish(kv.blocks, seq.tokens, kv.computed, kv.published)
+        if seq.eagle is not None:
+            self.eagle.store(seq)  # the published blocks' hidden rows, for sequences that reuse them
         if self.draft is not None and seq.draft.computed > len(seq.tokens) - 1:
             self.draft.truncate(seq.draft, len(seq.tokens) - 1)  # the draft rolls back like the target
         stats.target_forwards += 1

@@ -24,6 +24,8 @@ Only committed tokens are ever published, never drafts.
 
 from __future__ import annotations
 
+from typing import Callable
+
 
 def blocks_for(slots: int, block_size: int) -> int:
     """Blocks needed to hold ``slots`` token slots."""
@@ -129,9 +131,15 @@ class BlockPool:
             prev = h
         return max(published, full)
 
-    def match(self, table: list[int], tokens: list[int], max_blocks: int) -> int:
+    def block_hash(self, block: int) -> int | None:
+        """The chain hash a published block carries (None: not published since it was handed out)."""
+        return self._hash.get(block)
+
+    def match(self, table: list[int], tokens: list[int], max_blocks: int,
+              usable: Callable[[int], bool] | None = None) -> int:
         """Append to an empty ``table`` the cached blocks of the longest prefix of ``tokens``
-        (at most ``max_blocks`` full blocks); returns how many were reused."""
+        (at most ``max_blocks`` full blocks; with ``usable``, only while it accepts each block's
+        chain hash); returns how many were reused."""
         if not self.prefix_caching or table:
             return 0
         bs = self.block_size
@@ -140,7 +148,7 @@ class BlockPool:
             toks = tuple(tokens[i * bs : (i + 1) * bs])
             h = self._chain(prev, toks)
             entry = self._cached.get(h)
-            if entry is None or entry[1] != prev or entry[2] != toks:
+            if entry is None or entry[1] != prev or entry[2] != toks or (usable is not None and not usable(h)):
                 break
             self._take(entry[0])
             table.append(entry[0])

@@ -13,8 +13,10 @@ Per step (`Scheduler.schedule`):
    not immediately preempt what was just admitted). A request whose prompt shares full
    blocks with one admitted in the same step, not yet in the prefix cache, waits a step
    and then reuses them rather than computing them twice (`_shares_uncached`). An EAGLE sequence
-   that still drafts reuses no cached blocks (`Sequence.needs_all_hidden`: its drafter reads
-   the target's hidden state of every token, computed by its own prefill).
+   that still drafts reuses only cached blocks whose target hidden states are kept beside them
+   (`Sequence.needs_all_hidden`: its drafter reads the hidden state of every token; ``features``,
+   the engine's `EagleProposer.has_features`); past the first block without them it computes
+   the rest itself.
 3. later, once the planner has chosen each sequence's speculation, `grant` allocates the
    *lookahead* slots of its drafts (target, and the draft model's own cache) before the
    forward: all of them or, if that fails, fewer drafts — never a partial allocation.
@@ -37,8 +39,10 @@ class Scheduler:
 
     def __init__(self, pool: BlockPool, *, max_batch: int, max_step_tokens: int,
                  draft_pool: BlockPool | None = None,
-                 release: Callable[[Sequence], None] | None = None) -> None:
+                 release: Callable[[Sequence], None] | None = None,
+                 features: Callable[[int], bool] | None = None) -> None:
         self.pool = pool
+        self._features = features  # whether a published block's hidden states are kept (by chain hash)
         self.draft_pool = draft_pool
         self.max_batch = max_batch
         self.max_step_tokens = max_step_tokens
@@ -85,9 +89,11 @@ class Scheduler:
             seq = self.waiting[0]
             kv = seq.target
             need = len(seq.tokens)
-            if not kv.blocks and not seq.needs_all_hidden:  # reuse cached prompt blocks, never the one
-                # holding the last token (nor any for an EAGLE sequence, which needs every token's hidden state)
-                kv.computed = kv.published = self.pool.match(kv.blocks, seq.tokens, (need - 1) // self.pool.block_size)
+            hidden = seq.needs_all_hidden  # an EAGLE sequence: only blocks whose hidden states are kept
+            if not kv.blocks and (not hidden or self._features is not None):  # reuse cached prompt blocks,
+                # never the one holding the last token
+                kv.computed = kv.published = self.pool.match(kv.blocks, seq.tokens, (need - 1) // self.pool.block_size,
+                                                             self._features if hidden else None)
                 kv.computed *= self.pool.block_size
             if batch and tokens + need - kv.computed > self.max_step_tokens:
                 self._unmatch(seq)

@@ -178,7 +178,8 @@ class Sequence:
     @property
     def needs_all_hidden(self) -> bool:
         """Whether the target's hidden state of every token is kept (an EAGLE drafter that still
-        drafts): a (re)admission then computes the whole sequence instead of reusing cached prompt blocks."""
+        drafts): a (re)admission then reuses only cached prompt blocks whose hidden rows are kept
+        (`specops.engine.eagle_proposer.EagleProposer.store`) and computes the rest."""
         return self.eagle is not None and self.eagle.active
 
     @property

@@ -23,6 +23,8 @@ mixed suite `auto` with both read below EAGLE alone and without the heads on par
 For each option the request keeps an exponentially weighted mean of the tokens a step
 emitted and of the seconds it took (measured here, so machine load, model size and
 acceptance are all in it); each step runs the option with the most tokens per second.
+The n-gram option keeps one acceptance per tier of its match's length (`NGRAM_TIERS`): a
+step after a 16-token match copies far deeper than one after a 1-token match.
 An option that looks worse is still tried now and then, the rarer the worse it looks
 (so that its probes cost at most ``PROBE_BUDGET`` of the time; plain decoding, which has no
 acceptance to learn, only every ``PROBE_MAX_WAIT`` steps), and the choice follows
@@ -70,6 +72,19 @@ from specops.spec.tree_size import VerifyCostCurve, heads_overhead_s, plan_tree,
 log = logging.getLogger(__name__)
 
 OPTIONS = ("plain", "ngram", "draft", "medusa", "eagle")
+NGRAM_TIERS = ((16, "ngram:16+"), (8, "ngram:8-15"), (3, "ngram:3-7"), (2, "ngram:2"), (1, "ngram:1"),
+               (0, "ngram:store"))
+"""The n-gram option's estimates, one per tier of its match's length (`ngram.match_gamma`'s tiers;
+0: the corpus store's chain): how deep a match's continuation is accepted grows with how far back
+the match goes (1.0 tokens after a 1-token match, 7.2 after 16 or more on the bundled code suite),
+so one acceptance for every n-gram step read a long match, where n-gram copies whole runs, as
+no better than the short ones around it, and `auto` drafted with another option there."""
+ESTIMATES = OPTIONS + tuple(key for _, key in NGRAM_TIERS)
+
+
+def ngram_tier(length: int) -> str:
+    """The estimate an n-gram step after a match ``length`` tokens long reads (`NGRAM_TIERS`)."""
+    return next((key for least, key in NGRAM_TIERS if length >= least), "ngram")
 STEP_WEIGHT = 0.2  # weight of the newest step in a request's running acceptance
 PROBE_EVERY = 24  # steps between tries of an option as good as the best; worse ones wait longer
 PROBE_BUDGET = 0.005  # time probes of one worse option may cost, as a share of the best option's
@@ -171,7 +186,7 @@ class AutoEstimates:
     def start(self, greedy: bool) -> dict[str, OptionEstimate]:
         """A request's copy to work on."""
         table = self.greedy if greedy else self.sampling
-        return {name: copy.copy(table.get(name, OptionEstimate())) for name in OPTIONS}
+        return {name: copy.copy(table.get(name, OptionEstimate())) for name in ESTIMATES}
 
     def clock(self, greedy: bool) -> ProbeClock:
         """The probe clock shared by the requests of one mode (greedy or sampling)."""
@@ -230,6 +245,8 @@ class Chooser:
         self.costs = costs
         self.clock = clock if clock is not None else ProbeClock()
         self.counts = {name: 0 for name in OPTIONS}
+        self.keys: dict[str, str] = {}
+        """The estimate an option reads this step where not its own (n-gram: its match's tier, `ngram_tier`)."""
         # seconds an option's next step costs once on top of its steady step (the draft model
         # reading the tokens it has not seen), already spread over the steps it would pay off in
         self.switch_s: dict[str, float] = {}
@@ -253,7 +270,7 @@ class Chooser:
         acceptance and bookkeeping around them, which grow with the drafted block), plus its
         `switch_s` (a lagging draft cache's catch-up, spread over the steps left). ``hopeful``:
         a linear drafter's acceptance read at its upper bound (`HOPE`), for probe waits."""
-        est = self.estimates[option]
+        est = self.estimates[self.keys.get(option, option)]
         if option == "plain":
             tokens = 1.0
         elif option == "medusa":
@@ -269,7 +286,7 @@ class Chooser:
 
     def choose(self, available: dict[str, int]) -> str:  # option -> tokens it would draft
         """The option of this step (`chooser.choose` on modelled tokens per second)."""
-        untried = [o for o in available if o != "plain" and not self.estimates[o].steps]
+        untried = [o for o in available if o != "plain" and not self.estimates[self.keys.get(o, o)].steps]
         return choose({o: self.rate(o, g) for o, g in available.items()}, self.clock, STEP_RULE, untried=untried,
                       hoped=lambda o: self.rate(o, available[o], hopeful=True), fixed_wait={"plain": PROBE_MAX_WAIT})
 
@@ -281,7 +298,8 @@ class Chooser:
             scale = self.clock.scale
             scale[option] += SCALE_WEIGHT * (ratio - scale[option])
         if option != "plain":
-            self.estimates[option].update(result.drafted, result.raw_accepted, len(result.emitted))
+            self.estimates[self.keys.get(option, option)].update(result.drafted, result.raw_accepted,
+                                                                 len(result.emitted))
         self.clock.used(option)
         self.counts[option] += 1
 
@@ -454,6 +472,7 @@ def generate_auto(
         available = {"plain": 0}  # option -> tokens it would draft
         if proposal:
             available["ngram"] = len(proposal)
+            chooser.keys["ngram"] = ngram_tier(index.last_match)
         draft_gamma = 0 if drafter is None else min(gamma, drafter.room(v))
         if draft_gamma:
             available["draft"] = draft_gamma

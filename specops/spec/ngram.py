@@ -56,6 +56,9 @@ class NgramIndex:
         self.min_ngram = min_ngram
         self.store = store
         self.store_drafts = 0  # proposals that came from the store
+        self.last_match = -1
+        """How long the match behind the latest `propose` was (`match`'s count; 0: the store's chain,
+        -1: nothing matched)."""
         self.tokens: list[int] = []
         # n -> {n-gram: index just after its latest occurrence that has a continuation}
         self._latest: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_ngram, max_ngram + 1)}
@@ -107,10 +110,13 @@ class NgramIndex:
             chain = self.store.chain(self.tokens, gamma)
             if len(chain) > (0 if found is None else 1):  # a 1-token match's continuation is followed ~1 deep
                 self.store_drafts += 1
+                self.last_match = 0
                 return chain
         if found is None:
+            self.last_match = -1
             return []
         start, length = found
+        self.last_match = length
         if by_match:
             want = match_gamma(gamma, length)
         elif length >= self.max_ngram and full_match_gamma is not None:

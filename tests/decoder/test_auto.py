@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specops.decoder import Decoder
-from specops.spec.auto import AutoEstimates, Chooser, Costs, OptionEstimate
+from specops.spec.auto import ESTIMATES, AutoEstimates, Chooser, Costs, OptionEstimate, ngram_tier
 from specops.spec.tree_size import VerifyCostCurve
 from tests.decoder.test_medusa_bundled import code_prompts
 
@@ -192,6 +192,45 @@ def test_the_hidden_state_is_read_only_when_a_step_asks_for_it(bundled):
     target.reset(1)
     full = target.forward(torch.tensor([prompt]), need_hidden=True)
     assert torch.allclose(lazy, full.hidden[0, -1], atol=1e-5)
+
+
+def test_an_ngram_step_reads_the_acceptance_of_its_matchs_tier():
+    """Short matches' continuations are rejected, long ones copied whole: with one estimate for
+    both n-gram looked worse than the draft model everywhere; by tier it wins after a long match
+    and the draft model drafts after a short one."""
+    est = {name: OptionEstimate() for name in ESTIMATES}
+    for _ in range(30):
+        est["ngram:1"].update(drafted=1, accepted=0, emitted=1)
+        est["ngram:16+"].update(drafted=8, accepted=8, emitted=9)
+        est["draft"].update(drafted=4, accepted=2, emitted=3)
+    chooser = Chooser(est, _costs())
+    picks = {}
+    for length, drafted in ((1, 1), (20, 8)):
+        chooser.keys["ngram"] = ngram_tier(length)
+        runs = []
+        for _ in range(60):
+            p = chooser.choose({"plain": 0, "ngram": drafted, "draft": 4})
+            chooser.last_used[p] = chooser.step
+            runs.append(p)
+        picks[length] = max(set(runs), key=runs.count)
+    assert picks == {1: "draft", 20: "ngram"}
+    assert [ngram_tier(n) for n in (0, 1, 2, 3, 7, 8, 15, 16, 40)] == [
+        "ngram:store", "ngram:1", "ngram:2", "ngram:3-7", "ngram:3-7", "ngram:8-15", "ngram:8-15", "ngram:16+",
+        "ngram:16+"]
+
+
+def test_an_ngram_step_is_counted_in_its_tier_and_carried_to_the_next_request(bundled):
+    estimates, before = AutoEstimates(), bundled.auto_estimates
+    bundled.auto_estimates = estimates
+    try:
+        out = bundled.generate(code_prompts(bundled, 1)[0], method="auto", max_new_tokens=48)
+    finally:
+        bundled.auto_estimates = before
+    assert out.stats.auto_steps.get("ngram", 0) > 0
+    carried = estimates.start(greedy=True)
+    tiers = [key for key in ESTIMATES if key.startswith("ngram:")]
+    assert sum(carried[key].steps for key in tiers) > 0  # n-gram steps land in their tiers' estimates
+    assert carried["ngram"].steps == 0
 
 
 def test_chooser_picks_plain_when_nothing_accepts():

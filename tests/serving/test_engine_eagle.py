@@ -368,3 +368,62 @@ def test_hidden_only_rows_skip_the_lm_head_and_keep_every_bit(dec):
     assert torch.equal(lean[0].logits[0], full[0].logits[-1])
     assert torch.equal(lean[1].logits, full[1].logits) and torch.equal(lean[1].hidden, full[1].hidden)
     assert lean[1].step_logits[lean[1].row0].equal(full[1].logits[0])  # the step's rows line up
+
+
+def _prefix_cached(dec, first_method: str, prompt, max_tokens: int = 24):
+    """An engine that ran ``prompt`` with ``first_method`` to its end, then runs it with eagle:
+    (blocks the eagle request reused, its record, its tokens, plain decoding's tokens, the engine)."""
+    eng = full_speculation(Engine(dec, max_batch=2, kv_cache_mb=8, block_size=8, eos_token_id=None))
+    want = dec.generate(prompt, method="ar", max_new_tokens=max_tokens).tokens
+    got, _ = _run(eng, [("a", prompt, SamplingParams(max_tokens=max_tokens), SpecSettings(method=first_method))])
+    assert got["a"] == want
+    hits = eng.pool.cache_hits
+    got, records = _run(eng, [("b", prompt, SamplingParams(max_tokens=max_tokens), SpecSettings(method="eagle"))])
+    return eng.pool.cache_hits - hits, records["b"], got["b"], want, eng
+
+
+def test_an_eagle_request_reuses_the_prompt_blocks_an_eagle_request_cached(bundled, dec):
+    """The hidden rows of the blocks an eagle sequence publishes are kept beside them, so a later
+    eagle request reuses its cached prompt (not only ar / n-gram ones) and drafts from exactly the
+    state a full prefill gives it."""
+    prompt = bundled[2][3][:45]
+    reused, rec, got, want, eng = _prefix_cached(dec, "eagle", prompt)
+    assert reused == (len(prompt) - 1) // 8  # every full block but the one holding the last token
+    assert got == want and rec.drafted > 0 and rec.accepted > 0 and rec.fallback_reason is None
+    assert 0 < len(eng.eagle.features) <= eng.pool.num_blocks
+
+
+def test_a_reused_prompts_kept_rows_give_the_drafter_the_state_of_a_full_prefill(bundled, dec):
+    model, _, prompts, _, drafter = bundled
+    drafter.kernel_weights = "fp32"  # rows from two forwards of different shapes: fp32 rounding only
+    try:
+        prompt = prompts[4][:41]
+        eng = full_speculation(Engine(dec, max_batch=1, kv_cache_mb=8, block_size=8, eos_token_id=None))
+        _run(eng, [("a", prompt, SamplingParams(max_tokens=8), SpecSettings(method="eagle"))])
+        eng.add("b", prompt, SamplingParams(max_tokens=8), SpecSettings(method="eagle", gamma=3))
+        hits = eng.pool.cache_hits
+        eng.step()  # the prefill of the blocks not cached, the reused rows fed first
+        assert eng.pool.cache_hits - hits == 5
+        seq = eng.seqs["b"]
+        assert seq.eagle.cursor.known == len(seq.tokens) - 1
+        eng.eagle.propose(seq, 1)  # catch up: every entry fed
+        n = len(seq.tokens)
+        with torch.no_grad():
+            dec.target.reset(1)
+            feats = prompt_forward(dec.target, torch.tensor([seq.tokens[:-1]]), logits=False,
+                                   need_hidden=True).hidden[0]
+            drafter.reset()
+            drafter.step(torch.tensor(seq.tokens[1:]), feats)
+        torch.testing.assert_close(seq.eagle.cursor.cache.data[..., : n - 1, :], drafter._cache.data[..., : n - 1, :],
+                                   atol=2e-4, rtol=2e-4)
+    finally:
+        drafter.kernel_weights = "bf16"
+
+
+def test_an_eagle_request_computes_the_blocks_other_methods_cached(bundled, dec):
+    """Blocks an ar request published carry no hidden rows: an eagle request computes its whole
+    prompt (and drafts, exactly) rather than reuse them."""
+    prompt = bundled[2][3][:45]
+    reused, rec, got, want, _ = _prefix_cached(dec, "ar", prompt)
+    assert reused == 0
+    assert got == want and rec.drafted > 0 and rec.fallback_reason is None
