@@ -1,6 +1,7 @@
 """Engine-only throughput: output tokens/s per method and concurrency, and a step profile.
 
-No HTTP: a `specops.engine.engine.Engine` over the bundled models, ``concurrency``
+No HTTP: a `specops.engine.engine.Engine` over the bundled models (``--model NAME|PATH``: that
+target alone, with the EAGLE drafter cached for it, if any), ``concurrency``
 requests kept in flight (a finished one is replaced at once), greedy, code prompts.
 Methods are run interleaved, repeated ``--repeats`` times; the median is reported
 with the ratio to ``ar`` at the same concurrency, and where the target forwards' time went
@@ -16,7 +17,15 @@ is what batching shares, so their split bounds how far tokens/s can scale with i
 temperature 1.0, each request seeded), and the method ``policy``: each request runs its class's
 initial settings under the default policy (what `bench serve`'s ``fixed`` mode serves), resolved
 by the server's own `PolicyRuntime`. Each method gets its own engine (a method's estimates never
-inform another's), so ``policy`` against ``ar`` is the serving comparison without HTTP.
+inform another's), so ``policy`` against ``ar`` is the serving comparison without HTTP. With
+``--model`` the policy is retargeted to the methods that target has, as `specops bench serve
+--model` serves it (`specops.policies.retarget`):
+
+    python -m specops.bench.engine_bench --model smollm2-135m-instruct --mix --methods ar,policy \
+        --concurrency 16 --requests 96 --repeats 3 --threads 2 --kv-cache-mb auto
+
+Each line gives the median tokens/s and its ratio to ``ar``; with repeats, the median of the
+per-repeat paired ratios and their range follow.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ METHOD_SETTINGS = {
     "draft": SpecSettings(method="draft", gamma=6),
     "ngram": SpecSettings(method="ngram", gamma=6),
     "medusa": SpecSettings(method="medusa", tree_size=16),
+    "eagle": SpecSettings(method="eagle", gamma=4),
 }
 
 
@@ -52,16 +62,37 @@ def prompts(dec, n: int) -> list[list[int]]:
 def mix_requests(dec, n: int, policy_file: str | None = None) -> list[tuple[list[int], float, SpecSettings]]:
     """``n`` (prompt ids, temperature, the ``policy`` method's settings) from `bench serve`'s mix."""
     from specops.bench.serve import ServeBenchConfig, build_prompts
-    from specops.policies.loader import load_policy
     from specops.engine.policy_runtime import PolicyRuntime
 
-    runtime = PolicyRuntime(dec, load_policy(policy_file or default_policy_path()))
+    runtime = PolicyRuntime(dec, policy_for(dec, policy_file))
     out = []
     for text, temperature in build_prompts(ServeBenchConfig(), n):
         ids = dec.tokenizer.encode(text)
         res = runtime.resolve(text, len(ids), temperature=temperature, routing_key="bench")
         out.append((ids, temperature, res.spec))  # the settings the server's engine would take
     return out
+
+
+def policy_for(dec, policy_file: str | None = None):
+    """The policy the ``policy`` method runs: ``policy_file`` (default: the server's), its classes
+    retargeted to the speculative methods ``dec`` has where it lacks one they name (a target
+    served alone, `specops.policies.retarget`)."""
+    from specops.policies.loader import parse_policy
+    from specops.policies.retarget import retarget_policy
+
+    path = policy_file or default_policy_path()
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    have = [m for m, part in (("draft", dec.draft), ("medusa", dec.medusa), ("eagle", getattr(dec, "eagle", None)))
+            if part is not None]
+    text, _ = retarget_policy(text, have, source=path)
+    return parse_policy(text, path)
+
+
+def paired(rates: list[float], base: list[float]) -> str:
+    """The median of the per-repeat ratios ``rates[i] / base[i]`` and their range."""
+    ratios = [a / b for a, b in zip(rates, base)]
+    return f"paired {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 def default_policy_path() -> str:
@@ -144,6 +175,9 @@ def _budget(text: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="bundled",
+                    help="the target: 'bundled' (with its draft model and Medusa heads), a registered name or a "
+                         "folder (served alone, with its cached EAGLE drafter if any)")
     ap.add_argument("--concurrency", default="1,16")
     ap.add_argument("--methods", default="ar,draft,ngram,medusa")
     ap.add_argument("--repeats", type=int, default=3)
@@ -166,7 +200,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from specops.decoder import Decoder
 
-    dec = Decoder.from_pretrained("bundled")
+    try:
+        dec = Decoder.from_pretrained(args.model)
+    except Exception as exc:  # a name it cannot pull, a folder it cannot load: say so, no traceback
+        ap.error(f"cannot load --model {args.model!r}: {exc}")
+    missing = [m for m in methods if m in ("draft", "medusa", "eagle")
+               and getattr(dec, m if m != "eagle" else "eagle", None) is None]
+    if missing:
+        ap.error(f"--model {args.model!r} has no part for method(s) {', '.join(missing)}")
     print(f"load: {os.getloadavg()} (tok/cpu-s: output tokens per CPU second of this process, robust to other load)")
     for c in [int(x) for x in args.concurrency.split(",")]:
         n = args.requests or max(4, 2 * c)
@@ -210,8 +251,9 @@ def main() -> None:
             med, cmed = statistics.median(rates[m]), statistics.median(cpu_rates[m])
             ratio = f"{med / ar:.2f}x" if ar else ""
             cratio = f"{cmed / ar_cpu:.2f}x" if ar_cpu else ""
+            pair = f" {paired(rates[m], rates['ar'])}" if ar and m != "ar" else ""
             print(f"c={c:3d} {m:7s} wall {med:7.1f} tok/s {ratio:6s} cpu {cmed:7.1f} tok/cpu-s {cratio:6s} "
-                  f"wall runs={[round(r, 1) for r in rates[m]]}")
+                  f"wall runs={[round(r, 1) for r in rates[m]]}{pair}")
         for m in methods:
             print(f"c={c:3d} {m:7s} {forward_split(records[m])}")
             if m != "ar":

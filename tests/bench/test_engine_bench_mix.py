@@ -70,3 +70,33 @@ def test_a_run_splits_its_forward_time_between_prefill_and_decode(bundled):
         assert 0 < r.prefill_s < r.verify_s and r.new_tokens == 6
     share = float(engine_bench.forward_split(records).split("(")[1].split("%")[0])
     assert 0 < share < 100
+
+
+def test_the_policy_method_runs_the_policy_retargeted_to_the_targets_parts(bundled):
+    import types
+
+    from specops.policies.loader import load_policy
+
+    full = engine_bench.policy_for(bundled)  # the bundled decoder has every part the default names
+    assert [rc.method for rc in full.classes] == [rc.method for rc in load_policy(engine_bench.default_policy_path()).classes]
+    alone = engine_bench.policy_for(types.SimpleNamespace(draft=None, medusa=None, eagle=None))
+    assert {rc.method for rc in alone.classes} <= {"ngram", "off", "auto"}
+    with_eagle = engine_bench.policy_for(types.SimpleNamespace(draft=None, medusa=None, eagle=object()))
+    methods = {rc.name: rc.method for rc in with_eagle.classes}
+    assert methods["sampled"] == "eagle" and methods["factual"] == "eagle" and methods["code"] == "ngram"
+
+
+def test_paired_ratios_are_the_median_of_each_repeats_ratio():
+    assert engine_bench.paired([110.0, 90.0, 105.0], [100.0, 100.0, 100.0]) == "paired 1.05x (0.90-1.10)"
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--model", "/nonexistent/model-folder", "--methods", "ar"], "cannot load --model"),
+    (["--methods", "ar,eagle"], "has no part for method(s) eagle"),
+])
+def test_a_model_or_method_it_cannot_run_is_a_clear_error(monkeypatch, capsys, argv, says):
+    monkeypatch.setattr("sys.argv", ["engine_bench", "--concurrency", "1", *argv])
+    with pytest.raises(SystemExit):
+        engine_bench.main()
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
