@@ -204,8 +204,7 @@ def main() -> None:
         dec = Decoder.from_pretrained(args.model)
     except Exception as exc:  # a name it cannot pull, a folder it cannot load: say so, no traceback
         ap.error(f"cannot load --model {args.model!r}: {exc}")
-    missing = [m for m in methods if m in ("draft", "medusa", "eagle")
-               and getattr(dec, m if m != "eagle" else "eagle", None) is None]
+    missing = [m for m in methods if m in ("draft", "medusa", "eagle") and getattr(dec, m, None) is None]
     if missing:
         ap.error(f"--model {args.model!r} has no part for method(s) {', '.join(missing)}")
     print(f"load: {os.getloadavg()} (tok/cpu-s: output tokens per CPU second of this process, robust to other load)")

@@ -221,16 +221,15 @@ class EagleProposer:
     def _reuse(self, seq: Sequence, first: int) -> None:
         """Feed the cursor of a sequence that reused ``first`` positions of cached blocks their kept
         rows (the scheduler matched only blocks whose rows are kept); it stops drafting if they are gone."""
-        state, bs = seq.eagle, self.pool.block_size if self.pool is not None else 0
-        start = state.cursor.known
-        rows = []
-        if self.pool is not None and start % bs == 0 and first % bs == 0:
+        state, start, rows = seq.eagle, seq.eagle.cursor.known, []
+        bs = self.pool.block_size if self.pool is not None else None
+        if bs is not None and start % bs == 0 and first % bs == 0:
             for block in seq.target.blocks[start // bs : first // bs]:
                 kept = self.features.get(self.pool.block_hash(block))
                 if kept is None:
                     break
                 rows.append(kept)
-        if len(rows) * bs != first - start:
+        if bs is None or len(rows) * bs != first - start:
             log.warning("eagle sequence %s reused cached blocks without their hidden states; it decodes plainly",
                         seq.request_id)
             state.stop()
@@ -246,9 +245,11 @@ class EagleProposer:
         if self.pool is None or state is None or state.unstored is None:
             return
         bs, kv = self.pool.block_size, seq.target
-        have = sum(r.shape[0] for r in state.unstored)
         done = state.stored // bs
-        if kv.published <= done or have < bs:
+        if kv.published <= done:  # most steps: no block published since the last call
+            return
+        have = sum(r.shape[0] for r in state.unstored)
+        if have < bs:
             return
         rows = torch.cat(state.unstored) if len(state.unstored) > 1 else state.unstored[0]
         used = 0

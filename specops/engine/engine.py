@@ -143,7 +143,7 @@ class Engine:
         self.eos = eos_set(eos_token_id)
         self.scheduler = Scheduler(self.pool, max_batch=max_batch, max_step_tokens=max_step_tokens,
                                    draft_pool=self.draft_pool, release=self._release,
-                                   features=self.eagle.has_features if self.eagle is not None and self.eagle.pool else None)
+                                   features=self.eagle.has_features if self.eagle is not None and self.eagle.pool is not None else None)
         self.cost_clock = cost_clock(self.device)
         self.cost = CostModel(warmup=1)  # target forwards (verify)
         self.draft_cost = CostModel(warmup=1)  # draft-model forwards (one drafting round)
