@@ -33,8 +33,26 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class KvBlocks:
+    """``specops_serving_kv_blocks_used`` and ``_free`` from one snapshot.
+
+    The engine thread replaces the (used, free) pair in one assignment and a scrape reads
+    the pair once, so a scrape never shows ``used`` of one step beside ``free`` of another
+    (two separate gauges can: their sum then exceeds the pool).
+    """
+
+    def __init__(self) -> None:
+        self.snapshot: tuple[int, int] = (0, 0)
+
+    def collect(self) -> Any:
+        used, free = self.snapshot
+        yield GaugeMetricFamily("specops_serving_kv_blocks_used", "Paged KV blocks in use.", value=used)
+        yield GaugeMetricFamily("specops_serving_kv_blocks_free", "Paged KV blocks free.", value=free)
 
 
 class ServingMetrics:
@@ -57,8 +75,8 @@ class ServingMetrics:
         self.queue_length = Gauge("specops_serving_queue_length", "Requests waiting in the engine.", registry=registry)
         self.running = Gauge("specops_serving_running", "Requests running in the engine.", registry=registry)
         self.batch_size = Gauge("specops_serving_batch_size", "Sequences in the last step.", registry=registry)
-        self.kv_used = Gauge("specops_serving_kv_blocks_used", "Paged KV blocks in use.", registry=registry)
-        self.kv_free = Gauge("specops_serving_kv_blocks_free", "Paged KV blocks free.", registry=registry)
+        self.kv_blocks = KvBlocks()
+        registry.register(self.kv_blocks)
         self.prefix_hits = Gauge("specops_serving_prefix_cache_hit_blocks", "KV blocks reused from the prefix cache "
                                  "since start (prompt blocks not recomputed).", registry=registry)
         self.prefix_deferrals = Gauge("specops_serving_prefix_deferrals", "Admissions put off one step since start "
@@ -91,8 +109,7 @@ class ServingMetrics:
         self.queue_length.set(stats.waiting)
         self.running.set(stats.running)
         self.batch_size.set(stats.batch_size)
-        self.kv_used.set(stats.kv_blocks_used)
-        self.kv_free.set(stats.kv_blocks_free)
+        self.kv_blocks.snapshot = (stats.kv_blocks_used, stats.kv_blocks_free)
         self.prefix_hits.set(stats.prefix_cache_hit_blocks)
         self.prefix_deferrals.set(stats.prefix_deferrals)
         self.decode_steps.labels("spec").set(stats.spec_steps)
