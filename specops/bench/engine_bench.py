@@ -184,6 +184,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--requests", type=int, default=0, help="requests per run (default: 2 x concurrency, >= 4)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--max-batch", type=int, default=0,
+                    help="each engine's max batch (default: the concurrency; a server's is its --max-batch)")
     ap.add_argument("--profile", action="store_true", help="cProfile one run per method and concurrency")
     ap.add_argument("--mix", action="store_true", help="bench serve's prompt mix; adds the method 'policy'")
     ap.add_argument("--policy", default=None, help="policy file for 'policy' (default: the server's default)")
@@ -192,6 +194,8 @@ def main() -> None:
                          "max batch x full context, twice over, which keeps a run's prompts in the prefix "
                          "cache as `bench serve`'s server does)")
     args = ap.parse_args()
+    if args.max_batch < 0:
+        ap.error(f"--max-batch must be >= 1 (0: the concurrency), got {args.max_batch}")
     methods = args.methods.split(",")
     unknown = [m for m in methods if m not in METHOD_SETTINGS and not (args.mix and m == "policy")]
     if unknown:
@@ -214,8 +218,9 @@ def main() -> None:
         ps = prompts(dec, n) if mix is None else [ids for ids, _, _ in mix]
         # --mix: one engine per method; otherwise all methods share one (as before)
         budget = None if args.kv_cache_mb == "auto" else float(args.kv_cache_mb)
-        shared = Engine(dec, max_batch=max(c, 1), kv_cache_mb=budget) if mix is None else None
-        engines = {m: shared if shared is not None else Engine(dec, max_batch=max(c, 1), kv_cache_mb=budget)
+        max_batch = args.max_batch or max(c, 1)
+        shared = Engine(dec, max_batch=max_batch, kv_cache_mb=budget) if mix is None else None
+        engines = {m: shared if shared is not None else Engine(dec, max_batch=max_batch, kv_cache_mb=budget)
                    for m in methods}
         for e in {id(e): e for e in engines.values()}.values():
             run(e, "ar", ps[: min(n, c)], c, 8)  # warm-up

@@ -1,9 +1,10 @@
 """``method="auto"`` in the serving engine: which speculation a request runs, from live results.
 
 `Decoder.generate(method="auto")` switches drafter step by step inside one request
-(`specops.spec.auto`). In the engine a request keeps one proposer for its life (its
-KV caches and proposal state are per method), so ``auto`` is decided at admission, by the
-same rule (`specops.spec.chooser.choose`) over what the engine can measure: it keeps one
+(`specops.spec.auto`). In the engine the drafters that keep per-request state (a draft
+cache, an EAGLE cursor, Medusa's hidden state) are chosen once, at admission, and prompt
+lookup (stateless) is weighed against a chain drafter before every step (`StepChoice`). Both
+choices use the library's rule (`specops.spec.chooser.choose`). At admission it keeps one
 chooser per request class and greedy/sampled (what pays for code at temperature 0 is not what
 pays for prose at temperature 1), and each keeps, per available method, a running estimate
 of the tokens committed per target forward by the requests that ran it. Methods without
@@ -18,7 +19,9 @@ token per forward and loses to one that does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from specops.spec.chooser import ChoiceClock, ProbeRule, choose
 
@@ -56,3 +59,74 @@ class MethodChooser:
         old = self.scores.get(method)
         self.scores[method] = value if old is None else (1 - self.decay) * old + self.decay * value
         self.samples[method] = self.samples.get(method, 0) + 1
+
+
+@dataclass
+class Profile:
+    """One option's acceptance state on a sequence (the `Sequence` fields of that name)."""
+
+    alpha: float
+    acc_hits: float
+    acc_trials: float
+    accept_scale: float
+    prior_key: tuple
+
+
+class StepChoice:
+    """An ``auto`` request's choice, before each step, between prompt lookup and its drafter.
+
+    The drafter a request takes at admission keeps per-request state (a draft cache, an EAGLE
+    cursor), so it holds for the request's life; prompt lookup keeps none beyond the request's
+    tokens, so a request whose drafter drafts a chain (the draft model, EAGLE's chain) is offered
+    both before every step and `specops.spec.chooser.choose` picks, by the rule and probe
+    cadence `Decoder.generate(method="auto")` uses every step (`specops.spec.auto.STEP_RULE`), the
+    one with more expected tokens per second of the step (`rate`). The drafter keeps up with the
+    steps lookup ran: an EAGLE cursor is fed their rows (the target returns every row of such a
+    sequence), a draft cache catches up in its next round.
+
+    Each option keeps its own acceptance state (`Profile`); the sequence carries the state and the
+    settings (``spec.method``) of the option of the step being planned, so the rest of the step
+    (grouping, verification, commit, acceptance updates) runs as for a request of that method."""
+
+    def __init__(self, seq: Any, base: str, lookup: Profile, rule: ProbeRule) -> None:
+        self.base = base
+        self.current = base
+        self.rule = rule
+        self.specs = {base: seq.spec, "ngram": replace(seq.spec, method="ngram")}
+        self.profiles = {"ngram": lookup}
+        self.clock = ChoiceClock()
+        self.steps: dict[str, int] = seq.stats.auto_steps  # the steps each option was chosen for
+
+    @property
+    def options(self) -> tuple[str, str]:
+        return ("ngram", self.base)
+
+    def switch(self, seq: Any, option: str) -> None:
+        """Make ``option`` the sequence's method, with its acceptance state."""
+        if option == self.current:
+            return
+        self.profiles[self.current] = Profile(seq.alpha, seq.acc_hits, seq.acc_trials, seq.accept_scale,
+                                              seq.prior_key)
+        p = self.profiles.pop(option)
+        seq.alpha, seq.acc_hits, seq.acc_trials, seq.accept_scale, seq.prior_key = (
+            p.alpha, p.acc_hits, p.acc_trials, p.accept_scale, p.prior_key)
+        seq.spec = self.specs[option]
+        self.current = option
+
+    def choose(self, rates: dict[str, float]) -> str:
+        """The option of this step among those offering drafts (``rates``: expected tokens per second)."""
+        picked = choose(rates, self.clock, self.rule) if len(rates) > 1 else next(iter(rates))
+        self.clock.used(picked)
+        self.steps[picked] = self.steps.get(picked, 0) + 1
+        return picked
+
+
+def rate(gains: list[float], step_s: Callable[[int], float]) -> float:
+    """Expected tokens per second of a step that drafts the best number of an offer's tokens:
+    ``gains`` the marginal expected accepted tokens of its 1st, 2nd, ... draft, ``step_s(k)`` the
+    step's predicted seconds with k drafts."""
+    best, tokens = 0.0, 1.0
+    for k, g in enumerate(gains, 1):
+        tokens += g
+        best = max(best, tokens / max(step_s(k), 1e-9))
+    return best

@@ -55,6 +55,7 @@ from typing import Any, Callable
 
 import torch
 
+from specops.spec.auto import STEP_RULE
 from specops.spec.clock import cost_clock
 from specops.spec.medusa_branch import context_index
 from specops.spec.medusa_decode import head_accuracy
@@ -71,7 +72,7 @@ from specops.engine.acceptance import (ALPHA_PRIOR, ALPHA_RECOVERY, EAGLE_TREE, 
 from specops.engine.calibration import calibrate as calibrate_costs
 from specops.engine.plan_limits import FULL_CATCH_UP, PLAN_PREFILL_LIMIT
 from specops.engine.plan_schedule import PlanSchedule
-from specops.engine.auto_method import MethodChooser
+from specops.engine.auto_method import MethodChooser, Profile, StepChoice, rate
 from specops.engine.batch_forward import FeedItem, bytes_per_token, make_backend
 from specops.engine.kv_pool import BlockPool
 from specops.engine.kv_budget import available_memory_bytes, choose_kv_budget
@@ -195,7 +196,8 @@ class Engine:
                 f"prompt of {len(ids)} tokens leaves no room for output: max_model_len is {self.max_model_len}")
         sampling = params.config()
         spec.check()
-        if spec.method == "auto":  # lossless: typical acceptance is a Medusa request's own choice
+        auto = spec.method == "auto"
+        if auto:  # lossless: typical acceptance is a Medusa request's own choice
             spec = replace(spec, method=self._chooser(spec.auto_key, params.temperature > 0).choose(
                 self.speculative_methods), typical=False)
         fallback = None
@@ -230,7 +232,7 @@ class Engine:
         seq.prior_key = (spec.auto_key, spec.method, params.temperature > 0)
         seq.alpha = self.priors.alpha(seq.prior_key, spec.method)
         seq.accept_scale = self.priors.scale(seq.prior_key)
-        if spec.method == "ngram":
+        if spec.method == "ngram" or (auto and spec.method in ("draft", "eagle")):
             seq.ngram = NgramIndex(store=self.ngram_store if params.temperature == 0 else None)  # greedy only:
             # see `specops.decoder.api._corpus`
             seq.ngram.extend(ids)
@@ -240,6 +242,10 @@ class Engine:
             seq.eagle = self.eagle.start(seq)
             if seq.eagle.shape is not None:
                 seq.accept_scale = self.priors.tree_scale(self.trees.tree_key(seq))
+        if seq.ngram is not None and spec.method != "ngram" and (seq.eagle is None or seq.eagle.shape is None):
+            key = (spec.auto_key, "ngram", params.temperature > 0)  # auto on a chain drafter: lookup each step too
+            lookup = Profile(self.priors.alpha(key, "ngram"), 0.0, 0.0, self.priors.scale(key), key)
+            seq.auto_step = StepChoice(seq, spec.method, lookup, STEP_RULE)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -416,6 +422,7 @@ class Engine:
         if self.schedule.skip(b, observed):  # a plain probe, or a quiet stretch after a decline
             return {}
         now = self.clock()
+        base = sum(len(s.tokens) - s.target.computed for s in batch)
         for seq in batch:
             if seq.spec.method == "ar" or seq.target.computed != len(seq.tokens) - 1:
                 continue  # plain method, or a prefill / recompute step
@@ -426,14 +433,13 @@ class Engine:
                 continue
             room = self.max_model_len - len(seq.tokens)  # speculative slots the context allows
             bound = min(room, seq.remaining - 1)
-            c = self._candidate(seq, bound)
+            c = self._candidate(seq, bound) if seq.auto_step is None else self._auto_candidate(seq, bound, b, base)
             if c is not None:
                 c.forced = seq.spec.observed  # measured as its setting says (`Candidate.forced`)
                 cands.append(c)
                 owners.append(seq)
         if not cands:
             return {}
-        base = sum(len(s.tokens) - s.target.computed for s in batch)
         scale, predicted = self.calibration.scale(b) if self.calibration is not None else 1.0, {}
         chosen = plan(cands, self.cost, batch=len(batch), base_tokens=base, draft_cost=self.draft_cost,
                       fixed_s=self.accounts.fixed_s(len(batch)), margin=self.margin, spec_scale=scale, out=predicted)
@@ -510,6 +516,29 @@ class Engine:
         if room == 0 and seq.stats.fallback_reason is None:
             seq.stats.fallback_reason = DRAFT_CONTEXT
         return room
+
+    def _auto_candidate(self, seq: Sequence, bound: int, b: int, base: int) -> Candidate | None:
+        """The offer of an auto sequence's step: prompt lookup's or its drafter's, the one
+        `StepChoice.choose` picks by expected tokens per second of the step (the sequence takes
+        that option's method and acceptance state)."""
+        auto = seq.auto_step
+        offers: dict[str, Candidate] = {}
+        for option in auto.options:
+            auto.switch(seq, option)
+            c = self._candidate(seq, bound)
+            if c is not None and c.gains:
+                offers[option] = c
+        if not offers:
+            return None
+        fixed = self.accounts.fixed_s(b)
+
+        def step_s(c: Candidate) -> Callable[[int], float]:  # the step's seconds with k of its drafts
+            draft = self.draft_cost.predict(1, 1) if c.draft_rounds else 0.0
+            return lambda k: self.cost.predict(b, base + k) + fixed + c.overhead_s + k * draft
+
+        picked = auto.choose({o: rate(c.gains, step_s(c)) for o, c in offers.items()})
+        auto.switch(seq, picked)
+        return offers[picked]
 
     def _candidate(self, seq: Sequence, bound: int) -> Candidate | None:
         method = seq.spec.method
@@ -664,6 +693,8 @@ class Engine:
         seq.alpha = (seq.acc_hits + SEQ_PRIOR_TRIALS * prior) / (seq.acc_trials + SEQ_PRIOR_TRIALS)
 
     def _finish(self, seq: Sequence, reason: str, new: list[int] | None = None) -> StepOutput:
+        if seq.auto_step is not None:  # scored as the drafter admission chose
+            seq.auto_step.switch(seq, seq.auto_step.base)
         self.scheduler.finish(seq)
         self.seqs.pop(seq.request_id, None)
         stats = seq.stats

@@ -174,6 +174,9 @@ class Sequence:
     """Medusa: (output index, head, top-1 token) of every proposal, for per-head accuracy."""
     eagle: Any = None
     """Eagle: the request's drafter state (`specops.engine.eagle_proposer.EagleState`)."""
+    auto_step: Any = None
+    """Auto on a chain drafter: its choice between prompt lookup and that drafter before each step
+    (`specops.engine.auto_method.StepChoice`)."""
 
     @property
     def needs_all_hidden(self) -> bool:

@@ -1,14 +1,17 @@
 """The one rule of ``method="auto"``: which speculation option runs next, from running estimates.
 
-Two callers ask it, each with the estimates it can measure:
+Its callers, each with the estimates it can measure:
 
 * `Decoder.generate(method="auto")` (`specops.spec.auto`) every step: its options are
-  plain decoding, n-gram, the draft model and Medusa, rated in expected tokens per modelled
-  second of this step;
+  plain decoding, n-gram, the draft model, Medusa and EAGLE, rated in expected tokens per
+  modelled second of this step;
+* the serving engine every step of an ``auto`` request on a chain drafter
+  (`specops.engine.auto_method.StepChoice`): n-gram or that drafter, rated in expected tokens
+  per second of the step the planner models, with the library's probe rule;
 * the serving engine at each admission of an ``auto`` request (`specops.engine.auto_method`):
-  a request keeps its proposer for its life (its KV caches and drafter state are per method),
-  so the options are the loaded methods, rated in tokens per target forward of the requests
-  of the same kind that ran them.
+  the drafters that keep per-request state (KV caches, drafter state) are chosen for the
+  request's life, rated in tokens per target forward of the requests of the same kind that
+  ran them.
 
 The rule (`choose`): an option never measured is tried first, in turn; otherwise the best
 rate runs, and a worse option is tried again once it is due: ``wait`` choices after its last
