@@ -24,6 +24,14 @@ inform another's), so ``policy`` against ``ar`` is the serving comparison withou
     python -m specops.bench.engine_bench --model smollm2-135m-instruct --mix --methods ar,policy \
         --concurrency 16 --requests 96 --repeats 3 --threads 2 --kv-cache-mb auto
 
+``--suite chat``: the chat-model ``mixed`` suite in the model's chat template instead (every
+conversation turn, code, factual Q&A, creative at its sampling temperature; each request seeded),
+each method on its own engine; the method ``auto`` chooses per request and per step as the server's
+``auto`` classes do:
+
+    python -m specops.bench.engine_bench --model smollm2-135m-instruct --suite chat --methods ar,ngram,eagle,auto \
+        --concurrency 1 --requests 24 --repeats 3 --threads 2 --kv-cache-mb auto
+
 Each line gives the median tokens/s and its ratio to ``ar``; with repeats, the median of the
 per-repeat paired ratios and their range follow.
 """
@@ -49,6 +57,7 @@ METHOD_SETTINGS = {
     "ngram": SpecSettings(method="ngram", gamma=6),
     "medusa": SpecSettings(method="medusa", tree_size=16),
     "eagle": SpecSettings(method="eagle", gamma=4),
+    "auto": SpecSettings(method="auto", gamma=4),
 }
 
 
@@ -57,6 +66,19 @@ def prompts(dec, n: int) -> list[list[int]]:
 
     texts = [p.text for p in builtin_suite("code")]
     return [dec.tokenizer.encode(texts[i % len(texts)]) for i in range(n)]
+
+
+def chat_requests(dec, n: int) -> list[tuple[list[int], float, SpecSettings]]:
+    """``n`` (prompt ids, temperature, settings) from the chat-model ``mixed`` suite (every turn of
+    its conversations, code, factual Q&A, creative at its temperature) in the model's chat template,
+    repeated in order as needed; the settings are ``ar``'s (each method runs its own)."""
+    from specops.bench.chat_suite import chat_model_suite, has_chat_template
+
+    if not has_chat_template(dec.tokenizer):
+        raise ValueError("--suite chat needs a model whose tokenizer has a chat template")
+    suite = chat_model_suite("mixed", dec.tokenizer)
+    return [(dec.tokenizer.encode(p.text), p.temperature, METHOD_SETTINGS["ar"])
+            for p in (suite[i % len(suite)] for i in range(n))]
 
 
 def mix_requests(dec, n: int, policy_file: str | None = None) -> list[tuple[list[int], float, SpecSettings]]:
@@ -163,6 +185,18 @@ def planner_line(eng: Engine) -> str:
             f"probes {eng.schedule.probes}, plain probes {eng.schedule.plain_probes}")
 
 
+def shared_auto_budget(auto, engines: int) -> float:
+    """Each of ``engines`` engines' KV budget in MiB under ``--kv-cache-mb auto``: a server's default
+    (``auto``, a `KVBudget`), capped so that all of them together stay within the share of memory
+    one server's default may take (the pools are touched as they fill, so each engine alone would
+    see the whole machine free and together they could exhaust it)."""
+    from specops.engine.kv_budget import KV_MEMORY_FRACTION
+
+    if auto.available_mb is None:
+        return auto.mb
+    return min(auto.mb, KV_MEMORY_FRACTION * auto.available_mb / engines)
+
+
 def _budget(text: str) -> str:
     if text != "auto":
         try:
@@ -189,6 +223,10 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile one run per method and concurrency")
     ap.add_argument("--mix", action="store_true", help="bench serve's prompt mix; adds the method 'policy'")
     ap.add_argument("--policy", default=None, help="policy file for 'policy' (default: the server's default)")
+    ap.add_argument("--suite", choices=("code", "chat"), default="code",
+                    help="code: the bundled code prompts, greedy; chat: the chat-model mixed suite in the model's "
+                         "chat template (conversation turns, code, factual, creative sampled), each method on its "
+                         "own engine")
     ap.add_argument("--kv-cache-mb", default="64", type=_budget,
                     help="each engine's KV budget in MB, or 'auto': a server's default (`auto_kv_cache_mb`: "
                          "max batch x full context, twice over, which keeps a run's prompts in the prefix "
@@ -197,6 +235,8 @@ def main() -> None:
     if args.max_batch < 0:
         ap.error(f"--max-batch must be >= 1 (0: the concurrency), got {args.max_batch}")
     methods = args.methods.split(",")
+    if args.mix and args.suite != "code":
+        ap.error("--mix sends bench serve's prompt mix; it takes no --suite")
     unknown = [m for m in methods if m not in METHOD_SETTINGS and not (args.mix and m == "policy")]
     if unknown:
         ap.error(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(METHOD_SETTINGS)}"
@@ -214,12 +254,18 @@ def main() -> None:
     print(f"load: {os.getloadavg()} (tok/cpu-s: output tokens per CPU second of this process, robust to other load)")
     for c in [int(x) for x in args.concurrency.split(",")]:
         n = args.requests or max(4, 2 * c)
-        mix = mix_requests(dec, n, args.policy) if args.mix else None
+        try:
+            mix = (mix_requests(dec, n, args.policy) if args.mix
+                   else chat_requests(dec, n) if args.suite == "chat" else None)
+        except ValueError as exc:
+            ap.error(str(exc))
         ps = prompts(dec, n) if mix is None else [ids for ids, _, _ in mix]
         # --mix: one engine per method; otherwise all methods share one (as before)
         budget = None if args.kv_cache_mb == "auto" else float(args.kv_cache_mb)
         max_batch = args.max_batch or max(c, 1)
         shared = Engine(dec, max_batch=max_batch, kv_cache_mb=budget) if mix is None else None
+        if shared is None and budget is None and len(methods) > 1:
+            budget = shared_auto_budget(Engine(dec, max_batch=max_batch, kv_cache_mb=None).kv_budget, len(methods))
         engines = {m: shared if shared is not None else Engine(dec, max_batch=max_batch, kv_cache_mb=budget)
                    for m in methods}
         for e in {id(e): e for e in engines.values()}.values():

@@ -84,40 +84,43 @@ class StepChoice:
     steps lookup ran: an EAGLE cursor is fed their rows (the target returns every row of such a
     sequence), a draft cache catches up in its next round.
 
-    Each option keeps its own acceptance state (`Profile`); the sequence carries the state and the
-    settings (``spec.method``) of the option of the step being planned, so the rest of the step
+    Each option keeps its own acceptance state (`Profile`), and lookup one per tier of its match's
+    length, as the library's estimates are kept (`specops.spec.auto.NGRAM_TIERS`: a long match's
+    continuation is accepted far deeper than a 1-token match's). The sequence carries the state and
+    the settings (``spec.method``) of the option of the step being planned, so the rest of the step
     (grouping, verification, commit, acceptance updates) runs as for a request of that method."""
 
-    def __init__(self, seq: Any, base: str, lookup: Profile, rule: ProbeRule) -> None:
+    def __init__(self, seq: Any, base: str, lookup_profile: Callable[[str], Profile], rule: ProbeRule) -> None:
         self.base = base
         self.current = base
+        self.tier = "ngram"  # the lookup tier of the latest lookup step
         self.rule = rule
-        self.specs = {base: seq.spec, "ngram": replace(seq.spec, method="ngram")}
-        self.profiles = {"ngram": lookup}
+        self.lookup_profile = lookup_profile  # a tier's first acceptance state
+        self.base_spec, self.lookup_spec = seq.spec, replace(seq.spec, method="ngram")
+        self.profiles: dict[str, Profile] = {}
         self.clock = ChoiceClock()
-        self.steps: dict[str, int] = seq.stats.auto_steps  # the steps each option was chosen for
-
-    @property
-    def options(self) -> tuple[str, str]:
-        return ("ngram", self.base)
+        self.steps: dict[str, int] = seq.stats.auto_steps  # the steps each method was chosen for
 
     def switch(self, seq: Any, option: str) -> None:
-        """Make ``option`` the sequence's method, with its acceptance state."""
+        """Make ``option`` (the drafter, or a lookup tier) the sequence's method, with its acceptance state."""
         if option == self.current:
             return
         self.profiles[self.current] = Profile(seq.alpha, seq.acc_hits, seq.acc_trials, seq.accept_scale,
                                               seq.prior_key)
-        p = self.profiles.pop(option)
+        p = self.profiles.pop(option, None) or self.lookup_profile(option)
         seq.alpha, seq.acc_hits, seq.acc_trials, seq.accept_scale, seq.prior_key = (
             p.alpha, p.acc_hits, p.acc_trials, p.accept_scale, p.prior_key)
-        seq.spec = self.specs[option]
+        seq.spec = self.base_spec if option == self.base else self.lookup_spec
+        if option != self.base:
+            self.tier = option
         self.current = option
 
     def choose(self, rates: dict[str, float]) -> str:
         """The option of this step among those offering drafts (``rates``: expected tokens per second)."""
         picked = choose(rates, self.clock, self.rule) if len(rates) > 1 else next(iter(rates))
         self.clock.used(picked)
-        self.steps[picked] = self.steps.get(picked, 0) + 1
+        method = self.base if picked == self.base else "ngram"
+        self.steps[method] = self.steps.get(method, 0) + 1
         return picked
 
 

@@ -55,7 +55,7 @@ from typing import Any, Callable
 
 import torch
 
-from specops.spec.auto import STEP_RULE
+from specops.spec.auto import STEP_RULE, ngram_tier
 from specops.spec.clock import cost_clock
 from specops.spec.medusa_branch import context_index
 from specops.spec.medusa_decode import head_accuracy
@@ -243,8 +243,11 @@ class Engine:
             if seq.eagle.shape is not None:
                 seq.accept_scale = self.priors.tree_scale(self.trees.tree_key(seq))
         if seq.ngram is not None and spec.method != "ngram" and (seq.eagle is None or seq.eagle.shape is None):
-            key = (spec.auto_key, "ngram", params.temperature > 0)  # auto on a chain drafter: lookup each step too
-            lookup = Profile(self.priors.alpha(key, "ngram"), 0.0, 0.0, self.priors.scale(key), key)
+            # auto on a chain drafter: lookup is weighed too, each step (`StepChoice`), per tier of its match
+            def lookup(tier: str, kind: tuple = (spec.auto_key, params.temperature > 0)) -> Profile:
+                key = (kind[0], tier, kind[1])
+                return Profile(self.priors.alpha(key, "ngram"), 0.0, 0.0, self.priors.scale(key), key)
+
             seq.auto_step = StepChoice(seq, spec.method, lookup, STEP_RULE)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -523,11 +526,11 @@ class Engine:
         that option's method and acceptance state)."""
         auto = seq.auto_step
         offers: dict[str, Candidate] = {}
-        for option in auto.options:
+        for option in (auto.tier, auto.base):
             auto.switch(seq, option)
-            c = self._candidate(seq, bound)
+            c = self._candidate(seq, bound)  # a lookup moves the sequence to its match's tier
             if c is not None and c.gains:
-                offers[option] = c
+                offers[auto.current] = c
         if not offers:
             return None
         fixed = self.accounts.fixed_s(b)
@@ -549,6 +552,8 @@ class Engine:
             t0 = time.perf_counter()
             proposal = seq.ngram.step_drafts(seq.spec.gamma, bound)
             self.accounts.note_lookup(seq.request_id, time.perf_counter() - t0)
+            if seq.auto_step is not None:  # auto: the acceptance of this match's tier
+                seq.auto_step.switch(seq, ngram_tier(seq.ngram.last_match))
             return Candidate(gains=self.priors.gains(seq.prior_key, method, seq.alpha, len(proposal)),
                              overhead_s=overhead, proposal=proposal)
         if method == "draft":

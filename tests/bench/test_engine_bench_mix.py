@@ -100,3 +100,39 @@ def test_a_model_or_method_it_cannot_run_is_a_clear_error(monkeypatch, capsys, a
         engine_bench.main()
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err
+
+
+def test_chat_requests_are_the_chat_suite_in_the_models_template_and_auto_runs_them(bundled, monkeypatch):
+    from specops.bench.chat_suite import chat_model_suite
+    from tests.bench.test_chat_model_suites import TEMPLATE
+
+    monkeypatch.setattr(bundled.tokenizer, "chat_template", TEMPLATE, raising=False)
+    suite = chat_model_suite("mixed", bundled.tokenizer)
+    reqs = engine_bench.chat_requests(bundled, len(suite) + 2)
+    assert [ids for ids, _, _ in reqs[: len(suite)]] == [bundled.tokenizer.encode(p.text) for p in suite]
+    assert reqs[len(suite)][0] == reqs[0][0]  # repeated in order past the suite's end
+    assert {t for _, t, _ in reqs} == {p.temperature for p in suite} and len({t for _, t, _ in reqs}) == 2
+    eng = Engine(bundled, max_batch=2, kv_cache_mb=16)
+    _, tokens, _ = engine_bench.run(eng, "auto", [ids for ids, _, _ in reqs[:4]], 2, 5, reqs[:4])
+    assert tokens == 4 * 5
+
+
+def test_the_chat_suite_needs_a_chat_template_and_no_mix(monkeypatch, capsys):
+    for argv, says in ((["--suite", "chat"], "needs a model whose tokenizer has a chat template"),
+                       (["--suite", "chat", "--mix"], "takes no --suite")):
+        monkeypatch.setattr("sys.argv", ["engine_bench", "--concurrency", "1", "--methods", "ar", *argv])
+        with pytest.raises(SystemExit):
+            engine_bench.main()
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err
+
+
+def test_auto_budgets_of_several_engines_share_what_one_servers_default_may_take():
+    from specops.engine.kv_budget import KV_MEMORY_FRACTION, KVBudget
+
+    roomy = KVBudget(mb=100.0, want_mb=100.0, available_mb=10_000.0, explicit=False)
+    assert engine_bench.shared_auto_budget(roomy, 5) == 100.0  # each gets a server's default
+    tight = KVBudget(mb=5_000.0, want_mb=12_000.0, available_mb=10_000.0, explicit=False)
+    assert engine_bench.shared_auto_budget(tight, 5) == pytest.approx(KV_MEMORY_FRACTION * 10_000.0 / 5)
+    unknown = KVBudget(mb=300.0, want_mb=300.0, available_mb=None, explicit=False)
+    assert engine_bench.shared_auto_budget(unknown, 3) == 300.0

@@ -31,27 +31,31 @@ class _Seq:
 
 def test_each_option_keeps_its_own_acceptance_state_and_the_better_rate_runs():
     seq = _Seq()
-    choice = StepChoice(seq, "eagle", Profile(0.6, 0.0, 0.0, 1.0, ("k", "ngram")), ProbeRule(every=4, budget=0.01,
-                                                                                                max_wait=10))
-    choice.switch(seq, "ngram")
-    assert (seq.spec.method, seq.alpha, seq.acc_hits, seq.prior_key) == ("ngram", 0.6, 0.0, ("k", "ngram"))
-    seq.acc_hits, seq.alpha = 5.0, 0.9  # the lookup steps' own record
+    fresh = {"ngram:16+": 0.9, "ngram:1": 0.3}
+    choice = StepChoice(seq, "eagle", lambda tier: Profile(fresh[tier], 0.0, 0.0, 1.0, ("k", tier)),
+                        ProbeRule(every=4, budget=0.01, max_wait=10))
+    choice.switch(seq, "ngram:16+")  # a long match's tier: its own estimate
+    assert (seq.spec.method, seq.alpha, seq.acc_hits, seq.prior_key) == ("ngram", 0.9, 0.0, ("k", "ngram:16+"))
+    seq.acc_hits, seq.alpha = 5.0, 0.95  # that tier's own record
+    choice.switch(seq, "ngram:1")
+    assert (seq.spec.method, seq.alpha, seq.prior_key) == ("ngram", 0.3, ("k", "ngram:1"))
     choice.switch(seq, "eagle")
     assert (seq.spec.method, seq.alpha, seq.acc_hits, seq.prior_key) == ("eagle", 0.7, 3.0, ("k", "eagle"))
-    choice.switch(seq, "ngram")
-    assert (seq.alpha, seq.acc_hits) == (0.9, 5.0)
-    picks = [choice.choose({"ngram": 2.0, "eagle": 1.0}) for _ in range(40)]
-    assert 30 <= picks.count("ngram") < 40  # the better one, and the other tried now and then
+    choice.switch(seq, "ngram:16+")
+    assert (seq.alpha, seq.acc_hits) == (0.95, 5.0) and choice.tier == "ngram:16+"
+    picks = [choice.choose({"ngram:16+": 2.0, "eagle": 1.0}) for _ in range(40)]
+    assert 30 <= picks.count("ngram:16+") < 40  # the better one, and the other tried now and then
     at = [i for i, p in enumerate(picks) if p == "eagle"]
     assert max(b - a for a, b in zip([-1] + at, at + [40])) <= 10
-    assert seq.stats.auto_steps == {"ngram": picks.count("ngram"), "eagle": picks.count("eagle")}
+    assert seq.stats.auto_steps == {"ngram": picks.count("ngram:16+"), "eagle": picks.count("eagle")}
     assert choice.choose({"eagle": 1.0}) == "eagle"  # lookup found no match: the drafter
 
 
 def _lean(eng: Engine, lookup: float, drafter: float, method: str = "eagle") -> None:
     """Prime the engine's acceptance estimates: lookup drafts accepted at ``lookup``, the drafter's at ``drafter``."""
     for _ in range(60):
-        eng.priors.observe_alpha((None, "ngram", False), round(4 * lookup), 4)
+        for tier in ("ngram:16+", "ngram:8-15", "ngram:3-7", "ngram:2", "ngram:1", "ngram:store", "ngram"):
+            eng.priors.observe_alpha((None, tier, False), round(4 * lookup), 4)
         eng.priors.observe_alpha((None, method, False), round(4 * drafter), 4)
     ch = eng._chooser(None, False)  # admission takes the drafter
     ch.samples, ch.scores = {"ngram": 9, method: 9}, {"ngram": 0.0, method: 9.0}
@@ -72,6 +76,7 @@ def test_an_auto_request_on_eagle_runs_lookup_where_it_matches_and_the_drafter_e
     eng = full_speculation(Engine(dec, max_batch=4, kv_cache_mb=8, eos_token_id=None))
     _lean(eng, lookup=1.0, drafter=0.5)
     proposed = _count_proposals(eng)
+    before = dict(eng.priors._counts)
     prompts = [p + p for p in bundled[3][:3]]  # the second copy's tail matches the first: lookup has drafts
     got, records = _run(eng, [(f"s{i}", p, SamplingParams(max_tokens=40), SpecSettings(method="auto", gamma=4))
                               for i, p in enumerate(prompts)])
@@ -81,13 +86,16 @@ def test_an_auto_request_on_eagle_runs_lookup_where_it_matches_and_the_drafter_e
     assert all(r.method == "eagle" for r in records.values())  # admission's drafter: the request's record
     assert steps["ngram"] > 0 and steps["eagle"] > 0, steps
     assert proposed.get("ngram", 0) > 0 and proposed.get("eagle", 0) > 0, proposed  # each ran as chosen
+    tiers = {k[1] for k, v in eng.priors._counts.items() if before.get(k) != v and k[1].startswith("ngram")}
+    assert tiers and tiers <= {"ngram:16+", "ngram:8-15", "ngram:3-7", "ngram:2", "ngram:1", "ngram:store"}, tiers
     assert sum(r.accepted for r in records.values()) > 0
 
 
 def _sampled_engine(dec) -> Engine:
     eng = full_speculation(Engine(dec, max_batch=4, kv_cache_mb=8, eos_token_id=None))
     for _ in range(60):
-        eng.priors.observe_alpha((None, "ngram", True), 4, 4)
+        for tier in ("ngram:16+", "ngram:8-15", "ngram:3-7", "ngram:2", "ngram:1", "ngram"):
+            eng.priors.observe_alpha((None, tier, True), 4, 4)
         eng.priors.observe_alpha((None, "eagle", True), 2, 4)
     ch = eng._chooser(None, True)
     ch.samples, ch.scores = {"ngram": 9, "eagle": 9}, {"ngram": 0.0, "eagle": 9.0}
