@@ -24,7 +24,8 @@ class SpecSettings:
 
     method: str = "ar"
     """"ar" | "draft" | "ngram" | "medusa" | "eagle" | "auto" (the engine picks one of the loaded
-    speculative methods at admission from live results: `specops.engine.auto_method`)."""
+    speculative methods at admission from live results, and weighs prompt lookup against a chain
+    drafter before every step: `specops.engine.auto_method`)."""
     gamma: int = 4
     """Upper bound on drafted tokens per step (draft, ngram, eagle; an EAGLE-2 tree's levels);
     0 = plain decoding."""
