@@ -265,7 +265,9 @@ def main() -> None:
         max_batch = args.max_batch or max(c, 1)
         shared = Engine(dec, max_batch=max_batch, kv_cache_mb=budget) if mix is None else None
         if shared is None and budget is None and len(methods) > 1:
-            budget = shared_auto_budget(Engine(dec, max_batch=max_batch, kv_cache_mb=None).kv_budget, len(methods))
+            probe = Engine(dec, max_batch=max_batch, kv_cache_mb=None, calibrate=False)  # the budget it chose
+            budget = shared_auto_budget(probe.kv_budget, len(methods))
+            del probe
         engines = {m: shared if shared is not None else Engine(dec, max_batch=max_batch, kv_cache_mb=budget)
                    for m in methods}
         for e in {id(e): e for e in engines.values()}.values():

@@ -200,6 +200,7 @@ class Engine:
         if auto:  # lossless: typical acceptance is a Medusa request's own choice
             spec = replace(spec, method=self._chooser(spec.auto_key, params.temperature > 0).choose(
                 self.speculative_methods), typical=False)
+        chain_auto = auto and spec.method in ("draft", "eagle")  # weighs lookup each step (unless an EAGLE-2 tree)
         fallback = None
         if spec.method == "draft" and self.draft is None and getattr(self.decoder, "draft_error", None):
             # Decoder(fallback=True) dropped an unusable draft: plain decoding, as Decoder.generate does
@@ -232,7 +233,7 @@ class Engine:
         seq.prior_key = (spec.auto_key, spec.method, params.temperature > 0)
         seq.alpha = self.priors.alpha(seq.prior_key, spec.method)
         seq.accept_scale = self.priors.scale(seq.prior_key)
-        if spec.method == "ngram" or (auto and spec.method in ("draft", "eagle")):
+        if spec.method == "ngram" or chain_auto:
             seq.ngram = NgramIndex(store=self.ngram_store if params.temperature == 0 else None)  # greedy only:
             # see `specops.decoder.api._corpus`
             seq.ngram.extend(ids)
@@ -242,10 +243,12 @@ class Engine:
             seq.eagle = self.eagle.start(seq)
             if seq.eagle.shape is not None:
                 seq.accept_scale = self.priors.tree_scale(self.trees.tree_key(seq))
-        if seq.ngram is not None and spec.method != "ngram" and (seq.eagle is None or seq.eagle.shape is None):
+        if chain_auto and (seq.eagle is None or seq.eagle.shape is None):
             # auto on a chain drafter: lookup is weighed too, each step (`StepChoice`), per tier of its match
-            def lookup(tier: str, kind: tuple = (spec.auto_key, params.temperature > 0)) -> Profile:
-                key = (kind[0], tier, kind[1])
+            auto_key, sampled = spec.auto_key, params.temperature > 0
+
+            def lookup(tier: str) -> Profile:
+                key = (auto_key, tier, sampled)
                 return Profile(self.priors.alpha(key, "ngram"), 0.0, 0.0, self.priors.scale(key), key)
 
             seq.auto_step = StepChoice(seq, spec.method, lookup, STEP_RULE)

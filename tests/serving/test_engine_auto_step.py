@@ -125,3 +125,20 @@ def test_auto_on_the_draft_model_switches_and_equals_plain_decoding(qwen2):  # n
     assert all(r.method == "draft" for r in records.values())
     steps = {o: sum(r.auto_steps.get(o, 0) for r in records.values()) for o in ("ngram", "draft")}
     assert steps["ngram"] > 0 and steps["draft"] > 0, steps
+
+
+def test_only_auto_requests_on_a_chain_drafter_weigh_lookup_each_step(qwen2):  # noqa: F811
+    eng = Engine(qwen2, max_batch=4, kv_cache_mb=4, eos_token_id=None, calibrate=False)
+    prompt = [5, 6, 7, 8] * 4
+    for i, method in enumerate(("ar", "ngram", "draft", "medusa")):  # a greedy Medusa request keeps an index too
+        for temperature in (0.0, 0.8):
+            eng.add(f"{method}{i}{temperature}", prompt, SamplingParams(max_tokens=4, temperature=temperature),
+                    SpecSettings(method=method))
+    assert all(seq.auto_step is None for seq in eng.seqs.values())
+    ch = eng._chooser(None, False)
+    for method in ("medusa", "draft"):  # auto admitted to Medusa keeps its heads; to the draft model it weighs
+        ch.samples = {"ngram": 9, "draft": 9, "medusa": 9}
+        ch.scores = {"ngram": 0.0, "draft": 9.0 if method == "draft" else 0.0, "medusa": 9.0 if method == "medusa" else 0.0}
+        eng.add(f"auto-{method}", prompt, SamplingParams(max_tokens=4), SpecSettings(method="auto"))
+        seq = eng.seqs[f"auto-{method}"]
+        assert seq.spec.method == method and (seq.auto_step is not None) == (method == "draft")
