@@ -4,7 +4,7 @@ The engine plans each sequence's speculation, groups the sequences by method and
 method's proposer for the whole group at once (`NgramGroup`, `DraftGroup`, `EagleGroup`,
 `MedusaGroup`); each answers a `Proposed` per sequence: the block or tree to verify and what
 it cost. The drafting rules themselves are the library's (`NgramIndex.step_drafts`,
-`eagle.draft_chain`, `eagle_tree.draft_tree`, `medusa_decode.propose_trees`), so a method
+`draft.draft_rounds`, `eagle.draft_chain`, `eagle_tree.draft_tree`, `medusa_decode.propose_trees`), so a method
 proposes the same tokens in `Decoder.generate` and in the engine. N-gram proposals need no model (each sequence's
 `specops.spec.ngram.NgramIndex`, asked when the plan weighs them). The model-based ones:
 
@@ -12,8 +12,9 @@ proposes the same tokens in `Decoder.generate` and in the engine. N-gram proposa
   max(γ_i) batched rounds. Round 0 feeds each sequence what the draft cache lacks (its
   pending token, ``[d_G, bonus]`` after a fully accepted block, or the whole sequence
   after admission or preemption); later rounds feed one token each, and a sequence
-  leaves the batch once it has its γ_i tokens (ragged speculation). Its distributions
-  q are filtered exactly like the target's (`specops.spec.sampling`). When every
+  leaves the batch once it has its γ_i tokens (ragged speculation), by the rounds'
+  rule `specops.spec.draft.draft_rounds` (the library's draft model drafts by it too). Its
+  distributions q are filtered exactly like the target's (`specops.spec.sampling`). When every
   drafting sequence is greedy or samples from softmax(logits / T) alone (no top-k / top-p)
   and the draft model runs the paged C stack (fp32 CPU), all rounds run in one C call
   (`PagedBackend.draft_chain`; greedy: the same tokens and cache as the loop; sampled: draws
@@ -30,7 +31,6 @@ proposes the same tokens in `Decoder.generate` and in the engine. N-gram proposa
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specops.spec.sampling import probabilities, sample
+from specops.spec.draft import chain_draws, chain_uniforms, draft_rounds
 from specops.spec.medusa_branch import merge_branch
 from specops.spec.medusa_decode import propose_trees
 from specops.spec.tree import TreeBuffers, TreeSpec, make_spec, preset, ranked_nodes
@@ -60,7 +60,8 @@ PRIOR_DEPTH_ACCEPT = 0.6  # per-depth acceptance guess for heads without a measu
 def draft_blocks(backend, seqs: list[Sequence], gammas: list[int],
                  observe: Callable[[int, int, float], None] | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> list[tuple[list[int], Tensor | None]]:
-    """Per sequence: γ_i drafted tokens and their q rows [γ_i, V] (None when greedy).
+    """Per sequence: γ_i drafted tokens and their q rows [γ_i, V] (None when greedy), by the
+    library's drafting rule (`specops.spec.draft.draft_rounds`) over the batched draft forward.
 
     ``observe(B, T, seconds)`` is called after each drafting round, timed by ``clock`` (the
     planner's cost) over the batched draft forward AND the round's own host work: the argmax,
@@ -68,76 +69,53 @@ def draft_blocks(backend, seqs: list[Sequence], gammas: list[int],
     with the tokens drafted, like the forwards; timed as a per-sequence overhead instead it was
     missed by the plan (at batch 4 a draft round's host work was as long as its forward, and
     the planner chose drafts whose real step cost ~25% more than it predicted)."""
-    drafted: list[list[int]] = [[] for _ in seqs]
-    qs: list[list[Tensor]] = [[] for _ in seqs]
-    items: list[FeedItem] = []
-    active: list[int] = []
-    for i, seq in enumerate(seqs):
-        if gammas[i] > 0:
-            unseen = seq.tokens[seq.draft.computed :]
-            items.append(FeedItem(kv=seq.draft, tokens=unseen, rows=[len(unseen) - 1]))
-            active.append(i)
+    items = {i: FeedItem(kv=seq.draft, tokens=seq.tokens[seq.draft.computed :],
+                         rows=[len(seq.tokens) - seq.draft.computed - 1])
+             for i, seq in enumerate(seqs) if gammas[i] > 0}
     chain = getattr(backend, "draft_chain", None)
     clock_id = CLOCK_IDS.get(clock)
-    if chain is not None and items and clock_id is not None and all(_chain_sampling(seqs[i]) for i in active):
+    if chain is not None and items and clock_id is not None and all(
+            chain_draws(seqs[i].sampling, seqs[i].generator) for i in items):
+        active = list(items)
         want = [gammas[i] for i in active]
         inv_temps, uniforms = None, None
         if not all(seqs[i].sampling.greedy for i in active):
             # one float64 uniform per drafted token from the request's own generator, as the
             # single-request chain (`specops.spec.draft`) takes them; q = softmax(logits / T). Where
-            # the chain then declines (a catch-up above its token limit), the loop below draws afresh:
+            # the chain then declines (a catch-up above its token limit), the rounds below draw afresh:
             # the unused uniforms are independent of everything, so the output distribution is the same
             # and a seeded request still repeats itself
             inv_temps = [0.0 if seqs[i].sampling.greedy else 1.0 / seqs[i].sampling.temperature for i in active]
             uniforms = np.zeros((len(active), max(want)), dtype=np.float64)
             for j, i in enumerate(active):
                 if not seqs[i].sampling.greedy:
-                    uniforms[j, : want[j]] = torch.rand(want[j], generator=seqs[i].generator,
-                                                        dtype=torch.float64).numpy()
-        done = chain(items, want, clock_id, inv_temps=inv_temps, uniforms=uniforms)  # every round in one C call
+                    uniforms[j, : want[j]] = chain_uniforms(want[j], seqs[i].generator).numpy()
+        done = chain(list(items.values()), want, clock_id, inv_temps=inv_temps, uniforms=uniforms)  # every round in one C call
         if done is not None:
             tokens, rounds, q = done
-            if observe is not None:  # each round as the loop below reports it: (sequences, tokens fed, seconds)
+            if observe is not None:  # each round as the rounds below report it: (sequences, tokens fed, seconds)
+                fed0 = sum(len(it.tokens) for it in items.values())
                 for r, seconds in enumerate(rounds):
                     b = sum(1 for g in want if g > r)
-                    observe(b, sum(len(it.tokens) for it in items) if r == 0 else b, seconds)
-            out: list[tuple[list[int], Tensor | None]] = [(d, None) for d in drafted]
+                    observe(b, fed0 if r == 0 else b, seconds)
+            out: list[tuple[list[int], Tensor | None]] = [([], None) for _ in seqs]
             for j, (i, toks) in enumerate(zip(active, tokens)):
                 out[i] = (toks, None if seqs[i].sampling.greedy else q[j, : want[j]])
             return out
-    while items:
-        t0 = clock()
-        outs = backend.forward(items)
-        next_items, next_active = [], []
-        argmax = torch.cat([out.logits for out in outs]).argmax(-1).tolist()  # one call for the round
-        for j, (it, i, out) in enumerate(zip(items, active, outs)):
-            seq = seqs[i]
-            logits = out.logits  # [1, V]
-            if seq.sampling.greedy:
-                tok = argmax[j]
-            else:
-                q = probabilities(logits, seq.sampling)  # [1, V]
-                tok = int(sample(q, seq.generator)[0])
-                qs[i].append(q[0])
-            drafted[i].append(tok)
-            if len(drafted[i]) < gammas[i]:
-                next_items.append(FeedItem(kv=seq.draft, tokens=[tok], rows=[0]))
-                next_active.append(i)
+    timing = {"t0": 0.0, "b": 0, "fed": 0}
+
+    def forward(active: list[int], fed: list[int] | None) -> list[Tensor]:
+        timing["t0"] = clock()  # a round: its items, the forward, then its draws (`after_round`)
+        feed = ([items[i] for i in active] if fed is None else
+                [FeedItem(kv=seqs[i].draft, tokens=[tok], rows=[0]) for i, tok in zip(active, fed)])
+        timing.update(b=len(feed), fed=sum(len(it.tokens) for it in feed))
+        return [out.logits for out in backend.forward(feed)]  # [1, V] each
+
+    def after_round() -> None:
         if observe is not None:
-            observe(len(items), sum(len(it.tokens) for it in items), clock() - t0)
-        items, active = next_items, next_active
-    return [(d, torch.stack(q) if q else None) for d, q in zip(drafted, qs)]
+            observe(timing["b"], timing["fed"], clock() - timing["t0"])
 
-
-def _chain_sampling(seq: Sequence) -> bool:
-    """Whether the C drafting chain draws this sequence's tokens as the loop would: greedy, or
-    softmax(logits / T) alone (no top-k / top-p filter) with 1 / T a finite float32 and its
-    generator on the CPU."""
-    sampling = seq.sampling
-    if sampling.greedy:
-        return True
-    return (sampling.unfiltered and seq.generator.device.type == "cpu"
-            and math.isfinite(float(np.float32(1.0 / sampling.temperature))))
+    return draft_rounds(forward, gammas, [s.sampling for s in seqs], [s.generator for s in seqs], after_round)
 
 
 class MedusaProposer:

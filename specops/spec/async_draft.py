@@ -90,14 +90,13 @@ def _draft_after(
     count: int,
     sampling: SamplingConfig,
     generator: torch.Generator,
-    sample_device: torch.device,
 ) -> tuple[list[int], torch.Tensor | None]:  # drafted tokens, q: [1, count, V] (sampling only)
     """``count`` draft tokens after ``sequence``; the draft cache is first cut to a prefix of it.
 
     The caller guarantees the draft cache holds a prefix of ``sequence`` up to its
     length or beyond (entries past ``len(sequence) - 1`` are dropped)."""
     draft.truncate(min(draft.cache_len, len(sequence) - 1))
-    return _draft_block(draft, sequence, count, sampling, generator, sample_device)
+    return _draft_block(draft, sequence, count, sampling, generator)
 
 
 def generate_draft_async(
@@ -157,13 +156,12 @@ def generate_draft_async(
                 q = None if q is None else q[:, :gamma]
             else:  # restart from the corrected token
                 t0 = time.perf_counter()
-                block, q = _draft_after(draft, v.tokens, gamma, sampling, draft_gen, target.device)
+                block, q = _draft_after(draft, v.tokens, gamma, sampling, draft_gen)
                 block_s += time.perf_counter() - t0
                 stats.draft_forwards += gamma
             # draft the next block optimistically (block fully accepted) while the target verifies
             ahead_len = gamma + 1
-            future = worker.submit(_draft_after, draft, v.tokens + block, ahead_len, sampling, draft_gen,
-                                   target.device)
+            future = worker.submit(_draft_after, draft, v.tokens + block, ahead_len, sampling, draft_gen)
             verify_before = stats.verify_s
             result = v.verify(block, q)
             t0 = time.perf_counter()

@@ -447,7 +447,7 @@ def generate_auto(
     # reads every verified step, whichever proposed it
     ngram = NgramProposer(index)
     # the draft reads the prompt at its first step, so a request that never drafts never pays its prefill
-    drafter = None if draft is None else DraftModelProposer(draft, sampling, generator, v.device, prefill=False,
+    drafter = None if draft is None else DraftModelProposer(draft, sampling, generator, prefill=False,
                                                             on_catch_up=catchup.observe)
     proposers: dict[str, Proposer] = {"ngram": ngram} if drafter is None else {"ngram": ngram, "draft": drafter}
     heads_p = None

@@ -17,8 +17,10 @@ target distribution.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from specops.spec.clock import device_clock
@@ -30,7 +32,6 @@ from specops.spec.schedule import ConstantSchedule, GammaSchedule
 from specops.spec.speculation import StepResult, TargetVerifier, draft_room
 from specops.spec.stats import DecodeStats
 from specops.spec.step import run_steps
-from specops.kernels import cpu_linear
 
 
 def check_vocab(target: ModelRunner, draft: ModelRunner) -> None:
@@ -42,42 +43,89 @@ def check_vocab(target: ModelRunner, draft: ModelRunner) -> None:
         )
 
 
+def chain_draws(sampling: SamplingConfig, generator: torch.Generator) -> bool:
+    """Whether a C drafting chain draws a request's tokens as `draft_rounds` would: greedy, or
+    softmax(logits / T) alone (no top-k / top-p filter) with 1 / T a finite float32 and the
+    generator on the CPU (the chain takes one of its uniforms per token, `chain_uniforms`)."""
+    if sampling.greedy:
+        return True
+    return (sampling.unfiltered and generator.device.type == "cpu"
+            and math.isfinite(float(np.float32(1.0 / sampling.temperature))))
+
+
+def chain_uniforms(count: int, generator: torch.Generator) -> torch.Tensor:
+    """[count] float64 on the CPU: the uniforms a C drafting chain draws ``count`` sampled tokens
+    with, one per token from the request's own generator, as `sampling.draw` takes them."""
+    return torch.rand(count, generator=generator, dtype=torch.float64, device=generator.device).cpu()
+
+
+def draft_rounds(forward: Callable[[list[int], list[int] | None], list[torch.Tensor]], gammas: list[int],
+                 samplings: list[SamplingConfig], generators: list[torch.Generator],
+                 after_round: Callable[[], None] | None = None,
+                 ) -> list[tuple[list[int], torch.Tensor | None]]:
+    """Draft ``gammas[i]`` tokens for every request i, autoregressively, in max(γ_i) rounds: the
+    drafting rule of `DraftModelProposer` (a batch of one) and of the engine's batched draft model
+    (`specops.engine.proposers.draft_blocks`). Per request: its tokens and their q rows [γ_i, V]
+    (None when greedy).
+
+    ``forward(active, fed)`` runs the draft model for the requests ``active`` (indices, in order)
+    and returns each one's next-token logits row [1, V]; ``fed`` is None in the first round (each
+    request feeds what its draft cache lacks) and then each active request's last drafted token.
+    A request leaves the batch once it has its γ_i tokens (ragged speculation). Greedy requests
+    take the argmax (one call over the round's rows); sampled ones draw from q, filtered exactly
+    like the target's distribution (`specops.spec.sampling`), with their own generator.
+    ``after_round()``: called at the end of every round (the engine times a round's forward and
+    host work together)."""
+    drafted: list[list[int]] = [[] for _ in gammas]
+    qs: list[list[torch.Tensor]] = [[] for _ in gammas]
+    active = [i for i, g in enumerate(gammas) if g > 0]
+    fed: list[int] | None = None
+    while active:
+        rows = forward(active, fed)
+        argmax = None
+        if any(samplings[i].greedy for i in active):
+            argmax = (rows[0] if len(rows) == 1 else torch.cat(rows)).argmax(-1).tolist()  # one call for the round
+        for j, (i, logits) in enumerate(zip(active, rows)):
+            if samplings[i].greedy:
+                tok = argmax[j]
+            else:
+                q = probabilities(logits.to(generators[i].device), samplings[i])  # [1, V]
+                tok = int(sample(q, generators[i])[0])
+                qs[i].append(q[0])
+            drafted[i].append(tok)
+        active = [i for i in active if len(drafted[i]) < gammas[i]]
+        fed = [drafted[i][-1] for i in active]
+        if after_round is not None:
+            after_round()
+    return [(d, torch.stack(q) if q else None) for d, q in zip(drafted, qs)]
+
+
 def _draft_block(
     draft: ModelRunner,
     tokens: list[int],
     gamma: int,
     sampling: SamplingConfig,
     generator: torch.Generator,
-    sample_device: torch.device,
 ) -> tuple[list[int], torch.Tensor | None]:  # drafted tokens, q: [1, G, V] (sampling only)
     """Propose ``gamma`` tokens after ``tokens``, feeding the draft only what its cache lacks."""
     unseen = tokens[draft.cache_len :]  # 1 or 2 tokens (the whole prompt at `auto`'s first draft step)
     chain = getattr(draft, "draft_chain", None)  # the whole block in one C call (fast runner, fp32 CPU)
-    if chain is not None and sampling.greedy:
-        done = chain(unseen, gamma)
-        if done is not None:
-            return done[0], None
-    elif chain is not None and sampling.unfiltered and sample_device.type == "cpu":
-        # one uniform per token, as `sampling.draw` takes; q = softmax(logits / T) drawn in C
-        uniforms = torch.rand(gamma, generator=generator, dtype=torch.float64, device=generator.device).cpu()
-        done = chain(unseen, gamma, uniforms=uniforms, temperature=sampling.temperature)
-        if done is not None:
-            return done[0], done[1][None]  # q: [1, G, V]
-    ids = torch.tensor([unseen], dtype=torch.long, device=draft.device)  # [1, U]
-    drafted: list[int] = []
-    q_rows: list[torch.Tensor] = []
-    for _ in range(gamma):
-        logits = draft.forward(ids).logits[:, -1]  # [1, V]
+    if chain is not None and chain_draws(sampling, generator):
         if sampling.greedy:
-            tok = cpu_linear.argmax(logits)  # [1]
+            done = chain(unseen, gamma)
+            if done is not None:
+                return done[0], None
         else:
-            q = probabilities(logits.to(sample_device), sampling)  # [1, V]
-            tok = sample(q, generator)  # [1]
-            q_rows.append(q)
-        drafted.append(int(tok[0]))
-        ids = tok[:, None].to(draft.device)  # [1, 1]
-    q_block = torch.stack(q_rows, dim=1) if q_rows else None  # [1, G, V]
-    return drafted, q_block
+            done = chain(unseen, gamma, uniforms=chain_uniforms(gamma, generator), temperature=sampling.temperature)
+            if done is not None:
+                return done[0], done[1][None]  # q: [1, G, V]
+
+    def forward(active: list[int], fed: list[int] | None) -> list[torch.Tensor]:
+        ids = unseen if fed is None else fed
+        return [draft.forward(torch.tensor([ids], dtype=torch.long, device=draft.device)).logits[:, -1]]  # [1, V]
+
+    (drafted, q), = draft_rounds(forward, [gamma], [sampling], [generator])
+    return drafted, None if q is None else q[None]  # q: [1, G, V]
 
 
 CATCHUP_FREE = 2
@@ -92,8 +140,8 @@ class DraftModelProposer:
 
     method = "draft"
 
-    def __init__(self, draft: ModelRunner, sampling: SamplingConfig, generator: torch.Generator,
-                 sample_device: torch.device, *, prefill: bool = True,
+    def __init__(self, draft: ModelRunner, sampling: SamplingConfig, generator: torch.Generator, *,
+                 prefill: bool = True,
                  on_catch_up: Callable[[int, float], None] | None = None) -> None:
         """``prefill``: read the prompt at `start` (False: at the first step, so a request that never
         drafts never pays for it, as `auto`'s requests). ``on_catch_up(tokens, seconds)``: called
@@ -102,7 +150,6 @@ class DraftModelProposer:
         self.draft = draft
         self.sampling = sampling
         self.generator = generator
-        self.sample_device = sample_device
         self.device = draft.device
         self.prefill = prefill
         self.on_catch_up = on_catch_up
@@ -137,7 +184,7 @@ class DraftModelProposer:
                 self.on_catch_up(unseen - 1, self.caught_up)
         gamma = min(gamma, limit)
         v.stats.draft_forwards += gamma
-        return _draft_block(draft, v.tokens, gamma, self.sampling, self.generator, self.sample_device)
+        return _draft_block(draft, v.tokens, gamma, self.sampling, self.generator)
 
     def sync(self, v: TargetVerifier, result: StepResult) -> float:
         if not v.done:
@@ -172,7 +219,7 @@ def generate_draft(
     stats.start()
     v = TargetVerifier(target, prompt_list(prompt_ids), sampling=sampling, generator=generator,
                        max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, stats=stats, deadline_s=deadline_s)
-    run_steps(v, DraftModelProposer(draft, sampling, generator, target.device),
+    run_steps(v, DraftModelProposer(draft, sampling, generator),
               schedule if schedule is not None else ConstantSchedule(4))
     stats.finish(v.stop_reason())
     return v.output, stats

@@ -508,7 +508,7 @@ def test_the_c_drafting_chain_equals_the_per_round_loop(qwen2):
             kv = SeqKV(blocks=list(range(i * 10, i * 10 + 6)))  # 24 slots each
             if c:
                 backend.forward([FeedItem(kv=kv, tokens=prompt[:c], rows=[c - 1])])
-            seqs.append(SimpleNamespace(tokens=prompt, draft=kv, sampling=SimpleNamespace(greedy=True)))
+            seqs.append(SimpleNamespace(tokens=prompt, draft=kv, sampling=SimpleNamespace(greedy=True), generator=None))
         reports: list[tuple[int, int]] = []
         blocks = draft_blocks(backend, seqs, gammas, observe=lambda b, t, s: reports.append((b, t)))
         assert all(q is None for _, q in blocks)  # greedy: no q rows

@@ -358,9 +358,9 @@ def test_a_draft_rounds_measured_cost_includes_its_host_work(qwen2, monkeypatch)
     as a per-sequence overhead the plan missed it."""
     import time
 
-    from specops.engine import proposers
+    from specops.spec import draft  # the drafting rounds' rule, which the engine's draft model drafts by
 
-    draw = proposers.sample
+    draw = draft.sample
 
     def slow_sample(q, generator):  # 4 ms of CPU per draw (the planner's clock counts CPU time)
         end = time.process_time() + 4e-3
@@ -368,7 +368,7 @@ def test_a_draft_rounds_measured_cost_includes_its_host_work(qwen2, monkeypatch)
             pass
         return draw(q, generator)
 
-    monkeypatch.setattr(proposers, "sample", slow_sample)
+    monkeypatch.setattr(draft, "sample", slow_sample)
     eng = Engine(qwen2, max_batch=2, kv_cache_mb=1, calibrate=False)
     # speculation always pays, and a round that feeds the 36-token prompt costs more than the 1 us
     # this line charges any round of up to FULL_CATCH_UP tokens (the tiny model's real forward
