@@ -12,7 +12,8 @@ Per step (`Scheduler.schedule`):
    their tokens plus one spare block per running sequence (so the next decode steps do
    not immediately preempt what was just admitted). A request whose prompt shares full
    blocks with one admitted in the same step, not yet in the prefix cache, waits a step
-   and then reuses them rather than computing them twice (`_shares_uncached`). An EAGLE sequence
+   and then reuses them rather than computing them twice (`_shares_uncached`; an EAGLE
+   sequence waits so only for another EAGLE sequence's blocks). An EAGLE sequence
    that still drafts reuses only cached blocks whose target hidden states are kept beside them
    (`Sequence.needs_all_hidden`: its drafter reads the hidden state of every token; ``features``,
    the engine's `EagleProposer.has_features`); past the first block without them it computes
@@ -124,9 +125,12 @@ class Scheduler:
         reuses them. The queue then waits a step (FIFO is kept): ``seq``'s first token comes a
         step later, from a shorter prefill. In-process, 128 of `bench serve`'s prompts from a
         cold cache at 16 streams recomputed 53 of 708 cacheable prompt blocks without this, none
-        with it. Never twice for one cause: the other request is running by the next step."""
-        if not self.pool.prefix_caching or not admitted or seq.needs_all_hidden:
+        with it. Never twice for one cause: the other request is running by the next step. An
+        EAGLE sequence that drafts waits only for another such sequence: the blocks it may reuse
+        are those published with their hidden rows, which only such a sequence keeps."""
+        if not self.pool.prefix_caching or not admitted:
             return False
+        hidden = seq.needs_all_hidden
         bs = self.pool.block_size
         reusable = (len(seq.tokens) - 1) // bs * bs  # never the block holding the last token
         have = seq.target.computed
@@ -134,6 +138,8 @@ class Scheduler:
             return False
         head = seq.tokens[have : have + bs]  # the first block it would compute
         for other in admitted:
+            if hidden and not other.needs_all_hidden:
+                continue
             if other.target.computed <= have and other.tokens[have : have + bs] == head \
                     and len(other.tokens) >= have + bs and other.tokens[:have] == seq.tokens[:have]:
                 return True

@@ -132,12 +132,11 @@ class EagleCursor:
         self.fed = 0
         self.last: Tensor | None = None
         self.waiting: list[tuple[list[int], Tensor]] = []
+        self.unfed = 0
+        """Real entries kept and not fed yet (the tokens of ``waiting``; counted as they come: a
+        sequence the planner keeps from drafting adds a chunk every step, and the engine reads
+        this count every step)."""
         self.in_step = True
-
-    @property
-    def unfed(self) -> int:
-        """Real entries kept and not fed yet."""
-        return sum(len(tokens) for tokens, _ in self.waiting)
 
     @property
     def known(self) -> int:
@@ -153,6 +152,7 @@ class EagleCursor:
         """Append real entries: entry ``i`` reads ``tokens[i]`` (the token after the position whose
         target hidden state is ``features[i]``); features [len(tokens), E] (or [., k*E], EAGLE-3)."""
         self.waiting.append((tokens, features))
+        self.unfed += len(tokens)
 
     def catch_up(self) -> bool:
         """Feed every waiting entry in one drafter step (its last output is the new ``last``);
@@ -170,7 +170,7 @@ class EagleCursor:
             self.last = drafter.step(torch.tensor(tokens, dtype=torch.long, device=device), features.to(device),
                                      self.cache)[-1]
             self.fed += len(tokens)
-            self.waiting = []
+            self.waiting, self.unfed = [], 0
         return self.last is not None
 
     def chain(self, gamma: int, sampling: SamplingConfig, generator: torch.Generator, vocab: int,
@@ -202,7 +202,7 @@ class EagleCursor:
 
     def clear(self) -> None:
         """Drop the cache, the prediction and every real entry (the sequence is fed again from its start)."""
-        self.cache, self.fed, self.last, self.waiting = None, 0, None, []
+        self.cache, self.fed, self.last, self.waiting, self.unfed = None, 0, None, [], 0
 
     def stop(self) -> None:
         """Out of step for good: `clear`, and `catch_up` never drafts again."""

@@ -427,3 +427,22 @@ def test_an_eagle_request_computes_the_blocks_other_methods_cached(bundled, dec)
     reused, rec, got, want, _ = _prefix_cached(dec, "ar", prompt)
     assert reused == 0
     assert got == want and rec.drafted > 0 and rec.fallback_reason is None
+
+
+def test_eagle_requests_admitted_together_wait_for_one_anothers_blocks_not_for_blocks_without_rows(bundled, dec):
+    """Cold cache, requests with one prompt admitted at once: an eagle request behind another
+    eagle request waits a step and reuses its blocks, published with their hidden rows; behind an
+    ar request (blocks without rows, which it could never reuse) it does not wait. Every output
+    is plain greedy decoding's."""
+    prompt = bundled[2][3][:45]
+    want = dec.generate(prompt, method="ar", max_new_tokens=16).tokens
+    for first, waits in (("eagle", True), ("ar", False)):
+        eng = full_speculation(Engine(dec, max_batch=2, kv_cache_mb=8, block_size=8, eos_token_id=None))
+        hits = eng.pool.cache_hits
+        got, records = _run(eng, [(rid, prompt, SamplingParams(max_tokens=16), SpecSettings(method=method))
+                                  for rid, method in (("a", first), ("b", "eagle"))])
+        assert got == {"a": want, "b": want}, first
+        assert eng.stats().prefix_deferrals == (1 if waits else 0), first
+        assert eng.pool.cache_hits - hits == ((len(prompt) - 1) // 8 if waits else 0), first
+        assert records["b"].drafted > 0 and records["b"].fallback_reason is None
+        check_blocks(eng)
