@@ -144,27 +144,34 @@ def render_messages(messages: list[tuple[str, str]], tokenizer: Any = None, temp
     return render_plain(messages, getattr(tokenizer, "eos_token", None))
 
 
-def chat_model_class(name: str, tokenizer: Any = None, template: str | None = None) -> list:
-    """One class of the chat-model suites as `BenchPrompt`s (see the module docstring)."""
+def chat_model_conversations(name: str) -> list[tuple[list[tuple[str, str]], str, float]]:
+    """One class of the chat-model suites as conversations: (messages up to and with the user's last
+    message, the prompt's kind, its temperature). ``chat`` gives every user turn of each shipped
+    conversation (kinds ``turn1`` / ``turn2`` / ``turn3+``), the other classes one user message each."""
     from specops.bench import chat_prompts
-    from specops.bench.suites import BenchPrompt
 
     if name == "chat":
-        prompts = []
+        out = []
         for texts in chat_prompts.CONVERSATIONS:
             conversation = [("user" if i % 2 == 0 else "assistant", text) for i, text in enumerate(texts)]
             for i, (role, _) in enumerate(conversation):
                 if role == "user":
-                    turn = 1 + i // 2
-                    prompts.append(BenchPrompt(render_messages(conversation[: i + 1], tokenizer, template),
-                                               turn_kind(turn)))
-        return prompts
+                    out.append((conversation[: i + 1], turn_kind(1 + i // 2), 0.0))
+        return out
     sets = {"code": (chat_prompts.CODE, 0.0), "qa": (chat_prompts.QA, 0.0),
             "creative": (chat_prompts.CREATIVE, CREATIVE_TEMPERATURE)}
     if name not in sets:
         raise ValueError(f"unknown chat-model class {name!r}; choose one of {', '.join(CHAT_MODEL_CLASSES)}")
     texts, temperature = sets[name]
-    return [BenchPrompt(render_messages([("user", t)], tokenizer, template), name, temperature) for t in texts]
+    return [([("user", t)], name, temperature) for t in texts]
+
+
+def chat_model_class(name: str, tokenizer: Any = None, template: str | None = None) -> list:
+    """One class of the chat-model suites as `BenchPrompt`s (see the module docstring)."""
+    from specops.bench.suites import BenchPrompt
+
+    return [BenchPrompt(render_messages(messages, tokenizer, template), kind, temperature)
+            for messages, kind, temperature in chat_model_conversations(name)]
 
 
 def chat_model_suite(name: str, tokenizer: Any = None, template: str | None = None) -> list:

@@ -611,43 +611,22 @@ def test_a_streamed_requests_canary_probe_and_fallback_flags_come_from_its_usage
     """`_one` reads the final chunk's ``specops`` object: a canary's or a fallback probe's request
     counts as observed (it speculates as set, whatever the planner measures), a request decoded
     plainly because its class is fallen back as fallen back."""
-    import asyncio
-
-    import aiohttp
-    from aiohttp import web
-
     from specops.bench import serve
+    from tests.serving.sse_stub import sse_route, with_stub
 
     finals = iter([{"canary": False, "probe": True, "fallback_reason": None, "drafted": 4, "accepted": 3},
                    {"canary": True, "probe": False, "fallback_reason": None},
                    {"canary": False, "probe": False, "fallback_reason": "policy_fallback"},
                    {"canary": False, "probe": False, "fallback_reason": "deadline"}])
 
-    async def completions(request):
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for text in ("a", "b"):
-            await resp.write(b"data: " + json.dumps({"choices": [{"text": text}]}).encode() + b"\n\n")
-        usage = {"choices": [], "usage": {"completion_tokens": 2}, "specops": next(finals)}
-        await resp.write(b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n")
-        return resp
+    def chunks(body):
+        return [{"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]},
+                {"choices": [], "usage": {"completion_tokens": 2}, "specops": next(finals)}]
 
-    async def main():
-        app = web.Application()
-        app.router.add_post("/v1/completions", completions)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        try:
-            async with aiohttp.ClientSession() as session:
-                return [await serve._one(session, f"http://127.0.0.1:{port}", "m", "p", 0.0, ServeBenchConfig(), {})
-                        for _ in range(4)]
-        finally:
-            await runner.cleanup()
+    async def client(session, url):
+        return [await serve._one(session, url, "m", "p", 0.0, ServeBenchConfig(), {}) for _ in range(4)]
 
-    results = asyncio.run(asyncio.wait_for(main(), 30))
+    results = with_stub("/v1/completions", sse_route(chunks), client)
     assert all(r.ok and r.output_tokens == 2 for r in results)
     assert [(r.observed, r.fallen_back) for r in results] == [(True, False), (True, False), (False, True),
                                                               (False, False)]

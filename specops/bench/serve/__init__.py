@@ -63,7 +63,9 @@ ITL = gaps between streamed chunks; goodput = requests/s meeting every SLO.
 
 ``--model NAME|PATH``: the started servers serve that target alone (no draft model or Medusa
 heads), on the server's policy rewritten to n-gram, and EAGLE where a cached drafter helps
-(`model`). The prompts stay the bundled suites as completion text, for a chat model too.
+(`model`). ``--suite chat`` sends the chat-model suites' conversations to
+``/v1/chat/completions`` instead of the mix's completion text, each labelled with its class
+(`prompts.ChatPrompt`); a lone target then runs examples/policies/chat-model.yaml unless given a policy.
 
 Its parts, one module each: `config` (the modes, options and the config), `prompts` (the mix and
 its fresh tags), `model` (``--model``: the lone target's policy), `load` (the load generator), `procs` (the started server and controller

@@ -9,8 +9,9 @@ from pathlib import Path
 import click
 
 from specops.bench.serve import orchestrate
-from specops.bench.serve.config import (BATCHED_CELL_REQUESTS, MIN_CELL_REQUESTS, MODES, REQUESTS_PER_SLOT, TWIN,
-                                        BenchServeError, ServeBenchConfig, parse_mix, parse_slo)
+from specops.bench.serve.config import (BATCHED_CELL_REQUESTS, CHAT_SUITE, MIN_CELL_REQUESTS, MIX_SUITE, MODES,
+                                        REQUESTS_PER_SLOT, SUITES, TWIN, BenchServeError, ServeBenchConfig, parse_mix,
+                                        parse_slo)
 from specops.bench.serve.plot import plot_report
 from specops.bench.serve.table import emit_report, format_table
 
@@ -22,8 +23,8 @@ from specops.bench.serve.table import emit_report, format_table
                    "on first use) or a model folder, served alone: the server's policy (its --server-arg "
                    "--policy, else examples/policies/default.yaml) is rewritten with the same classes on ngram, "
                    "and on eagle where n-gram does little when an EAGLE drafter is cached (`specops train eagle`; "
-                   "or --server-arg --eagle DIR). The mix's prompts stay the bundled code / prose suites sent to "
-                   "/v1/completions as text, for a chat model too (no chat template). Not with --base-url.")
+                   "or --server-arg --eagle DIR); with --suite chat the policy is examples/policies/chat-model.yaml "
+                   "unless given. Not with --base-url.")
 @click.option("--redis", "redis_url", envvar="SPECOPS_REDIS", default=None,
               help="The server's Redis (required with --base-url; default: an embedded one for the started server).")
 @click.option("--namespace", default="specops", show_default=True)
@@ -33,7 +34,12 @@ from specops.bench.serve.table import emit_report, format_table
                    f"concurrency 2 on >= min(32 x conc, {BATCHED_CELL_REQUESTS})).")
 @click.option("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default: all at once).")
 @click.option("--max-tokens", type=click.IntRange(min=2), default=64, show_default=True)
-@click.option("--mix", default="code:0.5,prose:0.3,hot:0.2", show_default=True)
+@click.option("--suite", type=click.Choice(SUITES), default=MIX_SUITE, show_default=True,
+              help="mix: the bundled code / prose suites as /v1/completions text, weighted by --mix (or a --prompts "
+                   "file); chat: the chat-model suites' conversations (multi-turn chat, code, factual Q&A, creative "
+                   "at temperature 0.8) as /v1/chat/completions messages, each labelled task=<its class> (the "
+                   "server renders them with its model's chat template).")
+@click.option("--mix", default=None, help="KIND:WEIGHT,... of code, prose, hot  [default: code:0.5,prose:0.3,hot:0.2]")
 @click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="JSONL with 'prompt' (and 'temperature') or one prompt per line; replaces --mix.")
 @click.option("--slo", default=None, help="Goodput SLO, e.g. ttft:500,tpot:50 (milliseconds).")
@@ -65,8 +71,8 @@ from specops.bench.serve.table import emit_report, format_table
                    "the server's prefix cache (default: fresh, each cell's prompts behind a tag line of its own; "
                    "the table and JSON say which).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def bench_serve_command(base_url, model, redis_url, namespace, modes, concurrency, num_prompts, request_rate, max_tokens, mix,
-                        prompts_file, slo, api_key_env, json_path, plot_path, seed, adaptive_warmup_s, server_args,
+def bench_serve_command(base_url, model, redis_url, namespace, modes, concurrency, num_prompts, request_rate, max_tokens,
+                        suite, mix, prompts_file, slo, api_key_env, json_path, plot_path, seed, adaptive_warmup_s, server_args,
                         repeats, twin, one_server, settle_s, warm_prefix, quiet) -> None:
     """Benchmark a specops server over HTTP: off / fixed / adaptive at several concurrencies."""
     try:
@@ -80,13 +86,15 @@ def bench_serve_command(base_url, model, redis_url, namespace, modes, concurrenc
         if not request_rate > 0:
             raise ValueError("--request-rate must be > 0")
         ttft, tpot = parse_slo(slo) if slo else (None, None)
-        mix_weights = parse_mix(mix)
+        if suite == CHAT_SUITE and (mix is not None or prompts_file):
+            raise ValueError("--suite chat sends the chat-model suites' conversations: it takes no --mix or --prompts")
+        mix_weights = parse_mix(mix if mix is not None else "code:0.5,prose:0.3,hot:0.2")
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
     api_key = os.environ.get(api_key_env, "").strip() if api_key_env else None
     cfg = ServeBenchConfig(base_url=base_url, redis_url=redis_url, namespace=namespace, modes=mode_list,
                            concurrency=conc, num_prompts=num_prompts, request_rate=request_rate, max_tokens=max_tokens,
-                           mix=mix_weights, prompts_file=prompts_file, slo_ttft_s=ttft, slo_tpot_s=tpot,
+                           mix=mix_weights, prompts_file=prompts_file, suite=suite, slo_ttft_s=ttft, slo_tpot_s=tpot,
                            api_key=api_key, seed=seed, server_args=list(server_args), progress=not quiet,
                            adaptive_warmup_s=adaptive_warmup_s, repeats=repeats, twin=twin, one_server=one_server,
                            settle_s=settle_s, warm_prefix=warm_prefix, model=model)

@@ -32,6 +32,13 @@ def cell_requests(concurrency: int) -> int:
 
 
 MIX_KINDS = ("code", "prose", "hot")
+MIX_SUITE = "mix"
+CHAT_SUITE = "chat"
+SUITES = (MIX_SUITE, CHAT_SUITE)
+"""``--suite``: ``mix``, the bundled code / prose suites as ``/v1/completions`` text in the ``--mix``
+weights (or a ``--prompts`` file); ``chat``, the chat-model suites' conversations (multi-turn chat,
+code, factual Q&A, creative at temperature 0.8) as ``/v1/chat/completions`` messages, each labelled
+with its class (`specops.bench.serve.prompts.ChatPrompt`)."""
 
 
 class BenchServeError(RuntimeError):
@@ -50,6 +57,7 @@ class ServeBenchConfig:
     max_tokens: int = 64
     mix: dict[str, float] = field(default_factory=lambda: {"code": 0.5, "prose": 0.3, "hot": 0.2})
     prompts_file: str | None = None
+    suite: str = MIX_SUITE                  # SUITES
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
     api_key: str | None = None

@@ -1,5 +1,6 @@
-"""The load generator of ``specops bench serve``: streamed ``/v1/completions`` requests, a measured cell
-of them, and the unmeasured traffic (warm-up, settle) between cells."""
+"""The load generator of ``specops bench serve``: streamed ``/v1/completions`` requests (or
+``/v1/chat/completions`` for a conversation), a measured cell of them, and the unmeasured traffic
+(warm-up, settle) between cells."""
 
 from __future__ import annotations
 
@@ -11,21 +12,36 @@ import time
 from typing import Any
 
 from specops.bench.serve.config import RequestResult, ServeBenchConfig
-from specops.bench.serve.prompts import PromptTags, build_prompts
+from specops.bench.serve.prompts import ChatPrompt, Prompt, PromptTags, build_prompts
 
 
 # aiohttp, as `vllm bench serve` uses: on a 2-core host the client shares the CPU with the
 # server, and httpx's streaming cost 143-160 us of client CPU per streamed token against
 # aiohttp's 50-69 (measured at 16 streams; c16 tok/s rose 8-29% with the same server).
-async def _one(session: Any, url: str, model: str, prompt: str, temperature: float, cfg: ServeBenchConfig,
+def _text(chunk: dict[str, Any], chat: bool) -> str:
+    """The text a streamed chunk carries (a chat chunk's delta content, a completion chunk's text)."""
+    choices = chunk.get("choices")
+    if not choices:
+        return ""
+    return (choices[0].get("delta") or {}).get("content") or "" if chat else choices[0].get("text") or ""
+
+
+async def _one(session: Any, url: str, model: str, prompt: Prompt, temperature: float, cfg: ServeBenchConfig,
                headers: dict[str, str]) -> RequestResult:
-    body = {"model": model, "prompt": prompt, "max_tokens": cfg.max_tokens, "temperature": temperature,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    body: dict[str, Any] = {"model": model, "max_tokens": cfg.max_tokens, "temperature": temperature,
+                            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    chat = isinstance(prompt, ChatPrompt)
+    if chat:
+        body["messages"] = [{"role": role, "content": text} for role, text in prompt.messages]
+        body["metadata"] = {"task": prompt.task}
+    else:
+        body["prompt"] = prompt
     start = time.perf_counter()
     res = RequestResult(ok=False)
     last = None
     try:
-        async with session.post(f"{url}/v1/completions", json=body, headers=headers) as r:
+        async with session.post(f"{url}/v1/{'chat/completions' if chat else 'completions'}", json=body,
+                                headers=headers) as r:
             if r.status != 200:
                 res.error = f"HTTP {r.status}: {(await r.read()).decode(errors='replace')[:200]}"
                 return res
@@ -40,7 +56,7 @@ async def _one(session: Any, url: str, model: str, prompt: str, temperature: flo
                     res.error = str(chunk["error"].get("message"))
                     return res
                 now = time.perf_counter()
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                if _text(chunk, chat):
                     if last is None:
                         res.ttft_s = now - start
                     else:
@@ -62,7 +78,7 @@ async def _one(session: Any, url: str, model: str, prompt: str, temperature: flo
     return res
 
 
-async def run_cell(url: str, model: str, prompts: list[tuple[str, float]], concurrency: int, cfg: ServeBenchConfig,
+async def run_cell(url: str, model: str, prompts: list[tuple[Prompt, float]], concurrency: int, cfg: ServeBenchConfig,
                    on_done=None) -> tuple[list[RequestResult], float]:
     import aiohttp
 
@@ -72,7 +88,7 @@ async def run_cell(url: str, model: str, prompts: list[tuple[str, float]], concu
     connector = aiohttp.TCPConnector(limit=concurrency + 4)
     timeout = aiohttp.ClientTimeout(total=600.0)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        async def guarded(prompt: str, temperature: float) -> RequestResult:
+        async def guarded(prompt: Prompt, temperature: float) -> RequestResult:
             async with sem:
                 out = await _one(session, url, model, prompt, temperature, cfg, headers)
             if on_done is not None:
@@ -90,7 +106,7 @@ async def run_cell(url: str, model: str, prompts: list[tuple[str, float]], concu
 
 
 def _traffic(url: str, model: str, cfg: ServeBenchConfig, seconds: float, concurrencies: list[int],
-             pool: list[tuple[str, float]], tags: PromptTags) -> None:
+             pool: list[tuple[Prompt, float]], tags: PromptTags) -> None:
     """Unmeasured traffic from ``pool`` (cycled), at each of ``concurrencies`` in turn, for ``seconds``;
     each batch as ``tags`` sends it (fresh: behind its own tag)."""
     deadline = time.monotonic() + seconds
@@ -114,7 +130,7 @@ def _adaptive_warmup(url: str, model: str, cfg: ServeBenchConfig, tags: PromptTa
     _traffic(url, model, cfg, cfg.adaptive_warmup_s, cfg.concurrency, pool, tags)
 
 
-def _settle(url: str, model: str, cfg: ServeBenchConfig, concurrency: int, prompts: list[tuple[str, float]],
+def _settle(url: str, model: str, cfg: ServeBenchConfig, concurrency: int, prompts: list[tuple[Prompt, float]],
            tags: PromptTags) -> None:
     """One server: ``settle_seconds`` of the cell's prompts at its concurrency under the mode just
     set, before the cell; for the adaptive mode with its controller still paused, so that its

@@ -89,9 +89,15 @@ class LoneTarget:
                 "base_policy": self.base_policy, "methods": dict(self.methods), "note": self.note}
 
 
-def prepare_lone_target(ref: str, user_args: list[str], workdir: Path, progress: bool = True) -> LoneTarget:
+CHAT_MODEL_POLICY = "chat-model.yaml"
+"""The policy ``--suite chat`` serves a lone target with unless given one (examples/policies/)."""
+
+
+def prepare_lone_target(ref: str, user_args: list[str], workdir: Path, progress: bool = True,
+                        chat: bool = False) -> LoneTarget:
     """Resolve ``--model`` (a registered name is pulled now when not cached, its progress on stderr),
-    find its drafter and write the policy into ``workdir``."""
+    find its drafter and write the policy into ``workdir``. ``chat`` (``--suite chat``): the policy
+    to rewrite is `CHAT_MODEL_POLICY` unless the user gives one."""
     from specops.models import ModelsError
     from specops.models.registry import REGISTRY
     from specops.models.resolve import resolve_model
@@ -105,7 +111,8 @@ def prepare_lone_target(ref: str, user_args: list[str], workdir: Path, progress:
         raise BenchServeError(f"--model {ref!r} is neither a folder nor a registered model "
                               f"({', '.join(sorted(REGISTRY))}; `specops models list`)")
     folder = folder.resolve()  # the servers run in scratch folders
-    base = _flag_value(user_args, "--policy")[0] or str(DEFAULT_POLICY)
+    default = DEFAULT_POLICY.with_name(CHAT_MODEL_POLICY) if chat else DEFAULT_POLICY
+    base = _flag_value(user_args, "--policy")[0] or str(default)
     try:
         text = Path(base).read_text()
     except OSError as exc:
@@ -120,6 +127,8 @@ def prepare_lone_target(ref: str, user_args: list[str], workdir: Path, progress:
     if EAGLE in methods.values():
         why = (f"EAGLE drafter {drafter}: eagle for the sampled classes and those {Path(base).name} gives Medusa "
                "heads, where n-gram has little to copy; ngram for greedy code and prose")
+        if "auto" in methods.values():
+            why = f"EAGLE drafter {drafter}: eagle for the classes on it, auto to pick between ngram and eagle"
     elif drafter is not None and "auto" in methods.values():
         why = f"EAGLE drafter {drafter} loaded for auto to pick between ngram and eagle"
     elif drafter is not None:

@@ -16,7 +16,7 @@ import click
 
 from specops.bench.serve import load, procs, scrape, settings
 from specops.bench.serve.model import LoneTarget, prepare_lone_target
-from specops.bench.serve.config import BenchServeError, ServeBenchConfig, cell_requests
+from specops.bench.serve.config import CHAT_SUITE, BenchServeError, ServeBenchConfig, cell_requests
 from specops.bench.serve.prompts import PromptTags, build_prompts, mix_classes
 from specops.bench.serve.stats import goal_ratios, goal_resolution, median_row, paired_ranges, paired_ratios, summarize
 
@@ -106,7 +106,8 @@ def run_bench_serve(cfg: ServeBenchConfig) -> dict[str, Any]:
     try:
         server_cfg = cfg
         if cfg.model is not None:  # resolved (pulled on first use) and its policy written before any server starts
-            lone = prepare_lone_target(cfg.model, cfg.server_args, workdir, progress=cfg.progress)
+            lone = prepare_lone_target(cfg.model, cfg.server_args, workdir, progress=cfg.progress,
+                                       chat=cfg.suite == CHAT_SUITE)
             click.echo(lone.note, err=True)
             server_cfg = replace(cfg, server_args=lone.server_args(cfg.server_args))
         redis_url = cfg.redis_url

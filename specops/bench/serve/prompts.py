@@ -1,14 +1,54 @@
-"""The prompts ``specops bench serve`` sends: drawn from the mix, tagged fresh per batch, and counted
-per class of the server's policy."""
+"""The prompts ``specops bench serve`` sends: drawn from the mix (completion text) or from the
+chat-model suites (`ChatPrompt`, conversations for ``/v1/chat/completions``), tagged fresh per
+batch, and counted per class of the server's policy."""
 
 from __future__ import annotations
 
 import functools
 import random
 import secrets
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Union
 
-from specops.bench.serve.config import MIX_KINDS, ServeBenchConfig
+from specops.bench.serve.config import CHAT_SUITE, MIX_KINDS, ServeBenchConfig
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A conversation of the chat-model suites, sent to ``/v1/chat/completions`` as its messages
+    (the server renders them with the model's chat template) with the label ``task`` = its class
+    (``chat``, ``code``, ``qa``, ``creative``: how a client that knows its traffic labels it)."""
+
+    messages: tuple[tuple[str, str], ...]
+    task: str
+
+    @property
+    def turn(self) -> int:
+        """The conversation's turn: 1 + the assistant messages in it (as the server counts it)."""
+        return 1 + sum(1 for role, _ in self.messages if role == "assistant")
+
+    @property
+    def user_text(self) -> str:
+        """The last user message: what the server's class rules read of a chat request."""
+        return next(text for role, text in reversed(self.messages) if role == "user")
+
+    def tagged(self, tag: str) -> ChatPrompt:
+        """The conversation with ``tag`` before its first message's text (`PromptTags`)."""
+        (role, text), *rest = self.messages
+        return ChatPrompt(((role, tag + text), *rest), self.task)
+
+
+Prompt = Union[str, ChatPrompt]
+"""What one request sends: completion text, or a conversation."""
+
+
+@functools.lru_cache(maxsize=1)
+def _chat_pool() -> list[tuple[ChatPrompt, float]]:
+    """Every prompt of the chat-model ``mixed`` suite as a conversation, with its temperature."""
+    from specops.bench.chat_suite import CHAT_MODEL_CLASSES, chat_model_conversations, prompt_class
+
+    return [(ChatPrompt(tuple(messages), prompt_class(kind)), temperature)
+            for name in CHAT_MODEL_CLASSES for messages, kind, temperature in chat_model_conversations(name)]
 
 
 @functools.lru_cache(maxsize=8)
@@ -21,11 +61,15 @@ def _suite_pools(seed: int) -> dict[str, list[tuple[str, float]]]:
             "hot": [(p.text, HOT_TEMPERATURE) for p in builtin_suite("code", seed=seed + 1)]}
 
 
-def build_prompts(cfg: ServeBenchConfig, count: int) -> list[tuple[str, float]]:
-    """``count`` (prompt, temperature) pairs drawn from the mix (the same list for every mode)."""
+def build_prompts(cfg: ServeBenchConfig, count: int) -> list[tuple[Prompt, float]]:
+    """``count`` (prompt, temperature) pairs drawn from the mix, or with ``--suite chat`` from the
+    chat-model suite's prompts (the same list for every mode)."""
     from specops.bench.suites import load_prompts_file
 
     rng = random.Random(cfg.seed)
+    if cfg.suite == CHAT_SUITE:
+        chat = _chat_pool()
+        return [rng.choice(chat) for _ in range(count)]
     if cfg.prompts_file:
         pool = [(p.text, p.temperature) for p in load_prompts_file(cfg.prompts_file)]
         return [pool[i % len(pool)] for i in range(count)]
@@ -56,31 +100,41 @@ class PromptTags:
     def tag(self, serial: int) -> str:
         return f"#{serial}-{self.run}\n"
 
-    def fresh(self, prompts: list[tuple[str, float]]) -> list[tuple[str, float]]:
+    def fresh(self, prompts: list[tuple[Prompt, float]]) -> list[tuple[Prompt, float]]:
         """``prompts`` as the next batch sends them: behind a tag no batch had before (as they are when warm)."""
         if self.warm:
             return list(prompts)
         self.serial += 1
-        tag = self.tag(self.serial)
-        return [(tag + text, temperature) for text, temperature in prompts]
+        return self._tagged(prompts, self.tag(self.serial))
 
-    def example(self, prompts: list[tuple[str, float]]) -> list[tuple[str, float]]:
+    def example(self, prompts: list[tuple[Prompt, float]]) -> list[tuple[Prompt, float]]:
         """``prompts`` as a batch would send them, without using up a tag (to classify them)."""
-        return list(prompts) if self.warm else [(self.tag(0) + text, t) for text, t in prompts]
+        return list(prompts) if self.warm else self._tagged(prompts, self.tag(0))
+
+    @staticmethod
+    def _tagged(prompts: list[tuple[Prompt, float]], tag: str) -> list[tuple[Prompt, float]]:
+        # a conversation carries the tag in its first message (the model's own system prompt, where its
+        # template adds one, stays the same for every request, as a deployment's does)
+        return [(p.tagged(tag) if isinstance(p, ChatPrompt) else tag + p, t) for p, t in prompts]
 
 
 def mix_classes(policy: Any, cfg: ServeBenchConfig, counts: dict[int, int],
                 tags: PromptTags | None = None) -> dict[str, dict[str, int]]:
     """How each concurrency's cell of prompts splits into ``policy``'s classes, per class in policy
-    order (as `specops policy classify` counts them: the requests carry no labels or turn, and
-    length rules see the prompt's characters / ``CHARS_PER_TOKEN``), the prompts as ``tags``
-    sends them (default: as drawn)."""
+    order (as `specops policy classify` counts them: completion text carries no labels or turn, a
+    conversation its ``task`` label, its turn and its last user message; length rules see the text's
+    characters / ``CHARS_PER_TOKEN``), the prompts as ``tags`` sends them (default: as drawn)."""
     from specops.policies.cli_classify import Sample, classify
+
+    def sample(prompt: Prompt, temperature: float) -> Sample:
+        if isinstance(prompt, ChatPrompt):  # as the server reads a chat request: its last user message
+            return Sample(prompt.user_text, temperature, {"task": prompt.task}, turn=prompt.turn)
+        return Sample(prompt, temperature, {})
 
     tags = tags or PromptTags(warm=True)
     out: dict[str, dict[str, int]] = {}
     for c, n in counts.items():
-        names = [classify(policy, Sample(text, temperature, {})).request_class
-                 for text, temperature in tags.example(build_prompts(cfg, n))]
+        names = [classify(policy, sample(prompt, temperature)).request_class
+                 for prompt, temperature in tags.example(build_prompts(cfg, n))]
         out[str(c)] = {rc.name: names.count(rc.name) for rc in policy.classes}
     return out

@@ -40,6 +40,8 @@ def format_table(report: dict[str, Any]) -> str:
     elif prompts == "warm":
         lines.insert(0, "prompts: warm (--warm-prefix: every repeat and the settle traffic replay the cell's "
                         "prompts, so TTFT and tok/s are of a warm prefix cache)")
+    if report.get("config", {}).get("suite") == "chat":
+        lines.insert(0, "suite: chat (the chat-model suites' conversations to /v1/chat/completions, labelled by class)")
     model, target = report.get("model"), report.get("model_target")
     if target:
         lines.insert(len(lines) - 2, f"model: {model} (--model {target['name']}, served alone; "
