@@ -22,8 +22,9 @@ CHAT = ServeBenchConfig(suite="chat")
 def test_a_chat_prompt_knows_its_turn_and_last_user_message_and_carries_a_tag_in_its_first_message():
     p = ChatPrompt((("user", "Hi"), ("assistant", "Hello!"), ("user", "Tell me more.")), "chat")
     assert p.turn == 2 and p.user_text == "Tell me more."
-    tagged = p.tagged("#3-abc\n")
-    assert tagged.messages == (("user", "#3-abc\nHi"), ("assistant", "Hello!"), ("user", "Tell me more."))
+    tag = PromptTags(warm=False, run="abc").tag(3)
+    tagged = p.tagged(tag)
+    assert tagged.messages == (("user", tag + "Hi"), ("assistant", "Hello!"), ("user", "Tell me more."))
     assert tagged.task == "chat" and tagged.turn == 2 and tagged.user_text == "Tell me more."
 
 
@@ -47,7 +48,7 @@ def test_fresh_tags_change_only_the_first_message_and_warm_prompts_go_as_drawn()
     one, two = fresh.fresh(prompts), fresh.fresh(prompts)
     for (p, t), (a, ta), (b, tb) in zip(prompts, one, two):
         assert t == ta == tb and a.task == b.task == p.task
-        assert a.messages[0][1] == "#1-r1\n" + p.messages[0][1] and b.messages[0][1] == "#2-r1\n" + p.messages[0][1]
+        assert a.messages[0][1] == fresh.tag(1) + p.messages[0][1] and b.messages[0][1] == fresh.tag(2) + p.messages[0][1]
         assert a.messages[1:] == b.messages[1:] == p.messages[1:]
     assert PromptTags(warm=True).fresh(prompts) == prompts
 
