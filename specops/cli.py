@@ -9,6 +9,8 @@ as environment variables with the ``SPECOPS_`` prefix (``SPECOPS_REDIS`` for
 from __future__ import annotations
 
 import importlib
+import signal
+import threading
 
 import click
 
@@ -122,6 +124,24 @@ def _unavailable(name: str, reason: str) -> click.Command:
 @click.version_option(package_name="specops")
 def main() -> None:
     """specops: fast and safe speculative decoding."""
+    _exit_on_sigterm()
+
+
+def _exit_on_sigterm() -> None:
+    """Make SIGTERM unwind like Ctrl-C: a command stopped by its supervisor (``kill``, a container
+    runtime, a CI timeout) runs its ``finally`` blocks, so the servers, controllers and Redis it
+    started are stopped by their PIDs instead of outliving it. Exits 143 (128 + SIGTERM), as the
+    signal's default action reports to a shell. Commands that serve until a signal install their
+    own handler while they serve (`specops.webstack.serve_until_signal`, the controller)."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # signals can only be handled in the main thread (a test runner calling main())
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return  # an embedding program's own handler stays
+
+    def leave(signum: int, frame) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, leave)
 
 
 if __name__ == "__main__":  # pragma: no cover
