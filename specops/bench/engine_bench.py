@@ -34,6 +34,13 @@ each method on its own engine; the method ``auto`` chooses per request and per s
 
 Each line gives the median tokens/s and its ratio to ``ar``; with repeats, the median of the
 per-repeat paired ratios and their range follow.
+
+``--library``: each method also decodes the same prompts through `Decoder.generate` (the library's
+step, `specops.spec.step`, one request at a time), interleaved with the engine's runs; a line per
+method gives the engine's tokens/s against the library's (code suite only):
+
+    python -m specops.bench.engine_bench --concurrency 1 --methods ar,draft,ngram,medusa --library \
+        --requests 16 --repeats 3 --threads 2
 """
 
 from __future__ import annotations
@@ -150,6 +157,19 @@ def run(eng: Engine, method: str, prompt_ids: list[list[int]], concurrency: int,
     return time.perf_counter() - t0, tokens, time.process_time() - c0
 
 
+def run_library(dec, method: str, prompt_ids: list[list[int]], max_tokens: int) -> tuple[float, int]:
+    """Wall seconds and output tokens of ``Decoder.generate`` over the prompts, one after another,
+    greedy with no EOS stop (as the engine's runs), at the method's settings (`METHOD_SETTINGS`:
+    ``gamma`` where the method takes one; Medusa's own default tree)."""
+    spec = METHOD_SETTINGS[method]
+    options = {"gamma": spec.gamma} if method in ("draft", "ngram", "eagle", "auto") else {}
+    tokens = 0
+    t0 = time.perf_counter()
+    for ids in prompt_ids:
+        tokens += len(dec.generate(ids, method=method, max_new_tokens=max_tokens, **options).tokens)
+    return time.perf_counter() - t0, tokens
+
+
 def forward_split(records: list) -> str:
     """Where the target forwards' wall time went, over finished requests' `DecodeStats`: each
     step's forward time is shared among its sequences by the tokens each fed, so a prompt that
@@ -227,6 +247,8 @@ def main() -> None:
                     help="code: the bundled code prompts, greedy; chat: the chat-model mixed suite in the model's "
                          "chat template (conversation turns, code, factual, creative sampled), each method on its "
                          "own engine")
+    ap.add_argument("--library", action="store_true",
+                    help="also decode the same prompts with Decoder.generate, one at a time, and compare")
     ap.add_argument("--kv-cache-mb", default="64", type=_budget,
                     help="each engine's KV budget in MB, or 'auto': a server's default (`auto_kv_cache_mb`: "
                          "max batch x full context, twice over, which keeps a run's prompts in the prefix "
@@ -237,6 +259,8 @@ def main() -> None:
     methods = args.methods.split(",")
     if args.mix and args.suite != "code":
         ap.error("--mix sends bench serve's prompt mix; it takes no --suite")
+    if args.library and (args.mix or args.suite != "code" or args.profile):
+        ap.error("--library compares on the code suite's greedy prompts: not with --mix, --suite chat or --profile")
     unknown = [m for m in methods if m not in METHOD_SETTINGS and not (args.mix and m == "policy")]
     if unknown:
         ap.error(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(METHOD_SETTINGS)}"
@@ -290,6 +314,10 @@ def main() -> None:
         rates: dict[str, list[float]] = {m: [] for m in methods}
         cpu_rates: dict[str, list[float]] = {m: [] for m in methods}
         records: dict[str, list] = {m: [] for m in methods}
+        library: dict[str, list[float]] = {m: [] for m in methods}
+        if args.library:
+            for m in methods:
+                run_library(dec, m, ps[:1], 8)  # warm-up
         for r in range(args.repeats):
             for m in (methods if r % 2 == 0 else methods[::-1]):  # alternated: the host drifts over minutes
                 RECORDS.clear()
@@ -297,6 +325,9 @@ def main() -> None:
                 rates[m].append(toks / sec)
                 cpu_rates[m].append(toks / cpu)
                 records[m].extend(RECORDS)
+                if args.library:
+                    sec, toks = run_library(dec, m, ps, args.max_tokens)
+                    library[m].append(toks / sec)
         ar = statistics.median(rates["ar"]) if "ar" in rates else None
         ar_cpu = statistics.median(cpu_rates["ar"]) if "ar" in rates else None
         for m in methods:
@@ -306,6 +337,9 @@ def main() -> None:
             pair = f" {paired(rates[m], rates['ar'])}" if ar and m != "ar" else ""
             print(f"c={c:3d} {m:7s} wall {med:7.1f} tok/s {ratio:6s} cpu {cmed:7.1f} tok/cpu-s {cratio:6s} "
                   f"wall runs={[round(r, 1) for r in rates[m]]}{pair}")
+        for m in methods if args.library else ():
+            print(f"c={c:3d} {m:7s} library {statistics.median(library[m]):7.1f} tok/s (Decoder.generate, one at "
+                  f"a time); engine / library {paired(rates[m], library[m])}")
         for m in methods:
             print(f"c={c:3d} {m:7s} {forward_split(records[m])}")
             if m != "ar":

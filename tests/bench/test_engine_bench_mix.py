@@ -1,4 +1,4 @@
-"""`python -m specops.bench.engine_bench --mix`: bench serve's mix, the `policy` method per request class."""
+"""`python -m specops.bench.engine_bench`: the mix and chat suites, the `policy` method, the library comparison."""
 
 from __future__ import annotations
 
@@ -136,3 +136,28 @@ def test_auto_budgets_of_several_engines_share_what_one_servers_default_may_take
     assert engine_bench.shared_auto_budget(tight, 5) == pytest.approx(KV_MEMORY_FRACTION * 10_000.0 / 5)
     unknown = KVBudget(mb=300.0, want_mb=300.0, available_mb=None, explicit=False)
     assert engine_bench.shared_auto_budget(unknown, 3) == 300.0
+
+
+def test_library_runs_decode_the_same_prompts_with_decoder_generate(bundled):
+    ids = engine_bench.prompts(bundled, 2)
+    for method in ("ar", "ngram"):
+        seconds, tokens = engine_bench.run_library(bundled, method, ids, 5)
+        assert tokens == 2 * 5 and seconds > 0
+
+
+def test_a_library_comparison_prints_the_engine_against_decoder_generate(monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["engine_bench", "--concurrency", "1", "--methods", "ar,ngram", "--library",
+                                     "--repeats", "1", "--requests", "4", "--max-tokens", "4"])
+    engine_bench.main()
+    out = capsys.readouterr().out
+    for method in ("ar", "ngram"):
+        assert f"c=  1 {method:7s} library " in out and "engine / library paired" in out
+
+
+def test_library_compares_on_the_code_suite_only(monkeypatch, capsys):
+    for extra in (["--mix"], ["--suite", "chat"], ["--profile"]):
+        monkeypatch.setattr("sys.argv", ["engine_bench", "--concurrency", "1", "--methods", "ar", "--library", *extra])
+        with pytest.raises(SystemExit):
+            engine_bench.main()
+        err = capsys.readouterr().err
+        assert "--library compares on the code suite" in err and "Traceback" not in err
