@@ -133,7 +133,9 @@ def test_nothing_is_stored_from_an_invalid_policy(redis_client, redis_url, tmp_p
     runner = CliRunner()
     ran = {"valid": 0, "invalid": 0}
 
-    @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    # derandomized: the same 80 mutations every run, so the count of each branch below is fixed
+    @settings(max_examples=80, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(mutations)
     def one(mutation):
         path, value = mutation
