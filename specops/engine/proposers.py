@@ -102,18 +102,19 @@ def draft_blocks(backend, seqs: list[Sequence], gammas: list[int],
             for j, (i, toks) in enumerate(zip(active, tokens)):
                 out[i] = (toks, None if seqs[i].sampling.greedy else q[j, : want[j]])
             return out
-    timing = {"t0": 0.0, "b": 0, "fed": 0}
+    t0, width, fed_tokens = 0.0, 0, 0  # the round under way: its start, sequences and tokens fed
 
     def forward(active: list[int], fed: list[int] | None) -> list[Tensor]:
-        timing["t0"] = clock()  # a round: its items, the forward, then its draws (`after_round`)
+        nonlocal t0, width, fed_tokens
+        t0 = clock()  # a round: its items, the forward, then its draws (`after_round`)
         feed = ([items[i] for i in active] if fed is None else
                 [FeedItem(kv=seqs[i].draft, tokens=[tok], rows=[0]) for i, tok in zip(active, fed)])
-        timing.update(b=len(feed), fed=sum(len(it.tokens) for it in feed))
+        width, fed_tokens = len(feed), sum(len(it.tokens) for it in feed)
         return [out.logits for out in backend.forward(feed)]  # [1, V] each
 
     def after_round() -> None:
         if observe is not None:
-            observe(timing["b"], timing["fed"], clock() - timing["t0"])
+            observe(width, fed_tokens, clock() - t0)
 
     return draft_rounds(forward, gammas, [s.sampling for s in seqs], [s.generator for s in seqs], after_round)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from specops.bench.serve import orchestrate
-from specops.bench.serve.config import (BATCHED_CELL_REQUESTS, CHAT_SUITE, MIN_CELL_REQUESTS, MIX_SUITE, MODES,
+from specops.bench.serve.config import (BATCHED_CELL_REQUESTS, CHAT_SUITE, DEFAULT_MIX, MIN_CELL_REQUESTS, MIX_SUITE, MODES,
                                         REQUESTS_PER_SLOT, SUITES, TWIN, BenchServeError, ServeBenchConfig, parse_mix,
                                         parse_slo)
 from specops.bench.serve.plot import plot_report
@@ -39,7 +39,7 @@ from specops.bench.serve.table import emit_report, format_table
                    "file); chat: the chat-model suites' conversations (multi-turn chat, code, factual Q&A, creative "
                    "at temperature 0.8) as /v1/chat/completions messages, each labelled task=<its class> (the "
                    "server renders them with its model's chat template).")
-@click.option("--mix", default=None, help="KIND:WEIGHT,... of code, prose, hot  [default: code:0.5,prose:0.3,hot:0.2]")
+@click.option("--mix", default=None, help=f"KIND:WEIGHT,... of code, prose, hot  [default: {DEFAULT_MIX}]")
 @click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="JSONL with 'prompt' (and 'temperature') or one prompt per line; replaces --mix.")
 @click.option("--slo", default=None, help="Goodput SLO, e.g. ttft:500,tpot:50 (milliseconds).")
@@ -88,7 +88,7 @@ def bench_serve_command(base_url, model, redis_url, namespace, modes, concurrenc
         ttft, tpot = parse_slo(slo) if slo else (None, None)
         if suite == CHAT_SUITE and (mix is not None or prompts_file):
             raise ValueError("--suite chat sends the chat-model suites' conversations: it takes no --mix or --prompts")
-        mix_weights = parse_mix(mix if mix is not None else "code:0.5,prose:0.3,hot:0.2")
+        mix_weights = parse_mix(mix if mix is not None else DEFAULT_MIX)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
     api_key = os.environ.get(api_key_env, "").strip() if api_key_env else None

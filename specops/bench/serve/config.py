@@ -32,6 +32,8 @@ def cell_requests(concurrency: int) -> int:
 
 
 MIX_KINDS = ("code", "prose", "hot")
+DEFAULT_MIX = "code:0.5,prose:0.3,hot:0.2"
+"""``--mix``'s default weights (`parse_mix`)."""
 MIX_SUITE = "mix"
 CHAT_SUITE = "chat"
 SUITES = (MIX_SUITE, CHAT_SUITE)
@@ -55,7 +57,7 @@ class ServeBenchConfig:
     num_prompts: int | None = None          # per cell; None: `cell_requests`
     request_rate: float = math.inf
     max_tokens: int = 64
-    mix: dict[str, float] = field(default_factory=lambda: {"code": 0.5, "prose": 0.3, "hot": 0.2})
+    mix: dict[str, float] = field(default_factory=lambda: parse_mix(DEFAULT_MIX))
     prompts_file: str | None = None
     suite: str = MIX_SUITE                  # SUITES
     slo_ttft_s: float | None = None

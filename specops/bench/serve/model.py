@@ -124,11 +124,11 @@ def prepare_lone_target(ref: str, user_args: list[str], workdir: Path, progress:
     path.write_text(yaml_text)
     uses = sorted(set(methods.values()), key=[NGRAM, EAGLE, "auto", "off"].index)
     listing = ", ".join(f"{c} {m}" for c, m in methods.items())
-    if EAGLE in methods.values():
+    if EAGLE in methods.values() and "auto" in methods.values():
+        why = f"EAGLE drafter {drafter}: eagle for the classes on it, auto to pick between ngram and eagle"
+    elif EAGLE in methods.values():
         why = (f"EAGLE drafter {drafter}: eagle for the sampled classes and those {Path(base).name} gives Medusa "
                "heads, where n-gram has little to copy; ngram for greedy code and prose")
-        if "auto" in methods.values():
-            why = f"EAGLE drafter {drafter}: eagle for the classes on it, auto to pick between ngram and eagle"
     elif drafter is not None and "auto" in methods.values():
         why = f"EAGLE drafter {drafter} loaded for auto to pick between ngram and eagle"
     elif drafter is not None:

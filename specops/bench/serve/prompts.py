@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from specops.bench.serve.config import CHAT_SUITE, MIX_KINDS, ServeBenchConfig
+from specops.policies.turns import turn_from_messages
 
 
 @dataclass(frozen=True)
@@ -24,8 +25,8 @@ class ChatPrompt:
 
     @property
     def turn(self) -> int:
-        """The conversation's turn: 1 + the assistant messages in it (as the server counts it)."""
-        return 1 + sum(1 for role, _ in self.messages if role == "assistant")
+        """The conversation's turn, as the server counts it (`turn_from_messages`)."""
+        return turn_from_messages({"role": role} for role, _ in self.messages)
 
     @property
     def user_text(self) -> str:
